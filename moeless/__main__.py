@@ -1,0 +1,5 @@
+import sys
+
+from moeless.cli import main
+
+sys.exit(main())

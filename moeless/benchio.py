@@ -1,0 +1,33 @@
+"""Shared plumbing of `moeless bench X`: the common flags and writing results as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", metavar="DIR", help="write results as JSON (and plots) into DIR")
+    parser.add_argument("--quick", action="store_true", help="a small run that finishes in under a minute")
+
+
+def write_result(out: str | None, name: str, result: dict[str, Any]) -> Path | None:
+    """Write result (plus machine facts) to DIR/<name>.json when --out was given; return the path."""
+    if not out:
+        return None
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    doc = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": platform.platform(), **result}
+    target = path / f"{name}.json"
+    target.write_text(json.dumps(doc, indent=1, default=_jsonable))
+    return target
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

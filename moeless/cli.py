@@ -1,0 +1,45 @@
+"""The `moeless` command line. Each component registers its own subcommands and benchmarks.
+
+Heavy imports (torch, ray) happen inside the commands, so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules with `register(commands, benches)`: they add subcommands to `moeless` and to `moeless bench`.
+COMMAND_MODULES = (
+    "moeless.model.cli",
+    "moeless.predictor.cli",
+    "moeless.controller.cli",
+    "moeless.expert_fn.cli",
+    "moeless.serving.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moeless",
+        description="Serverless experts for Mixture-of-Experts LLM serving.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks: each prints its figures against a baseline measured in the same run",
+        description="Benchmarks. Each takes --out DIR (JSON there) and --quick (under a minute).",
+    )
+    benches = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(commands, benches)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
