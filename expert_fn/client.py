@@ -1,0 +1,116 @@
+"""Client of one expert host: what the serving path calls.
+
+    client = ExpertHostClient("127.0.0.1:50051", timeout_s=30)
+    client.load(layer, expert, wait=False)        # pre-warm; returns the replica's state
+    client.evict(layer, expert)                   # True if evicted now
+    out = client.invoke(layer, {expert: x, ...})  # x: [n, H] float32 -> out[expert]: [n, H]
+    client.status()                               # dict: host facts, replicas, meters
+    client.close()
+
+One invoke is one RPC for all the experts of a layer that this host serves; a replica not
+resident is loaded on demand (a cold start, counted by the host). Errors:
+- ExpertHostUnavailable: the host is dead, unreachable, draining or too slow (gRPC
+  UNAVAILABLE, DEADLINE_EXCEEDED, ...): the caller should route to another replica.
+- ReplicaLoadError: the replica's weights failed to load; the message names the file.
+- HostMemoryFull, BadRequest (also a ValueError), ExpertHostError for anything else.
+"""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from moeless.expert_fn import expert_host_pb2 as pb
+from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
+from moeless.expert_fn.codec import CLIENT_OPTIONS, tensor_from_proto, tensor_to_proto
+from moeless.expert_fn.errors import (
+    ERROR_KEY,
+    ERRORS_BY_KIND,
+    ExpertHostError,
+    ExpertHostUnavailable,
+    ReplicaLoadError,  # noqa: F401 (re-exported: callers catch it from here)
+)
+
+# Codes that mean "this host cannot answer", whatever the call was.
+UNAVAILABLE_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+def _translate(err: grpc.RpcError, address: str) -> ExpertHostError:
+    """The moeless error for a failed call (the host's kind when it sent one)."""
+    kind = dict(err.trailing_metadata() or ()).get(ERROR_KEY)
+    if kind in ERRORS_BY_KIND:
+        return ERRORS_BY_KIND[kind](err.details())
+    if err.code() in UNAVAILABLE_CODES:
+        return ExpertHostUnavailable(f"expert host {address}: {err.code().name}: {err.details()}")
+    return ExpertHostError(f"expert host {address}: {err.code().name}: {err.details()}")
+
+
+def _fields(message) -> dict:
+    """A flat message's fields as a dict of Python scalars."""
+    return {field.name: getattr(message, field.name) for field in message.DESCRIPTOR.fields}
+
+
+class ExpertHostClient:
+    """A channel to the expert host at `address` ("host:port"); every call has timeout_s."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._stub = pb_grpc.ExpertHostStub(self._channel)
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise _translate(err, self.address) from None
+
+    def load(self, layer: int, expert: int, wait: bool = False) -> str:
+        """Pre-warm (layer, expert); returns its state ("loading", or "idle"/"warm" when resident).
+
+        wait=True returns once it is resident and raises ReplicaLoadError if it cannot load.
+        """
+        return self._call(self._stub.Load, pb.LoadRequest(layer=layer, expert=expert, wait=wait)).state
+
+    def evict(self, layer: int, expert: int) -> bool:
+        """Evict (layer, expert); False if it was loading, busy (evicted when done) or absent."""
+        return self._call(self._stub.Evict, pb.ReplicaRef(layer=layer, expert=expert)).evicted
+
+    def invoke(self, layer: int, batches: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Outputs of layer's experts on their tokens, in one RPC.
+
+        batches: expert -> x: [n, H] float32; returns expert -> [n, H] float32.
+        """
+        request = pb.InvokeRequest(
+            layer=layer, batches=[pb.ExpertBatch(expert=e, x=tensor_to_proto(x)) for e, x in batches.items()]
+        )
+        reply = self._call(self._stub.Invoke, request)
+        return {b.expert: tensor_from_proto(b.x) for b in reply.outputs}
+
+    def status(self) -> dict:
+        """{"device", "memory_bytes", "keep_alive_s", "health", "inflight", "replicas": [...],
+        "meters": {...}}; each replica: layer, expert, state, bytes, gb_s, invocations, tokens,
+        last_load_s, error."""
+        reply = self._call(self._stub.Status, pb.StatusRequest())
+        status = {name: getattr(reply, name) for name in ("device", "memory_bytes", "keep_alive_s", "health", "inflight")}
+        status["replicas"] = [_fields(r) for r in reply.replicas]
+        status["meters"] = _fields(reply.meters)
+        return status
+
+    def health(self) -> dict:
+        """{"state": "starting" | "serving" | "draining", "ready": bool}."""
+        reply = self._call(self._stub.Health, pb.HealthRequest())
+        return {"state": reply.state, "ready": reply.ready}
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ExpertHostClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

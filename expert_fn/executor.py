@@ -1,0 +1,44 @@
+"""Runs the token batches of several experts of one layer: the compute of one Invoke call.
+
+Two ways, same results: one expert after another (`sequential_forward`, the CPU default), or
+all of them as one grouped computation (`grouped_forward`: tokens padded to the largest batch,
+three batched matmuls; the default on a GPU, where one launch beats many small ones).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeless.model.experts import activation, expert_forward
+
+Weights = dict[str, torch.Tensor]  # {"gate": [F, H], "up": [F, H], "down": [H, F]}
+
+
+def sequential_forward(weights: list[Weights], xs: list[torch.Tensor], act: str) -> list[torch.Tensor]:
+    """[expert_forward(w, x)] for each pair. weights[i] as above; xs[i]: [n_i, H] -> [n_i, H]."""
+    return [expert_forward(w, x, act) for w, x in zip(weights, xs)]
+
+
+def grouped_forward(weights: list[Weights], xs: list[torch.Tensor], act: str) -> list[torch.Tensor]:
+    """Same as sequential_forward, as one padded batched computation over the R experts.
+
+    Steps: 1. stack weights to [R, F, H] / [R, H, F]; 2. pad tokens to X: [R, n_max, H];
+    3. down(act(X gate^T) * X up^T) with bmm; 4. cut each expert's rows back out.
+    """
+    if not xs:
+        return []
+    sizes = [x.shape[0] for x in xs]
+    gate = torch.stack([w["gate"] for w in weights])
+    up = torch.stack([w["up"] for w in weights])
+    down = torch.stack([w["down"] for w in weights])
+    padded = xs[0].new_zeros(len(xs), max(sizes), xs[0].shape[1])
+    for i, x in enumerate(xs):
+        padded[i, : sizes[i]] = x
+    hidden = activation(act)(torch.bmm(padded, gate.transpose(1, 2))) * torch.bmm(padded, up.transpose(1, 2))
+    out = torch.bmm(hidden, down.transpose(1, 2))
+    return [out[i, :n] for i, n in enumerate(sizes)]
+
+
+def forward_for(device: str):
+    """The forward used on `device`: grouped on CUDA, sequential elsewhere."""
+    return grouped_forward if device.startswith("cuda") else sequential_forward

@@ -1,0 +1,36 @@
+"""Regenerate expert_host_pb2.py and expert_host_pb2_grpc.py from expert_host.proto.
+
+The generated modules are committed; run `python -m moeless.expert_fn.gen_proto` after editing
+the .proto. The proto is compiled from a temporary `moeless/expert_fn/` tree so that the
+generated gRPC module imports its messages as `moeless.expert_fn.expert_host_pb2`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROTO = "expert_host.proto"
+GENERATED = ("expert_host_pb2.py", "expert_host_pb2_grpc.py")
+
+
+def generate(out_dir: Path) -> list[Path]:
+    """Compile expert_host.proto into out_dir; returns the generated files."""
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory() as tmp:
+        package = Path(tmp, "moeless", "expert_fn")
+        package.mkdir(parents=True)
+        shutil.copy(HERE / PROTO, package / PROTO)
+        args = ["protoc", f"-I{tmp}", f"--python_out={tmp}", f"--grpc_python_out={tmp}", f"moeless/expert_fn/{PROTO}"]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed on {HERE / PROTO}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return [Path(shutil.copy(package / name, out_dir / name)) for name in GENERATED]
+
+
+if __name__ == "__main__":
+    for path in generate(HERE):
+        print(f"wrote {path}")

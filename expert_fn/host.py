@@ -1,0 +1,98 @@
+"""One expert host process: `python -m moeless.expert_fn.host --store DIR --port N ...`
+(the same as `moeless expert-host`).
+
+It serves the ExpertHost gRPC API on --bind:--port (0 picks a free port) and, with
+--metrics-port, /metrics, /healthz and /readyz over HTTP. Once listening it prints one JSON line
+to stdout, {"event": "ready", "port": ..., "metrics_port": ...}, which the launcher waits for.
+SIGTERM (or SIGINT) drains gracefully: readiness turns false, new calls are refused, calls in
+flight finish (up to --drain-s), then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger("moeless.expert_fn.host")
+
+
+def add_host_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", required=True, metavar="DIR", help="weight-store directory (from `moeless model export`)")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (default 0: pick a free one and print it)")
+    parser.add_argument("--bind", default="127.0.0.1", metavar="ADDR", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--keep-alive-s", type=float, default=60.0, metavar="S", help="seconds an idle replica stays warm (default 60)")
+    parser.add_argument("--memory-gb", type=float, metavar="G", help="replica memory (GB = 1e9 bytes); default: 90%% of the GPU's free memory, or 4 on a CPU")
+    parser.add_argument("--metrics-port", type=int, metavar="P", help="serve /metrics, /healthz, /readyz over HTTP on this port (0: pick one)")
+    parser.add_argument("--gpu", type=int, default=0, metavar="I", help="NVML index of the GPU to use where there is one (default 0)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for expert compute (default 1)")
+    parser.add_argument("--drain-s", type=float, default=30.0, metavar="S", help="on SIGTERM, wait this long for calls in flight (default 30)")
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run one host until SIGTERM/SIGINT; returns the exit status."""
+    import grpc
+    import torch
+
+    from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
+    from moeless.expert_fn.codec import CHANNEL_OPTIONS
+    from moeless.expert_fn.gpu import detect_device
+    from moeless.expert_fn.http_endpoints import start_http_endpoints
+    from moeless.expert_fn.runtime import ExpertHostRuntime
+    from moeless.expert_fn.servicer import ExpertHostServicer
+    from moeless.model.weight_store import WeightStore, WeightStoreError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.threads)
+    # 1. Store, device, runtime.
+    try:
+        store = WeightStore.open(args.store)
+    except WeightStoreError as err:
+        print(f"expert-host: {err}", file=sys.stderr)
+        return 2
+    memory = int(args.memory_gb * 1e9) if args.memory_gb else None
+    device, capacity = detect_device(args.gpu, memory)
+    runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s)
+    # 2. gRPC server and HTTP endpoints.
+    server = grpc.server(ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"), options=CHANNEL_OPTIONS)
+    pb_grpc.add_ExpertHostServicer_to_server(ExpertHostServicer(runtime), server)
+    port = server.add_insecure_port(f"{args.bind}:{args.port}")
+    if port == 0:
+        print(f"expert-host: cannot listen on {args.bind}:{args.port} (in use?); pick another --port", file=sys.stderr)
+        return 2
+    http = start_http_endpoints(runtime, args.metrics_port, args.bind) if args.metrics_port is not None else None
+    server.start()
+    runtime.health = "serving"
+    # 3. Announce, then wait for a stop signal (handlers run on this, the main, thread).
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    ready = {"event": "ready", "port": port, "metrics_port": http.server_port if http else None, "device": device.torch_device}
+    print(json.dumps(ready), flush=True)
+    log.info("serving %s on %s:%d (%s, %.2f GB for replicas, keep-alive %.1f s)",
+             args.store, args.bind, port, device.name, capacity / 1e9, args.keep_alive_s)
+    while not stop.wait(1.0):
+        pass
+    # 4. Drain: refuse new calls, let those in flight finish.
+    runtime.health = "draining"
+    log.info("draining (up to %.1f s)", args.drain_s)
+    server.stop(grace=args.drain_s).wait()
+    runtime.close()
+    if http:
+        http.shutdown()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moeless.expert_fn.host", description=__doc__.split("\n\n")[0])
+    add_host_arguments(parser)
+    return serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Start expert hosts as local processes on loopback (tests, benchmarks, the embedded default).
+
+    with launch_local_hosts(2, store_dir, keep_alive_s=30) as group:
+        clients = [ExpertHostClient(a) for a in group.addresses]
+        group.kill(1)      # SIGKILL: a crashed host (its clients get ExpertHostUnavailable)
+        group.restart(1)   # a fresh process on the same address, cold
+    # leaving the block sends SIGTERM: hosts drain and exit 0
+
+Each host is `python -m moeless.expert_fn.host` on a free port; the group waits for its ready
+line. Host logs go to a file per host (`group.log_paths`), shown when a host fails to start.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class HostStartError(RuntimeError):
+    """An expert host process exited or stayed silent before it was ready."""
+
+
+@dataclass
+class _Host:
+    process: subprocess.Popen
+    port: int
+    metrics_port: int | None
+
+
+class LocalHostGroup:
+    """Expert host processes started by launch_local_hosts (index i = the i-th host)."""
+
+    def __init__(self, host_args: list[str], count: int, startup_timeout_s: float) -> None:
+        self._host_args = host_args
+        self._startup_timeout_s = startup_timeout_s
+        self._logs = tempfile.TemporaryDirectory(prefix="moeless-expert-hosts-")
+        self.log_paths = [Path(self._logs.name, f"host{i}.log") for i in range(count)]
+        self._hosts: list[_Host | None] = [None] * count
+        try:
+            starting = [self._spawn(i, port=0) for i in range(count)]  # all start at once
+            for i, process in enumerate(starting):
+                self._hosts[i] = self._await_ready(i, process)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def addresses(self) -> list[str]:
+        """gRPC "127.0.0.1:port" of each host."""
+        return [f"127.0.0.1:{self._host(i).port}" for i in range(len(self._hosts))]
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        """http://127.0.0.1:port of each host's /metrics, /healthz, /readyz."""
+        return [f"http://127.0.0.1:{self._host(i).metrics_port}" for i in range(len(self._hosts))]
+
+    def pid(self, i: int) -> int:
+        return self._host(i).process.pid
+
+    def kill(self, i: int) -> None:
+        """SIGKILL host i (no drain) and reap it: a crash, for fault tests."""
+        process = self._host(i).process
+        process.kill()
+        process.wait()
+
+    def terminate(self, i: int, timeout_s: float = 60.0) -> int:
+        """SIGTERM host i, wait for its graceful drain, return its exit status."""
+        process = self._host(i).process
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise HostStartError(f"expert host {i} did not exit within {timeout_s} s of SIGTERM; killed it") from None
+
+    def restart(self, i: int) -> None:
+        """Stop host i if it still runs, then start a fresh (cold) one on the same port."""
+        old = self._host(i)
+        if old.process.poll() is None:
+            self.terminate(i)
+        self._hosts[i] = self._await_ready(i, self._spawn(i, port=old.port))
+
+    def close(self) -> None:
+        """SIGTERM every host still running and wait for them (SIGKILL after a minute)."""
+        for host in self._hosts:
+            if host and host.process.poll() is None:
+                host.process.send_signal(signal.SIGTERM)
+        for host in self._hosts:
+            if host:
+                try:
+                    host.process.wait(60)
+                except subprocess.TimeoutExpired:
+                    host.process.kill()
+                    host.process.wait()
+                host.process.stdout.close()
+        self._logs.cleanup()
+
+    def __enter__(self) -> "LocalHostGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _host(self, i: int) -> _Host:
+        if not 0 <= i < len(self._hosts) or self._hosts[i] is None:
+            raise IndexError(f"no expert host {i}; the group has {len(self._hosts)}")
+        return self._hosts[i]
+
+    def _spawn(self, i: int, port: int) -> subprocess.Popen:
+        command = [sys.executable, "-m", "moeless.expert_fn.host", "--port", str(port), *self._host_args]
+        with open(self.log_paths[i], "ab") as log:
+            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
+
+    def _await_ready(self, i: int, process: subprocess.Popen) -> _Host:
+        """Read process's ready line: {"event": "ready", "port", "metrics_port"}."""
+        deadline = time.monotonic() + self._startup_timeout_s
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = process.stdout.readline() if readable else b""
+            if line.startswith(b"{"):
+                ready = json.loads(line)
+                return _Host(process, int(ready["port"]), ready.get("metrics_port"))
+            if readable and not line:  # EOF: the process is gone
+                break
+        process.kill()
+        process.wait()
+        tail = self.log_paths[i].read_text(errors="replace")[-2000:]
+        raise HostStartError(f"expert host {i} did not become ready (exit status {process.returncode}); log tail:\n{tail}")
+
+
+def launch_local_hosts(
+    num_hosts: int,
+    store_dir: str | Path,
+    *,
+    keep_alive_s: float = 60.0,
+    memory_bytes: int | None = None,
+    metrics: bool = True,
+    threads: int = 1,
+    drain_s: float = 30.0,
+    startup_timeout_s: float = 60.0,
+) -> LocalHostGroup:
+    """Start num_hosts expert hosts serving store_dir on loopback and wait until all are ready.
+
+    memory_bytes: replica memory per host (default: the host's own, 4 GB on a CPU). metrics:
+    also serve /metrics, /healthz, /readyz on a free port each (group.metrics_urls).
+    """
+    if num_hosts < 1:
+        raise ValueError(f"num_hosts must be >= 1, got {num_hosts}")
+    if not Path(store_dir, "index.json").is_file():
+        raise FileNotFoundError(f"{store_dir}: no weight store (index.json); export one with `moeless model export`")
+    args = ["--store", str(store_dir), "--keep-alive-s", str(keep_alive_s), "--threads", str(threads), "--drain-s", str(drain_s)]
+    if memory_bytes is not None:
+        args += ["--memory-gb", repr(memory_bytes / 1e9)]
+    if metrics:
+        args += ["--metrics-port", "0"]
+    return LocalHostGroup(args, num_hosts, startup_timeout_s)

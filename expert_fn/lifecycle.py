@@ -1,0 +1,173 @@
+"""The replica table of one expert host: lifecycle states and memory, as pure logic on a clock.
+
+States of a replica of (layer, expert):
+
+    cold --begin_load--> loading --finish_load(ok)--> idle <--acquire/release--> warm
+      ^                     |                           |
+      +--finish_load(err)---+          evict / keep-alive expiry / room for a load
+                                                        v
+                                                     evicted --begin_load--> loading ...
+
+- warm: resident with invocations in flight; idle: resident, none in flight.
+- An idle replica stays resident for keep_alive_s after its last use, then expire() evicts it.
+- A loading replica is never evicted; a warm one is evicted only once its calls end.
+- Memory is reserved when a load begins; to make room, idle replicas go least recently used first.
+
+Not thread-safe: the runtime calls it under its lock. Time comes from the injected clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Callable
+
+from moeless.expert_fn.errors import HostMemoryFull
+from moeless.expert_fn.meters import Meters
+
+Key = tuple[int, int]  # (layer, expert)
+Clock = Callable[[], float]  # seconds, monotonic
+
+
+class ReplicaState(str, Enum):
+    COLD = "cold"
+    LOADING = "loading"
+    WARM = "warm"
+    IDLE = "idle"
+    EVICTED = "evicted"
+
+
+RESIDENT = (ReplicaState.WARM, ReplicaState.IDLE)
+
+
+@dataclass
+class Replica:
+    state: ReplicaState = ReplicaState.COLD
+    bytes: int = 0  # reserved while loading or resident
+    busy: int = 0  # invocations in flight
+    last_used: float = 0.0  # when it last became idle (load end or release)
+    load_started: float = 0.0
+    evict_when_idle: bool = False
+    error: str = ""  # last load error
+
+
+class ReplicaTable:
+    """Replica states and reserved memory of one host (capacity_bytes in all)."""
+
+    def __init__(self, capacity_bytes: int, keep_alive_s: float, clock: Clock, meters: Meters) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if keep_alive_s < 0:
+            raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
+        self.capacity_bytes = capacity_bytes
+        self.keep_alive_s = keep_alive_s
+        self._clock = clock
+        self._meters = meters
+        self._replicas: dict[Key, Replica] = {}
+
+    def state(self, key: Key) -> ReplicaState:
+        replica = self._replicas.get(key)
+        return replica.state if replica else ReplicaState.COLD
+
+    def needs_load(self, key: Key) -> bool:
+        return self.state(key) in (ReplicaState.COLD, ReplicaState.EVICTED)
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(r.bytes for r in self._replicas.values())
+
+    def replicas(self) -> dict[Key, Replica]:
+        """A copy of every replica ever seen on this host, by key."""
+        return {key: replace(r) for key, r in self._replicas.items()}
+
+    def begin_load(self, key: Key, nbytes: int) -> list[Key]:
+        """Mark key loading and reserve nbytes; returns the idle replicas evicted to make room.
+
+        Raises HostMemoryFull (nothing changed) when even evicting every idle replica leaves
+        too little room.
+        """
+        if not self.needs_load(key):
+            raise ValueError(f"replica {key} is {self.state(key).value}; only cold or evicted replicas load")
+        # 1. Pick idle victims, least recently used first, until nbytes fit.
+        free = self.capacity_bytes - self.bytes_held
+        victims: list[Key] = []
+        for victim, replica in sorted(self._idle(), key=lambda kr: kr[1].last_used):
+            if free >= nbytes:
+                break
+            victims.append(victim)
+            free += replica.bytes
+        if free < nbytes:
+            raise HostMemoryFull(
+                f"replica {key} needs {nbytes} bytes, {free} can be freed of {self.capacity_bytes}; "
+                "the rest is loading or busy: wait, evict replicas, or give the host more memory"
+            )
+        # 2. Evict them, then reserve.
+        for victim in victims:
+            self._evict_now(victim)
+        self._replicas[key] = Replica(state=ReplicaState.LOADING, bytes=nbytes, load_started=self._clock())
+        self._meters.hold(key, nbytes)
+        return victims
+
+    def finish_load(self, key: Key, error: str | None = None) -> None:
+        """End key's load: idle (resident) on success, cold with the error on failure."""
+        replica = self._expect(key, ReplicaState.LOADING)
+        now = self._clock()
+        self._meters.loaded(key, now - replica.load_started, ok=error is None)
+        if error is None:
+            replica.state, replica.last_used, replica.error = ReplicaState.IDLE, now, ""
+        else:
+            replica.state, replica.bytes, replica.error = ReplicaState.COLD, 0, error
+            self._meters.free(key)
+
+    def acquire(self, key: Key) -> None:
+        """One more invocation in flight on a resident replica."""
+        replica = self._replicas.get(key)
+        if replica is None or replica.state not in RESIDENT:
+            raise ValueError(f"replica {key} is {self.state(key).value}, not resident")
+        replica.busy += 1
+        replica.state = ReplicaState.WARM
+
+    def release(self, key: Key) -> list[Key]:
+        """One invocation ended; returns [key] if a deferred eviction happened now."""
+        replica = self._expect(key, ReplicaState.WARM)
+        replica.busy -= 1
+        if replica.busy:
+            return []
+        replica.state, replica.last_used = ReplicaState.IDLE, self._clock()
+        if replica.evict_when_idle:
+            self._evict_now(key)
+            return [key]
+        return []
+
+    def evict(self, key: Key) -> bool:
+        """Evict key now if idle (True); a warm one goes when its calls end, a loading one stays."""
+        state = self.state(key)
+        if state is ReplicaState.IDLE:
+            self._evict_now(key)
+            return True
+        if state is ReplicaState.WARM:
+            self._replicas[key].evict_when_idle = True
+        return False
+
+    def expire(self) -> list[Key]:
+        """Evict the idle replicas unused for keep_alive_s; returns their keys."""
+        now = self._clock()
+        expired = [key for key, r in self._idle() if now - r.last_used >= self.keep_alive_s]
+        for key in expired:
+            self._evict_now(key)
+        return expired
+
+    def _idle(self) -> list[tuple[Key, Replica]]:
+        return [(key, r) for key, r in self._replicas.items() if r.state is ReplicaState.IDLE]
+
+    def _evict_now(self, key: Key) -> None:
+        replica = self._replicas[key]
+        replica.state, replica.bytes, replica.evict_when_idle = ReplicaState.EVICTED, 0, False
+        self._meters.free(key)
+        self._meters.evicted(key)
+
+    def _expect(self, key: Key, state: ReplicaState) -> Replica:
+        replica = self._replicas.get(key)
+        if replica is None or replica.state is not state:
+            raise ValueError(f"replica {key} is {self.state(key).value}, expected {state.value}")
+        return replica

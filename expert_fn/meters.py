@@ -1,0 +1,110 @@
+"""Meters of one expert host: memory held over time (GB·s), loads, cold starts, invocations.
+
+GB·s integrates the bytes each replica holds, from the start of its load to its eviction
+(the `resident` billing model of DESIGN.md), with GB = 1e9 bytes. Pure bookkeeping on an
+injected clock; prometheus.py exposes it, the Status RPC reports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+Key = tuple[int, int]  # (layer, expert)
+GB = 1e9
+
+
+@dataclass
+class ReplicaMeters:
+    bytes: int = 0  # held now
+    byte_seconds: float = 0.0  # closed intervals only; see Meters.gb_s
+    held_since: float = 0.0
+    loads: int = 0
+    load_failures: int = 0
+    last_load_s: float = 0.0
+    cold_starts: int = 0
+    evictions: int = 0
+    invocations: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class HostTotals:
+    gb_s: float = 0.0
+    bytes_held: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    load_s_sum: float = 0.0
+    cold_starts: int = 0
+    evictions: int = 0
+    invocations: int = 0  # Invoke calls (one per layer per call), not per expert
+    tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Meters:
+    """Counters per replica and per host. Not thread-safe: used under the runtime's lock."""
+
+    clock: Callable[[], float]
+    replicas: dict[Key, ReplicaMeters] = field(default_factory=dict)
+    host_invocations: int = 0
+    load_s_sum: float = 0.0
+
+    def _of(self, key: Key) -> ReplicaMeters:
+        return self.replicas.setdefault(key, ReplicaMeters())
+
+    def hold(self, key: Key, nbytes: int) -> None:
+        """key starts holding nbytes (a load began)."""
+        m = self._of(key)
+        self.free(key)
+        m.bytes, m.held_since = nbytes, self.clock()
+
+    def free(self, key: Key) -> None:
+        """key stops holding memory (evicted or its load failed)."""
+        m = self._of(key)
+        if m.bytes:
+            m.byte_seconds += m.bytes * (self.clock() - m.held_since)
+            m.bytes = 0
+
+    def loaded(self, key: Key, seconds: float, ok: bool) -> None:
+        m = self._of(key)
+        m.loads += 1
+        m.load_failures += 0 if ok else 1
+        m.last_load_s = seconds
+        self.load_s_sum += seconds
+
+    def cold_start(self, key: Key) -> None:
+        """An invocation of key had to wait for a load."""
+        self._of(key).cold_starts += 1
+
+    def evicted(self, key: Key) -> None:
+        self._of(key).evictions += 1
+
+    def invoked(self, layer: int, tokens: dict[int, int]) -> None:
+        """One Invoke call on layer with tokens[expert] tokens per expert."""
+        self.host_invocations += 1
+        for expert, n in tokens.items():
+            m = self._of((layer, expert))
+            m.invocations += 1
+            m.tokens += n
+
+    def gb_s(self, key: Key) -> float:
+        """GB·s held by key so far, including the interval still open."""
+        m = self._of(key)
+        open_part = m.bytes * (self.clock() - m.held_since) if m.bytes else 0.0
+        return (m.byte_seconds + open_part) / GB
+
+    def totals(self) -> HostTotals:
+        t = HostTotals(invocations=self.host_invocations, load_s_sum=self.load_s_sum)
+        for key, m in self.replicas.items():
+            t.gb_s += self.gb_s(key)
+            t.bytes_held += m.bytes
+            t.loads += m.loads
+            t.load_failures += m.load_failures
+            t.cold_starts += m.cold_starts
+            t.evictions += m.evictions
+            t.tokens += m.tokens
+        return t

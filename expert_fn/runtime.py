@@ -1,0 +1,217 @@
+"""The expert host's engine, without the network: replicas, loads off the request path, invokes.
+
+Thread-safe: gRPC handler threads call load / evict / invoke / status concurrently. Loads run
+on a small thread pool (the weight store's memory-mapped safetensors files), so a pre-warm
+returns at once; an invoke that needs a replica still loading waits for it (a cold start).
+A sweeper thread evicts replicas idle for longer than keep_alive_s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from moeless.expert_fn.errors import BadRequest, ReplicaLoadError
+from moeless.expert_fn.executor import forward_for
+from moeless.expert_fn.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
+from moeless.expert_fn.meters import Meters
+from moeless.model.weight_store import WeightStore, WeightStoreError
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass
+class InvokeResult:
+    outputs: dict[int, torch.Tensor]  # expert -> [n, H] float32 on the CPU
+    cold_starts: int  # experts of this call that waited for a load
+    compute_s: float  # time in the forward itself (no load waits, no transfer)
+
+
+class ExpertHostRuntime:
+    """Replicas of (layer, expert) FFNs from `store`, computed on `device` in float32."""
+
+    def __init__(
+        self,
+        store: WeightStore,
+        *,
+        device: str = "cpu",
+        capacity_bytes: int,
+        keep_alive_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        load_workers: int = 2,
+    ) -> None:
+        self.store = store
+        self.device = device
+        self.keep_alive_s = keep_alive_s
+        self.health = "starting"  # "serving" once the server listens, "draining" on SIGTERM
+        self._forward = forward_for(device)
+        self._lock = threading.Lock()
+        self.meters = Meters(clock)
+        self.table = ReplicaTable(capacity_bytes, keep_alive_s, clock, self.meters)
+        self._weights: dict[Key, Weights] = {}
+        self._loads: dict[Key, Future] = {}
+        self._inflight = 0
+        self._pool = ThreadPoolExecutor(load_workers, thread_name_prefix="expert-load")
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep, name="keep-alive", daemon=True)
+        self._sweeper.start()
+
+    # --- operations -------------------------------------------------------------------------
+
+    def load(self, layer: int, expert: int, wait: bool = False) -> tuple[ReplicaState, bool]:
+        """Pre-warm (layer, expert); returns (its state, whether this call started a load).
+
+        wait=True blocks until resident and raises ReplicaLoadError if the load fails.
+        """
+        key = self._check_key(layer, expert)
+        with self._lock:
+            future, started = self._start_load(key)
+        if wait and future is not None:
+            future.result()
+        with self._lock:
+            return self.table.state(key), started
+
+    def evict(self, layer: int, expert: int) -> tuple[bool, ReplicaState]:
+        """Evict now if idle; returns (evicted, state afterwards)."""
+        key = self._check_key(layer, expert)
+        with self._lock:
+            evicted = self.table.evict(key)
+            if evicted:
+                self._weights.pop(key, None)
+            return evicted, self.table.state(key)
+
+    def invoke(self, layer: int, batches: dict[int, torch.Tensor]) -> InvokeResult:
+        """Run every expert's tokens of one layer in one go.
+
+        batches: expert -> [n, H] float32; outputs: expert -> [n, H] float32 on the CPU.
+        Raises ReplicaLoadError (naming the file) if any expert fails to load.
+        """
+        keys = [self._check_key(layer, e) for e in batches]
+        for expert, x in batches.items():
+            if x.dim() != 2:
+                raise BadRequest(f"expert {expert}: tokens must be [n, H], got shape {list(x.shape)}")
+        # 1. Start every missing load at once, then pin each replica (waiting for its load).
+        with self._lock:
+            self._inflight += 1
+            for key in keys:
+                self._start_load(key)
+        pinned: list[Key] = []
+        try:
+            cold_starts = 0
+            for key in keys:
+                cold_starts += self._pin(key)
+                pinned.append(key)
+            # 2. Compute outside the lock.
+            with self._lock:
+                weights = [self._weights[key] for key in keys]
+            for (expert, x), w in zip(batches.items(), weights):
+                if x.shape[1] != w["gate"].shape[1]:
+                    raise BadRequest(f"expert {expert}: tokens must be [n, H={w['gate'].shape[1]}], got {list(x.shape)}")
+            started = time.perf_counter()
+            xs = [x.to(self.device, torch.float32) for x in batches.values()]
+            outs = self._forward(weights, xs, self.store.act)
+            result = {e: out.to("cpu", torch.float32) for e, out in zip(batches, outs)}
+            compute_s = time.perf_counter() - started
+        finally:
+            with self._lock:
+                for key in pinned:
+                    for evicted in self.table.release(key):
+                        self._weights.pop(evicted, None)
+                self._inflight -= 1
+        with self._lock:
+            self.meters.invoked(layer, {e: int(x.shape[0]) for e, x in batches.items()})
+        return InvokeResult(result, cold_starts, compute_s)
+
+    def status(self) -> dict:
+        """Host facts, every replica seen (state, bytes, GB·s, counts) and the host's totals."""
+        with self._lock:
+            replicas = []
+            for (layer, expert), r in sorted(self.table.replicas().items()):
+                m = self.meters.replicas[(layer, expert)]
+                replicas.append({
+                    "layer": layer, "expert": expert, "state": r.state.value, "bytes": r.bytes,
+                    "gb_s": self.meters.gb_s((layer, expert)), "invocations": m.invocations,
+                    "tokens": m.tokens, "last_load_s": m.last_load_s, "error": r.error,
+                })
+            return {
+                "device": self.device, "memory_bytes": self.table.capacity_bytes,
+                "keep_alive_s": self.keep_alive_s, "health": self.health, "inflight": self._inflight,
+                "replicas": replicas, "meters": self.meters.totals().as_dict(),
+            }
+
+    def close(self) -> None:
+        """Stop the sweeper and the load pool (waits for loads already running)."""
+        self._stop.set()
+        self._sweeper.join()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _start_load(self, key: Key) -> tuple[Future | None, bool]:
+        """Under the lock: the future of key's running load, starting one if it is not resident."""
+        if key in self._loads:
+            return self._loads[key], False
+        if not self.table.needs_load(key):
+            return None, False
+        for evicted in self.table.begin_load(key, self._resident_bytes(key)):
+            self._weights.pop(evicted, None)
+        future = self._pool.submit(self._load_weights, key)
+        self._loads[key] = future
+        return future, True
+
+    def _load_weights(self, key: Key) -> None:
+        """On a load thread: read, convert and place key's weights; record the outcome."""
+        weights, error = None, None
+        try:
+            raw = self.store.load(*key)
+            weights = {name: t.to(self.device, torch.float32).contiguous() for name, t in raw.items()}
+        except WeightStoreError as err:
+            error = str(err)
+        except Exception as err:  # a device or conversion failure is this replica's problem only
+            error = f"expert (layer {key[0]}, expert {key[1]}): {type(err).__name__}: {err}"
+        with self._lock:
+            self.table.finish_load(key, error)
+            if weights is not None:
+                self._weights[key] = weights
+            del self._loads[key]
+        if error is not None:
+            raise ReplicaLoadError(f"layer {key[0]} expert {key[1]} failed to load: {error}")
+
+    def _pin(self, key: Key) -> bool:
+        """Acquire key for an invocation, waiting for its load; True if it was a cold start."""
+        cold = False
+        while True:
+            with self._lock:
+                if self.table.state(key) in RESIDENT:
+                    self.table.acquire(key)
+                    if cold:
+                        self.meters.cold_start(key)
+                    return cold
+                future, _ = self._start_load(key)  # evicted again before we pinned it: reload
+            cold = True
+            future.result()
+
+    def _resident_bytes(self, key: Key) -> int:
+        """Bytes key takes once converted to float32 (the store may hold a narrower dtype)."""
+        itemsize = torch.empty(0, dtype=getattr(torch, self.store.index.get("dtype") or "float32")).element_size()
+        return self.store.expert_bytes(*key) * 4 // itemsize
+
+    def _check_key(self, layer: int, expert: int) -> Key:
+        if not (0 <= layer < self.store.num_layers and 0 <= expert < self.store.num_experts):
+            raise BadRequest(
+                f"no expert (layer {layer}, expert {expert}): the store has "
+                f"{self.store.num_layers} layers x {self.store.num_experts} experts"
+            )
+        return layer, expert
+
+    def _sweep(self) -> None:
+        period = min(max(self.keep_alive_s / 4, 0.05), 1.0)
+        while not self._stop.wait(period):
+            with self._lock:
+                for key in self.table.expire():
+                    self._weights.pop(key, None)

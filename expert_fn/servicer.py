@@ -1,0 +1,78 @@
+"""The gRPC face of an ExpertHostRuntime: decodes requests, encodes replies, maps errors.
+
+A runtime error travels as a gRPC status plus trailing metadata `moeless-error: <kind>` (see
+errors.py) so the client re-raises the same class.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from moeless.expert_fn import expert_host_pb2 as pb
+from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
+from moeless.expert_fn.codec import tensor_from_proto, tensor_to_proto
+from moeless.expert_fn.errors import ERROR_KEY, BadRequest, ExpertHostError, HostMemoryFull, ReplicaLoadError
+from moeless.expert_fn.runtime import ExpertHostRuntime
+
+log = logging.getLogger(__name__)
+
+STATUS_CODES = {
+    ReplicaLoadError: grpc.StatusCode.FAILED_PRECONDITION,
+    HostMemoryFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+def _abort(context: grpc.ServicerContext, err: ExpertHostError) -> None:
+    context.set_trailing_metadata(((ERROR_KEY, err.kind),))
+    context.abort(STATUS_CODES.get(type(err), grpc.StatusCode.INTERNAL), str(err))
+
+
+class ExpertHostServicer(pb_grpc.ExpertHostServicer):
+    def __init__(self, runtime: ExpertHostRuntime) -> None:
+        self.runtime = runtime
+
+    def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadReply:
+        try:
+            state, started = self.runtime.load(request.layer, request.expert, wait=request.wait)
+        except ExpertHostError as err:
+            _abort(context, err)
+        return pb.LoadReply(state=state.value, started=started)
+
+    def Evict(self, request: pb.ReplicaRef, context: grpc.ServicerContext) -> pb.EvictReply:
+        try:
+            evicted, state = self.runtime.evict(request.layer, request.expert)
+        except ExpertHostError as err:
+            _abort(context, err)
+        return pb.EvictReply(state=state.value, evicted=evicted)
+
+    def Invoke(self, request: pb.InvokeRequest, context: grpc.ServicerContext) -> pb.InvokeReply:
+        try:
+            batches = {b.expert: tensor_from_proto(b.x) for b in request.batches}
+            if len(batches) != len(request.batches):
+                raise BadRequest(f"layer {request.layer}: an expert appears twice in one Invoke")
+            result = self.runtime.invoke(request.layer, batches)
+        except ExpertHostError as err:
+            if isinstance(err, ReplicaLoadError):
+                log.warning("%s", err)
+            _abort(context, err)
+        return pb.InvokeReply(
+            outputs=[pb.ExpertBatch(expert=e, x=tensor_to_proto(y)) for e, y in result.outputs.items()],
+            cold_starts=result.cold_starts,
+            compute_s=result.compute_s,
+        )
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        s = self.runtime.status()
+        return pb.StatusReply(
+            device=s["device"], memory_bytes=s["memory_bytes"], keep_alive_s=s["keep_alive_s"],
+            health=s["health"], inflight=s["inflight"],
+            replicas=[pb.ReplicaStatus(**r) for r in s["replicas"]],
+            meters=pb.HostMeters(**s["meters"]),
+        )
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        health = self.runtime.health
+        return pb.HealthReply(state=health, ready=health == "serving")

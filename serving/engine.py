@@ -1,0 +1,125 @@
+"""Greedy batched generation over a MoEModel whose routed experts run through an executor.
+
+`Engine.run(requests)` serves a batch of concurrent requests as one left-padded batch (with
+position ids from the attention mask, so each row equals its unbatched forward) and yields,
+once per decoding step, a list of events for every request:
+
+    {"text": str}                                               a piece of generated text
+    {"finish": "stop"|"length", "prompt_tokens", "completion_tokens"}   the request is done
+    {"error": {"status", "message", "code"}}                    the request failed
+
+Events are plain dicts so they cross Ray process boundaries unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+from moeless.expert_fn.errors import ReplicaLoadError
+from moeless.model.interface import ExpertExecutor
+from moeless.serving.api import ApiError, GenerationRequest, check_context
+from moeless.serving.codec import Codec, TextStream, codec_for
+from moeless.serving.scatter import NoLiveHostError
+
+
+def error_event(err: Exception) -> dict:
+    """The event (and HTTP status) a failure becomes."""
+    if isinstance(err, ApiError):
+        status, message, code = err.status, err.message, err.code
+    elif isinstance(err, NoLiveHostError):
+        status, message, code = 503, f"no expert host can serve this request: {err}", "no_expert_host"
+    elif isinstance(err, ReplicaLoadError):
+        status, message, code = 500, f"an expert replica failed to load: {err}", "replica_load_failed"
+    else:
+        status, message, code = 500, f"internal error: {type(err).__name__}: {err}", None
+    return {"error": {"status": status, "message": message, "code": code}}
+
+
+class Engine:
+    """Tokenises, checks the context limit and decodes greedily; `executor` runs the experts."""
+
+    def __init__(self, model, executor: ExpertExecutor | None = None, codec: Codec | None = None):
+        self.model = model
+        self.executor = executor
+        self.codec = codec or codec_for(model)
+
+    @property
+    def context_limit(self) -> int:
+        return self.model.spec.max_positions
+
+    def encode(self, req: GenerationRequest) -> list[int]:
+        """The prompt's token ids; ApiError 400 when it does not fit the context with max_tokens."""
+        ids = self.codec.chat_prompt(req.messages) if req.is_chat else self.codec.encode(req.prompt)
+        if not ids:
+            raise ApiError(400, "the prompt encodes to no tokens; send some text", param="prompt")
+        check_context(len(ids), req.max_tokens, self.context_limit)
+        return ids
+
+    def run(self, requests: Sequence[GenerationRequest]) -> Iterator[list[list[dict]]]:
+        """Events per step for each request (see the module docstring); ends when all are done."""
+        events: list[list[dict]] = [[] for _ in requests]
+        prompts: dict[int, list[int]] = {}
+        for i, req in enumerate(requests):
+            try:
+                prompts[i] = self.encode(req)
+            except ApiError as err:
+                events[i].append(error_event(err))
+        if not prompts:
+            yield events
+            return
+        rows = sorted(prompts)
+        streams = {i: TextStream(self.codec) for i in rows}
+        try:
+            for step, tokens in enumerate(self.token_steps([prompts[i] for i in rows],
+                                                           [requests[i].max_tokens for i in rows])):
+                for i, token in zip(rows, tokens):
+                    if token is None:
+                        continue
+                    finish = self._finish(token, step + 1, requests[i].max_tokens)
+                    if finish != "stop":
+                        piece = streams[i].push(token)
+                        if piece:
+                            events[i].append({"text": piece})
+                    if finish:
+                        events[i].append({"finish": finish, "prompt_tokens": len(prompts[i]),
+                                          "completion_tokens": len(streams[i].ids)})
+                yield events
+                events = [[] for _ in requests]
+        except Exception as err:  # a failed forward fails every request of the batch
+            yield [evs + [error_event(err)] if i in prompts else evs for i, evs in enumerate(events)]
+
+    def _finish(self, token: int, generated: int, max_tokens: int) -> str | None:
+        if token == self.codec.eos_token_id:
+            return "stop"
+        return "length" if generated >= max_tokens else None
+
+    @torch.no_grad()
+    def token_steps(self, prompts: Sequence[list[int]], max_tokens: Sequence[int]) -> Iterator[list[int | None]]:
+        """Greedy decoding of a batch: per step the new token of each row, None once a row is done
+        (it produced EOS or max_tokens tokens)."""
+        # 1. Left-pad to one [B, S] batch; the mask hides the pads, positions count real tokens only.
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p):] = torch.tensor(p)
+            mask[b, width - len(p):] = 1
+        done = [False] * len(prompts)
+        step_ids, cache = ids, None
+        for step in range(max(max_tokens)):
+            # 2. One forward call per step (prefill first, then one token per row with the KV cache).
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+            out = self.model.forward(step_ids, mask, cache, use_cache=True, executor=self.executor,
+                                     position_ids=positions)
+            step_ids, cache = out.logits[:, -1].argmax(-1, keepdim=True), out.past_key_values
+            mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
+            # 3. Report each live row's token; a row ends at EOS or its own max_tokens.
+            tokens: list[int | None] = []
+            for b, token in enumerate(step_ids[:, 0].tolist()):
+                tokens.append(None if done[b] else token)
+                done[b] = done[b] or token == self.codec.eos_token_id or step + 1 >= max_tokens[b]
+            yield tokens
+            if all(done):
+                return

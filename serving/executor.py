@@ -1,0 +1,153 @@
+"""RemoteExecutor: the serverless ExpertExecutor, running each MoE layer's experts on expert hosts.
+
+Per layer: read the current placement (it may change between iterations), scatter the routed
+tokens to the hosts that hold the experts' replicas, one invocation per host, all hosts in
+parallel, then gather and combine with the gate weights (moeless.serving.scatter).
+
+Faults: an ExpertHostUnavailable marks that host dead and the layer is re-run with the dead
+hosts' replicas moved to live hosts (they load there on demand, a cold start). A dead host is
+probed again every `probe_after_s` and rejoins once it answers (after a restart). When no host
+is live the layer raises NoLiveHostError, which the HTTP ingress turns into a 503. A
+ReplicaLoadError (corrupt weights) is not a host fault: it propagates with the file's name.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from moeless.expert_fn.errors import ExpertHostUnavailable
+from moeless.model.interface import Routing
+from moeless.serving.placement_source import PlacementSource
+from moeless.serving.scatter import evacuate, gather, host_inputs, plan_scatter
+
+
+class HostClient(Protocol):
+    """What the executor needs of moeless.expert_fn.client.ExpertHostClient."""
+
+    def invoke(self, layer: int, batches: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]: ...
+
+    def status(self) -> dict: ...
+
+
+@dataclass
+class LayerTimes:
+    """Accumulated wall time of the executor's steps over all layers run (seconds).
+
+    scatter_s: planning + building host batches; invoke_s: the parallel host calls (transfer +
+    expert compute + RPC); gather_s: reassembly and weighted combine; tokens_moved: rows sent
+    to hosts (each comes back, so 2x that many vectors cross the wire).
+    """
+
+    layers: int = 0
+    scatter_s: float = 0.0
+    invoke_s: float = 0.0
+    gather_s: float = 0.0
+    tokens_moved: int = 0
+    retries: int = 0
+    per_layer: dict[int, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"layers": self.layers, "scatter_s": self.scatter_s, "invoke_s": self.invoke_s,
+                "gather_s": self.gather_s, "tokens_moved": self.tokens_moved, "retries": self.retries}
+
+
+class RemoteExecutor:
+    """ExpertExecutor over expert hosts; host i of `clients` is GPU i of the placement."""
+
+    def __init__(self, clients: Sequence[HostClient], source: PlacementSource, *, probe_after_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if len(clients) != source.placement.num_gpus:
+            raise ValueError(f"the placement spans {source.placement.num_gpus} expert hosts but "
+                             f"{len(clients)} clients were given; pass one client per host")
+        self.clients = list(clients)
+        self.source = source
+        self.probe_after_s = probe_after_s
+        self.clock = clock
+        self.times = LayerTimes()
+        self._dead: dict[int, float] = {}  # host -> when it was marked dead
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(clients)), thread_name_prefix="expert-invoke")
+
+    @property
+    def dead_hosts(self) -> set[int]:
+        with self._lock:
+            return set(self._dead)
+
+    def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x: [T, H] -> [T, H], sum_j weight[t, j] * expert(layer, idx[t, j])(x[t]), on the hosts."""
+        self._probe_dead()
+        while True:  # each failure marks one more live host dead; evacuate raises once none is left
+            try:
+                return self._run_once(layer, x, routing)
+            except _HostDown as down:
+                self._mark_dead(down.host)
+                self.times.retries += 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run_once(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        # 1. The placement of this iteration, with dead hosts' replicas moved to live ones.
+        start = time.perf_counter()
+        placement = self.source.layer(layer)
+        dead = self.dead_hosts
+        if dead:
+            placement = evacuate(placement, dead, len(self.clients))
+        # 2. Scatter: each expert's tokens split over its replicas, grouped by host.
+        plan = plan_scatter(routing.idx, placement)
+        inputs = host_inputs(plan, x.float())
+        scattered = time.perf_counter()
+        # 3. One invocation per host, all hosts in parallel.
+        futures = {h: self._pool.submit(self.clients[h].invoke, layer, batch) for h, batch in inputs.items()}
+        outputs, down = {}, None
+        for h, future in futures.items():
+            try:
+                outputs[h] = future.result()
+            except ExpertHostUnavailable:
+                down = h if down is None else down
+        if down is not None:
+            raise _HostDown(down)
+        invoked = time.perf_counter()
+        # 4. Gather and combine with the gate weights.
+        out = gather(plan, outputs, routing.weight.float(), x.shape[0]).to(x.dtype)
+        done = time.perf_counter()
+        t = self.times
+        t.layers += 1
+        t.scatter_s += scattered - start
+        t.invoke_s += invoked - scattered
+        t.gather_s += done - invoked
+        t.tokens_moved += int(routing.idx.numel())
+        t.per_layer[layer] = t.per_layer.get(layer, 0.0) + done - start
+        return out
+
+    def _mark_dead(self, host: int) -> None:
+        with self._lock:
+            self._dead[host] = self.clock()
+
+    def _probe_dead(self) -> None:
+        """Ask hosts dead for at least probe_after_s whether they are back (a restart)."""
+        now = self.clock()
+        with self._lock:
+            dead = sorted(self._dead.items())
+        for host, since in dead:
+            if now - since < self.probe_after_s:
+                continue
+            try:
+                self.clients[host].status()
+            except ExpertHostUnavailable:
+                with self._lock:
+                    self._dead[host] = now
+                continue
+            with self._lock:
+                self._dead.pop(host, None)
+
+
+class _HostDown(Exception):
+    def __init__(self, host: int):
+        self.host = host
