@@ -8,8 +8,9 @@ The rules differ in what they measure:
 - `cv_below(V)`: the paper's rule, CV of all per-replica loads <= V. In decode about half the
   experts get no token; their zero loads keep that CV high, so the budget, not balance, stops it.
 - `active_cv_below(V)`: the same CV over replicas of experts that receive tokens.
-- `straggler_within(G, slack)`: what sets a layer's time on G GPUs: the largest per-replica load
-  is at most (1 + slack) x the balanced per-GPU load (total / G). The default.
+- `straggler_within(G, slack, c)`: what sets a layer's time on G GPUs: the largest replica's work
+  is at most (1 + slack) x the least work the busiest GPU could have (total / G, counting a
+  per-call cost of c tokens when replicas on one GPU run one after another). The default.
 
 Wrappers compose on top (as in Ray Serve's autoscaling policy): `with_dead_band` keeps the
 previous counts while a looser rule still holds, so plans do not flap between iterations.
@@ -77,11 +78,22 @@ def active_cv_below(threshold: float) -> StopRule:
     return lambda s: _cv(s.replicas - s.idle, s.total, s.sumsq) <= threshold
 
 
-def straggler_within(num_gpus: int, slack: float = 0.0) -> StopRule:
-    """The largest per-replica load is within (1 + slack) of the balanced per-GPU load."""
+def straggler_within(num_gpus: int, slack: float = 0.0, call_tokens: float = 0.0) -> StopRule:
+    """The largest replica's work is within (1 + slack) of what any GPU must do with one more replica.
+
+    Work is in tokens; a call with tokens costs `call_tokens` more (the latency model's call
+    overhead / alpha). With n active replicas, one more raises the busiest GPU's least possible
+    work to max((total + c (n + 1)) / G, c ceil((n + 1) / G)); splitting further cannot beat that.
+    """
     if num_gpus <= 0:
         raise ValueError(f"straggler_within needs at least one GPU, got {num_gpus}")
-    return lambda s: s.top <= (1.0 + slack) * s.total / num_gpus
+
+    def holds(s: ReplicaStats) -> bool:
+        active = s.replicas - s.idle + 1
+        bound = max((s.total + call_tokens * active) / num_gpus, call_tokens * -(-active // num_gpus))
+        return s.top + call_tokens <= (1.0 + slack) * bound
+
+    return holds
 
 
 def greedy_scale(
@@ -114,7 +126,8 @@ def greedy_scale(
     sumsq = float((load * load).sum()) / min_replicas
     limit = max_replicas if max_replicas is not None else np.iinfo(np.int64).max
     # 2. Max-heap of per-replica loads (negated for heapq); experts at their limit leave it.
-    heap = [(-float(w) / min_replicas, e) for e, w in enumerate(load) if w > 0 and min_replicas < limit]
+    loads = load.tolist()
+    heap = [(-w / min_replicas, e) for e, w in enumerate(loads) if w > 0 and min_replicas < limit]
     heapq.heapify(heap)
     while heap and (budget is None or replicas < budget):
         top = -heap[0][0]
@@ -122,7 +135,7 @@ def greedy_scale(
             break
         # 3. Add one replica to the straggler expert and split its load evenly.
         _, e = heapq.heappop(heap)
-        w, r = float(load[e]), int(logcnt[e])
+        w, r = loads[e], int(logcnt[e])
         sumsq += w * w / (r + 1) - w * w / r
         logcnt[e] = r + 1
         replicas += 1

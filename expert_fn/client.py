@@ -4,7 +4,9 @@
     client.load(layer, expert, wait=False)        # pre-warm; returns the replica's state
     client.evict(layer, expert)                   # True if evicted now
     out = client.invoke(layer, {expert: x, ...})  # x: [n, H] float32 -> out[expert]: [n, H]
+    client.invoke_detailed(layer, {...})          # InvokeResult: outputs, cold_starts, compute_s
     client.status()                               # dict: host facts, replicas, meters
+    client.health()                               # {"state": "serving", "ready": True}
     client.close()
 
 One invoke is one RPC for all the experts of a layer that this host serves; a replica not
@@ -13,6 +15,8 @@ resident is loaded on demand (a cold start, counted by the host). Errors:
   UNAVAILABLE, DEADLINE_EXCEEDED, ...): the caller should route to another replica.
 - ReplicaLoadError: the replica's weights failed to load; the message names the file.
 - HostMemoryFull, BadRequest (also a ValueError), ExpertHostError for anything else.
+After a host restarts on the same address the client reconnects by itself within about a
+second (reconnect backoff 0.1-1 s); calls until then raise ExpertHostUnavailable.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from moeless.expert_fn import expert_host_pb2 as pb
 from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
-from moeless.expert_fn.codec import CLIENT_OPTIONS, tensor_from_proto, tensor_to_proto
+from moeless.expert_fn.codec import CLIENT_OPTIONS, InvokeResult, batches_from_proto, put_batches
 from moeless.expert_fn.errors import (
     ERROR_KEY,
     ERRORS_BY_KIND,
@@ -85,11 +89,14 @@ class ExpertHostClient:
 
         batches: expert -> x: [n, H] float32; returns expert -> [n, H] float32.
         """
-        request = pb.InvokeRequest(
-            layer=layer, batches=[pb.ExpertBatch(expert=e, x=tensor_to_proto(x)) for e, x in batches.items()]
-        )
+        return self.invoke_detailed(layer, batches).outputs
+
+    def invoke_detailed(self, layer: int, batches: dict[int, torch.Tensor]) -> InvokeResult:
+        """invoke, plus the call's cold starts and the host's compute time."""
+        request = pb.InvokeRequest(layer=layer)
+        put_batches(request.batches, batches)
         reply = self._call(self._stub.Invoke, request)
-        return {b.expert: tensor_from_proto(b.x) for b in reply.outputs}
+        return InvokeResult(batches_from_proto(reply.outputs), reply.cold_starts, reply.compute_s)
 
     def status(self) -> dict:
         """{"device", "memory_bytes", "keep_alive_s", "health", "inflight", "replicas": [...],

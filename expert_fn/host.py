@@ -22,16 +22,19 @@ log = logging.getLogger("moeless.expert_fn.host")
 
 
 def add_host_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", required=True, metavar="DIR", help="weight-store directory (from `moeless model export`)")
-    parser.add_argument("--port", type=int, default=0, help="gRPC port (default 0: pick a free one and print it)")
-    parser.add_argument("--bind", default="127.0.0.1", metavar="ADDR", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--keep-alive-s", type=float, default=60.0, metavar="S", help="seconds an idle replica stays warm (default 60)")
-    parser.add_argument("--memory-gb", type=float, metavar="G", help="replica memory (GB = 1e9 bytes); default: 90%% of the GPU's free memory, or 4 on a CPU")
-    parser.add_argument("--metrics-port", type=int, metavar="P", help="serve /metrics, /healthz, /readyz over HTTP on this port (0: pick one)")
-    parser.add_argument("--gpu", type=int, default=0, metavar="I", help="NVML index of the GPU to use where there is one (default 0)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for expert compute (default 1)")
-    parser.add_argument("--drain-s", type=float, default=30.0, metavar="S", help="on SIGTERM, wait this long for calls in flight (default 30)")
-
+    add = parser.add_argument
+    add("--store", required=True, metavar="DIR", help="weight-store directory (from `moeless model export`)")
+    add("--port", type=int, default=0, help="gRPC port (default 0: pick a free one and print it)")
+    add("--bind", default="127.0.0.1", metavar="ADDR", help="address to listen on (default 127.0.0.1)")
+    add("--keep-alive-s", type=float, default=60.0, metavar="S", help="seconds an idle replica stays warm (default 60)")
+    add("--memory-gb", type=float, metavar="G",
+        help="replica memory (GB = 1e9 bytes); default: 90%% of the GPU's free memory, or 4 on a CPU")
+    add("--metrics-port", type=int, metavar="P",
+        help="serve /metrics, /healthz, /readyz over HTTP on this port (0: pick one)")
+    add("--gpu", type=int, default=0, metavar="I", help="NVML index of the GPU to use where there is one (default 0)")
+    add("--threads", type=int, default=1, help="torch CPU threads for expert compute (default 1)")
+    add("--drain-s", type=float, default=30.0, metavar="S",
+        help="on SIGTERM, wait this long for calls in flight (default 30)")
 
 def serve(args: argparse.Namespace) -> int:
     """Run one host until SIGTERM/SIGINT; returns the exit status."""

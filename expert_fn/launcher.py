@@ -43,11 +43,15 @@ class LocalHostGroup:
         self._logs = tempfile.TemporaryDirectory(prefix="moeless-expert-hosts-")
         self.log_paths = [Path(self._logs.name, f"host{i}.log") for i in range(count)]
         self._hosts: list[_Host | None] = [None] * count
+        starting: list[subprocess.Popen] = []
         try:
-            starting = [self._spawn(i, port=0) for i in range(count)]  # all start at once
+            for i in range(count):  # all start at once, then each is awaited
+                starting.append(self._spawn(i, port=0))
             for i, process in enumerate(starting):
                 self._hosts[i] = self._await_ready(i, process)
         except BaseException:
+            for process in starting[len([h for h in self._hosts if h]):]:
+                _reap(process)
             self.close()
             raise
 
@@ -59,6 +63,8 @@ class LocalHostGroup:
     @property
     def metrics_urls(self) -> list[str]:
         """http://127.0.0.1:port of each host's /metrics, /healthz, /readyz."""
+        if any(self._host(i).metrics_port is None for i in range(len(self._hosts))):
+            raise ValueError("these hosts serve no HTTP endpoints: launch them with metrics=True")
         return [f"http://127.0.0.1:{self._host(i).metrics_port}" for i in range(len(self._hosts))]
 
     def pid(self, i: int) -> int:
@@ -66,9 +72,7 @@ class LocalHostGroup:
 
     def kill(self, i: int) -> None:
         """SIGKILL host i (no drain) and reap it: a crash, for fault tests."""
-        process = self._host(i).process
-        process.kill()
-        process.wait()
+        _reap(self._host(i).process)
 
     def terminate(self, i: int, timeout_s: float = 60.0) -> int:
         """SIGTERM host i, wait for its graceful drain, return its exit status."""
@@ -78,8 +82,7 @@ class LocalHostGroup:
         try:
             return process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            _reap(process)
             raise HostStartError(f"expert host {i} did not exit within {timeout_s} s of SIGTERM; killed it") from None
 
     def restart(self, i: int) -> None:
@@ -87,6 +90,7 @@ class LocalHostGroup:
         old = self._host(i)
         if old.process.poll() is None:
             self.terminate(i)
+        old.process.stdout.close()
         self._hosts[i] = self._await_ready(i, self._spawn(i, port=old.port))
 
     def close(self) -> None:
@@ -99,8 +103,7 @@ class LocalHostGroup:
                 try:
                     host.process.wait(60)
                 except subprocess.TimeoutExpired:
-                    host.process.kill()
-                    host.process.wait()
+                    _reap(host.process)
                 host.process.stdout.close()
         self._logs.cleanup()
 
@@ -131,10 +134,16 @@ class LocalHostGroup:
                 return _Host(process, int(ready["port"]), ready.get("metrics_port"))
             if readable and not line:  # EOF: the process is gone
                 break
-        process.kill()
-        process.wait()
+        _reap(process)
         tail = self.log_paths[i].read_text(errors="replace")[-2000:]
         raise HostStartError(f"expert host {i} did not become ready (exit status {process.returncode}); log tail:\n{tail}")
+
+
+def _reap(process: subprocess.Popen) -> None:
+    """SIGKILL process (if still running), wait for it, close our end of its stdout."""
+    process.kill()
+    process.wait()
+    process.stdout.close()
 
 
 def launch_local_hosts(

@@ -29,6 +29,8 @@ class RuntimeCollector(Collector):
             "bytes_held": (GaugeMetricFamily, "bytes the replica holds now", "bytes"),
             "invocations": (CounterMetricFamily, "Invoke calls that carried tokens for the replica", "invocations"),
             "tokens": (CounterMetricFamily, "tokens the replica computed", "tokens"),
+            "loads": (CounterMetricFamily, "loads of the replica from the weight store", "loads"),
+            "cold_starts": (CounterMetricFamily, "invocations that waited for the replica to load", "cold_starts"),
         }
         for name, (family, doc, field) in per_replica.items():
             metric = family(f"{PREFIX}_replica_{name}", doc, labels=["layer", "expert"])
@@ -51,7 +53,8 @@ class RuntimeCollector(Collector):
             yield family(f"{PREFIX}_host_{name}", doc, value=totals[field])
         yield GaugeMetricFamily(f"{PREFIX}_host_inflight", "Invoke calls running now", value=status["inflight"])
         yield GaugeMetricFamily(f"{PREFIX}_host_memory_bytes", "replica memory capacity", value=status["memory_bytes"])
-        yield GaugeMetricFamily(f"{PREFIX}_host_ready", "1 while serving, 0 starting or draining", value=status["health"] == "serving")
+        ready = status["health"] == "serving"
+        yield GaugeMetricFamily(f"{PREFIX}_host_ready", "1 while serving, 0 starting or draining", value=ready)
 
 
 def registry_for(runtime: ExpertHostRuntime) -> CollectorRegistry:

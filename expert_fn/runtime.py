@@ -8,28 +8,24 @@ A sweeper thread evicts replicas idle for longer than keep_alive_s.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from moeless.expert_fn.codec import InvokeResult
 from moeless.expert_fn.errors import BadRequest, ReplicaLoadError
 from moeless.expert_fn.executor import forward_for
 from moeless.expert_fn.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
 from moeless.expert_fn.meters import Meters
 from moeless.model.weight_store import WeightStore, WeightStoreError
 
+log = logging.getLogger(__name__)
+
 Weights = dict[str, torch.Tensor]
-
-
-@dataclass
-class InvokeResult:
-    outputs: dict[int, torch.Tensor]  # expert -> [n, H] float32 on the CPU
-    cold_starts: int  # experts of this call that waited for a load
-    compute_s: float  # time in the forward itself (no load waits, no transfer)
 
 
 class ExpertHostRuntime:
@@ -91,20 +87,25 @@ class ExpertHostRuntime:
         batches: expert -> [n, H] float32; outputs: expert -> [n, H] float32 on the CPU.
         Raises ReplicaLoadError (naming the file) if any expert fails to load.
         """
-        keys = [self._check_key(layer, e) for e in batches]
         for expert, x in batches.items():
+            self._check_key(layer, expert)
             if x.dim() != 2:
                 raise BadRequest(f"expert {expert}: tokens must be [n, H], got shape {list(x.shape)}")
+        empty = {e: x.new_zeros(x.shape, dtype=torch.float32) for e, x in batches.items() if x.shape[0] == 0}
+        batches = {e: x for e, x in batches.items() if x.shape[0] > 0}  # no tokens: no load, no compute
+        keys = [(layer, e) for e in batches]
         # 1. Start every missing load at once, then pin each replica (waiting for its load).
         with self._lock:
             self._inflight += 1
-            for key in keys:
-                self._start_load(key)
         pinned: list[Key] = []
         try:
-            cold_starts = 0
+            with self._lock:
+                cold = [key for key in keys if self.table.state(key) not in RESIDENT]
+                for key in cold:
+                    self._start_load(key)
+                    self.meters.cold_start(key)
             for key in keys:
-                cold_starts += self._pin(key)
+                self._pin(key)
                 pinned.append(key)
             # 2. Compute outside the lock.
             with self._lock:
@@ -115,7 +116,7 @@ class ExpertHostRuntime:
             started = time.perf_counter()
             xs = [x.to(self.device, torch.float32) for x in batches.values()]
             outs = self._forward(weights, xs, self.store.act)
-            result = {e: out.to("cpu", torch.float32) for e, out in zip(batches, outs)}
+            result = {e: out.to("cpu", torch.float32) for e, out in zip(batches, outs)} | empty
             compute_s = time.perf_counter() - started
         finally:
             with self._lock:
@@ -125,7 +126,7 @@ class ExpertHostRuntime:
                 self._inflight -= 1
         with self._lock:
             self.meters.invoked(layer, {e: int(x.shape[0]) for e, x in batches.items()})
-        return InvokeResult(result, cold_starts, compute_s)
+        return InvokeResult(result, len(cold), compute_s)
 
     def status(self) -> dict:
         """Host facts, every replica seen (state, bytes, GB·s, counts) and the host's totals."""
@@ -136,7 +137,8 @@ class ExpertHostRuntime:
                 replicas.append({
                     "layer": layer, "expert": expert, "state": r.state.value, "bytes": r.bytes,
                     "gb_s": self.meters.gb_s((layer, expert)), "invocations": m.invocations,
-                    "tokens": m.tokens, "last_load_s": m.last_load_s, "error": r.error,
+                    "tokens": m.tokens, "last_load_s": m.last_load_s, "error": r.error, "loads": m.loads,
+                    "cold_starts": m.cold_starts, "evictions": m.evictions,
                 })
             return {
                 "device": self.device, "memory_bytes": self.table.capacity_bytes,
@@ -180,20 +182,17 @@ class ExpertHostRuntime:
                 self._weights[key] = weights
             del self._loads[key]
         if error is not None:
+            log.warning("replica (layer %d, expert %d) failed to load: %s", key[0], key[1], error)
             raise ReplicaLoadError(f"layer {key[0]} expert {key[1]} failed to load: {error}")
 
-    def _pin(self, key: Key) -> bool:
-        """Acquire key for an invocation, waiting for its load; True if it was a cold start."""
-        cold = False
+    def _pin(self, key: Key) -> None:
+        """Acquire key for an invocation, waiting for its load (again, if evicted meanwhile)."""
         while True:
             with self._lock:
                 if self.table.state(key) in RESIDENT:
                     self.table.acquire(key)
-                    if cold:
-                        self.meters.cold_start(key)
-                    return cold
-                future, _ = self._start_load(key)  # evicted again before we pinned it: reload
-            cold = True
+                    return
+                future, _ = self._start_load(key)
             future.result()
 
     def _resident_bytes(self, key: Key) -> int:

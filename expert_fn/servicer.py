@@ -6,17 +6,13 @@ errors.py) so the client re-raises the same class.
 
 from __future__ import annotations
 
-import logging
-
 import grpc
 
 from moeless.expert_fn import expert_host_pb2 as pb
 from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
-from moeless.expert_fn.codec import tensor_from_proto, tensor_to_proto
+from moeless.expert_fn.codec import batches_from_proto, put_batches
 from moeless.expert_fn.errors import ERROR_KEY, BadRequest, ExpertHostError, HostMemoryFull, ReplicaLoadError
 from moeless.expert_fn.runtime import ExpertHostRuntime
-
-log = logging.getLogger(__name__)
 
 STATUS_CODES = {
     ReplicaLoadError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -50,19 +46,12 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
 
     def Invoke(self, request: pb.InvokeRequest, context: grpc.ServicerContext) -> pb.InvokeReply:
         try:
-            batches = {b.expert: tensor_from_proto(b.x) for b in request.batches}
-            if len(batches) != len(request.batches):
-                raise BadRequest(f"layer {request.layer}: an expert appears twice in one Invoke")
-            result = self.runtime.invoke(request.layer, batches)
+            result = self.runtime.invoke(request.layer, batches_from_proto(request.batches))
         except ExpertHostError as err:
-            if isinstance(err, ReplicaLoadError):
-                log.warning("%s", err)
             _abort(context, err)
-        return pb.InvokeReply(
-            outputs=[pb.ExpertBatch(expert=e, x=tensor_to_proto(y)) for e, y in result.outputs.items()],
-            cold_starts=result.cold_starts,
-            compute_s=result.compute_s,
-        )
+        reply = pb.InvokeReply(cold_starts=result.cold_starts, compute_s=result.compute_s)
+        put_batches(reply.outputs, result.outputs)
+        return reply
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         s = self.runtime.status()

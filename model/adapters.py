@@ -53,8 +53,11 @@ class MoEArch:
 
     def __init__(self, config):
         self.config = config
-        self.top_k = int(config.num_experts_per_tok)
+        self.top_k = self.experts_per_token(config)
         self.act = expert_act(config.hidden_act)
+
+    def experts_per_token(self, config) -> int:
+        return int(config.num_experts_per_tok)
 
     def is_moe_block(self, mlp: nn.Module) -> bool:
         return hasattr(mlp, "experts") and hasattr(mlp.experts, "gate_up_proj")
@@ -119,6 +122,9 @@ class PhimoeArch(MoEArch):
 
     name = "phimoe"
 
+    def experts_per_token(self, config):
+        return 2  # SparseMixer always picks two experts, whatever num_experts_per_tok says
+
     def gate_weight(self, block):
         return block.router.weight
 
@@ -175,10 +181,8 @@ class SlicedArch(MoEArch):
 
     name = SLICED_ARCH
 
-    def __init__(self, config):
-        self.config = config
-        self.top_k = int(getattr(config, CONFIG_SECTION)["top_k"])
-        self.act = expert_act(config.hidden_act)
+    def experts_per_token(self, config):
+        return int(getattr(config, CONFIG_SECTION)["top_k"])
 
     def is_moe_block(self, mlp):
         return isinstance(mlp, SlicedMoE)

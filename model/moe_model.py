@@ -189,11 +189,17 @@ class MoEModel:
         max_new_tokens: int,
         executor: ExpertExecutor | None = None,
         attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | None = None,
     ) -> torch.Tensor:
         """Greedy decoding with a KV cache. ids: [B, S] (left-padded when attention_mask is given)
-        -> [B, S + max_new_tokens]. Each step is one forward call (one capture iteration)."""
+        -> [B, S + N], N <= max_new_tokens. Each step is one forward call (one capture iteration).
+
+        With eos_token_id, stops once every sequence has produced it (tokens a sequence
+        generates after its own EOS are greedy continuations, not padding).
+        """
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask
         out, step_ids, cache = ids, ids, None
+        finished = torch.zeros(ids.shape[0], dtype=torch.bool)
         for _ in range(max_new_tokens):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
             res = self.forward(step_ids, mask, cache, use_cache=True, executor=executor, position_ids=positions)
@@ -201,6 +207,10 @@ class MoEModel:
             cache = res.past_key_values
             out = torch.cat([out, step_ids], dim=1)
             mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
+            if eos_token_id is not None:
+                finished |= step_ids[:, 0] == eos_token_id
+                if bool(finished.all()):
+                    break
         return out
 
     @contextmanager

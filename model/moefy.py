@@ -29,9 +29,8 @@ class MoefyConfig:
 
     active_fraction: float = 0.1  # share of neurons counted as active per token
     cluster_iters: int = 15  # balanced k-means rounds (stops earlier when stable)
-    router_epochs: int = 8
-    router_lr: float = 1e-2
-    router_batch: int = 512
+    router_steps: int = 100  # L-BFGS iterations
+    router_l2: float = 1e-4
 
 
 def neuron_activations(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -132,7 +131,7 @@ def train_router(x: torch.Tensor, mass: torch.Tensor, seed: int, cfg: MoefyConfi
     x: [T, H] FFN inputs; mass: [T, E] expert output norms -> router weight [E, H].
     """
     x, mass = x.detach(), mass.detach()
-    t, h = x.shape
+    h = x.shape[1]
     e = mass.shape[1]
     gen = torch.Generator().manual_seed(seed)
     # 1. Target: each expert's share of the token's squared output norm (energy).
@@ -143,14 +142,16 @@ def train_router(x: torch.Tensor, mass: torch.Tensor, seed: int, cfg: MoefyConfi
     scale = x.std(dim=0).clamp_min(1e-6).reciprocal()
     z = x * scale
     weight = torch.nn.Parameter(torch.randn(e, h, generator=gen) * h**-0.5)
-    opt = torch.optim.Adam([weight], lr=cfg.router_lr)
-    # 3. Minibatch soft-target cross-entropy.
+    # 3. Full-batch L-BFGS on the (convex) soft-target cross-entropy with a small L2 penalty.
+    opt = torch.optim.LBFGS([weight], lr=1.0, max_iter=cfg.router_steps, history_size=20, line_search_fn="strong_wolfe")
+
+    def loss_fn() -> torch.Tensor:
+        opt.zero_grad()
+        logits = z @ weight.T
+        loss = -(target * logits.log_softmax(dim=1)).sum(dim=1).mean() + cfg.router_l2 * weight.square().sum()
+        loss.backward()
+        return loss
+
     with torch.enable_grad():
-        for _ in range(cfg.router_epochs):
-            for idx in torch.randperm(t, generator=gen).split(cfg.router_batch):
-                logits = z[idx] @ weight.T
-                loss = -(target[idx] * logits.log_softmax(dim=1)).sum(dim=1).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+        opt.step(loss_fn)
     return (weight.detach() * scale).contiguous()

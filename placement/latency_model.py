@@ -63,7 +63,3 @@ class LatencyModel:
             moved = np.bincount(layer.gpu, weights=tokens, minlength=num_gpus)
             return float(np.bincount(layer.gpu, weights=work, minlength=num_gpus).max()), moved
         raise ValueError(f"unknown execution model {execution!r}; use one of {EXECUTIONS}")
-
-    def gpu_seconds(self, tokens: float) -> float:
-        """Compute seconds of `tokens` extra tokens on one GPU (the placer's price of imbalance)."""
-        return self.alpha * tokens

@@ -3,10 +3,12 @@
 - `place_jsq_warm`: the paper's Algorithm 2. Replicas from most to least loaded; a replica whose
   expert was resident on a GPU in the previous placement stays there when that GPU has room
   (warm start), however loaded it is; otherwise join-shortest-queue (least-loaded GPU with room).
-- `place_priced`: moeless's default. Experts from most to least loaded (LPT); GPU load is the
-  sum of its replicas' tokens (they run one after another); a warm GPU is kept only while the
-  straggler time it adds (latency model, times `horizon` iterations) costs less than the cold
-  start it saves; an expert's tokens are split unevenly over its replicas to level their GPUs.
+- `place_priced`: moeless's default. A GPU's work is the sum of its replicas' work (they run one
+  after another). Single-replica experts go first, most to least loaded (LPT); then replicated
+  experts split their tokens unevenly to level the least-loaded GPUs; then, within the layer's
+  replica budget, extra replicas relieve the busiest GPU. Every cold start is priced with the
+  latency model: a warm GPU is left only when the straggler time staying adds, times `horizon`
+  iterations, exceeds the cold start, and a cold extra replica must save more than that.
 - `place_round_robin`: the "placer off" ablation: blocks as static EP, extra replicas round-robin.
 
 All take free replica slots per GPU ([G] int, what earlier layers left) and return the
@@ -24,6 +26,7 @@ from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import LayerPlacement, PlacementError
 
 SPLITS = ("even", "level")
+INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,12 @@ class WarmMove:
     penalty_s: float
 
 
-class _Slots:
-    """Free slots per GPU, with the rule that first replicas always keep room."""
+class _Gpus:
+    """Work and free slots per GPU, with the rule that first replicas always keep room.
+
+    `queue[g]` is GPU g's work while it can take a replica of the current expert, else inf, so
+    the least-loaded eligible GPU is one C-level min().
+    """
 
     def __init__(self, free_slots: np.ndarray, num_experts: int):
         self.free = [int(s) for s in free_slots]
@@ -48,18 +55,35 @@ class _Slots:
             raise PlacementError(
                 f"{self.total} free replica slots cannot hold {num_experts} experts; add GPU memory or GPUs"
             )
+        self.work = [0.0] * len(self.free)
+        self.queue = [0.0 if f > 0 else INF for f in self.free]
+        self.all = range(len(self.free))
 
-    def extra_allowed(self) -> bool:
-        return self.total > self.unplaced
+    def spare(self) -> int:
+        """Slots left beyond every missing first replica (extra replicas may use them)."""
+        return self.total - self.unplaced
 
-    def take(self, g: int, first: bool) -> None:
+    def least(self, among: list[int] | range) -> int:
+        """The least-loaded eligible GPU of `among` (ties: the first), or -1."""
+        if not among:
+            return -1
+        g = min(among, key=self.queue.__getitem__)
+        return g if self.queue[g] < INF else -1
+
+    def hold(self, g: int) -> None:
+        """GPU g now holds the current expert: no second replica of it there."""
+        self.queue[g] = INF
+
+    def take(self, g: int, first: bool, work: float) -> None:
         self.free[g] -= 1
         self.total -= 1
         self.unplaced -= first
+        self.work[g] += work
 
-    def give_back(self, g: int) -> None:
-        self.free[g] += 1
-        self.total += 1
+    def release(self, gpus: list[int]) -> None:
+        """The current expert is done: its GPUs are eligible again for the next one."""
+        for g in gpus:
+            self.queue[g] = self.work[g] if self.free[g] > 0 else INF
 
 
 def _warm_map(previous: LayerPlacement | None, num_experts: int) -> list[list[int]]:
@@ -70,15 +94,6 @@ def _warm_map(previous: LayerPlacement | None, num_experts: int) -> list[list[in
             if e < num_experts:
                 warm[e].append(g)
     return warm
-
-
-def _least_loaded(gpu_load: list[float], slots: _Slots, taken: set[int], among: list[int] | range) -> int:
-    """The least-loaded GPU of `among` with a free slot that does not hold the expert, or -1."""
-    best, best_load = -1, float("inf")
-    for g in among:
-        if slots.free[g] > 0 and g not in taken and gpu_load[g] < best_load:
-            best, best_load = g, gpu_load[g]
-    return best
 
 
 def _check(load: np.ndarray, logcnt: np.ndarray, free_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -103,35 +118,34 @@ def place_jsq_warm(
     Returns the layer's placement (even shares) and the free slots left: [G].
     """
     load, logcnt = _check(load, logcnt, free_slots)
-    num_experts, num_gpus = load.shape[0], len(free_slots)
-    slots, warm = _Slots(free_slots, num_experts), _warm_map(previous, num_experts)
-    gpu_load = [0.0] * num_gpus
-    held: list[set[int]] = [set() for _ in range(num_experts)]
-    # 1. Replicas from most to least loaded (ties: lower expert id first).
+    num_experts = load.shape[0]
+    gpus, warm = _Gpus(free_slots, num_experts), _warm_map(previous, num_experts)
     per_replica = load / logcnt
-    order = np.argsort(-per_replica, kind="stable")
-    replicas = [(int(e), float(per_replica[e])) for e in order for _ in range(logcnt[e])]
-    experts, gpus = [], []
-    for e, x in replicas:
-        first = not held[e]
-        if not first and not slots.extra_allowed():
-            continue
-        # 2. Warm start on the least-loaded GPU where the expert was resident and room is left ...
-        g = _least_loaded(gpu_load, slots, held[e], warm[e])
-        # 3. ... else join the shortest queue.
-        if g < 0:
-            g = _least_loaded(gpu_load, slots, held[e], range(num_gpus))
-        if g < 0:
-            if first:
-                raise PlacementError(f"no GPU has room for expert {e}'s first replica")
-            continue
-        slots.take(g, first)
-        held[e].add(g)
-        gpu_load[g] += x
-        experts.append(e)
-        gpus.append(g)
-    layer = LayerPlacement.even(np.array(experts), np.array(gpus), num_experts)
-    return layer, np.array(slots.free, dtype=np.int64)
+    counts, loads = logcnt.tolist(), per_replica.tolist()
+    experts, placed = [], []
+    # 1. Replicas from most to least loaded (an expert's replicas are equal, so they come together).
+    for e in np.argsort(-per_replica, kind="stable").tolist():
+        held: list[int] = []
+        for r in range(counts[e]):
+            if r and gpus.spare() <= 0:
+                break
+            # 2. Warm start on the least-loaded GPU where the expert was resident and room is left ...
+            g = gpus.least(warm[e])
+            # 3. ... else join the shortest queue.
+            if g < 0:
+                g = gpus.least(gpus.all)
+            if g < 0:
+                break
+            gpus.take(g, not held, loads[e])
+            gpus.hold(g)
+            held.append(g)
+        if not held:
+            raise PlacementError(f"no GPU has room for expert {e}'s first replica")
+        gpus.release(held)
+        experts.extend([e] * len(held))
+        placed.extend(held)
+    layer = LayerPlacement.even(np.array(experts), np.array(placed), num_experts)
+    return layer, np.array(gpus.free, dtype=np.int64)
 
 
 def place_priced(
@@ -142,61 +156,131 @@ def place_priced(
     model: LatencyModel,
     horizon: float = 1.0,
     split: str = "level",
+    budget: int | None = None,
 ) -> tuple[LayerPlacement, np.ndarray, list[WarmMove]]:
     """moeless's placer. load: [E] tokens, logcnt: [E] replicas, free_slots: [G].
 
-    horizon: iterations a placement is expected to last (staying warm costs its penalty each
-    iteration; a cold start is paid once). split: "level" (uneven shares that level the chosen
-    GPUs) or "even". Returns the placement, the free slots left [G] and the warm replicas moved.
+    A GPU's work is counted in tokens plus, per replica call with tokens, the model's call
+    overhead in tokens (call_overhead / alpha). horizon: iterations over which a cold start is
+    amortised (staying warm costs its penalty each iteration; a cold start is paid once). split:
+    "level" (uneven shares that level the chosen GPUs) or "even". budget: most replicas the layer
+    may hold; with "level", replicas beyond logcnt (up to it) relieve the busiest GPU while that
+    pays (step 5). Returns the placement, the free slots left [G] and the warm replicas that moved.
     """
     load, logcnt = _check(load, logcnt, free_slots)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
     num_experts, num_gpus = load.shape[0], len(free_slots)
-    slots, warm = _Slots(free_slots, num_experts), _warm_map(previous, num_experts)
-    gpu_load = [0.0] * num_gpus
-    balanced = float(load.sum()) / num_gpus
-    all_gpus = range(num_gpus)
-    experts, gpus, shares, moves = [], [], [], []
-    # 1. Experts from most to least loaded (longest processing time first).
-    for e in np.argsort(-load, kind="stable").tolist():
-        w, want = float(load[e]), int(logcnt[e])
-        x = w / want
+    gpus, warm = _Gpus(free_slots, num_experts), _warm_map(previous, num_experts)
+    alpha = model.alpha
+    call = model.call_overhead / alpha if alpha > 0 else 0.0
+    peak = 0.0  # the most work on any GPU so far
+    balanced = (float(load.sum()) + call * int((load > 0).sum())) / num_gpus
+    loads, counts = load.tolist(), logcnt.tolist()
+    experts, placed, shares, moves = [], [], [], []
+    # 1. Single-replica experts from most to least loaded (longest processing time first), then
+    #    replicated ones, whose tokens split, to level the least-loaded GPUs.
+    for e in np.lexsort((-load, logcnt > 1)).tolist():
+        w, want = loads[e], counts[e]
+        item = w / want + (call if w > 0 else 0.0)
         chosen: list[int] = []
-        taken: set[int] = set()
-        for r in range(want):
-            if r and not slots.extra_allowed():
-                break
-            # 2. The best cold GPU (least loaded) against the best warm one, priced.
-            g = _least_loaded(gpu_load, slots, taken, all_gpus)
+        for _ in range(1 + min(want - 1, gpus.spare())):
+            # 2. The best cold GPU (least loaded) against the best warm one, priced in seconds.
+            g = gpus.least(gpus.all)
             if g < 0:
                 break
             if g not in warm[e]:
-                hot = _least_loaded(gpu_load, slots, taken, warm[e])
+                hot = gpus.least(warm[e])
                 if hot >= 0:
-                    straggler = max(balanced, max(gpu_load), gpu_load[g] + x)
-                    penalty = model.alpha * max(0.0, gpu_load[hot] + x - straggler)
-                    if penalty * horizon <= model.cold_start:
+                    straggler = max(balanced, peak, gpus.work[g] + item)
+                    penalty = alpha * max(0.0, gpus.work[hot] + item - straggler)
+                    if penalty <= 0.0 or penalty * horizon <= model.cold_start:
                         g = hot
                     else:
                         moves.append(WarmMove(e, hot, g, penalty))
-            slots.take(g, not chosen)
+            # 3. A cold extra replica must save more than its cold start: each replica's tokens shrink.
+            if chosen and g not in warm[e]:
+                saved = alpha * (w / len(chosen) - w / (len(chosen) + 1))
+                if saved * horizon <= model.cold_start:
+                    break
+            gpus.hold(g)
             chosen.append(g)
-            taken.add(g)
+        if len(chosen) == 1:  # the common case: nothing to split
+            g = chosen[0]
+            gpus.take(g, True, item)
+            gpus.release(chosen)
+            peak = max(peak, gpus.work[g])
+            experts.append(e)
+            placed.append(g)
+            shares.append(1.0)
+            continue
         if not chosen:
             raise PlacementError(f"no GPU has room for expert {e}'s first replica")
-        # 3. Split the expert's tokens; a replica left with no tokens gives its slot back.
-        part = _level_shares(w, [gpu_load[g] for g in chosen]) if split == "level" else [1.0 / len(chosen)] * len(chosen)
+        # 4. Split the expert's tokens; a GPU left with no tokens gets no replica.
+        if split == "level" and w > 0:
+            part = _level_shares(w, [gpus.work[g] + call for g in chosen])
+        else:
+            part = [1.0 / len(chosen)] * len(chosen)
+        first = True
         for g, s in zip(chosen, part):
-            if s <= 0.0 and len(chosen) > 1:
-                slots.give_back(g)
+            if s <= 0.0:
                 continue
-            gpu_load[g] += w * s
+            gpus.take(g, first, w * s + (call if w > 0 else 0.0))
+            first = False
+            peak = max(peak, gpus.work[g])
             experts.append(e)
-            gpus.append(g)
+            placed.append(g)
             shares.append(s)
-    layer = LayerPlacement(np.array(experts, dtype=np.int64), np.array(gpus, dtype=np.int64), _normalise(experts, shares, num_experts))
-    return layer, np.array(slots.free, dtype=np.int64), moves
+        gpus.release(chosen)
+    if split == "level" and budget is not None:
+        spare = min(budget - len(experts), gpus.spare())
+        _relieve_busiest(gpus, experts, placed, shares, loads, warm, spare, balanced, call, model, horizon)
+    layer = LayerPlacement(np.array(experts, dtype=np.int64), np.array(placed, dtype=np.int64), _normalise(experts, shares, num_experts))
+    return layer, np.array(gpus.free, dtype=np.int64), moves
+
+
+def _relieve_busiest(
+    gpus: _Gpus, experts: list[int], placed: list[int], shares: list[float], loads: list[float],
+    warm: list[list[int]], spare: int, balanced: float, call: float, model: LatencyModel, horizon: float,
+) -> None:
+    """5. While the busiest GPU is above the balanced work and spare replicas remain: give the
+    expert with the most tokens there one more replica (on a GPU where it is warm, else on the
+    least-loaded GPU), re-level that expert's tokens over its GPUs, and keep the change only if
+    the busiest GPU's work drops, by more than a cold start costs (per horizon) when it is cold.
+    Edits the replica lists (experts, placed, shares: [R]) and gpus in place."""
+    for _ in range(max(spare, 0)):
+        top = max(gpus.all, key=gpus.work.__getitem__)
+        if gpus.work[top] <= balanced * (1 + 1e-9):
+            return
+        e = experts[max((i for i, g in enumerate(placed) if g == top), key=lambda i: loads[experts[i]] * shares[i])]
+        mine = [i for i, x in enumerate(experts) if x == e]
+        held = {placed[i] for i in mine}
+        hot = [g for g in warm[e] if g not in held and gpus.free[g] > 0]
+        target = gpus.least(hot) if hot else -1
+        if target < 0:
+            target = min((g for g in gpus.all if g not in held and gpus.free[g] > 0), key=gpus.work.__getitem__, default=-1)
+        if target < 0:
+            return
+        w = loads[e]
+        slots = [placed[i] for i in mine] + [target]
+        base = [gpus.work[placed[i]] - w * shares[i] - call for i in mine] + [gpus.work[target]]  # work without e
+        part = _level_shares(w, [b + call for b in base])
+        after = [b + (w * p + call if p > 0 else 0.0) for b, p in zip(base, part)]
+        gain = gpus.work[top] - max(after)
+        if gain <= 1e-9 or (target not in warm[e] and model.alpha * gain * horizon <= model.cold_start):
+            return
+        for g, b, a in zip(slots, base, after):
+            gpus.work[g] = a
+        for i, p in zip(mine, part):
+            shares[i] = p
+        gpus.take(target, False, 0.0)
+        experts.append(e)
+        placed.append(target)
+        shares.append(part[-1])
+        for i in sorted((i for i in mine if shares[i] <= 0), reverse=True):  # a replica left without tokens goes
+            gpus.free[placed[i]] += 1
+            gpus.total += 1
+            del experts[i], placed[i], shares[i]
 
 
 def _level_shares(tokens: float, loads: list[float]) -> list[float]:
@@ -228,21 +312,20 @@ def place_round_robin(load: np.ndarray, logcnt: np.ndarray, free_slots: np.ndarr
     extra replicas on the following GPUs in turn; loads are ignored. Returns placement and slots."""
     load, logcnt = _check(load, logcnt, free_slots)
     num_experts, num_gpus = load.shape[0], len(free_slots)
-    slots = _Slots(free_slots, num_experts)
-    experts, gpus = [], []
+    gpus = _Gpus(free_slots, num_experts)
+    experts, placed = [], []
     for e in range(num_experts):
-        home = e * num_gpus // num_experts
-        placed = 0
+        home, held = e * num_gpus // num_experts, 0
         for step in range(num_gpus):
-            if placed == logcnt[e] or (placed and not slots.extra_allowed()):
+            if held == logcnt[e] or (held and gpus.spare() <= 0):
                 break
             g = (home + step) % num_gpus
-            if slots.free[g] > 0:
-                slots.take(g, not placed)
+            if gpus.free[g] > 0:
+                gpus.take(g, not held, 0.0)
                 experts.append(e)
-                gpus.append(g)
-                placed += 1
-        if not placed:
+                placed.append(g)
+                held += 1
+        if not held:
             raise PlacementError(f"no GPU has room for expert {e}'s first replica")
-    layer = LayerPlacement.even(np.array(experts), np.array(gpus), num_experts)
-    return layer, np.array(slots.free, dtype=np.int64)
+    layer = LayerPlacement.even(np.array(experts), np.array(placed), num_experts)
+    return layer, np.array(gpus.free, dtype=np.int64)

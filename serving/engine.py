@@ -6,7 +6,7 @@ once per decoding step, a list of events for every request:
 
     {"text": str}                                               a piece of generated text
     {"finish": "stop"|"length", "prompt_tokens", "completion_tokens"}   the request is done
-    {"error": {"status", "message", "code"}}                    the request failed
+    {"error": {"status", "message", "code", "param"}}           the request failed
 
 Events are plain dicts so they cross Ray process boundaries unchanged.
 """
@@ -27,14 +27,14 @@ from moeless.serving.scatter import NoLiveHostError
 def error_event(err: Exception) -> dict:
     """The event (and HTTP status) a failure becomes."""
     if isinstance(err, ApiError):
-        status, message, code = err.status, err.message, err.code
-    elif isinstance(err, NoLiveHostError):
+        return {"error": {"status": err.status, "message": err.message, "code": err.code, "param": err.param}}
+    if isinstance(err, NoLiveHostError):
         status, message, code = 503, f"no expert host can serve this request: {err}", "no_expert_host"
     elif isinstance(err, ReplicaLoadError):
         status, message, code = 500, f"an expert replica failed to load: {err}", "replica_load_failed"
     else:
         status, message, code = 500, f"internal error: {type(err).__name__}: {err}", None
-    return {"error": {"status": status, "message": message, "code": code}}
+    return {"error": {"status": status, "message": message, "code": code, "param": None}}
 
 
 class Engine:

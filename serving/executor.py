@@ -21,6 +21,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from moeless.expert_fn.codec import InvokeResult
 from moeless.expert_fn.errors import ExpertHostUnavailable
 from moeless.model.interface import Routing
 from moeless.serving.placement_source import PlacementSource
@@ -30,7 +31,7 @@ from moeless.serving.scatter import evacuate, gather, host_inputs, plan_scatter
 class HostClient(Protocol):
     """What the executor needs of moeless.expert_fn.client.ExpertHostClient."""
 
-    def invoke(self, layer: int, batches: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]: ...
+    def invoke_detailed(self, layer: int, batches: dict[int, torch.Tensor]) -> InvokeResult: ...
 
     def status(self) -> dict: ...
 
@@ -40,21 +41,27 @@ class LayerTimes:
     """Accumulated wall time of the executor's steps over all layers run (seconds).
 
     scatter_s: planning + building host batches; invoke_s: the parallel host calls (transfer +
-    expert compute + RPC); gather_s: reassembly and weighted combine; tokens_moved: rows sent
-    to hosts (each comes back, so 2x that many vectors cross the wire).
+    expert compute + RPC); compute_s: per layer the slowest host's own compute time (the part
+    of invoke_s that is expert compute on the critical path); compute_sum_s: all hosts' compute;
+    gather_s: reassembly and weighted combine; tokens_moved: rows sent to hosts (each comes
+    back, so 2x that many vectors cross the wire); cold_starts: replicas loaded on demand.
     """
 
     layers: int = 0
     scatter_s: float = 0.0
     invoke_s: float = 0.0
+    compute_s: float = 0.0
+    compute_sum_s: float = 0.0
     gather_s: float = 0.0
     tokens_moved: int = 0
+    cold_starts: int = 0
     retries: int = 0
     per_layer: dict[int, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"layers": self.layers, "scatter_s": self.scatter_s, "invoke_s": self.invoke_s,
-                "gather_s": self.gather_s, "tokens_moved": self.tokens_moved, "retries": self.retries}
+                "compute_s": self.compute_s, "compute_sum_s": self.compute_sum_s, "gather_s": self.gather_s,
+                "tokens_moved": self.tokens_moved, "cold_starts": self.cold_starts, "retries": self.retries}
 
 
 class RemoteExecutor:
@@ -104,24 +111,27 @@ class RemoteExecutor:
         inputs = host_inputs(plan, x.float())
         scattered = time.perf_counter()
         # 3. One invocation per host, all hosts in parallel.
-        futures = {h: self._pool.submit(self.clients[h].invoke, layer, batch) for h, batch in inputs.items()}
-        outputs, down = {}, None
+        futures = {h: self._pool.submit(self.clients[h].invoke_detailed, layer, batch) for h, batch in inputs.items()}
+        results, down = {}, None
         for h, future in futures.items():
             try:
-                outputs[h] = future.result()
+                results[h] = future.result()
             except ExpertHostUnavailable:
                 down = h if down is None else down
         if down is not None:
             raise _HostDown(down)
         invoked = time.perf_counter()
         # 4. Gather and combine with the gate weights.
-        out = gather(plan, outputs, routing.weight.float(), x.shape[0]).to(x.dtype)
+        out = gather(plan, {h: r.outputs for h, r in results.items()}, routing.weight.float(), x.shape[0]).to(x.dtype)
         done = time.perf_counter()
         t = self.times
         t.layers += 1
         t.scatter_s += scattered - start
         t.invoke_s += invoked - scattered
         t.gather_s += done - invoked
+        t.compute_s += max((r.compute_s for r in results.values()), default=0.0)
+        t.compute_sum_s += sum(r.compute_s for r in results.values())
+        t.cold_starts += sum(r.cold_starts for r in results.values())
         t.tokens_moved += int(routing.idx.numel())
         t.per_layer[layer] = t.per_layer.get(layer, 0.0) + done - start
         return out

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from moeless.expert_fn.codec import InvokeResult
 from moeless.expert_fn.errors import ExpertHostUnavailable
 from moeless.model.experts import expert_forward
 from moeless.model.tiny import tiny_model
@@ -22,11 +23,12 @@ class FakeHost:
     def __init__(self, model):
         self.model, self.down, self.seen = model, False, []
 
-    def invoke(self, layer, batches):
+    def invoke_detailed(self, layer, batches):
         if self.down:
             raise ExpertHostUnavailable("fake host is down")
         self.seen.append((layer, sorted(batches)))
-        return {e: expert_forward(self.model.expert_weights(layer, e), x, self.model.spec.act) for e, x in batches.items()}
+        outputs = {e: expert_forward(self.model.expert_weights(layer, e), x, self.model.spec.act) for e, x in batches.items()}
+        return InvokeResult(outputs, cold_starts=0, compute_s=0.0)
 
     def status(self):
         if self.down:

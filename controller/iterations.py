@@ -1,0 +1,100 @@
+"""Serving iterations composed from per-request routing loads and request arrivals.
+
+A simple continuous-batching model: the clock advances one fixed step per iteration; requests
+that have arrived join (up to max_batch running); an iteration with newcomers is a prefill of
+their prompts (loads summed), otherwise a decode step in which every running request adds its
+next decode row. Arrivals come from the Azure LLM inference trace (conversation service) when
+its file exists, else from a Poisson process at the same mean rate, and the caller is told which.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+AZURE_CONV = Path("/work/shared/data/traces/AzureLLMInferenceTrace_conv.csv")
+AZURE_CONV_RATE = 19_365 / 3_600.0  # requests per second over the trace's hour (its README)
+
+
+class RequestLoads(Protocol):
+    """Routing of one request: prefill: [L, E] tokens per expert; decode: [S, L, E], one row per generated token."""
+
+    prefill: np.ndarray
+    decode: np.ndarray
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One forward pass of the batch: phase "prefill" or "decode", load: [L, E] tokens per expert."""
+
+    phase: str
+    load: np.ndarray
+    batch: int  # requests in it
+
+
+def arrival_times(count: int, path: Path = AZURE_CONV, seed: int = 0, rate_scale: float = 1.0) -> tuple[np.ndarray, str]:
+    """Seconds since the first arrival of `count` requests: ([count], a line saying where they came from).
+
+    rate_scale > 1 compresses time (more requests per second). Without the trace file: a Poisson
+    process at the trace's mean rate.
+    """
+    if count <= 0:
+        raise ValueError(f"need at least one request, got {count}")
+    if rate_scale <= 0:
+        raise ValueError(f"rate_scale must be positive, got {rate_scale}")
+    if path.is_file():
+        stamps = []
+        with open(path) as f:
+            next(f)  # header: TIMESTAMP,ContextTokens,GeneratedTokens
+            for line in f:
+                stamps.append(np.datetime64(line.split(",", 1)[0]))
+                if len(stamps) == count:
+                    break
+        seconds = (np.array(stamps) - stamps[0]) / np.timedelta64(1, "ns") * 1e-9
+        if len(seconds) < count:  # a short file repeats, shifted by its own span
+            reps = -(-count // len(seconds))
+            span = seconds[-1] + 1.0 / AZURE_CONV_RATE
+            seconds = np.concatenate([seconds + r * span for r in range(reps)])[:count]
+        return seconds / rate_scale, f"Azure conversation trace ({path.name}), first {count} arrivals"
+    gaps = np.random.default_rng(seed).exponential(1.0 / AZURE_CONV_RATE, size=count)
+    return np.cumsum(gaps) - gaps[0], f"Poisson arrivals at {AZURE_CONV_RATE:.2f}/s ({path} not found)"
+
+
+def compose_iterations(
+    requests: Sequence[RequestLoads], arrivals: np.ndarray, step_s: float, max_batch: int, max_iterations: int
+) -> list[Iteration]:
+    """Iterations in time order. Request i of the arrivals replays requests[i % len(requests)]."""
+    if not requests:
+        raise ValueError("need at least one request's loads")
+    if step_s <= 0 or max_batch <= 0 or max_iterations <= 0:
+        raise ValueError("step_s, max_batch and max_iterations must be positive")
+    shape = np.asarray(requests[0].prefill).shape
+    waiting = deque(range(len(arrivals)))
+    running: list[list[int]] = []  # [request index, next decode row]
+    out: list[Iteration] = []
+    now = float(arrivals[0])
+    while len(out) < max_iterations and (waiting or running):
+        # 1. Admit arrived requests while the batch has room; idle time jumps to the next arrival.
+        if not running and waiting and arrivals[waiting[0]] > now:
+            now = float(arrivals[waiting[0]])
+        admitted = []
+        while waiting and arrivals[waiting[0]] <= now and len(running) + len(admitted) < max_batch:
+            admitted.append(waiting.popleft())
+        # 2. Newcomers make a prefill iteration; otherwise every running request decodes a token.
+        if admitted:
+            load = sum(np.asarray(requests[i % len(requests)].prefill) for i in admitted)
+            out.append(Iteration("prefill", np.asarray(load, dtype=np.int64).reshape(shape), len(admitted)))
+            running.extend([i, 0] for i in admitted)
+        else:
+            load = np.zeros(shape, dtype=np.int64)
+            for slot in running:
+                load += np.asarray(requests[slot[0] % len(requests)].decode[slot[1]], dtype=np.int64)
+                slot[1] += 1
+            out.append(Iteration("decode", load, len(running)))
+        running = [s for s in running if s[1] < len(requests[s[0] % len(requests)].decode)]
+        now += step_s
+    return out

@@ -1,0 +1,262 @@
+"""One planner interface: plan(forecast [L, E], cluster, previous) -> Placement.
+
+Every policy, moeless's default, the paper-faithful pair, each baseline and each ablation, is
+a plan function `(forecast, cluster, previous, config) -> Placement`, selectable by name (see
+PLANNERS) or by a "module:function" string naming such a function. `get_planner` binds the
+config and returns a `Planner` called as planner(forecast, cluster, previous).
+
+Names: moeless (default) | paper | static | eplb | eplb-global | eplb-window | oracle, and ablations
+moeless-no-scaler, moeless-no-placer, moeless-cv-scaler (paper's stopping rule),
+moeless-even (no uneven splits), moeless-warm-always (paper's placer), paper-no-scaler,
+paper-no-placer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from moeless.controller.scaler import cv_below, greedy_scale, straggler_within, with_dead_band
+from moeless.placement.cluster import Cluster
+from moeless.placement.eplb import rebalance_experts
+from moeless.placement.latency_model import LatencyModel
+from moeless.placement.oracle import oracle_load
+from moeless.placement.placer import place_jsq_warm, place_priced, place_round_robin
+from moeless.placement.types import LayerPlacement, Placement, PlacementError
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Knobs of all planners (each planner reads the ones it needs).
+
+    model: measured latency model (moeless's placer prices warm reuse with it);
+    cv_threshold: the paper's V; slack: moeless's straggler slack over the balanced GPU load;
+    dead_band: hysteresis added to the stopping rule before a layer's counts are re-planned;
+    min_replicas / max_replicas: per expert (max defaults to the GPU count);
+    horizon: iterations over which a cold start is amortised in moeless's placer (1000, about
+             50 s of serving: loads are assumed prefetched; 1 puts every cold start on the critical path);
+    eplb_replicas: EPLB's replicas per layer (default: the smallest multiple of G >= E);
+    eplb_groups / eplb_nodes: EPLB's expert groups and nodes (hierarchical packing);
+    eplb_window / eplb_period: "eplb-window" re-plans every period iterations from the loads of
+    the last window iterations (DeepSeek's usage; never the current iteration's loads).
+    """
+
+    model: LatencyModel | None = None
+    cv_threshold: float = 0.2
+    slack: float = 0.0
+    dead_band: float = 0.0
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    horizon: float = 1000.0
+    eplb_replicas: int | None = None
+    eplb_groups: int = 1
+    eplb_nodes: int = 1
+    eplb_window: int = 10
+    eplb_period: int = 10
+
+
+PlanFn = Callable[[np.ndarray, Cluster, "Placement | None", PlannerConfig], Placement]
+# A scaler for one layer: (load [E], previous logcnt [E] or None, budget, G) -> logcnt [E].
+LayerScaler = Callable[[np.ndarray, "np.ndarray | None", "int | None", int], np.ndarray]
+# A placer for one layer: (load [E], logcnt [E], free slots [G], previous layer, budget) -> (layer, free slots [G]).
+LayerPlacer = Callable[[np.ndarray, np.ndarray, np.ndarray, "LayerPlacement | None", "int | None"], tuple[LayerPlacement, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Planner:
+    """A plan function bound to its config. lossy_load, set only for the Oracle, is the load
+    rewrite ([..., E] -> [..., E]) its placement must be evaluated on."""
+
+    name: str
+    plan_fn: PlanFn
+    config: PlannerConfig
+    lossy_load: Callable[[np.ndarray], np.ndarray] | None = None
+
+    def __call__(self, forecast: np.ndarray, cluster: Cluster, previous: Placement | None = None) -> Placement:
+        return self.plan_fn(check_forecast(forecast), cluster, previous, self.config)
+
+
+def check_forecast(forecast: np.ndarray) -> np.ndarray:
+    """forecast: [L, E] non-negative finite token counts, as float64."""
+    forecast = np.asarray(forecast, dtype=np.float64)
+    if forecast.ndim != 2 or 0 in forecast.shape:
+        raise ValueError(f"a forecast must be [L, E] with L, E >= 1; got shape {forecast.shape}")
+    if not np.isfinite(forecast).all() or (forecast < 0).any():
+        raise ValueError("forecast loads must be finite, non-negative token counts")
+    return forecast
+
+
+def plan_layers(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, scale: LayerScaler, place: LayerPlacer) -> Placement:
+    """Scale then place every layer in turn; later layers get the memory earlier ones left.
+
+    forecast: [L, E]; previous: the placement now resident (its replicas are warm), or None.
+    """
+    num_layers, num_experts = forecast.shape
+    cluster.check_fits(num_layers, num_experts)
+    if previous is not None and (previous.num_layers, previous.num_experts) != (num_layers, num_experts):
+        raise PlacementError(
+            f"previous placement is {previous.num_layers} x {previous.num_experts}, the forecast {num_layers} x {num_experts}"
+        )
+    free = cluster.slots()
+    cap = cluster.layer_replica_cap()
+    layers = []
+    for l in range(num_layers):
+        # 1. The layer's budget: its memory cap, keeping a slot for every later layer's experts.
+        budget = int(free.sum()) - num_experts * (num_layers - l - 1)
+        budget = budget if cap is None else min(budget, cap)
+        before = previous.layers[l] if previous is not None else None
+        # 2. Replica counts, then their GPUs and shares.
+        logcnt = scale(forecast[l], None if before is None else before.logcnt(num_experts), budget, cluster.num_gpus)
+        layer, free = place(forecast[l], logcnt, free, before, budget)
+        layers.append(layer)
+    return Placement(tuple(layers), num_experts, cluster.num_gpus)
+
+
+def _scaler(kind: str, config: PlannerConfig) -> LayerScaler:
+    """"straggler" (moeless), "cv" (paper) or "off" (one replica per expert)."""
+
+    def scale(load: np.ndarray, previous: np.ndarray | None, budget: int | None, num_gpus: int) -> np.ndarray:
+        if kind == "off":
+            return np.ones(load.shape[0], dtype=np.int64)
+        if kind == "straggler":
+            call = _call_tokens(config.model)
+            strict = straggler_within(num_gpus, config.slack, call)
+            relaxed = straggler_within(num_gpus, config.slack + config.dead_band, call)
+        else:
+            strict, relaxed = cv_below(config.cv_threshold), cv_below(config.cv_threshold + config.dead_band)
+        limit = config.max_replicas or num_gpus
+
+        def fresh(w: np.ndarray) -> np.ndarray:
+            return greedy_scale(w, budget, strict, config.min_replicas, limit)
+
+        if config.dead_band > 0:
+            return with_dead_band(fresh, relaxed, budget)(load, previous)
+        return fresh(load)
+
+    return scale
+
+
+def _call_tokens(model: LatencyModel | None) -> float:
+    """A replica call's fixed overhead in tokens of work (0 without a model)."""
+    return model.call_overhead / model.alpha if model is not None and model.alpha > 0 else 0.0
+
+
+def _placer(kind: str, config: PlannerConfig, split: str = "level") -> LayerPlacer:
+    """"priced" (moeless), "warm" (paper's JSQ with warm reuse) or "off" (round-robin)."""
+    if kind == "priced" and config.model is None:
+        raise ValueError("moeless's placer needs a latency model: PlannerConfig(model=LatencyModel(...))")
+
+    def place(load, logcnt, free, before, budget):
+        if kind == "priced":
+            layer, free, _ = place_priced(load, logcnt, free, before, config.model, config.horizon, split, budget)
+            return layer, free
+        if kind == "warm":
+            return place_jsq_warm(load, logcnt, free, before)
+        return place_round_robin(load, logcnt, free)
+
+    return place
+
+
+def _layered(scaler: str, placer: str, split: str = "level") -> PlanFn:
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        place = _placer(placer, config, split)
+        if scaler == "off":  # no replication at all: the placer gets no budget for extra replicas
+            return plan_layers(forecast, cluster, previous, _scaler(scaler, config), lambda *a: place(*a[:4], None))
+        return plan_layers(forecast, cluster, previous, _scaler(scaler, config), place)
+
+    return plan
+
+
+def plan_static(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+    """Static EP (Megatron-LM): one replica per expert in contiguous blocks; ignores loads."""
+    num_layers, num_experts = forecast.shape
+    placement = Placement.static(num_layers, num_experts, cluster.num_gpus)
+    _check_memory(placement, cluster)
+    return placement
+
+
+def _plan_eplb(global_only: bool) -> PlanFn:
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        """DeepSeek's EPLB on the forecast, with config.eplb_replicas replicas per layer."""
+        num_experts, num_gpus = forecast.shape[1], cluster.num_gpus
+        replicas = config.eplb_replicas or -(-num_experts // num_gpus) * num_gpus
+        groups, nodes = (1, 1) if global_only else (config.eplb_groups, config.eplb_nodes)
+        phy2log, _, _ = rebalance_experts(forecast, replicas, groups, nodes, num_gpus)
+        placement = Placement.from_eplb(phy2log, num_experts, num_gpus)
+        _check_memory(placement, cluster)
+        return placement
+
+    return plan
+
+
+def _plan_eplb_window() -> PlanFn:
+    """A fresh stateful EPLB that only sees past loads (one per Planner: it keeps a history)."""
+    history: deque[np.ndarray] = deque()
+    calls = [0]
+    eplb = _plan_eplb(global_only=False)
+
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        """EPLB re-planned every eplb_period calls from the summed loads of the last eplb_window
+        calls; before any history it balances uniform loads."""
+        due = calls[0] % config.eplb_period == 0 or previous is None
+        window = np.sum(history, axis=0) if history else np.ones_like(forecast)
+        calls[0] += 1
+        history.append(forecast)
+        while len(history) > config.eplb_window:
+            history.popleft()
+        return eplb(window, cluster, previous, config) if due else previous
+
+    return plan
+
+
+def _check_memory(placement: Placement, cluster: Cluster) -> None:
+    held = np.zeros(cluster.num_gpus, dtype=np.int64)
+    for layer in placement.layers:
+        held += np.bincount(layer.gpu, minlength=cluster.num_gpus)
+    over = np.flatnonzero(held > cluster.slots())
+    if over.size:
+        raise PlacementError(f"GPUs {over.tolist()} cannot hold their replicas ({held[over].tolist()} > {cluster.slots()[over].tolist()} slots)")
+
+
+PLANNERS: dict[str, PlanFn] = {
+    "moeless": _layered("straggler", "priced"),
+    "paper": _layered("cv", "warm"),
+    "static": plan_static,
+    "eplb": _plan_eplb(global_only=False),
+    "eplb-global": _plan_eplb(global_only=True),
+    "oracle": plan_static,
+    "moeless-no-scaler": _layered("off", "priced"),
+    "moeless-no-placer": _layered("straggler", "off"),
+    "moeless-cv-scaler": _layered("cv", "priced"),
+    "moeless-even": _layered("straggler", "priced", split="even"),
+    "moeless-warm-always": _layered("straggler", "warm"),
+    "paper-no-scaler": _layered("off", "warm"),
+    "paper-no-placer": _layered("cv", "off"),
+}
+
+
+# Planners with state: a fresh plan function per get_planner call.
+STATEFUL_PLANNERS: dict[str, Callable[[], PlanFn]] = {"eplb-window": _plan_eplb_window}
+
+
+def get_planner(spec: str, config: PlannerConfig | None = None) -> Planner:
+    """A planner by name (a key of PLANNERS or STATEFUL_PLANNERS) or "module:function" naming a PlanFn."""
+    config = config or PlannerConfig()
+    if spec in STATEFUL_PLANNERS:
+        return Planner(spec, STATEFUL_PLANNERS[spec](), config)
+    if spec in PLANNERS:
+        return Planner(spec, PLANNERS[spec], config, oracle_load if spec == "oracle" else None)
+    if ":" not in spec:
+        raise ValueError(f"unknown planner {spec!r}; use one of {sorted([*PLANNERS, *STATEFUL_PLANNERS])} or 'module:function'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot load planner {spec!r}: {err}") from err
+    if not callable(fn):
+        raise ValueError(f"planner {spec!r} is not callable; it must be (forecast, cluster, previous, config) -> Placement")
+    return Planner(spec, fn, config)

@@ -1,0 +1,85 @@
+"""`moeless bench expert-invoke`: the cost of calling experts over gRPC instead of in-process.
+
+Default shape H=576, F=192 (the default model's sliced experts). For several tokens-per-expert
+sizes, with `experts_per_call` experts per Invoke, it times the round trip to one local expert
+host (warm replicas) and the same computation in this process (the baseline), and reports
+round-trip overhead (ms per call) and time per token, and the ratio remote / in-process. Also
+the cold start: the time to load one replica from the weight store.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.model.experts import expert_forward
+from moeless.model.weight_store import export_experts
+
+
+def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, list]:
+    """(median wall seconds of fn, its results) over repeats calls after one warm-up."""
+    fn()
+    times, results = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        results.append(fn())
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), results
+
+
+def run_invoke_bench(
+    *, hidden: int = 576, ffn: int = 192, experts_per_call: int = 4,
+    tokens: tuple[int, ...] = (1, 8, 64, 256, 1024), repeats: int = 30, threads: int = 1,
+) -> dict:
+    """Figures per tokens-per-expert size: {"rows": [...], "cold_start_s": ..., shape facts}."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"gate": (ffn, hidden), "up": (ffn, hidden), "down": (hidden, ffn)}
+    weights = [
+        {name: torch.randn(shape, generator=gen) / shape[1] ** 0.5 for name, shape in shapes.items()}
+        for _ in range(experts_per_call)
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="moeless-bench-") as root:
+        export_experts(((0, e, w) for e, w in enumerate(weights)), root, model="random", num_layers=1,
+                       num_experts=experts_per_call, act="silu")
+        with launch_local_hosts(1, root, metrics=False, threads=threads) as hosts, ExpertHostClient(hosts.addresses[0]) as client:
+            started = time.perf_counter()
+            client.load(0, 0, wait=True)
+            cold_start_s = time.perf_counter() - started
+            for e in range(1, experts_per_call):
+                client.load(0, e, wait=True)
+            for n in tqdm(tokens, desc="tokens per expert"):
+                batches = {e: torch.randn(n, hidden, generator=gen) for e in range(experts_per_call)}
+                remote, replies = _timed(lambda b=batches: client.invoke_detailed(0, b), repeats)
+                local, _ = _timed(lambda b=batches: [expert_forward(weights[e], x) for e, x in b.items()], repeats)
+                host_compute = statistics.median(r.compute_s for r in replies)
+                total = n * experts_per_call
+                rows.append({
+                    "tokens_per_expert": n, "tokens_per_call": total, "remote_ms": remote * 1e3, "local_ms": local * 1e3,
+                    "host_compute_ms": host_compute * 1e3, "overhead_ms": (remote - local) * 1e3,
+                    "transport_ms": (remote - host_compute) * 1e3, "remote_us_per_token": remote / total * 1e6,
+                    "local_us_per_token": local / total * 1e6, "ratio": remote / local,
+                })
+    return {"hidden": hidden, "ffn": ffn, "experts_per_call": experts_per_call, "threads": threads,
+            "repeats": repeats, "cold_start_s": cold_start_s, "rows": rows}
+
+
+def print_invoke_bench(result: dict) -> None:
+    print(f"expert invoke: H={result['hidden']} F={result['ffn']}, {result['experts_per_call']} experts per call, "
+          f"{result['threads']} thread(s), median of {result['repeats']}; baseline = the same experts in-process")
+    print("overhead = remote - local; transport = remote - the host's own compute time")
+    print(f"{'tok/expert':>10} {'remote ms':>10} {'local ms':>9} {'host ms':>8} {'overhead ms':>12} {'transport ms':>13} "
+          f"{'remote us/tok':>14} {'local us/tok':>13} {'ratio':>6}")
+    for r in result["rows"]:
+        print(f"{r['tokens_per_expert']:>10} {r['remote_ms']:>10.3f} {r['local_ms']:>9.3f} {r['host_compute_ms']:>8.3f} "
+              f"{r['overhead_ms']:>12.3f} {r['transport_ms']:>13.3f} "
+              f"{r['remote_us_per_token']:>14.2f} {r['local_us_per_token']:>13.2f} {r['ratio']:>6.2f}")
+    print(f"cold start (load one replica from the store, client round trip): {result['cold_start_s'] * 1e3:.1f} ms")

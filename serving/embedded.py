@@ -1,0 +1,141 @@
+"""`moeless serve`: the whole serving path on one machine.
+
+1. Load the model (the default one is built and cached on first use) and export its experts to a
+   weight store in the cache directory (reused while the experts are unchanged).
+2. Start the expert hosts as local processes over that store.
+3. Start local Ray (replicas with fractional CPUs) and the Serve app; print the URL.
+4. With --demo send one short chat request, print the answer and shut everything down;
+   otherwise serve until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from moeless.paths import cache_dir
+
+DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """A served model: the name clients send and a picklable loader () -> MoEModel."""
+
+    name: str
+    loader: Callable[[], Any]
+
+
+def choose_model(model: str) -> ModelChoice:
+    """"default" (the converted SmolLM2), "tiny:ARCH" (a random test model) or a model directory."""
+    if model == "default":
+        from moeless.model.default import default_model
+
+        return ModelChoice("moeless-default", default_model)
+    if model.startswith("tiny:"):
+        from moeless.model.tiny import tiny_model
+
+        return ModelChoice(f"tiny-{model[5:]}", functools.partial(tiny_model, model[5:], 0))
+    path = Path(model)
+    if not path.is_dir():
+        raise SystemExit(f"--model {model!r}: not 'default', 'tiny:ARCH' or a model directory")
+    from moeless.model.hf_loader import load_moe_model
+
+    return ModelChoice(path.name, functools.partial(load_moe_model, str(path.resolve())))
+
+
+def export_store(model, name: str) -> Path:
+    """The model's experts as a weight store under the cache dir, keyed by a hash of their weights."""
+    from moeless.model.weight_store import WeightStore, WeightStoreError, export_experts
+
+    digest = hashlib.sha256(repr(model.spec).encode())
+    for _, _, weights in model.iter_experts():
+        for tensor in weights.values():
+            digest.update(tensor.detach().contiguous().numpy().tobytes())
+    root = cache_dir() / "stores" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{digest.hexdigest()[:16]}"
+    try:
+        return WeightStore.open(root).root
+    except WeightStoreError:
+        spec = model.spec
+        export_experts(model.iter_experts(), root, model=name, num_layers=spec.num_layers,
+                       num_experts=spec.num_experts, act=spec.act)
+        return root
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1, port: int = 8000,
+                   keep_alive_s: float = 300.0, max_batch: int = 8, demo: bool = False,
+                   demo_question: str = DEMO_QUESTION, demo_tokens: int = 40) -> str | None:
+    """Run the serving path locally (see the module docstring); returns the demo's answer."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from moeless.expert_fn.launcher import launch_local_hosts
+    from moeless.serving.app import ServeConfig, build_app
+    from moeless.serving.placement_board import BOARD_NAME
+
+    # 1. The model and its weight store.
+    choice = choose_model(model)
+    print(f"loading model {choice.name} ...", flush=True)
+    loaded = choice.loader()
+    store = export_store(loaded, choice.name)
+    del loaded  # the replicas load their own copy (without experts)
+    # 2. Expert hosts.
+    print(f"starting {hosts} expert hosts over {store} ...", flush=True)
+    with launch_local_hosts(hosts, store, keep_alive_s=keep_alive_s) as group:
+        # 3. Ray and the app.
+        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
+                 logging_level="WARNING")
+        try:
+            port = port or free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            config = ServeConfig(choice.name, choice.loader, tuple(group.addresses), num_replicas=replicas,
+                                 replica_cpus=0.5, ingress_cpus=0.25, max_batch=max_batch,
+                                 placement_board=BOARD_NAME)
+            serve.run(build_app(config), name="moeless", route_prefix="/")
+            url = f"http://127.0.0.1:{port}"
+            print(f"moeless is serving {choice.name} at {url}  (OpenAI-style: /v1/completions, "
+                  f"/v1/chat/completions; /healthz, /metrics)", flush=True)
+            print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+                  f"'{{\"model\": \"{choice.name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+                  f"\"Hi!\"}}], \"max_tokens\": 20}}'", flush=True)
+            # 4. The demo request, or serve until interrupted.
+            if demo:
+                return _demo(httpx, url, choice.name, demo_question, demo_tokens)
+            print("Ctrl-C stops it.", flush=True)
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                print("stopping ...", flush=True)
+            return None
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def _demo(httpx, url: str, model: str, question: str, tokens: int) -> str:
+    doc = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": tokens}
+    start = time.perf_counter()
+    reply = httpx.post(f"{url}/v1/chat/completions", json=doc, timeout=300)
+    if reply.status_code != 200:
+        raise SystemExit(f"demo request failed: HTTP {reply.status_code}: {reply.text}")
+    body = reply.json()
+    answer = body["choices"][0]["message"]["content"]
+    print(f"\nuser: {question}\nassistant: {answer}\n({body['usage']['completion_tokens']} tokens in "
+          f"{time.perf_counter() - start:.1f} s)", flush=True)
+    return answer

@@ -1,0 +1,94 @@
+"""Iterations from arrivals, the replay/summary of `moeless bench planner`, and the command end to end."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeless.controller.bench_planner import replay, summarise
+from moeless.controller.iterations import AZURE_CONV_RATE, arrival_times, compose_iterations
+from moeless.controller.planner import PlannerConfig, get_planner
+from moeless.placement.cluster import Cluster
+from moeless.placement.latency_model import LatencyModel
+
+
+@dataclass
+class FakeRequest:
+    prefill: np.ndarray
+    decode: np.ndarray
+
+
+def request(prompt: int, steps: int, expert: int) -> FakeRequest:
+    """A 1-layer, 4-expert request: its prompt goes to `expert`, each decode token too."""
+    prefill = np.zeros((1, 4), dtype=np.int64)
+    prefill[0, expert] = prompt
+    decode = np.zeros((steps, 1, 4), dtype=np.int64)
+    decode[:, 0, expert] = 1
+    return FakeRequest(prefill, decode)
+
+
+def test_continuous_batching_prefills_newcomers_then_decodes_everyone_running():
+    reqs = [request(10, 2, 0), request(20, 3, 1)]
+    its = compose_iterations(reqs, np.array([0.0, 0.15]), step_s=0.1, max_batch=8, max_iterations=100)
+    assert [i.phase for i in its] == ["prefill", "decode", "prefill", "decode", "decode", "decode"]
+    assert its[0].load.tolist() == [[10, 0, 0, 0]] and its[2].load.tolist() == [[0, 20, 0, 0]]
+    assert its[3].load.tolist() == [[1, 1, 0, 0]] and its[3].batch == 2
+    assert its[5].load.tolist() == [[0, 1, 0, 0]]
+    # Every token of every request is in exactly one iteration.
+    assert sum(i.load.sum() for i in its) == 10 + 2 + 20 + 3
+
+
+def test_max_batch_holds_newcomers_back_and_idle_time_jumps_to_the_next_arrival():
+    reqs = [request(5, 2, e) for e in range(3)]
+    its = compose_iterations(reqs, np.array([0.0, 0.0, 100.0]), step_s=0.1, max_batch=1, max_iterations=100)
+    assert [i.batch for i in its if i.phase == "prefill"] == [1, 1, 1]
+    assert len(its) == 9
+
+
+def test_arrivals_from_the_azure_trace_or_poisson_fallback(tmp_path: Path):
+    trace = tmp_path / "conv.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5000000,1,1\n2023-11-16 18:15:48.0000000,1,1\n")
+    seconds, note = arrival_times(2, trace)
+    assert seconds.tolist() == pytest.approx([0.0, 1.5]) and "Azure" in note
+    seconds, _ = arrival_times(2, trace, rate_scale=3.0)
+    assert seconds.tolist() == pytest.approx([0.0, 0.5])
+    seconds, note = arrival_times(2000, tmp_path / "missing.csv")
+    assert "Poisson" in note and "not found" in note
+    assert np.diff(seconds).mean() == pytest.approx(1 / AZURE_CONV_RATE, rel=0.1)
+    with pytest.raises(ValueError, match="at least one request"):
+        arrival_times(0)
+
+
+def test_replay_prices_every_planner_and_summary_gives_ratios():
+    rng = np.random.default_rng(0)
+    reqs = [FakeRequest(rng.integers(0, 50, (2, 4)), rng.integers(0, 2, (4, 2, 4))) for _ in range(4)]
+    its = compose_iterations(reqs, np.array([0.0, 0.05, 0.1, 0.5]), 0.1, 8, 50)
+    model = LatencyModel(alpha=1e-6, beta=1e-8, cold_start=1e-4)
+    cluster = Cluster.uniform(2, 8, 1, layer_cap_replicas=8)
+    replays = {n: replay(get_planner(n, PlannerConfig(model=model)), its, cluster, model) for n in ("static", "oracle", "moeless")}
+    summary = summarise(replays, [i.phase for i in its])
+    for phase in ("prefill", "decode"):
+        rows = summary[phase]["planners"]
+        assert rows["static"]["serial_s_vs_static"] == pytest.approx(1.0)
+        assert rows["oracle"]["paper_s_vs_oracle"] == pytest.approx(1.0)
+        assert rows["moeless"]["serial_cold_s"] >= rows["moeless"]["serial_s"] > 0
+    assert replays["static"].churn[1:] == [0.0] * (len(its) - 1)  # static never changes after its first load
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_bench_planner_command_end_to_end(tmp_path: Path, capsys):
+    from moeless.cli import main
+
+    args = ["bench", "planner", "--quick", "--timing-repeats", "3", "--requests", "2", "--new-tokens", "2",
+            "--iterations", "12", "--out", str(tmp_path)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "alpha" in printed and "EPLB/moeless" in printed and "serial model" in printed
+    doc = json.loads((tmp_path / "planner.json").read_text())
+    assert [(r["E"], r["G"]) for r in doc["planning_time"]] == [(8, 8), (16, 8), (64, 8), (256, 64)]
+    assert doc["latency_model"]["alpha"] > 0 and doc["latency_model"]["cold_start"] > 0
+    assert "moeless" in doc["quality"]["summary"]["prefill"]["planners"]

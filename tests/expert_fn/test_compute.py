@@ -1,0 +1,64 @@
+"""Expert compute and the wire format: grouped == sequential == expert_forward; tensors round-trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeless.expert_fn import expert_host_pb2 as pb
+from moeless.expert_fn.codec import batches_from_proto, put_batches, tensor_from_proto
+from moeless.expert_fn.errors import BadRequest
+from moeless.expert_fn.executor import forward_for, grouped_forward, sequential_forward
+from moeless.model.experts import expert_forward
+
+
+def experts(n: int, hidden: int = 12, ffn: int = 20) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(n)
+    return [
+        {"gate": torch.randn(ffn, hidden, generator=gen), "up": torch.randn(ffn, hidden, generator=gen),
+         "down": torch.randn(hidden, ffn, generator=gen)}
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("forward", [sequential_forward, grouped_forward])
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_forwards_match_the_canonical_expert_on_uneven_batches(forward, act):
+    weights = experts(3)
+    xs = [torch.randn(n, 12) for n in (5, 0, 9)]
+    outs = forward(weights, xs, act)
+    assert [o.shape for o in outs] == [(5, 12), (0, 12), (9, 12)]
+    for w, x, out in zip(weights, xs, outs):
+        torch.testing.assert_close(out, expert_forward(w, x, act), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_forward_of_nothing_is_nothing():
+    assert grouped_forward([], [], "silu") == []
+
+
+def test_grouped_is_chosen_on_cuda_only():
+    assert forward_for("cuda:0") is grouped_forward and forward_for("cpu") is sequential_forward
+
+
+def test_batches_round_trip_exactly_as_raw_float32():
+    batches = {3: torch.randn(7, 5, dtype=torch.float64), 0: torch.empty(0, 5)}
+    request = pb.InvokeRequest(layer=1)
+    put_batches(request.batches, batches)
+    assert [b.expert for b in request.batches] == [3, 0]
+    assert list(request.batches[0].x.shape) == [7, 5] and len(request.batches[0].x.data) == 7 * 5 * 4
+    decoded = batches_from_proto(pb.InvokeRequest.FromString(request.SerializeToString()).batches)
+    torch.testing.assert_close(decoded[3], batches[3].float(), rtol=0, atol=0)
+    assert decoded[0].shape == (0, 5) and decoded[0].dtype == torch.float32
+
+
+def test_tensor_with_wrong_byte_count_is_refused():
+    with pytest.raises(BadRequest, match="needs 24 bytes"):
+        tensor_from_proto(pb.Tensor(shape=[2, 3], data=b"\0" * 20))
+
+
+def test_an_expert_twice_in_one_call_is_refused():
+    request = pb.InvokeRequest(layer=0)
+    put_batches(request.batches, {1: torch.zeros(1, 2)})
+    put_batches(request.batches, {1: torch.zeros(1, 2)})
+    with pytest.raises(BadRequest, match="appears twice"):
+        batches_from_proto(request.batches)

@@ -1,0 +1,106 @@
+"""Real expert hosts (processes, gRPC on loopback) through the client: the serving path's view."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from moeless.expert_fn.client import ExpertHostClient, ReplicaLoadError
+from moeless.expert_fn.errors import BadRequest
+from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.model.experts import expert_forward
+
+from expert_fn_support import CORRUPT, HIDDEN
+
+
+@pytest.fixture(scope="module")
+def hosts(store):
+    with launch_local_hosts(2, store.root, keep_alive_s=60.0) as group:
+        yield group
+
+
+@pytest.fixture
+def clients(hosts):
+    clients = [ExpertHostClient(a, timeout_s=20) for a in hosts.addresses]
+    yield clients
+    for c in clients:
+        c.close()
+
+
+def replicas(client: ExpertHostClient) -> dict[tuple[int, int], dict]:
+    return {(r["layer"], r["expert"]): r for r in client.status()["replicas"]}
+
+
+def test_one_invoke_carries_several_experts_and_matches_expert_forward(clients, store):
+    client = clients[0]
+    before = client.status()["meters"]
+    xs = {0: torch.randn(5, HIDDEN), 1: torch.randn(1, HIDDEN), 2: torch.randn(7, HIDDEN)}
+    out = client.invoke(1, xs)
+    assert sorted(out) == [0, 1, 2]
+    for e, x in xs.items():
+        torch.testing.assert_close(out[e], expert_forward(store.load(1, e), x), rtol=1e-5, atol=1e-6)
+    after = client.status()["meters"]
+    assert after["invocations"] - before["invocations"] == 1  # one RPC for the whole layer
+    assert after["tokens"] - before["tokens"] == 13
+    assert after["cold_starts"] - before["cold_starts"] == 3  # loaded on demand
+
+
+def test_load_evict_and_reload(clients, store):
+    client = clients[1]
+    assert client.load(0, 2, wait=True) == "idle"
+    assert replicas(client)[(0, 2)]["bytes"] == store.expert_bytes(0, 2)
+    assert client.evict(0, 2) is True
+    assert replicas(client)[(0, 2)]["state"] == "evicted" and replicas(client)[(0, 2)]["bytes"] == 0
+    assert client.evict(0, 2) is False  # nothing left to evict
+    x = torch.randn(3, HIDDEN)
+    again = client.invoke_detailed(0, {2: x})
+    assert again.cold_starts == 1 and again.compute_s > 0
+    torch.testing.assert_close(again.outputs[2], expert_forward(store.load(0, 2), x), rtol=1e-5, atol=1e-6)
+    assert replicas(client)[(0, 2)]["state"] == "idle"
+    assert client.invoke_detailed(0, {2: x}).cold_starts == 0
+
+
+def test_prewarm_does_not_block(clients):
+    state = clients[1].load(0, 3)
+    assert state in ("loading", "idle")
+    assert clients[1].load(0, 3, wait=True) == "idle"
+
+
+def test_corrupt_file_fails_that_replica_and_the_host_serves_the_others(clients, store):
+    client = clients[0]
+    path = store.root / store.index["experts"]["1/3"]["file"]
+    with pytest.raises(ReplicaLoadError, match=str(path)):
+        client.invoke(CORRUPT[0], {CORRUPT[1]: torch.randn(2, HIDDEN), 0: torch.randn(2, HIDDEN)})
+    with pytest.raises(ReplicaLoadError, match="checksum mismatch"):
+        client.load(*CORRUPT, wait=True)
+    x = torch.randn(4, HIDDEN)
+    torch.testing.assert_close(client.invoke(1, {0: x})[0], expert_forward(store.load(1, 0), x), rtol=1e-5, atol=1e-6)
+    assert "checksum mismatch" in replicas(client)[CORRUPT]["error"]
+    assert client.status()["meters"]["load_failures"] >= 2
+    assert client.health() == {"state": "serving", "ready": True}
+
+
+def test_bad_input_is_a_clear_error(clients):
+    with pytest.raises(BadRequest, match="2 layers x 4 experts"):
+        clients[0].invoke(0, {9: torch.randn(1, HIDDEN)})
+    with pytest.raises(BadRequest, match="H=16"):
+        clients[0].invoke(0, {0: torch.randn(1, 3)})
+
+
+def test_metrics_health_and_readiness_over_http(clients, hosts):
+    clients[1].invoke(1, {1: torch.randn(6, HIDDEN)})
+    base = hosts.metrics_urls[1]
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    assert 'moeless_expert_replica_tokens_total{expert="1",layer="1"} 6.0' in text
+    for name in ("replica_gb_seconds_total", "host_cold_starts_total", "host_load_seconds_total",
+                 "host_invocations_total", "host_bytes_held"):
+        assert f"moeless_expert_{name}" in text
+    gb_s = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("moeless_expert_host_gb_seconds_total")]
+    assert gb_s and gb_s[0] > 0
+    assert urllib.request.urlopen(f"{base}/healthz", timeout=10).status == 200
+    assert urllib.request.urlopen(f"{base}/readyz", timeout=10).read() == b"serving\n"
+    with pytest.raises(urllib.error.HTTPError, match="404"):
+        urllib.request.urlopen(f"{base}/nope", timeout=10)

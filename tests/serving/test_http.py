@@ -1,0 +1,120 @@
+"""The HTTP API end to end: Ray Serve ingress, a model replica, three real expert-host processes."""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from moeless.expert_fn.client import ExpertHostClient
+from moeless.placement.types import LayerPlacement, Placement
+from moeless.serving.placement_board import publish_placement
+
+MODEL = "tiny-mixtral"
+BOARD = "test-http-board"
+
+
+@pytest.fixture(scope="module")
+def url(ray_serve, hosts, deploy_tiny):
+    deploy_tiny(hosts.addresses, MODEL, batch_wait_s=0.3, num_replicas=2, placement_board=BOARD)
+    return ray_serve
+
+
+def _post(url, path, doc=None, content=None):
+    return httpx.post(url + path, json=doc, content=content, timeout=60)
+
+
+def test_completion_equals_reference_generation(url, tiny_store, reference_text):
+    model, _ = tiny_store
+    r = _post(url, "/v1/completions", {"model": MODEL, "prompt": "The cat sat", "max_tokens": 7})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["text"] == reference_text(model, "The cat sat", 7)
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
+
+
+def test_streamed_chat_equals_unstreamed(url):
+    doc = {"model": MODEL, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 6}
+    whole = _post(url, "/v1/chat/completions", doc).json()["choices"][0]["message"]["content"]
+    r = _post(url, "/v1/chat/completions", {**doc, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == whole
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_concurrent_requests_are_batched_and_each_exact(url, tiny_store, reference_text):
+    model, _ = tiny_store
+    prompts = [("a", 4), ("bcd efg", 6), ("Once upon a time", 3), ("xyz", 5)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(lambda p: _post(url, "/v1/completions",
+                                                {"model": MODEL, "prompt": p[0], "max_tokens": p[1]}), prompts))
+    for (prompt, n), r in zip(prompts, replies):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference_text(model, prompt, n)
+    counts = _batch_histogram(httpx.get(url + "/metrics").text)
+    assert counts[1.0] < counts[float("inf")], "no request was decoded in a batch of two or more"
+
+
+def _batch_histogram(metrics: str) -> dict[float, float]:
+    """Cumulative counts of moeless_batch_size by bucket upper bound."""
+    counts = {}
+    for line in metrics.splitlines():
+        if line.startswith("moeless_batch_size_bucket"):
+            bound = line.split('le="')[1].split('"')[0]
+            counts[float(bound)] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+@pytest.mark.parametrize("path, doc, content, status, words", [
+    ("/v1/completions", None, b'{"model": "tiny-mixtral", "prompt": ', 400, "not valid JSON"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, None, 400, "'prompt' must be a string"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, None, 400, "must be an integer"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, None, 400, "at least 1"),
+    ("/v1/completions", {"model": "gpt-4o", "prompt": "hi"}, None, 404, "not served here"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 250, "max_tokens": 10}, None, 400, "context limit of 256"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, None, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300}], "stream": True},
+     None, 400, "context limit"),
+])
+def test_bad_requests_get_4xx_saying_what_to_fix(url, path, doc, content, status, words):
+    r = _post(url, path, doc, content)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_models_health_and_metrics(url):
+    assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == MODEL
+    health = httpx.get(url + "/healthz")
+    assert health.status_code == 200 and health.json()["live_hosts"] == [0, 1, 2]
+    _post(url, "/v1/completions", {"model": MODEL, "prompt": "metrics", "max_tokens": 2})
+    metrics = httpx.get(url + "/metrics").text
+    assert 'moeless_http_requests_total{route="completions",status="200"}' in metrics
+    assert "moeless_generated_tokens_total" in metrics and "moeless_dead_expert_hosts 0.0" in metrics
+
+
+def test_a_published_placement_reaches_every_replica(url, hosts, tiny_store, reference_text):
+    model, _ = tiny_store
+    spec = model.spec
+    on_host_2 = LayerPlacement.even(np.arange(spec.num_experts), np.full(spec.num_experts, 2), spec.num_experts)
+    publish_placement(Placement((on_host_2,) * spec.num_layers, spec.num_experts, 3), BOARD)
+    time.sleep(0.5)  # replicas poll the board every 0.1 s
+    clients = [ExpertHostClient(a) for a in hosts.addresses]
+    before = [c.status()["meters"]["invocations"] for c in clients]
+    prompts = [f"placement {i}" for i in range(6)]
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda p: _post(url, "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 3}),
+                                prompts))
+    assert [r.json()["choices"][0]["text"] for r in replies] == [reference_text(model, p, 3) for p in prompts]
+    after = [c.status()["meters"]["invocations"] for c in clients]
+    assert after[0] == before[0] and after[1] == before[1] and after[2] > before[2], (before, after)
+    publish_placement(Placement.static(spec.num_layers, spec.num_experts, 3), BOARD)
+    for c in clients:
+        c.close()
