@@ -98,21 +98,30 @@ def skewed_loads(rng: np.random.Generator, count: int, experts: int, tokens: int
     return np.stack([rng.multinomial(tokens, rng.dirichlet(np.full(experts, concentration))) for _ in range(count)]).astype(np.float64)
 
 
-def _time_planner(planner: Planner, loads: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, float]:
-    """Seconds of each one-layer plan call (chained: each plan is the next one's previous), mean replicas."""
-    previous, seconds, replicas = None, [], []
+def _time_planner(planner: Planner, loads: np.ndarray, cluster: Cluster) -> dict:
+    """Time one-layer plan calls (chained: each plan is the next one's previous).
+
+    Wall time, and the thread's CPU time (what the call costs without waiting for a busy CPU).
+    """
+    previous, wall, cpu, replicas = None, [], [], []
     enabled = gc.isenabled()
     gc.disable()  # as timeit does: a collection pause is not the planner's time
     try:
         for load in loads:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             previous = planner(load[None, :], cluster, previous)
-            seconds.append(time.perf_counter() - start)
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - start_cpu)
             replicas.append(previous.layers[0].num_replicas)
     finally:
         if enabled:
             gc.enable()
-    return np.array(seconds), float(np.mean(replicas))
+    return {
+        "median_ms": 1e3 * float(np.median(wall)),
+        "p99_ms": 1e3 * float(np.percentile(wall, 99)),
+        "cpu_median_ms": 1e3 * float(np.median(cpu)),
+        "replicas": float(np.mean(replicas)),
+    }
 
 
 def planning_time(sizes: Sequence[tuple[int, int]], model: LatencyModel, count: int, seed: int = 0) -> list[dict]:
@@ -124,11 +133,9 @@ def planning_time(sizes: Sequence[tuple[int, int]], model: LatencyModel, count: 
         cluster = Cluster.uniform(gpus, 2 * (-(-2 * experts // gpus)), expert_bytes=1, layer_cap_replicas=2 * experts)
         row: dict = {"E": experts, "G": gpus}
         for name in ("moeless", "paper"):
-            seconds, replicas = _time_planner(get_planner(name, PlannerConfig(model=model)), loads, cluster)
-            row[name] = {"median_ms": 1e3 * float(np.median(seconds)), "p99_ms": 1e3 * float(np.percentile(seconds, 99)), "replicas": replicas}
+            row[name] = _time_planner(get_planner(name, PlannerConfig(model=model)), loads, cluster)
         budget = max(experts, -(-round(row["moeless"]["replicas"]) // gpus) * gpus)
-        seconds, _ = _time_planner(get_planner("eplb", PlannerConfig(eplb_replicas=budget)), loads, cluster)
-        row["eplb"] = {"median_ms": 1e3 * float(np.median(seconds)), "p99_ms": 1e3 * float(np.percentile(seconds, 99)), "replicas": budget}
+        row["eplb"] = _time_planner(get_planner("eplb", PlannerConfig(eplb_replicas=budget)), loads, cluster)
         rows.append(row)
     return rows
 

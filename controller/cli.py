@@ -46,6 +46,7 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     p.add_argument("--rate-scale", type=float, default=1.0, help="speed up arrivals by this factor (default 1)")
     p.add_argument("--timing-repeats", type=int, default=None, help="plans timed per size (default 1000, 150 with --quick)")
     p.add_argument("--skip-quality", action="store_true", help="only measure the latency model and planning time")
+    p.add_argument("--skip-timing", action="store_true", help="skip the planning-time part")
     p.set_defaults(func=bench_planner)
 
 
@@ -60,21 +61,27 @@ def bench_planner(args: argparse.Namespace) -> int:
     print(f"  beta           {model.beta * 1e9:9.2f} ns/token   (serialise + copy a [T, 576] float32)")
     print(f"  cold start     {model.cold_start * 1e3:9.3f} ms/expert  (load + checksum one safetensors file, {facts['expert_bytes']} bytes)")
 
-    repeats = args.timing_repeats or (150 if quick else 1000)
-    rows = bench.planning_time(TIMING_SIZES, model, repeats)
-    print(f"\nplanning time per layer ({repeats} skewed loads each; EPLB at moeless's replica budget):")
-    print(f"  {'E':>4} {'G':>3} | {'moeless med/p99 ms':>19} | {'paper med/p99 ms':>17} | {'EPLB med/p99 ms':>16} | EPLB/moeless")
-    for r in rows:
-        m, p, e = r["moeless"], r["paper"], r["eplb"]
-        print(f"  {r['E']:>4} {r['G']:>3} | {m['median_ms']:8.3f} / {m['p99_ms']:8.3f} | {p['median_ms']:7.3f} / {p['p99_ms']:7.3f} "
-              f"| {e['median_ms']:6.3f} / {e['p99_ms']:7.3f} | {e['median_ms'] / m['median_ms']:6.2f}x")
-    result = {"latency_model": vars(model), "latency_facts": facts, "planning_time": rows}
+    result = {"latency_model": vars(model), "latency_facts": facts}
+    if not args.skip_timing:
+        result["planning_time"] = _timing(args, bench, model)
     if not args.skip_quality:
         result["quality"] = _quality(args, bench, model)
     path = write_result(args.out, "planner", result)
     if path:
         print(f"\nwrote {path}")
     return 0
+
+
+def _timing(args: argparse.Namespace, bench, model) -> list[dict]:
+    repeats = args.timing_repeats or (150 if args.quick else 1000)
+    rows = bench.planning_time(TIMING_SIZES, model, repeats)
+    print(f"\nplanning time per layer, ms ({repeats} skewed loads each; EPLB at moeless's replica budget;"
+          f" wall median / p99 (thread CPU median)):")
+    print(f"  {'E':>4} {'G':>3} | {'moeless':^26} | {'paper':^26} | {'EPLB':^26} | EPLB/moeless")
+    for r in rows:
+        cells = [f"{x['median_ms']:7.3f} / {x['p99_ms']:7.3f} ({x['cpu_median_ms']:6.3f})" for x in (r["moeless"], r["paper"], r["eplb"])]
+        print(f"  {r['E']:>4} {r['G']:>3} | {' | '.join(cells)} | {r['eplb']['median_ms'] / r['moeless']['median_ms']:6.2f}x")
+    return rows
 
 
 def _quality(args: argparse.Namespace, bench, model) -> dict:

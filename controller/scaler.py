@@ -118,15 +118,16 @@ def greedy_scale(
             f"a budget of {budget} replicas cannot give {num_experts} experts {min_replicas} replica(s) each; "
             f"raise the layer memory cap"
         )
-    # 1. Every expert starts at the minimum; the stats of per-replica loads are kept incrementally.
-    logcnt = np.full(num_experts, min_replicas, dtype=np.int64)
-    replicas = num_experts * min_replicas
-    idle = int((load == 0).sum()) * min_replicas
-    total = float(load.sum())
-    sumsq = float((load * load).sum()) / min_replicas
-    limit = max_replicas if max_replicas is not None else np.iinfo(np.int64).max
-    # 2. Max-heap of per-replica loads (negated for heapq); experts at their limit leave it.
+    # 1. Every expert starts at the minimum; the stats of per-replica loads are kept incrementally
+    #    (in plain Python: for one layer's few experts that beats numpy's per-call cost).
     loads = load.tolist()
+    counts = [min_replicas] * num_experts
+    replicas = num_experts * min_replicas
+    idle = loads.count(0.0) * min_replicas
+    total = sum(loads)
+    sumsq = sum(w * w for w in loads) / min_replicas
+    limit = max_replicas if max_replicas is not None else float("inf")
+    # 2. Max-heap of per-replica loads (negated for heapq); experts at their limit leave it.
     heap = [(-w / min_replicas, e) for e, w in enumerate(loads) if w > 0 and min_replicas < limit]
     heapq.heapify(heap)
     while heap and (budget is None or replicas < budget):
@@ -135,13 +136,13 @@ def greedy_scale(
             break
         # 3. Add one replica to the straggler expert and split its load evenly.
         _, e = heapq.heappop(heap)
-        w, r = loads[e], int(logcnt[e])
+        w, r = loads[e], counts[e]
         sumsq += w * w / (r + 1) - w * w / r
-        logcnt[e] = r + 1
+        counts[e] = r + 1
         replicas += 1
         if r + 1 < limit:
             heapq.heappush(heap, (-w / (r + 1), e))
-    return logcnt
+    return np.array(counts, dtype=np.int64)
 
 
 def with_dead_band(

@@ -23,15 +23,18 @@ from moeless.model.experts import expert_forward
 from moeless.model.weight_store import export_experts
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, list]:
-    """(median wall seconds of fn, its results) over repeats calls after one warm-up."""
+def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, float, list]:
+    """(median and min wall seconds of fn, its results) over repeats calls after one warm-up.
+
+    The min shows the cost on an unloaded machine; the median what a busy one gave.
+    """
     fn()
     times, results = [], []
     for _ in range(repeats):
         started = time.perf_counter()
         results.append(fn())
         times.append(time.perf_counter() - started)
-    return statistics.median(times), results
+    return statistics.median(times), min(times), results
 
 
 def run_invoke_bench(
@@ -58,8 +61,8 @@ def run_invoke_bench(
                 client.load(0, e, wait=True)
             for n in tqdm(tokens, desc="tokens per expert"):
                 batches = {e: torch.randn(n, hidden, generator=gen) for e in range(experts_per_call)}
-                remote, replies = _timed(lambda b=batches: client.invoke_detailed(0, b), repeats)
-                local, _ = _timed(lambda b=batches: [expert_forward(weights[e], x) for e, x in b.items()], repeats)
+                remote, remote_min, replies = _timed(lambda b=batches: client.invoke_detailed(0, b), repeats)
+                local, local_min, _ = _timed(lambda b=batches: [expert_forward(weights[e], x) for e, x in b.items()], repeats)
                 host_compute = statistics.median(r.compute_s for r in replies)
                 total = n * experts_per_call
                 rows.append({
@@ -67,6 +70,7 @@ def run_invoke_bench(
                     "host_compute_ms": host_compute * 1e3, "overhead_ms": (remote - local) * 1e3,
                     "transport_ms": (remote - host_compute) * 1e3, "remote_us_per_token": remote / total * 1e6,
                     "local_us_per_token": local / total * 1e6, "ratio": remote / local,
+                    "remote_min_ms": remote_min * 1e3, "local_min_ms": local_min * 1e3,
                 })
     return {"hidden": hidden, "ffn": ffn, "experts_per_call": experts_per_call, "threads": threads,
             "repeats": repeats, "cold_start_s": cold_start_s, "rows": rows}
@@ -82,4 +86,6 @@ def print_invoke_bench(result: dict) -> None:
         print(f"{r['tokens_per_expert']:>10} {r['remote_ms']:>10.3f} {r['local_ms']:>9.3f} {r['host_compute_ms']:>8.3f} "
               f"{r['overhead_ms']:>12.3f} {r['transport_ms']:>13.3f} "
               f"{r['remote_us_per_token']:>14.2f} {r['local_us_per_token']:>13.2f} {r['ratio']:>6.2f}")
+    print("min over the repeats (least disturbed by other load), remote / local ms: "
+          + ", ".join(f"{r['tokens_per_expert']}: {r['remote_min_ms']:.2f} / {r['local_min_ms']:.2f}" for r in result["rows"]))
     print(f"cold start (load one replica from the store, client round trip): {result['cold_start_s'] * 1e3:.1f} ms")

@@ -52,12 +52,15 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
     # 1. Store, device, runtime.
+    if (args.memory_gb is not None and args.memory_gb <= 0) or args.keep_alive_s < 0 or args.threads < 1:
+        print("expert-host: --memory-gb must be > 0, --keep-alive-s >= 0 and --threads >= 1", file=sys.stderr)
+        return 2
     try:
         store = WeightStore.open(args.store)
     except WeightStoreError as err:
         print(f"expert-host: {err}", file=sys.stderr)
         return 2
-    memory = int(args.memory_gb * 1e9) if args.memory_gb else None
+    memory = round(args.memory_gb * 1e9) if args.memory_gb is not None else None
     device, capacity = detect_device(args.gpu, memory)
     runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s)
     # 2. gRPC server and HTTP endpoints.

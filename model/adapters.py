@@ -10,7 +10,6 @@ the shared experts. transformers 5.x stores experts fused: experts.gate_up_proj 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeless.model.sliced_moe import ARCH as SLICED_ARCH
@@ -147,7 +146,7 @@ class DeepseekV2Arch(MoEArch):
             groups = scores.view(-1, c.n_group, scores.shape[-1] // c.n_group).max(dim=-1).values
             scores = scores.masked_fill(~group_mask(scores, groups, c.topk_group), 0.0)
         elif c.topk_method != "greedy":
-            raise ValueError(f"deepseek_v2 topk_method {c.topk_method!r} is not supported; use 'greedy' or 'group_limited_greedy'")
+            raise ValueError(f"deepseek_v2 topk_method {c.topk_method!r} is not supported; supported: greedy, group_limited_greedy")
         weight, idx = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
         return idx, weight * c.routed_scaling_factor
 
@@ -207,7 +206,8 @@ class SlicedArch(MoEArch):
 
 
 ARCHS: dict[str, type[MoEArch]] = {
-    a.name: a for a in (SlicedArch, MixtralArch, Qwen2MoeArch, Qwen3MoeArch, OlmoeArch, PhimoeArch, DeepseekV2Arch, DeepseekV3Arch)
+    a.name: a
+    for a in (SlicedArch, MixtralArch, Qwen2MoeArch, Qwen3MoeArch, OlmoeArch, PhimoeArch, DeepseekV2Arch, DeepseekV3Arch)
 }
 
 

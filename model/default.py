@@ -1,15 +1,19 @@
 """The default model: SmolLM2-135M-Instruct with every FFN MoEfied into E experts, top-k routing.
 
-Two cache levels under moeless.paths.cache_dir(), both keyed by CODE_VERSION:
-- the conversion, `smollm2-moefy-e{E}-s{seed}-v{V}.safetensors`: neuron partitions [L, E, F] and
-  router weights [L, E, H] (independent of k, so every k reuses it);
-- the model, `smollm2-moe-e{E}-k{k}-s{seed}-v{V}/`: a moeless-sliced model directory
-  (model/sliced_moe.py) with its tokenizer, which model/hf_loader.py also opens.
+Built from the dense model (model/gguf_source.py) and real ShareGPT "train" prompts, and cached
+in two levels under moeless.paths.cache_dir(), keyed by E, k, seed, CODE_VERSION and a digest of
+the calibration settings:
+- the conversion, `smollm2-moefy-e{E}-s{seed}-v{V}-{digest}.safetensors`: neuron partitions
+  "neurons" [L, E, F] and router weights "routers" [L, E, H] (independent of k: every k reuses it);
+- the model, `smollm2-moe-e{E}-k{k}-s{seed}-v{V}-{digest}/`: a moeless-sliced model directory
+  (model/sliced_moe.py) with its tokenizer, which model/hf_loader.py opens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -34,12 +38,72 @@ class BuildConfig:
     moefy: MoefyConfig = MoefyConfig()
 
 
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in 1..{self.num_experts} (the number of experts), got {self.top_k}")
+
+
+def _digest(cfg: BuildConfig) -> str:
+    """8 hex digits over the calibration and conversion settings (everything but E, k, seed)."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("num_experts", "top_k", "seed")}
+    return hashlib.sha256(repr(sorted(settings.items())).encode()).hexdigest()[:8]
+
+
 def conversion_path(cfg: BuildConfig) -> Path:
-    return cache_dir() / f"smollm2-moefy-e{cfg.num_experts}-s{cfg.seed}-v{CODE_VERSION}.safetensors"
+    return cache_dir() / f"smollm2-moefy-e{cfg.num_experts}-s{cfg.seed}-v{CODE_VERSION}-{_digest(cfg)}.safetensors"
 
 
 def model_path(cfg: BuildConfig) -> Path:
-    return cache_dir() / f"smollm2-moe-e{cfg.num_experts}-k{cfg.top_k}-s{cfg.seed}-v{CODE_VERSION}"
+    return cache_dir() / f"smollm2-moe-e{cfg.num_experts}-k{cfg.top_k}-s{cfg.seed}-v{CODE_VERSION}-{_digest(cfg)}"
+
+
+def default_model(num_experts: int = 8, top_k: int = 2, seed: int = 0, force: bool = False, progress: bool = False):
+    """The default MoEModel (moeless.model.moe_model): loaded from the cache, else built and cached.
+
+    force: rebuild the conversion and the model even when cached.
+    """
+    from moeless.model.hf_loader import load_moe_model
+
+    return load_moe_model(build(BuildConfig(num_experts, top_k, seed), force=force, progress=progress))
+
+
+def build(cfg: BuildConfig, force: bool = False, progress: bool = False) -> Path:
+    """The cached moeless-sliced model directory for cfg, building what is missing."""
+    from moeless.model.gguf_source import load_dense
+    from moeless.model.sliced_moe import save_sliced, slice_llama
+
+    target = model_path(cfg)
+    if not force and (target / "config.json").is_file():
+        return target
+    dense, tokenizer = load_dense()
+    neurons, routers = conversion(dense, tokenizer, cfg, force=force, progress=progress)
+    hf = slice_llama(dense, neurons, routers, cfg.top_k)
+    # Written beside the target first, so an interrupted build never looks cached.
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_sliced(hf, partial, tokenizer)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return target
+
+
+def conversion(dense, tokenizer, cfg: BuildConfig, force: bool = False, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(neurons [L, E, F] long, routers [L, E, H]) for the dense Llama: from the cache, else computed and cached."""
+    from safetensors.torch import load_file, save_file
+
+    from moeless.model.datasets import sharegpt_prompts
+
+    path = conversion_path(cfg)
+    if not force and path.is_file():
+        saved = load_file(str(path))
+        return saved["neurons"], saved["routers"]
+    seqs = encode_prompts(tokenizer, sharegpt_prompts(cfg.calib_prompts, "train"), cfg.calib_tokens)
+    x = ffn_inputs(dense, seqs, progress=progress)
+    neurons, routers = convert([layer.mlp for layer in dense.model.layers], x, cfg, progress=progress)
+    partial = path.with_name(path.name + ".partial")
+    save_file({"neurons": neurons, "routers": routers}, str(partial), metadata={"config": repr(cfg)})
+    partial.rename(path)
+    return neurons, routers
 
 
 def encode_prompts(tokenizer, prompts: list[str], max_tokens: int) -> list[torch.Tensor]:
@@ -89,16 +153,15 @@ def ffn_inputs(hf, seqs: list[torch.Tensor], batch_size: int = 32, progress: boo
 
 
 @torch.no_grad()
-def convert(hf, x: torch.Tensor, cfg: BuildConfig, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """MoEfy every layer of a dense Llama from its FFN inputs.
+def convert(mlps: list, x: torch.Tensor, cfg: BuildConfig, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoEfy the dense FFNs (LlamaMLP modules) of layers 0..L-1 from their inputs.
 
     x: [L, T, H] -> (neurons [L, E, F] long, routers [L, E, H] float32).
     """
     from tqdm import tqdm
 
     neurons, routers = [], []
-    for l in tqdm(range(len(hf.model.layers)), desc="moefy layers", disable=not progress):
-        mlp = hf.model.layers[l].mlp
+    for l, mlp in enumerate(tqdm(mlps, desc="moefy layers", disable=not progress)):
         gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
         # 1. Co-activation of neurons; 2. equal-size groups; 3. a router ranking the groups.
         sim = coactivation(neuron_activations(x[l], gate, up, down), cfg.moefy.active_fraction)

@@ -37,7 +37,8 @@ class LocalExecutor:
         for e in torch.unique(routing.idx).tolist():
             token, slot = (routing.idx == e).nonzero(as_tuple=True)
             y = expert_forward(self.expert_weights(layer, e), x[token], self.act)
-            out.index_add_(0, token, y * routing.weight[token, slot, None].to(y.dtype))
+            # index_put_ with accumulate: the same sums as index_add_, which is ~1000x slower on one CPU row
+            out.index_put_((token,), y * routing.weight[token, slot, None].to(y.dtype), accumulate=True)
         return out
 
 
@@ -180,8 +181,6 @@ class MoEModel:
                 for i, block in zip(self._layer_ids, self._blocks):
                     decoder[i].mlp = block
 
-    __call__ = forward
-
     @torch.no_grad()
     def generate(
         self,
@@ -199,7 +198,7 @@ class MoEModel:
         """
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask
         out, step_ids, cache = ids, ids, None
-        finished = torch.zeros(ids.shape[0], dtype=torch.bool)
+        finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         for _ in range(max_new_tokens):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
             res = self.forward(step_ids, mask, cache, use_cache=True, executor=executor, position_ids=positions)

@@ -37,7 +37,7 @@ def expert_act(hidden_act: str) -> str:
     try:
         return HF_ACTIVATIONS[hidden_act]
     except KeyError:
-        raise SlicedModelError(f"expert activation {hidden_act!r} is not supported; supported: {sorted(HF_ACTIVATIONS)}") from None
+        raise ValueError(f"expert activation {hidden_act!r} is not supported; supported: {sorted(HF_ACTIVATIONS)}") from None
 
 
 class SlicedMoE(nn.Module):
@@ -66,7 +66,9 @@ class SlicedMoE(nn.Module):
         if mlp.gate_proj.bias is not None:
             raise SlicedModelError("the dense FFN has biases (mlp_bias=True); only bias-free Llama FFNs can be sliced")
         if sorted(neurons.flatten().tolist()) != list(range(f_dense)):
-            raise SlicedModelError(f"neurons [{num_experts}, {expert_ffn}] must be a partition of the FFN's {f_dense} neurons (each index exactly once)")
+            raise SlicedModelError(
+                f"neurons [{num_experts}, {expert_ffn}] must be a partition of the FFN's {f_dense} neurons (each index exactly once)"
+            )
         if tuple(router.shape) != (num_experts, hidden):
             raise SlicedModelError(f"router weights must be [{num_experts}, {hidden}] (experts, hidden), got {list(router.shape)}")
         block = SlicedMoE(hidden, num_experts, expert_ffn, top_k, act)
@@ -94,7 +96,7 @@ class SlicedMoE(nn.Module):
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             tokens = (idx == e).any(dim=-1).nonzero().squeeze(-1)
-            out.index_add_(0, tokens, expert_forward(self.expert(e), x[tokens], self.act))
+            out.index_put_((tokens,), expert_forward(self.expert(e), x[tokens], self.act), accumulate=True)
         return out.reshape(shape)
 
 
@@ -108,11 +110,14 @@ def slice_llama(hf: nn.Module, neurons: torch.Tensor, routers: torch.Tensor, top
     if neurons.dim() != 3 or neurons.shape[0] != len(layers):
         raise SlicedModelError(f"neurons must be [L={len(layers)}, E, F], got {list(neurons.shape)}")
     if routers.dim() != 3 or routers.shape[:2] != neurons.shape[:2]:
-        raise SlicedModelError(f"routers must be [L, E, H] = [{neurons.shape[0]}, {neurons.shape[1]}, H], got {list(routers.shape)}")
+        raise SlicedModelError(
+            f"routers must be [L, E, H] = [{neurons.shape[0]}, {neurons.shape[1]}, H], got {list(routers.shape)}"
+        )
     act = expert_act(hf.config.hidden_act)
     for layer, part, router in zip(layers, neurons, routers):
         layer.mlp = SlicedMoE.from_dense(layer.mlp, part, router.to(hf.dtype), top_k, act)
-    hf.config.moeless = {"arch": ARCH, "num_experts": int(neurons.shape[1]), "top_k": int(top_k), "expert_ffn": int(neurons.shape[2])}
+    num_experts, expert_ffn = int(neurons.shape[1]), int(neurons.shape[2])
+    hf.config.moeless = {"arch": ARCH, "num_experts": num_experts, "top_k": int(top_k), "expert_ffn": expert_ffn}
     return hf
 
 

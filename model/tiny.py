@@ -40,7 +40,9 @@ def _configs() -> dict:
 
     mla = dict(kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_key_value_heads=4)
     return {
-        "mixtral": lambda: MixtralConfig(**COMMON, num_hidden_layers=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
+        "mixtral": lambda: MixtralConfig(
+            **COMMON, num_hidden_layers=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2
+        ),
         "qwen2_moe": lambda: Qwen2MoeConfig(
             **COMMON, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
             num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
@@ -50,7 +52,9 @@ def _configs() -> dict:
             num_experts_per_tok=2, norm_topk_prob=True,
         ),
         "olmoe": lambda: OlmoeConfig(**COMMON, num_hidden_layers=2, intermediate_size=16, num_experts=8, num_experts_per_tok=2),
-        "phimoe": lambda: PhimoeConfig(**COMMON, num_hidden_layers=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
+        "phimoe": lambda: PhimoeConfig(
+            **COMMON, num_hidden_layers=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2
+        ),
         "deepseek_v2": lambda: DeepseekV2Config(
             **{**COMMON, **mla}, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, topk_method="group_limited_greedy",

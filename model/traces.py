@@ -1,8 +1,9 @@
 """Real routing traces for benchmarks: tokens per expert of every request, prefill and decode.
 
 Each request (one prompt) is a prefill over the prompt, then greedy decode steps, each feeding
-one generated token; requests are batched for speed, but each one's loads are its own tokens'. Saved as one .npz: prefill [N, L, E], the decode rows of all
-requests concatenated [sum S_i, L, E], and per-request decode lengths and prompt lengths.
+one generated token. Requests run in batches for speed, but each request's loads count only its
+own tokens. Saved as one .npz: prefill [N, L, E], the decode rows of all requests concatenated
+[sum S_i, L, E], and per-request decode lengths and prompt lengths.
 """
 
 from __future__ import annotations
@@ -91,17 +92,18 @@ def _batch_loads(model: MoEModel, seqs: list[list[int]], max_new_tokens: int, eo
         ids[b, width - len(s) :] = torch.tensor(s)
         mask[b, width - len(s) :] = 1
     # 2. Generate one extra token, so that the last of max_new_tokens is fed back too.
+    device = model.hf.device
     with model.capture() as capture:
-        out = model.generate(ids, max_new_tokens + 1, attention_mask=mask, eos_token_id=eos)
+        out = model.generate(ids.to(device), max_new_tokens + 1, attention_mask=mask.to(device), eos_token_id=eos)
 
-    # 3. Per call and layer, tokens per expert of every (unpadded) token: [T, E]; T runs row-major.
-    def token_counts(call: int) -> torch.Tensor:  # -> [T, L, E]
-        return torch.stack([F.one_hot(r.idx, num_experts).sum(1) for r in capture.iterations[call]], dim=1)
+    # 3. Per call, each unpadded token's picks per layer and expert: [T, L, E] (T runs row by row).
+    def token_counts(call: int) -> torch.Tensor:
+        return torch.stack([F.one_hot(r.idx, num_experts).sum(1) for r in capture.iterations[call]], dim=1).cpu()
 
     prefill = torch.split(token_counts(0), [len(s) for s in seqs])
     calls = range(1, len(capture.iterations))
-    shape = (0, len(seqs), model.spec.num_layers, num_experts)
-    decode = torch.stack([token_counts(c) for c in calls]) if calls else torch.zeros(shape, dtype=torch.long)  # [calls-1, B, L, E]
+    no_calls = torch.zeros((0, len(seqs), model.spec.num_layers, num_experts), dtype=torch.long)
+    decode = torch.stack([token_counts(c) for c in calls]) if calls else no_calls  # [calls - 1, B, L, E]
     result = []
     for b, s in enumerate(seqs):
         generated = out[b, width:].tolist()
@@ -142,7 +144,9 @@ def load_request_loads(path: str | Path) -> list[RequestLoads]:
     except (KeyError, ValueError, OSError) as err:
         raise TraceError(f"{path}: not a routing trace file ({err})") from err
     if decode_len.sum() != len(decode) or len(decode_len) != len(prefill):
-        raise TraceError(f"{path}: inconsistent trace ({len(prefill)} requests, {len(decode)} decode rows, lengths sum {decode_len.sum()})")
+        raise TraceError(
+            f"{path}: inconsistent trace ({len(prefill)} requests, {len(decode)} decode rows, lengths sum {decode_len.sum()})"
+        )
     starts = np.concatenate([[0], np.cumsum(decode_len)])
     return [
         RequestLoads(prefill=prefill[i], decode=decode[starts[i] : starts[i + 1]], prompt_tokens=int(prompt_tokens[i]))

@@ -27,6 +27,9 @@ from moeless.placement.types import LayerPlacement, PlacementError
 
 SPLITS = ("even", "level")
 INF = float("inf")
+# Step 5 stops within one token or 1% of the balanced work (closer gains too little for its replicas)
+# and tries the 3 heaviest replicas on the busiest GPU (enough in practice, and it bounds the time).
+RELIEF_TOKENS, RELIEF_FRACTION, RELIEF_TRIES = 1.0, 0.01, 3
 
 
 @dataclass(frozen=True)
@@ -243,44 +246,55 @@ def _relieve_busiest(
     gpus: _Gpus, experts: list[int], placed: list[int], shares: list[float], loads: list[float],
     warm: list[list[int]], spare: int, balanced: float, call: float, model: LatencyModel, horizon: float,
 ) -> None:
-    """5. While the busiest GPU is above the balanced work and spare replicas remain: give the
-    expert with the most tokens there one more replica (on a GPU where it is warm, else on the
-    least-loaded GPU), re-level that expert's tokens over its GPUs, and keep the change only if
-    the busiest GPU's work drops, by more than a cold start costs (per horizon) when it is cold.
+    """5. While the busiest GPU is above the balanced work and spare replicas remain: give an
+    expert there (most tokens first) one more replica, on a GPU where it is warm, else on the
+    least-loaded GPU, and re-level its tokens over its GPUs; a change is kept only if the busiest
+    GPU's work drops, by more than a cold start costs (per horizon) when the new replica is cold.
     Edits the replica lists (experts, placed, shares: [R]) and gpus in place."""
     for _ in range(max(spare, 0)):
         top = max(gpus.all, key=gpus.work.__getitem__)
-        if gpus.work[top] <= balanced * (1 + 1e-9):
+        if gpus.work[top] - balanced <= max(RELIEF_TOKENS, RELIEF_FRACTION * balanced):
             return
-        e = experts[max((i for i, g in enumerate(placed) if g == top), key=lambda i: loads[experts[i]] * shares[i])]
-        mine = [i for i, x in enumerate(experts) if x == e]
-        held = {placed[i] for i in mine}
-        hot = [g for g in warm[e] if g not in held and gpus.free[g] > 0]
-        target = gpus.least(hot) if hot else -1
-        if target < 0:
-            target = min((g for g in gpus.all if g not in held and gpus.free[g] > 0), key=gpus.work.__getitem__, default=-1)
-        if target < 0:
+        there = sorted((i for i, g in enumerate(placed) if g == top), key=lambda i: -loads[experts[i]] * shares[i])
+        tries = there[:RELIEF_TRIES]
+        if not any(_add_replica(gpus, experts, placed, shares, loads, warm, experts[i], top, call, model, horizon) for i in tries):
             return
-        w = loads[e]
-        slots = [placed[i] for i in mine] + [target]
-        base = [gpus.work[placed[i]] - w * shares[i] - call for i in mine] + [gpus.work[target]]  # work without e
-        part = _level_shares(w, [b + call for b in base])
-        after = [b + (w * p + call if p > 0 else 0.0) for b, p in zip(base, part)]
-        gain = gpus.work[top] - max(after)
-        if gain <= 1e-9 or (target not in warm[e] and model.alpha * gain * horizon <= model.cold_start):
-            return
-        for g, b, a in zip(slots, base, after):
-            gpus.work[g] = a
-        for i, p in zip(mine, part):
-            shares[i] = p
-        gpus.take(target, False, 0.0)
-        experts.append(e)
-        placed.append(target)
-        shares.append(part[-1])
-        for i in sorted((i for i in mine if shares[i] <= 0), reverse=True):  # a replica left without tokens goes
-            gpus.free[placed[i]] += 1
-            gpus.total += 1
-            del experts[i], placed[i], shares[i]
+
+
+def _add_replica(
+    gpus: _Gpus, experts: list[int], placed: list[int], shares: list[float], loads: list[float],
+    warm: list[list[int]], e: int, top: int, call: float, model: LatencyModel, horizon: float,
+) -> bool:
+    """One more replica of expert e if it lowers GPU `top`'s work and pays for itself; True if added."""
+    mine = [i for i, x in enumerate(experts) if x == e]
+    held = {placed[i] for i in mine}
+    hot = [g for g in warm[e] if g not in held and gpus.free[g] > 0]
+    target = gpus.least(hot) if hot else -1
+    if target < 0:
+        target = min((g for g in gpus.all if g not in held and gpus.free[g] > 0), key=gpus.work.__getitem__, default=-1)
+    if target < 0:
+        return False
+    w = loads[e]
+    slots = [placed[i] for i in mine] + [target]
+    base = [gpus.work[placed[i]] - w * shares[i] - call for i in mine] + [gpus.work[target]]  # work without e
+    part = _level_shares(w, [b + call for b in base])
+    after = [b + (w * p + call if p > 0 else 0.0) for b, p in zip(base, part)]
+    gain = gpus.work[top] - max(after)
+    if gain <= 1e-9 or (target not in warm[e] and model.alpha * gain * horizon <= model.cold_start):
+        return False
+    for g, a in zip(slots, after):
+        gpus.work[g] = a
+    for i, p in zip(mine, part):
+        shares[i] = p
+    gpus.take(target, False, 0.0)
+    experts.append(e)
+    placed.append(target)
+    shares.append(part[-1])
+    for i in sorted((i for i in mine if shares[i] <= 0), reverse=True):  # a replica left without tokens goes
+        gpus.free[placed[i]] += 1
+        gpus.total += 1
+        del experts[i], placed[i], shares[i]
+    return True
 
 
 def _level_shares(tokens: float, loads: list[float]) -> list[float]:

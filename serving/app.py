@@ -60,6 +60,7 @@ class ModelServer:
         model.drop_experts()
         spec = model.spec
         self.clients = [ExpertHostClient(a, timeout_s=config.host_timeout_s) for a in config.host_addresses]
+        self.probes = [ExpertHostClient(a, timeout_s=2.0) for a in config.host_addresses]  # /healthz answers fast
         self.source = PlacementSource(config.placement or Placement.static(spec.num_layers, spec.num_experts,
                                                                              len(self.clients)))
         self.executor = RemoteExecutor(self.clients, self.source)
@@ -98,9 +99,9 @@ class ModelServer:
     def health(self) -> dict:
         """Which expert hosts answer now."""
         live = []
-        for i, client in enumerate(self.clients):
+        for i, probe in enumerate(self.probes):
             try:
-                client.health()
+                probe.health()
                 live.append(i)
             except Exception:  # any failure means "not serving"; the reason is in the host's log
                 pass

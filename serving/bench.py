@@ -3,9 +3,10 @@
 1. The same model generates the same real prompts (ShareGPT, held-out split) twice with the same
    engine: experts in-process (the baseline, LocalExecutor) and through expert functions on
    local expert-host processes (RemoteExecutor). Outputs must be identical.
-2. Reported: generation tokens/s of both and their ratio; mean MoE time per layer call of both
-   and their ratio; the serverless layer broken into gate, scatter, invoke (of which the slowest
-   host's expert compute; the rest is transfer and RPC) and gather.
+2. Reported: generation tokens/s of both and their ratio; MoE time per layer call of both (mean
+   and median) and the ratio of medians; the serverless layer's mean time broken into gate,
+   scatter, invoke (of which the slowest host's expert compute; the rest is transfer and RPC)
+   and gather.
 3. The latency model's constants, fitted on single-expert invokes of T tokens:
    host compute = alpha * T (alpha: seconds per token of expert compute), and
    round trip - compute = overhead + 2 * beta * T (beta: seconds per token moved, each way).
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -25,17 +27,20 @@ FIT_TOKENS = (1, 8, 32, 128, 512)
 
 
 class TimedExecutor:
-    """Wraps an executor and accumulates its run_layer wall time."""
+    """Wraps an executor and records the wall time of each run_layer call."""
 
     def __init__(self, inner: ExpertExecutor):
-        self.inner, self.seconds, self.calls = inner, 0.0, 0
+        self.inner, self.samples = inner, []
 
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         start = time.perf_counter()
         out = self.inner.run_layer(layer, x, routing)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
+        self.samples.append(time.perf_counter() - start)
         return out
+
+    def summary_ms(self) -> dict[str, float]:
+        """Mean and median ms per layer call (the median resists a busy machine's stalls)."""
+        return {"mean": 1e3 * float(np.mean(self.samples)), "median": 1e3 * float(np.median(self.samples))}
 
 
 def bench_prompts(engine, count: int, prompt_tokens: int) -> list[list[int]]:
@@ -111,7 +116,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         # 1. Warm both paths (replica loads, allocator), then measure.
         for executor in (local, timed_remote):
             generate_all(Engine(moe, executor), ids[:batch], 2, batch)
-        local.seconds = local.calls = timed_remote.seconds = timed_remote.calls = 0
+        local.samples, timed_remote.samples = [], []
         remote.times = type(remote.times)()
         ref, local_s = generate_all(Engine(moe, local), ids, max_tokens, batch)
         with moe.capture() as capture:
@@ -131,13 +136,12 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
     return {
         "model": choice.name, "hosts": hosts, "prompts": len(ids), "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens, "batch": batch, "threads": threads,
+        "load_average_1m": os.getloadavg()[0],  # a busy machine inflates every time below
         "identical_outputs": ref == got,
         "tokens_per_s": {"in_process": generated / local_s, "expert_functions": generated / remote_s,
                          "ratio": (generated / remote_s) / (generated / local_s)},
-        "moe_layer_ms": {"in_process": 1e3 * local.seconds / max(local.calls, 1),
-                         "expert_functions": 1e3 * timed_remote.seconds / max(timed_remote.calls, 1),
-                         "ratio": (timed_remote.seconds / max(timed_remote.calls, 1))
-                         / max(local.seconds / max(local.calls, 1), 1e-12)},
+        "moe_layer_ms": {"in_process": local.summary_ms(), "expert_functions": timed_remote.summary_ms(),
+                         "ratio_of_medians": timed_remote.summary_ms()["median"] / local.summary_ms()["median"]},
         "breakdown_ms_per_layer": {"gate": 1e3 * gate_s / max(t.layers, 1), "scatter": per_call(t.scatter_s),
                                    "invoke": per_call(t.invoke_s), "expert_compute": per_call(t.compute_s),
                                    "transfer_and_rpc": per_call(t.invoke_s - t.compute_s),
@@ -160,11 +164,13 @@ def print_report(result: dict[str, Any]) -> None:
     tps, moe, br, fit = result["tokens_per_s"], result["moe_layer_ms"], result["breakdown_ms_per_layer"], \
         result["latency_model"]
     print(f"model {result['model']}: {result['prompts']} prompts x {result['max_tokens']} new tokens, batch "
-          f"{result['batch']}, {result['hosts']} expert hosts; outputs identical: {result['identical_outputs']}")
+          f"{result['batch']}, {result['hosts']} expert hosts; outputs identical: {result['identical_outputs']}; "
+          f"load average {result['load_average_1m']:.1f} on {os.cpu_count()} cores")
     print(f"tokens/s        in-process {tps['in_process']:8.1f}   expert functions {tps['expert_functions']:8.1f}"
           f"   ratio {tps['ratio']:.3f}")
-    print(f"MoE layer (ms)  in-process {moe['in_process']:8.3f}   expert functions {moe['expert_functions']:8.3f}"
-          f"   ratio {moe['ratio']:.2f}")
+    local, remote = moe["in_process"], moe["expert_functions"]
+    print(f"MoE layer (ms, median/mean)  in-process {local['median']:.3f}/{local['mean']:.3f}   expert functions "
+          f"{remote['median']:.3f}/{remote['mean']:.3f}   ratio of medians {moe['ratio_of_medians']:.2f}")
     print("breakdown (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
     print(f"latency model: alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), beta "
           f"{fit['beta_s_per_token'] * 1e6:.3f} us/token moved (each way), call overhead "

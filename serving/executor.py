@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -56,7 +56,6 @@ class LayerTimes:
     tokens_moved: int = 0
     cold_starts: int = 0
     retries: int = 0
-    per_layer: dict[int, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"layers": self.layers, "scatter_s": self.scatter_s, "invoke_s": self.invoke_s,
@@ -89,11 +88,12 @@ class RemoteExecutor:
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x: [T, H] -> [T, H], sum_j weight[t, j] * expert(layer, idx[t, j])(x[t]), on the hosts."""
         self._probe_dead()
-        while True:  # each failure marks one more live host dead; evacuate raises once none is left
+        while True:  # each failure marks more live hosts dead; evacuate raises once none is left
             try:
                 return self._run_once(layer, x, routing)
-            except _HostDown as down:
-                self._mark_dead(down.host)
+            except _HostsDown as down:
+                with self._lock:
+                    self._dead.update({h: self.clock() for h in down.hosts})
                 self.times.retries += 1
 
     def close(self) -> None:
@@ -112,14 +112,14 @@ class RemoteExecutor:
         scattered = time.perf_counter()
         # 3. One invocation per host, all hosts in parallel.
         futures = {h: self._pool.submit(self.clients[h].invoke_detailed, layer, batch) for h, batch in inputs.items()}
-        results, down = {}, None
+        results, down = {}, []
         for h, future in futures.items():
             try:
                 results[h] = future.result()
             except ExpertHostUnavailable:
-                down = h if down is None else down
-        if down is not None:
-            raise _HostDown(down)
+                down.append(h)
+        if down:
+            raise _HostsDown(down)
         invoked = time.perf_counter()
         # 4. Gather and combine with the gate weights.
         out = gather(plan, {h: r.outputs for h, r in results.items()}, routing.weight.float(), x.shape[0]).to(x.dtype)
@@ -133,12 +133,7 @@ class RemoteExecutor:
         t.compute_sum_s += sum(r.compute_s for r in results.values())
         t.cold_starts += sum(r.cold_starts for r in results.values())
         t.tokens_moved += int(routing.idx.numel())
-        t.per_layer[layer] = t.per_layer.get(layer, 0.0) + done - start
         return out
-
-    def _mark_dead(self, host: int) -> None:
-        with self._lock:
-            self._dead[host] = self.clock()
 
     def _probe_dead(self) -> None:
         """Ask hosts dead for at least probe_after_s whether they are back (a restart)."""
@@ -158,6 +153,6 @@ class RemoteExecutor:
                 self._dead.pop(host, None)
 
 
-class _HostDown(Exception):
-    def __init__(self, host: int):
-        self.host = host
+class _HostsDown(Exception):
+    def __init__(self, hosts: list[int]):
+        self.hosts = hosts

@@ -92,3 +92,16 @@ def test_bench_planner_command_end_to_end(tmp_path: Path, capsys):
     assert [(r["E"], r["G"]) for r in doc["planning_time"]] == [(8, 8), (16, 8), (64, 8), (256, 64)]
     assert doc["latency_model"]["alpha"] > 0 and doc["latency_model"]["cold_start"] > 0
     assert "moeless" in doc["quality"]["summary"]["prefill"]["planners"]
+
+
+def test_loads_from_a_saved_trace_file(tmp_path: Path):
+    from moeless.controller.loads import request_loads_from
+    from moeless.model.traces import RequestLoads, save_request_loads
+
+    saved = [RequestLoads(np.full((2, 4), i), np.ones((i, 2, 4), dtype=np.int64), prompt_tokens=4) for i in range(3)]
+    path = save_request_loads(tmp_path / "t.npz", saved)
+    loads, note = request_loads_from(str(path), requests=3, new_tokens=0)
+    assert [len(r.decode) for r in loads] == [0, 1, 2] and loads[2].prefill.tolist() == [[2] * 4] * 2
+    assert str(path) in note
+    with pytest.raises(ValueError, match="requests > 0"):
+        request_loads_from(str(path), requests=0, new_tokens=0)

@@ -115,3 +115,11 @@ def test_a_host_that_cannot_start_is_reported_with_its_log(tmp_path):
     (tmp_path / "index.json").write_text("{not json")
     with pytest.raises(HostStartError, match="not valid JSON"):
         launch_local_hosts(1, tmp_path, startup_timeout_s=60)
+
+
+def test_a_host_too_slow_for_the_deadline_is_unavailable(hosts):
+    with ExpertHostClient(hosts.addresses[0], timeout_s=0.1) as client:
+        started = time.monotonic()
+        with pytest.raises(ExpertHostUnavailable, match="DEADLINE_EXCEEDED"):
+            client.invoke(0, {0: torch.randn(SLOW_TOKENS, SLOW_HIDDEN)})
+        assert time.monotonic() - started < 2.0

@@ -104,3 +104,36 @@ def test_sharded_checkpoint_loads_and_a_missing_shard_is_named(tiny, tmp_path):
     shards[-1].unlink()
     with pytest.raises(ModelLoadError, match=f"{shards[-1].name}: weight file is missing"):
         load_moe_model(tmp_path)
+
+
+def _legacy_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under the per-expert names of Hub checkpoints (before transformers 5
+    fused the experts): Mixtral/Phi-3.5-MoE `block_sparse_moe.experts.<e>.w1|w3|w2` and
+    `block_sparse_moe.gate` (phimoe's router), the others `mlp.experts.<e>.gate_proj|up_proj|down_proj`."""
+    mixtral_style = model.spec.arch in ("mixtral", "phimoe")
+    state = {}
+    for key, value in model.hf.state_dict().items():
+        if ".experts.gate_up_proj" in key or ".experts.down_proj" in key:
+            continue
+        if mixtral_style:
+            key = key.replace(".mlp.router.", ".mlp.gate.").replace(".mlp.", ".block_sparse_moe.")
+        state[key] = value.contiguous()
+    names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral_style else {n: f"{n}_proj" for n in ("gate", "up", "down")}
+    block = "block_sparse_moe" if mixtral_style else "mlp"
+    for l, e, weights in model.iter_experts():
+        prefix = f"model.layers.{model.spec.moe_layer_ids[l]}.{block}.experts.{e}"
+        for name, tensor in weights.items():
+            state[f"{prefix}.{names[name]}.weight"] = tensor.contiguous()
+    return state
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "phimoe", "qwen2_moe", "deepseek_v3"])
+def test_hub_checkpoints_with_per_expert_weights_load(tiny, arch, tmp_path):
+    from safetensors.torch import save_file
+
+    original = tiny(arch, seed=2)
+    original.hf.config.save_pretrained(tmp_path)
+    save_file(_legacy_state_dict(original), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = load_moe_model(tmp_path)
+    ids = torch.randint(0, 128, (1, 7))
+    torch.testing.assert_close(model.forward(ids).logits, original.forward(ids).logits, atol=0, rtol=0)

@@ -74,6 +74,22 @@ def test_expert_weights_equal_the_models_own_expert(tiny, arch):
             torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if a != "moeless-sliced"])
+def test_routing_equals_the_transformers_router(tiny, arch):
+    """Same experts and combine weights as the arch's own router module (order within a token aside)."""
+    model = tiny(arch, seed=3)
+    x = torch.randn(64, model.spec.hidden_size)
+    for l, decoder_layer in enumerate(model.spec.moe_layer_ids):
+        block = model.hf.model.layers[decoder_layer].mlp
+        with torch.no_grad():
+            logits, weight, idx = (block.router if arch == "phimoe" else block.gate)(x)
+            ours = model.route(l, x)
+        torch.testing.assert_close(ours.logits, logits, atol=0, rtol=0)
+        order, ref_order = ours.idx.argsort(-1), idx.argsort(-1)
+        assert torch.equal(ours.idx.gather(1, order), idx.gather(1, ref_order))
+        torch.testing.assert_close(ours.weight.gather(1, order), weight.gather(1, ref_order), atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_cloned_gate_and_routing_from_logits_reproduce_route(tiny, arch):
     model = tiny(arch)

@@ -1,0 +1,58 @@
+"""The real default model (SmolLM2-135M MoEfied) end to end over HTTP with two expert hosts."""
+
+import httpx
+import pytest
+import torch
+
+from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.serving.api import ChatMessage, GenerationRequest
+from moeless.serving.embedded import export_store
+from moeless.serving.engine import Engine
+from moeless.serving.executor import RemoteExecutor
+from moeless.serving.placement_source import PlacementSource
+
+pytestmark = pytest.mark.slow
+NAME = "moeless-default"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def default_setup(ray_serve):
+    from ray import serve
+
+    from moeless.model.default import default_model
+    from moeless.serving.app import ServeConfig, build_app
+
+    torch.set_num_threads(1)
+    model = default_model()
+    with launch_local_hosts(2, export_store(model, NAME), metrics=False) as group:
+        serve.run(build_app(ServeConfig(NAME, default_model, tuple(group.addresses), replica_cpus=0.25,
+                                        ingress_cpus=0.1)), name="moeless", route_prefix="/")
+        yield model, group, ray_serve
+
+
+def _reference_answer(model, max_tokens):
+    request = GenerationRequest(NAME, max_tokens, False, messages=(ChatMessage("user", QUESTION),))
+    events = [e for step in Engine(model).run([request]) for e in step[0]]
+    return "".join(e.get("text", "") for e in events)
+
+
+def test_default_model_logits_through_expert_hosts_equal_reference(default_setup):
+    model, group, _ = default_setup
+    spec = model.spec
+    clients = [ExpertHostClient(a) for a in group.addresses]
+    executor = RemoteExecutor(clients, PlacementSource.static(spec.num_layers, spec.num_experts, 2))
+    ids = torch.tensor([model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")])
+    ref = model.forward(ids).logits
+    torch.testing.assert_close(model.forward(ids, executor=executor).logits, ref, rtol=0, atol=1e-5)
+    executor.close()
+
+
+def test_default_model_chat_over_http_equals_reference(default_setup):
+    model, _, url = default_setup
+    doc = {"model": NAME, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12}
+    r = httpx.post(url + "/v1/chat/completions", json=doc, timeout=300)
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]["content"]
+    assert answer == _reference_answer(model, 12) and answer.strip()
