@@ -168,5 +168,5 @@ def convert(mlps: list, x: torch.Tensor, cfg: BuildConfig, progress: bool = Fals
         groups = balanced_clusters(sim, cfg.num_experts, seed=cfg.seed * 1000 + l, iters=cfg.moefy.cluster_iters)
         mass = expert_output_norms(x[l], gate, up, down, groups)
         neurons.append(groups)
-        routers.append(train_router(x[l], mass, seed=cfg.seed * 1000 + l, cfg=cfg.moefy))
+        routers.append(train_router(x[l], mass, cfg.moefy))
     return torch.stack(neurons), torch.stack(routers)

@@ -11,7 +11,7 @@ Experts", 2022, adapted to SwiGLU):
    that always-on neurons do not attract everything.
 3. Balanced clustering: E equal-size groups that maximise the mean co-activation between a
    neuron and its group (a balanced k-means over the co-activation graph).
-4. Router: a linear gate [E, H] trained on the FFN inputs to rank the experts by the norm of
+4. Router: a linear gate [E, H] fitted on the FFN inputs to rank the experts by the norm of
    their output on each token, so that top-k picks the experts carrying the most activation.
 """
 
@@ -29,8 +29,7 @@ class MoefyConfig:
 
     active_fraction: float = 0.1  # share of neurons counted as active per token
     cluster_iters: int = 15  # balanced k-means rounds (stops earlier when stable)
-    router_steps: int = 100  # L-BFGS iterations
-    router_l2: float = 1e-4
+    router_ridge: float = 1e-2  # L2 penalty of the router regression (inputs at unit variance)
 
 
 def neuron_activations(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -125,33 +124,23 @@ def expert_output_norms(
     return out.norm(dim=-1)
 
 
-def train_router(x: torch.Tensor, mass: torch.Tensor, seed: int, cfg: MoefyConfig = MoefyConfig()) -> torch.Tensor:
-    """A linear gate whose softmax matches each token's share of expert output mass.
+def train_router(x: torch.Tensor, mass: torch.Tensor, cfg: MoefyConfig = MoefyConfig()) -> torch.Tensor:
+    """A linear gate whose logits rank the experts by their output mass on each token.
 
+    Ridge regression of the log expert-output norms on the FFN inputs, in closed form: as fast
+    as a few gradient steps and, on SmolLM2, better at picking the true top-k (docs/model.md).
     x: [T, H] FFN inputs; mass: [T, E] expert output norms -> router weight [E, H].
     """
-    x, mass = x.detach(), mass.detach()
-    h = x.shape[1]
-    e = mass.shape[1]
-    gen = torch.Generator().manual_seed(seed)
-    # 1. Target: each expert's share of the token's squared output norm (energy).
-    energy = mass.square()
-    target = energy / energy.sum(dim=1, keepdim=True).clamp_min(1e-12)
-    # 2. Scale inputs to unit variance for conditioning; the scale folds into the weights. (No
-    #    centring and no bias: the gate is a bias-free linear layer, like Mixtral's.)
+    x, mass = x.detach().double(), mass.detach().double()
+    # 1. Target: log output norm, centred per token (top-k ignores a per-token shift).
+    target = mass.clamp_min(1e-6).log()
+    target = target - target.mean(dim=1, keepdim=True)
+    # 2. Scale inputs to unit variance so that one ridge penalty suits every feature; the scale
+    #    folds into the weights. No centring and no bias: the gate is bias-free, like Mixtral's.
     scale = x.std(dim=0).clamp_min(1e-6).reciprocal()
     z = x * scale
-    weight = torch.nn.Parameter(torch.randn(e, h, generator=gen) * h**-0.5)
-    # 3. Full-batch L-BFGS on the (convex) soft-target cross-entropy with a small L2 penalty.
-    opt = torch.optim.LBFGS([weight], lr=1.0, max_iter=cfg.router_steps, history_size=20, line_search_fn="strong_wolfe")
-
-    def loss_fn() -> torch.Tensor:
-        opt.zero_grad()
-        logits = z @ weight.T
-        loss = -(target * logits.log_softmax(dim=1)).sum(dim=1).mean() + cfg.router_l2 * weight.square().sum()
-        loss.backward()
-        return loss
-
-    with torch.enable_grad():
-        opt.step(loss_fn)
-    return (weight.detach() * scale).contiguous()
+    # 3. Solve (Z^T Z / T + lambda I) W^T = Z^T Y / T.
+    t, h = z.shape
+    gram = z.T @ z / t + cfg.router_ridge * torch.eye(h, dtype=z.dtype)
+    weight = torch.linalg.solve(gram, z.T @ target / t).T
+    return (weight * scale).float().contiguous()

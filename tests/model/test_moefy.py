@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from moeless.model.moefy import (
-    MoefyConfig,
     balanced_clusters,
     coactivation,
     expert_output_norms,
@@ -98,19 +97,18 @@ def test_expert_output_norms_split_the_dense_output():
 
 
 def test_train_router_learns_which_expert_carries_the_mass():
-    # Expert e's mass grows with feature e of the input, so a linear gate can rank them.
+    # Expert e's mass grows with feature e of the input (plus noise), so a linear gate can rank them.
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4000, 6, generator=gen)
-    mass = torch.exp(2 * x[:, :4])
-    router = train_router(x, mass, seed=0, cfg=MoefyConfig(router_steps=50))
+    x = torch.randn(4000, 6, generator=gen) + 0.5
+    mass = torch.exp(2 * x[:, :4] + 0.1 * torch.randn(4000, 4, generator=gen))
+    router = train_router(x, mass)
     assert router.shape == (4, 6)
-    top1 = (x @ router.T).argmax(dim=1)
-    assert (top1 == mass.argmax(dim=1)).float().mean() > 0.9
+    top2 = (x @ router.T).topk(2, dim=1).indices.sort(dim=1).values
+    true2 = mass.topk(2, dim=1).indices.sort(dim=1).values
+    assert (top2 == true2).all(dim=1).float().mean() > 0.9
 
 
-def test_train_router_is_deterministic_per_seed():
+def test_train_router_is_deterministic():
     gen = torch.Generator().manual_seed(1)
     x, mass = torch.randn(600, 6, generator=gen), torch.rand(600, 3, generator=gen)
-    cfg = MoefyConfig(router_steps=5)
-    assert torch.equal(train_router(x, mass, seed=4, cfg=cfg), train_router(x, mass, seed=4, cfg=cfg))
-    assert not torch.equal(train_router(x, mass, seed=4, cfg=cfg), train_router(x, mass, seed=5, cfg=cfg))
+    assert torch.equal(train_router(x, mass), train_router(x, mass))

@@ -102,6 +102,11 @@ def test_bad_inputs_say_what_is_wrong(tmp_path):
         SlicedMoE(32, 4, 12, top_k=5)
     with pytest.raises(SlicedModelError, match=r"neurons must be \[L=2"):
         slice_llama(dense, _partition(1, 48, 4), torch.randn(1, 4, 32), top_k=2)
+    dense.config.hidden_act = "gelu_new"
+    with pytest.raises(ValueError, match="expert activation 'gelu_new' is not supported"):
+        slice_llama(dense, _partition(2, 48, 4), torch.randn(2, 4, 32), top_k=2)
+    with pytest.raises(ValueError, match="unsupported MoE architecture 'llama'; supported: moeless-sliced, mixtral"):
+        MoEModel(_dense())
     with pytest.raises(SlicedModelError, match="not a moeless-sliced model"):
         save_sliced(_dense(), tmp_path)
     with pytest.raises(SlicedModelError, match="config.json: missing"):

@@ -47,3 +47,14 @@ def test_traces_round_trip_and_refuse_another_model(sliced_traces, tmp_path):
     torch.testing.assert_close(back.traces[3].hidden, sliced_traces.traces[3].hidden)
     with pytest.raises(TraceError, match="not of this model"):
         load_traces(path, model_hash="0" * 16)
+
+
+def test_batched_collection_routes_every_prompt_as_if_alone(sliced, sliced_traces, tokenize, prompts):
+    from moeless.predictor.collect import collect_traces
+
+    alone = collect_traces(sliced, prompts[:10], tokenize=tokenize, hidden_dtype=torch.float32, batch_size=1, progress=False)
+    batched = {t.key: t for t in sliced_traces.traces}
+    for trace in alone.traces:
+        other = batched[trace.key]
+        torch.testing.assert_close(other.hidden, trace.hidden, atol=1e-4, rtol=1e-4)
+        assert (other.idx == trace.idx).float().mean() > 0.99
