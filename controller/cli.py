@@ -15,7 +15,22 @@ TIMING_SIZES = ((8, 8), (16, 8), (64, 8), (256, 64))
 
 
 def register(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
-    """Add `moeless bench planner`."""
+    """Add `moeless plan` and `moeless bench planner`."""
+    plan = commands.add_parser(
+        "plan",
+        help="plan one iteration's placement from per-layer expert loads and print it",
+        description="Runs a planner on loads [L, E] (a .npy file) and prints, per layer, each GPU's replicas "
+                    "(expert:share) and the predicted layer time under the paper's and the serial execution model.",
+    )
+    plan.add_argument("loads", help=".npy file of token counts per expert, shape [L, E] (or [E] for one layer)")
+    plan.add_argument("--planner", default="moeless",
+                      help="a planner name (moeless, paper, static, eplb, eplb-global, oracle, ablations) "
+                           "or 'module:function' (default moeless)")
+    plan.add_argument("--gpus", type=int, default=8, help="GPUs (default 8)")
+    plan.add_argument("--layer-cap", type=float, default=2.0, help="replicas per layer, in multiples of E (default 2)")
+    plan.add_argument("--cv-threshold", type=float, default=0.2, help="the paper's CV threshold V (default 0.2)")
+    plan.add_argument("--eplb-replicas", type=int, default=None, help="EPLB's replicas per layer (a multiple of --gpus)")
+    plan.set_defaults(func=plan_command)
     p = benches.add_parser(
         "planner",
         help="planning time per layer and plan quality on real loads: moeless vs the paper, EPLB, static EP, Oracle",
@@ -48,6 +63,32 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     p.add_argument("--skip-quality", action="store_true", help="only measure the latency model and planning time")
     p.add_argument("--skip-timing", action="store_true", help="skip the planning-time part")
     p.set_defaults(func=bench_planner)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from moeless.controller import bench_planner as bench
+    from moeless.controller.planner import PlannerConfig, get_planner
+    from moeless.placement.cluster import Cluster
+
+    loads = np.atleast_2d(np.load(args.loads))
+    num_layers, num_experts = loads.shape
+    model, _ = bench.measure_latency_model(repeats=10)  # never invented: measured here, in seconds
+    cap = int(round(args.layer_cap * num_experts))
+    cluster = Cluster.uniform(args.gpus, -(-num_layers * cap // args.gpus), expert_bytes=1, layer_cap_replicas=cap)
+    config = PlannerConfig(model=model, cv_threshold=args.cv_threshold, eplb_replicas=args.eplb_replicas)
+    planner = get_planner(args.planner, config)
+    placement = planner(loads, cluster)
+    priced = planner.lossy_load(loads) if planner.lossy_load else loads
+    for l, layer in enumerate(placement.layers):
+        paper = model.layer_time(priced[l], layer, args.gpus, "paper")
+        serial = model.layer_time(priced[l], layer, args.gpus, "serial")
+        print(f"layer {l}: {layer.num_replicas} replicas, paper {paper * 1e6:.1f} us, serial {serial * 1e6:.1f} us")
+        for g in range(args.gpus):
+            mine = np.flatnonzero(layer.gpu == g)
+            print(f"  gpu {g}: " + " ".join(f"{layer.expert[i]}:{layer.share[i]:.2f}" for i in mine))
+    return 0
 
 
 def bench_planner(args: argparse.Namespace) -> int:

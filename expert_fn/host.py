@@ -64,7 +64,10 @@ def serve(args: argparse.Namespace) -> int:
     device, capacity = detect_device(args.gpu, memory)
     runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s)
     # 2. gRPC server and HTTP endpoints.
-    server = grpc.server(ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"), options=CHANNEL_OPTIONS)
+    # OpenMP's thread count is per thread: without the initializer, handler threads compute on every core.
+    handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,
+                                  initargs=(args.threads,))
+    server = grpc.server(handlers, options=CHANNEL_OPTIONS)
     pb_grpc.add_ExpertHostServicer_to_server(ExpertHostServicer(runtime), server)
     port = server.add_insecure_port(f"{args.bind}:{args.port}")
     if port == 0:

@@ -19,7 +19,15 @@ from typing import Iterator
 
 import torch
 
-from moeless.model.moefy import MoefyConfig, balanced_clusters, coactivation, expert_output_norms, neuron_activations, train_router
+from moeless.model.moefy import (
+    MoefyConfig,
+    balanced_clusters,
+    coactivation,
+    expert_output_norms,
+    ffn_hidden,
+    neuron_activations,
+    train_router,
+)
 from moeless.paths import cache_dir
 
 # Bump when the conversion's result changes for the same arguments (invalidates caches).
@@ -164,9 +172,10 @@ def convert(mlps: list, x: torch.Tensor, cfg: BuildConfig, progress: bool = Fals
     for l, mlp in enumerate(tqdm(mlps, desc="moefy layers", disable=not progress)):
         gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
         # 1. Co-activation of neurons; 2. equal-size groups; 3. a router ranking the groups.
-        sim = coactivation(neuron_activations(x[l], gate, up, down), cfg.moefy.active_fraction)
+        h = ffn_hidden(x[l], gate, up)
+        sim = coactivation(neuron_activations(h, down), cfg.moefy.active_fraction)
         groups = balanced_clusters(sim, cfg.num_experts, seed=cfg.seed * 1000 + l, iters=cfg.moefy.cluster_iters)
-        mass = expert_output_norms(x[l], gate, up, down, groups)
+        mass = expert_output_norms(h, down, groups)
         neurons.append(groups)
         routers.append(train_router(x[l], mass, cfg.moefy))
     return torch.stack(neurons), torch.stack(routers)

@@ -6,7 +6,7 @@ N the dense FFN's neurons, E experts, F = N / E neurons per expert.
 Method (after Zhang et al., "MoEfication: Transformer Feed-forward Layers are Mixtures of
 Experts", 2022, adapted to SwiGLU):
 1. A neuron's activation on a token is the size of its contribution to the FFN output,
-   |act(gate x) * up x| * ||down column||; per token, the top `active_fraction` are "active".
+   |silu(gate x) * up x| * ||down column||; per token, the top `active_fraction` are "active".
 2. Co-activation: how often two neurons are active on the same token, cosine-normalised so
    that always-on neurons do not attract everything.
 3. Balanced clustering: E equal-size groups that maximise the mean co-activation between a
@@ -32,12 +32,19 @@ class MoefyConfig:
     router_ridge: float = 1e-2  # L2 penalty of the router regression (inputs at unit variance)
 
 
-def neuron_activations(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Contribution size of each neuron on each token: |silu(x gate^T) * (x up^T)| * ||down[:, n]||.
+def ffn_hidden(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU FFN's neuron values silu(x gate^T) * (x up^T).
 
-    x: [T, H]; gate: [N, H]; up: [N, H]; down: [H, N] -> [T, N].
+    x: [T, H]; gate: [N, H]; up: [N, H] -> h: [T, N].
     """
-    h = F.silu(x @ gate.T) * (x @ up.T)
+    return F.silu(x @ gate.T) * (x @ up.T)
+
+
+def neuron_activations(h: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Contribution size of each neuron on each token: |h[t, n]| * ||down[:, n]||.
+
+    h: [T, N] neuron values; down: [H, N] -> [T, N].
+    """
     return h.abs() * down.norm(dim=0)
 
 
@@ -111,16 +118,12 @@ def _assign_balanced(score: torch.Tensor, size: int) -> torch.Tensor:
     return torch.tensor(assign)
 
 
-def expert_output_norms(
-    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, groups: torch.Tensor
-) -> torch.Tensor:
+def expert_output_norms(h: torch.Tensor, down: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """||output of expert e on token t||, where expert e is the neurons groups[e] of the FFN.
 
-    x: [T, H]; gate, up: [N, H]; down: [H, N]; groups: [E, F] -> [T, E].
+    h: [T, N] neuron values; down: [H, N]; groups: [E, F] -> [T, E].
     """
-    h = F.silu(x @ gate.T) * (x @ up.T)  # [T, N]
-    per_expert = h[:, groups]  # [T, E, F]
-    out = torch.einsum("tef,hef->teh", per_expert, down[:, groups])  # [T, E, H]
+    out = torch.einsum("tef,hef->teh", h[:, groups], down[:, groups])  # [T, E, H]
     return out.norm(dim=-1)
 
 

@@ -50,7 +50,7 @@ class _Gpus:
     the least-loaded eligible GPU is one C-level min().
     """
 
-    def __init__(self, free_slots: np.ndarray, num_experts: int):
+    def __init__(self, free_slots: np.ndarray, num_experts: int, gpu_load: np.ndarray | None = None):
         self.free = [int(s) for s in free_slots]
         self.total = sum(self.free)
         self.unplaced = num_experts  # experts that still lack their first replica
@@ -58,8 +58,10 @@ class _Gpus:
             raise PlacementError(
                 f"{self.total} free replica slots cannot hold {num_experts} experts; add GPU memory or GPUs"
             )
-        self.work = [0.0] * len(self.free)
-        self.queue = [0.0 if f > 0 else INF for f in self.free]
+        if gpu_load is not None and np.shape(gpu_load) != (len(self.free),):
+            raise ValueError(f"gpu_load must be [G] = [{len(self.free)}], got shape {np.shape(gpu_load)}")
+        self.work = [0.0] * len(self.free) if gpu_load is None else [float(w) for w in gpu_load]
+        self.queue = [w if f > 0 else INF for w, f in zip(self.work, self.free)]
         self.all = range(len(self.free))
 
     def spare(self) -> int:
@@ -114,15 +116,20 @@ def _check(load: np.ndarray, logcnt: np.ndarray, free_slots: np.ndarray) -> tupl
 
 
 def place_jsq_warm(
-    load: np.ndarray, logcnt: np.ndarray, free_slots: np.ndarray, previous: LayerPlacement | None = None
+    load: np.ndarray,
+    logcnt: np.ndarray,
+    free_slots: np.ndarray,
+    previous: LayerPlacement | None = None,
+    gpu_load: np.ndarray | None = None,
 ) -> tuple[LayerPlacement, np.ndarray]:
-    """The paper's placer. load: [E] tokens, logcnt: [E] replicas, free_slots: [G].
+    """The paper's placer. load: [E] tokens, logcnt: [E] replicas, free_slots: [G], gpu_load: [G]
+    tokens the GPUs already carry (default none).
 
     Returns the layer's placement (even shares) and the free slots left: [G].
     """
     load, logcnt = _check(load, logcnt, free_slots)
     num_experts = load.shape[0]
-    gpus, warm = _Gpus(free_slots, num_experts), _warm_map(previous, num_experts)
+    gpus, warm = _Gpus(free_slots, num_experts, gpu_load), _warm_map(previous, num_experts)
     per_replica = load / logcnt
     counts, loads = logcnt.tolist(), per_replica.tolist()
     experts, placed = [], []
@@ -160,6 +167,7 @@ def place_priced(
     horizon: float = 1.0,
     split: str = "level",
     budget: int | None = None,
+    gpu_load: np.ndarray | None = None,
 ) -> tuple[LayerPlacement, np.ndarray, list[WarmMove]]:
     """moeless's placer. load: [E] tokens, logcnt: [E] replicas, free_slots: [G].
 
@@ -168,17 +176,18 @@ def place_priced(
     amortised (staying warm costs its penalty each iteration; a cold start is paid once). split:
     "level" (uneven shares that level the chosen GPUs) or "even". budget: most replicas the layer
     may hold; with "level", replicas beyond logcnt (up to it) relieve the busiest GPU while that
-    pays (step 5). Returns the placement, the free slots left [G] and the warm replicas that moved.
+    pays (step 5). gpu_load: [G] work the GPUs already carry (default none). Returns the
+    placement, the free slots left [G] and the warm replicas that moved.
     """
     load, logcnt = _check(load, logcnt, free_slots)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
     num_experts, num_gpus = load.shape[0], len(free_slots)
-    gpus, warm = _Gpus(free_slots, num_experts), _warm_map(previous, num_experts)
+    gpus, warm = _Gpus(free_slots, num_experts, gpu_load), _warm_map(previous, num_experts)
     alpha = model.alpha
     call = model.call_overhead / alpha if alpha > 0 else 0.0
-    peak = 0.0  # the most work on any GPU so far
-    balanced = (float(load.sum()) + call * int((load > 0).sum())) / num_gpus
+    peak = max(gpus.work)  # the most work on any GPU so far
+    balanced = (float(load.sum()) + call * int((load > 0).sum()) + sum(gpus.work)) / num_gpus
     loads, counts = load.tolist(), logcnt.tolist()
     experts, placed, shares, moves = [], [], [], []
     # 1. Single-replica experts from most to least loaded (longest processing time first), then

@@ -35,7 +35,7 @@ def trace_batch(model, rows: list[tuple[str, str]], seqs: list[torch.Tensor], hi
     # Sorted by length, padded_batches keeps the given order within the one batch.
     ids, mask = next(padded_batches(seqs, len(seqs), pad_id=0))
     with model.capture() as capture:
-        model(ids, attention_mask=mask)
+        model.forward(ids, attention_mask=mask)
     records = capture.iterations[0]  # per layer; unpadded tokens, row after row
     lengths = [len(s) for s in seqs]
     per_layer = [(torch.split(r.gate_input, lengths), torch.split(r.idx, lengths)) for r in records]

@@ -87,6 +87,13 @@ class RoutingTraces:
         idx = torch.cat([t.idx[target] for t in self.traces])
         return x_source, x_target, idx
 
+    def channel_rms(self, layer: int) -> torch.Tensor:
+        """Root mean square of every input channel of `layer`'s gate over all tokens: [H]."""
+        if not self.traces:
+            raise TraceError("no traces in this split; collect more prompts")
+        squares = sum(t.hidden[layer].float().pow(2).sum(0) for t in self.traces)
+        return (squares / self.num_tokens).sqrt()
+
     @property
     def num_tokens(self) -> int:
         return sum(t.num_tokens for t in self.traces)

@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from moeless.predictor.dataset import RoutingTraces
-from moeless.predictor.gate_replica import ModulePredictor, Pair, Route, gate_copies, gate_route
+from moeless.predictor.gate_replica import ModulePredictor, Pair, Route, gate_route, rescaled_gate_copies
 from moeless.predictor.metrics import topk_hit_rate
 
 
@@ -114,12 +114,14 @@ def layer_aware_finetune(
 ) -> tuple[ModulePredictor, dict[Pair, PairReport]]:
     """Gate replicas for `pairs`, fine-tuned only where the copied gate is under the threshold.
 
-    1. Copy gate l+d for every pair and profile its validation accuracy on layer l's inputs.
+    1. Copy gate l+d for every pair, its input channels rescaled from layer l+d's statistics to
+       layer l's (gate_replica.rescaled_gate_copies, on the fit traces), and profile its
+       validation accuracy on layer l's inputs.
     2. Fine-tune the pairs under config.threshold, worst first (the time budget goes to them).
     3. Pairs already at the threshold, or out of budget, keep the gate's own weights.
     """
     route = gate_route(model)
-    modules = gate_copies(model, pairs)
+    modules = rescaled_gate_copies(model, fit, pairs)
     profile = {pair: hit_rate(modules[pair], route, sum(pair), pair_data(model, val, pair)) for pair in pairs}
     reports = {pair: PairReport(before=acc, after=acc, epochs=0, tuned=False) for pair, acc in profile.items()}
     weak = sorted((p for p in pairs if profile[p] < config.threshold), key=profile.get)

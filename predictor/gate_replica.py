@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from moeless.predictor.base import Forecast, load_from_topk
+from moeless.predictor.dataset import RoutingTraces
 
 Pair = tuple[int, int]  # (source layer l, distance d): the module predicts layer l + d from layer l
 Route = Callable[[int, torch.Tensor], torch.Tensor]  # (target layer, logits [T, E]) -> idx [T, k]
@@ -68,6 +69,27 @@ def gate_copies(model, pairs: list[Pair]) -> dict[Pair, nn.Module]:
     if bad:
         raise ValueError(f"pairs {bad} need 0 <= l and 0 <= d with l + d < L = {num_layers}")
     return {(l, d): copy.deepcopy(model.gate(l + d)).requires_grad_(False) for l, d in pairs}
+
+
+@torch.no_grad()
+def rescaled_gate_copies(model, traces: RoutingTraces, pairs: list[Pair]) -> dict[Pair, nn.Module]:
+    """Copies of gate l + d whose input channel c is scaled by rms_{l+d}[c] / rms_l[c] (over `traces`).
+
+    Layer l's gate input differs from layer l+d's mostly per channel (each layer's norm has its
+    own weights); a gate can carry huge weights on channels that are near zero in its own input
+    and then mispredicts on layer l's. Folding the ratio into the weights keeps the architecture
+    and size, and leaves d = 0 exactly the gate.
+    """
+    copies = gate_copies(model, pairs)
+    rms = {l: traces.channel_rms(l) for l in sorted({l for pair in pairs for l in (pair[0], sum(pair))})}
+    for (l, d), gate in copies.items():
+        if d == 0:
+            continue
+        if not isinstance(gate, nn.Linear):
+            raise TypeError(f"gate {l + d} is a {type(gate).__name__}; rescaling needs a bias-free nn.Linear [E, H]")
+        scale = torch.where(rms[l] > 0, rms[l + d] / rms[l].clamp_min(1e-12), torch.ones_like(rms[l]))
+        gate.weight.mul_(scale.to(gate.weight.dtype))
+    return copies
 
 
 def gate_reuse(model, pairs: list[Pair]) -> ModulePredictor:

@@ -12,6 +12,7 @@ OpenAI-style responses and server-sent events, and serves /healthz and /metrics.
 # No `from __future__ import annotations`: FastAPI must see the real `Request` type of the routes.
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -56,6 +57,9 @@ class ModelServer:
         from moeless.serving.placement_source import PlacementSource
 
         torch.set_num_threads(config.torch_threads)
+        # Decoding runs here, off the event loop; OpenMP's thread count is per thread, so set it in the worker too.
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="decode", initializer=torch.set_num_threads,
+                                           initargs=(config.torch_threads,))
         model = config.model_loader()
         model.drop_experts()
         spec = model.spec
@@ -85,7 +89,7 @@ class ModelServer:
         steps = self.engine.run(requests)
         done, first = [False] * len(requests), True
         while not all(done):
-            events = await loop.run_in_executor(None, next, steps, None)  # decoding blocks: off the event loop
+            events = await loop.run_in_executor(self._decoder, next, steps, None)
             if events is None:
                 return
             if first:  # tell each request how many it was batched with (for the ingress' metrics)

@@ -9,6 +9,12 @@ Gather: each expert's outputs are put back in token order and combined with the 
 expert by expert, in the same order as the in-process reference (LocalExecutor), so the result
 equals the reference forward up to float rounding inside the expert matmuls.
 
+Chunks are whole and never smaller than MIN_CHUNK rows unless the expert has fewer tokens than
+that (then one replica takes them all): CPU BLAS (MKL sgemm, measured here) computes batches of
+1-3 rows with other kernels than larger ones, which round differently, while every batch of 4 or
+more rows gives each row bit-identical results. Keeping chunks that large makes the serving
+path's expert outputs identical to the reference's for any placement.
+
 Replica i lives on host `placement.gpu[i]`: GPU ids of a placement are expert-host indices.
 """
 
@@ -20,6 +26,8 @@ import numpy as np
 import torch
 
 from moeless.placement.types import LayerPlacement
+
+MIN_CHUNK = 4  # rows; see the module docstring
 
 
 class NoLiveHostError(RuntimeError):
@@ -69,7 +77,7 @@ def plan_scatter(idx: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
     load = np.zeros(num_experts, dtype=np.int64)
     for e, tokens in experts.items():
         load[e] = tokens.rows.numel()
-    counts = placement.replica_tokens(load)
+    counts = merge_small_chunks(placement.expert, placement.replica_tokens(load), MIN_CHUNK)
     # 3. Consecutive chunks per replica, appended to the replica's host batch.
     offset = np.zeros(num_experts, dtype=np.int64)
     chunks: dict[int, dict[int, list[torch.Tensor]]] = {}
@@ -82,6 +90,29 @@ def plan_scatter(idx: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
         chunks.setdefault(int(placement.gpu[r]), {}).setdefault(e, []).append(torch.arange(start, start + n))
     hosts = {h: {e: torch.cat(parts) for e, parts in sorted(batch.items())} for h, batch in sorted(chunks.items())}
     return ScatterPlan(experts, hosts)
+
+
+def merge_small_chunks(expert: np.ndarray, counts: np.ndarray, min_rows: int) -> np.ndarray:
+    """Move every chunk of fewer than min_rows tokens to its expert's largest chunk.
+
+    expert: [R] expert of each replica; counts: [R] tokens per replica -> [R], same per-expert sums;
+    afterwards each expert has either one non-empty chunk or only chunks of >= min_rows.
+    """
+    counts = counts.copy()
+    for e in np.unique(expert):
+        idx = np.flatnonzero(expert == e)
+        while True:
+            live = idx[counts[idx] > 0]
+            small = live[counts[live] < min_rows]
+            if live.size <= 1 or small.size == 0:
+                break
+            # 1. The smallest chunk joins the largest other chunk (ties: lower replica index).
+            donor = small[np.argmin(counts[small])]  # argmin and argmax return the first of ties
+            others = live[live != donor]
+            taker = others[np.argmax(counts[others])]
+            counts[taker] += counts[donor]
+            counts[donor] = 0
+    return counts
 
 
 def host_inputs(plan: ScatterPlan, x: torch.Tensor) -> dict[int, dict[int, torch.Tensor]]:

@@ -10,6 +10,7 @@ from moeless.model.moefy import (
     balanced_clusters,
     coactivation,
     expert_output_norms,
+    ffn_hidden,
     neuron_activations,
     train_router,
 )
@@ -30,11 +31,12 @@ def _planted_similarity(groups: int, size: int, seed: int) -> tuple[torch.Tensor
     return sim, block
 
 
-def test_neuron_activations_are_contribution_sizes():
+def test_ffn_hidden_and_neuron_activations_are_contribution_sizes():
     gate, up, down = _ffn()
     x = torch.randn(5, 8)
-    acts = neuron_activations(x, gate, up, down)
-    h = F.silu(x @ gate.T) * (x @ up.T)
+    h = ffn_hidden(x, gate, up)
+    torch.testing.assert_close(h, F.silu(x @ gate.T) * (x @ up.T))
+    acts = neuron_activations(h, down)
     # The contribution of neuron n is h[:, n] * down[:, n]; its norm is the activation.
     contrib = h[:, :, None] * down.T[None]
     assert acts.shape == (5, 24)
@@ -86,13 +88,13 @@ def test_expert_output_norms_split_the_dense_output():
     gate, up, down = _ffn()
     x = torch.randn(7, 8)
     groups = torch.randperm(24).reshape(4, 6)
-    norms = expert_output_norms(x, gate, up, down, groups)
+    h = ffn_hidden(x, gate, up)
+    norms = expert_output_norms(h, down, groups)
     assert norms.shape == (7, 4)
-    h = F.silu(x @ gate.T) * (x @ up.T)
     for e, g in enumerate(groups):
         torch.testing.assert_close(norms[:, e], (h[:, g] @ down[:, g].T).norm(dim=-1))
     # One expert holding every neuron is the dense FFN.
-    whole = expert_output_norms(x, gate, up, down, torch.arange(24)[None])
+    whole = expert_output_norms(h, down, torch.arange(24)[None])
     torch.testing.assert_close(whole[:, 0], (h @ down.T).norm(dim=-1))
 
 

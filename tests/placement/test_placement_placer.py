@@ -119,6 +119,17 @@ def test_spare_budget_relieves_the_busiest_gpu_only_when_it_pays():
     assert kept.num_replicas == 3
 
 
+def test_gpus_already_loaded_get_less():
+    model = LatencyModel(alpha=1e-6, beta=0.0, cold_start=0.0)
+    busy = np.array([0.0, 500.0])
+    paper, _ = place_jsq_warm(np.array([100.0, 50.0]), np.array([1, 1]), np.array([2, 2]), gpu_load=busy)
+    assert paper.gpu.tolist() == [0, 0]
+    ours, _, _ = place_priced(np.array([100.0, 50.0]), np.array([1, 1]), np.array([2, 2]), None, model, gpu_load=busy)
+    assert ours.gpu.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="gpu_load"):
+        place_jsq_warm(np.ones(2), np.ones(2, int), np.array([2, 2]), gpu_load=np.zeros(3))
+
+
 def test_level_shares_fill_the_lowest_first():
     assert _level_shares(10.0, [0.0, 4.0]) == pytest.approx([0.7, 0.3])
     assert _level_shares(2.0, [0.0, 5.0]) == pytest.approx([1.0, 0.0])

@@ -1,11 +1,13 @@
 """The real default model (SmolLM2-135M MoEfied) end to end over HTTP with two expert hosts."""
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.placement.types import LayerPlacement, Placement
 from moeless.serving.api import ChatMessage, GenerationRequest
 from moeless.serving.embedded import export_store
 from moeless.serving.engine import Engine
@@ -38,12 +40,21 @@ def _reference_answer(model, max_tokens):
     return "".join(e.get("text", "") for e in events)
 
 
-def test_default_model_logits_through_expert_hosts_equal_reference(default_setup):
+def _split(spec):
+    """Every expert with a replica on each host, shares 0.3 / 0.7: each expert's tokens cross hosts."""
+    expert = np.repeat(np.arange(spec.num_experts), 2)
+    layer = LayerPlacement(expert, np.tile([0, 1], spec.num_experts), np.tile([0.3, 0.7], spec.num_experts))
+    return Placement((layer,) * spec.num_layers, spec.num_experts, 2)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["static", "split"])
+def test_default_model_logits_through_expert_hosts_equal_reference(default_setup, split):
     model, group, _ = default_setup
     spec = model.spec
     clients = [ExpertHostClient(a) for a in group.addresses]
-    executor = RemoteExecutor(clients, PlacementSource.static(spec.num_layers, spec.num_experts, 2))
-    ids = torch.tensor([model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")])
+    placement = _split(spec) if split else Placement.static(spec.num_layers, spec.num_experts, 2)
+    executor = RemoteExecutor(clients, PlacementSource(placement))
+    ids = torch.tensor([model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)])
     ref = model.forward(ids).logits
     torch.testing.assert_close(model.forward(ids, executor=executor).logits, ref, rtol=0, atol=1e-5)
     executor.close()

@@ -6,7 +6,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from moeless.placement.types import LayerPlacement
-from moeless.serving.scatter import NoLiveHostError, evacuate, gather, host_inputs, plan_scatter
+from moeless.serving.scatter import (
+    MIN_CHUNK, NoLiveHostError, evacuate, gather, host_inputs, merge_small_chunks, plan_scatter,
+)
 
 
 def _fake_expert(e: int, x: torch.Tensor) -> torch.Tensor:
@@ -66,10 +68,30 @@ def test_every_token_goes_once_to_a_host_holding_its_expert(case):
 
 
 def test_tokens_of_one_expert_split_by_share_over_hosts():
-    idx = torch.zeros((10, 1), dtype=torch.long)  # all 10 tokens to expert 0
+    idx = torch.zeros((20, 1), dtype=torch.long)  # all 20 tokens to expert 0
     placement = LayerPlacement(np.array([0, 0, 1]), np.array([0, 1, 1]), np.array([0.3, 0.7, 1.0]))
     plan = plan_scatter(idx, placement)
-    assert plan.hosts[0][0].tolist() == [0, 1, 2] and plan.hosts[1][0].tolist() == [3, 4, 5, 6, 7, 8, 9]
+    assert plan.hosts[0][0].tolist() == list(range(6)) and plan.hosts[1][0].tolist() == list(range(6, 20))
+
+
+def test_chunks_under_min_rows_join_the_largest_chunk():
+    idx = torch.zeros((10, 1), dtype=torch.long)  # 0.3 / 0.7 of 10 tokens would be 3 + 7
+    placement = LayerPlacement(np.array([0, 0, 1]), np.array([0, 1, 1]), np.array([0.3, 0.7, 1.0]))
+    plan = plan_scatter(idx, placement)
+    assert 0 not in plan.hosts and plan.hosts[1][0].tolist() == list(range(10))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12)), min_size=1, max_size=10))
+def test_merge_small_chunks_keeps_sums_and_leaves_no_small_split(pairs):
+    expert = np.array([e for e, _ in pairs])
+    counts = np.array([c for _, c in pairs])
+    merged = merge_small_chunks(expert, counts, MIN_CHUNK)
+    for e in np.unique(expert):
+        mine = merged[expert == e]
+        assert mine.sum() == counts[expert == e].sum()
+        live = mine[mine > 0]
+        assert live.size <= 1 or (live >= MIN_CHUNK).all()
 
 
 def test_gate_choice_outside_placement_is_an_error():

