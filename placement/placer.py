@@ -190,47 +190,56 @@ def place_priced(
     balanced = (float(load.sum()) + call * int((load > 0).sum()) + sum(gpus.work)) / num_gpus
     loads, counts = load.tolist(), logcnt.tolist()
     experts, placed, shares, moves = [], [], [], []
+    cold_start = model.cold_start
+
+    def pick(e: int, item: float) -> int:
+        """2. The best cold GPU (least loaded) against the best warm one, priced in seconds; -1 if none."""
+        g = gpus.least(gpus.all)
+        if g >= 0 and g not in warm[e]:
+            hot = gpus.least(warm[e])
+            if hot >= 0:
+                straggler = max(balanced, peak, gpus.work[g] + item)
+                penalty = alpha * max(0.0, gpus.work[hot] + item - straggler)
+                if penalty <= 0.0 or penalty * horizon <= cold_start:
+                    return hot
+                moves.append(WarmMove(e, hot, g, penalty))
+        return g
+
     # 1. Single-replica experts from most to least loaded (longest processing time first), then
     #    replicated ones, whose tokens split, to level the least-loaded GPUs.
     for e in np.lexsort((-load, logcnt > 1)).tolist():
         w, want = loads[e], counts[e]
         item = w / want + (call if w > 0 else 0.0)
-        chosen: list[int] = []
-        for _ in range(1 + min(want - 1, gpus.spare())):
-            # 2. The best cold GPU (least loaded) against the best warm one, priced in seconds.
-            g = gpus.least(gpus.all)
+        if want == 1:  # the common case: one GPU, nothing to split
+            g = pick(e, item)
             if g < 0:
-                break
-            if g not in warm[e]:
-                hot = gpus.least(warm[e])
-                if hot >= 0:
-                    straggler = max(balanced, peak, gpus.work[g] + item)
-                    penalty = alpha * max(0.0, gpus.work[hot] + item - straggler)
-                    if penalty <= 0.0 or penalty * horizon <= model.cold_start:
-                        g = hot
-                    else:
-                        moves.append(WarmMove(e, hot, g, penalty))
-            # 3. A cold extra replica must save more than its cold start: each replica's tokens shrink.
-            if chosen and g not in warm[e]:
-                saved = alpha * (w / len(chosen) - w / (len(chosen) + 1))
-                if saved * horizon <= model.cold_start:
-                    break
-            gpus.hold(g)
-            chosen.append(g)
-        if len(chosen) == 1:  # the common case: nothing to split
-            g = chosen[0]
+                raise PlacementError(f"no GPU has room for expert {e}'s first replica")
             gpus.take(g, True, item)
-            gpus.release(chosen)
+            gpus.release((g,))
             peak = max(peak, gpus.work[g])
             experts.append(e)
             placed.append(g)
             shares.append(1.0)
             continue
+        chosen: list[int] = []
+        for _ in range(1 + min(want - 1, gpus.spare())):
+            g = pick(e, item)
+            if g < 0:
+                break
+            # 3. A cold extra replica must save more than its cold start: each replica's tokens shrink.
+            if chosen and g not in warm[e]:
+                saved = alpha * (w / len(chosen) - w / (len(chosen) + 1))
+                if saved * horizon <= cold_start:
+                    break
+            gpus.hold(g)
+            chosen.append(g)
         if not chosen:
             raise PlacementError(f"no GPU has room for expert {e}'s first replica")
         # 4. Split the expert's tokens; a GPU left with no tokens gets no replica.
-        if split == "level" and w > 0:
-            part = _level_shares(w, [gpus.work[g] + call for g in chosen])
+        if len(chosen) == 1:
+            part = [1.0]
+        elif split == "level" and w > 0:
+            part = _at_least_a_token(w, _level_shares(w, [gpus.work[g] + call for g in chosen]))
         else:
             part = [1.0 / len(chosen)] * len(chosen)
         first = True
@@ -286,7 +295,7 @@ def _add_replica(
     w = loads[e]
     slots = [placed[i] for i in mine] + [target]
     base = [gpus.work[placed[i]] - w * shares[i] - call for i in mine] + [gpus.work[target]]  # work without e
-    part = _level_shares(w, [b + call for b in base])
+    part = _at_least_a_token(w, _level_shares(w, [b + call for b in base]))
     after = [b + (w * p + call if p > 0 else 0.0) for b, p in zip(base, part)]
     gain = gpus.work[top] - max(after)
     if gain <= 1e-9 or (target not in warm[e] and model.alpha * gain * horizon <= model.cold_start):
@@ -321,6 +330,14 @@ def _level_shares(tokens: float, loads: list[float]) -> list[float]:
         water += ordered[i]
         level = water / (i + 1)
     return [max(0.0, level - l) / tokens for l in loads]
+
+
+def _at_least_a_token(tokens: float, shares: list[float]) -> list[float]:
+    """Shares worth less than one token become 0 (a call for a fraction of a token only costs);
+    the rest are rescaled to sum to 1. The largest share always stays."""
+    kept = [s if tokens * s >= 1.0 or s == max(shares) else 0.0 for s in shares]
+    total = sum(kept)
+    return [s / total for s in kept]
 
 
 def _normalise(experts: list[int], shares: list[float], num_experts: int) -> np.ndarray:

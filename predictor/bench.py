@@ -1,6 +1,7 @@
 """`moeless bench predictor`: every method's metrics against distance on held-out prompts.
 
-Methods: gate_replica (moeless: gate copies, layer-aware fine-tuned), gate_reuse (the original
+Methods: gate_replica (moeless: gate copies, layer-aware fine-tuned), replica_init (the same
+copies before fine-tuning: an ablation), gate_reuse (the original
 gate l+d on layer l's input, Mixtral-offloading), mlp (from scratch, ProMoE-style), history
 (moving average, EPLB), fmoe (expert-map matching). All are trained or warmed on the ShareGPT
 train prompts and scored on held-out ShareGPT prompts and on HumanEval prompts (domain shift).
@@ -12,14 +13,14 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from moeless.predictor.dataset import RoutingTraces
-from moeless.predictor.evaluate import by_distance, replay, warm
+from moeless.predictor.evaluate import by_distance, latency_ms, replay, warm
 from moeless.predictor.finetune import FitConfig, layer_aware_finetune
 from moeless.predictor.fmoe import ExpertMapPredictor
-from moeless.predictor.gate_replica import Pair, gate_reuse
+from moeless.predictor.gate_replica import ModulePredictor, Pair, gate_reuse, gate_route, rescaled_gate_copies
 from moeless.predictor.history import HistoryPredictor
 from moeless.predictor.scratch import train_scratch
 
-METHODS = ("gate_replica", "gate_reuse", "mlp", "history", "fmoe")
+METHODS = ("gate_replica", "replica_init", "gate_reuse", "mlp", "history", "fmoe")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ def run_bench(model, sharegpt: RoutingTraces, humaneval: RoutingTraces, cfg: Ben
     start = time.perf_counter()
     mlp, _ = train_scratch(model, fit, val, pairs, FitConfig(max_epochs=cfg.mlp_epochs, **cfg.fit), cfg.mlp_width, progress)
     mlp_s = time.perf_counter() - start
+    replica_init = ModulePredictor("replica_init", rescaled_gate_copies(model, fit, pairs), gate_route(model), spec.num_experts)
 
     def fresh(method: str):
         """A predictor of `method`, history-based ones warmed on the train prompts."""
@@ -76,18 +78,20 @@ def run_bench(model, sharegpt: RoutingTraces, humaneval: RoutingTraces, cfg: Ben
         elif method == "fmoe":
             p = ExpertMapPredictor(spec.num_layers, spec.num_experts, spec.top_k)
         else:
-            return {"gate_replica": replicas, "gate_reuse": gate_reuse(model, pairs), "mlp": mlp}[method]
+            return {"gate_replica": replicas, "replica_init": replica_init, "gate_reuse": gate_reuse(model, pairs), "mlp": mlp}[method]
         warm(p, train)
         return p
 
-    scores, memory = {}, {}
-    for name, traces in (("sharegpt", sharegpt.split("test")), ("humaneval", humaneval)):
+    scores, memory, latency = {}, {}, {}
+    test = sharegpt.split("test")
+    for name, traces in (("sharegpt", test), ("humaneval", humaneval)):
         scores[name] = {}
         for method in METHODS:
             predictor = fresh(method)
             per_pair = replay(predictor, traces, pairs, progress=progress)
             scores[name][method] = {str(d): m for d, m in by_distance(per_pair).items()}
             memory[method] = predictor.nbytes()
+            latency[method] = latency_ms(predictor, test.traces[0], pairs)
     tuned = [r for r in replica_reports.values() if r.tuned]
     return {
         "config": asdict(cfg),
@@ -97,8 +101,10 @@ def run_bench(model, sharegpt: RoutingTraces, humaneval: RoutingTraces, cfg: Ben
         "pairs": len(pairs),
         "scores": scores,
         "memory_bytes": memory,
+        "latency_ms_per_layer": latency,
+        "latency_tokens": test.traces[0].num_tokens,
         "gate_bytes": spec.hidden_size * spec.num_experts * 4,  # one float32 gate [E, H]
-        "memory_per_layer_bytes": {m: b / len(pairs) if m in ("gate_replica", "gate_reuse", "mlp") else b / spec.num_layers for m, b in memory.items()},
+        "memory_per_layer_bytes": {m: b / len(pairs) if m in ("gate_replica", "replica_init", "gate_reuse", "mlp") else b / spec.num_layers for m, b in memory.items()},
         "training_s": {"gate_replica": replica_s, "mlp": mlp_s},
         "finetune": {"pairs_under_threshold": sum(r.before < cfg.threshold for r in replica_reports.values()),
                      "pairs_tuned": len(tuned), "pairs_at_threshold_after": sum(r.after >= cfg.threshold for r in replica_reports.values()),

@@ -15,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from moeless.predictor.base import Predictor
-from moeless.predictor.dataset import RoutingTraces
+from moeless.predictor.dataset import PromptTrace, RoutingTraces
 from moeless.predictor.gate_replica import Pair
 from moeless.predictor.metrics import summarise, topk_hit_rate
 
@@ -28,11 +28,10 @@ class _Cases:
     true: list[np.ndarray] = field(default_factory=list)  # [E] each
     pred_idx: list[np.ndarray] = field(default_factory=list)  # [T, k] each
     true_idx: list[np.ndarray] = field(default_factory=list)  # [T, k] each
-    seconds: list[float] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
         hit = topk_hit_rate(np.concatenate(self.pred_idx), np.concatenate(self.true_idx)) if self.pred_idx else None
-        return {**summarise(np.stack(self.pred), np.stack(self.true), hit), "ms_per_layer": 1e3 * float(np.mean(self.seconds))}
+        return summarise(np.stack(self.pred), np.stack(self.true), hit)
 
 
 def warm(predictor: Predictor, traces: RoutingTraces) -> None:
@@ -42,8 +41,7 @@ def warm(predictor: Predictor, traces: RoutingTraces) -> None:
 
 
 def replay(predictor: Predictor, traces: RoutingTraces, pairs: list[Pair], progress: bool = False) -> dict[Pair, dict[str, float]]:
-    """Metrics of every (l, d) pair over the iterations of `traces` (plus ms_per_layer: mean time
-    of one predict call, the latency a layer's forecast adds when it is not overlapped)."""
+    """Metrics of every (l, d) pair over the iterations of `traces`."""
     if not traces.traces:
         raise ValueError("no traces to evaluate on; collect more prompts for this split")
     cases = {pair: _Cases() for pair in pairs}
@@ -51,9 +49,7 @@ def replay(predictor: Predictor, traces: RoutingTraces, pairs: list[Pair], progr
         hidden = trace.hidden.float()
         trajectory = trace.trajectory.numpy()
         for (source, distance), c in cases.items():
-            start = time.perf_counter()
             forecast = predictor.predict(source, distance, hidden[source], trajectory[: source + 1])
-            c.seconds.append(time.perf_counter() - start)
             c.pred.append(forecast.load)
             c.true.append(trace.load[source + distance].numpy())
             if forecast.topk is not None:
@@ -61,6 +57,20 @@ def replay(predictor: Predictor, traces: RoutingTraces, pairs: list[Pair], progr
                 c.true_idx.append(trace.idx[source + distance].numpy())
         predictor.observe(trace.load.numpy(), trajectory)
     return {pair: c.metrics() for pair, c in cases.items()}
+
+
+def latency_ms(predictor: Predictor, trace: PromptTrace, pairs: list[Pair], repeats: int = 5) -> float:
+    """Median wall time of one predict call (one layer's forecast) on one trace's tokens, in ms:
+    the latency a forecast adds to a layer when it is not overlapped with the layer's compute.
+    The median resists other processes' noise on a shared machine."""
+    hidden, trajectory = trace.hidden.float(), trace.trajectory.numpy()
+    times = []
+    for _ in range(repeats):
+        for source, distance in pairs:
+            start = time.perf_counter()
+            predictor.predict(source, distance, hidden[source], trajectory[: source + 1])
+            times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
 
 
 def by_distance(per_pair: dict[Pair, dict[str, float]]) -> dict[int, dict[str, float]]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from moeless.predictor.metrics import METRICS
 
-LABELS = {"topk_hit": "top-k hit", "load_acc": "load acc", "pearson": "Pearson", "straggler": "straggler P", "ms_per_layer": "ms/layer"}
+LABELS = {"topk_hit": "top-k hit", "load_acc": "load acc", "pearson": "Pearson", "straggler": "straggler P"}
 
 
 def _cell(value: float) -> str:
@@ -15,11 +15,10 @@ def _cell(value: float) -> str:
 
 def scores_table(scores: dict[str, dict[str, dict[str, float]]]) -> str:
     """scores[method][distance][metric] -> a fixed-width text table, one row per (method, d)."""
-    columns = (*METRICS, "ms_per_layer")
-    lines = [f"{'method':<13} {'d':>2} " + " ".join(f"{LABELS[c]:>11}" for c in columns)]
+    lines = [f"{'method':<13} {'d':>2} " + " ".join(f"{LABELS[c]:>11}" for c in METRICS)]
     for method, by_d in scores.items():
         for d, row in by_d.items():
-            lines.append(f"{method:<13} {d:>2} " + " ".join(f"{_cell(row[c]):>11}" for c in columns))
+            lines.append(f"{method:<13} {d:>2} " + " ".join(f"{_cell(row[c]):>11}" for c in METRICS))
     return "\n".join(lines)
 
 
@@ -29,10 +28,11 @@ def bench_summary(result: dict) -> str:
     for dataset, scores in result["scores"].items():
         out += [f"\n== {dataset} (held-out prompts) ==", scores_table(scores)]
     gate = result["gate_bytes"]
-    out.append("\n== memory ==")
+    out.append(f"\n== memory, and latency of one layer's forecast ({result['latency_tokens']} tokens, median) ==")
     for method, total in result["memory_bytes"].items():
         per = result["memory_per_layer_bytes"][method]
-        out.append(f"{method:<13} total {total / 2**20:8.2f} MiB   per layer {per / 1024:8.1f} KiB   ({per / gate:5.2f}x one gate)")
+        ms = result["latency_ms_per_layer"][method]
+        out.append(f"{method:<13} total {total / 2**20:8.2f} MiB   per layer {per / 1024:8.1f} KiB ({per / gate:5.2f}x one gate)   {ms:7.3f} ms/layer")
     out.append(f"\n== training == gate replicas {result['training_s']['gate_replica']:.1f} s, MLPs {result['training_s']['mlp']:.1f} s; {result['finetune']}")
     out.append("\n== gate_replica / baseline (1.18 = 18% better) ==")
     for dataset, bases in result["ratios"].items():

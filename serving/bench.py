@@ -4,9 +4,9 @@
    engine: experts in-process (the baseline, LocalExecutor) and through expert functions on
    local expert-host processes (RemoteExecutor). Outputs must be identical.
 2. Reported: generation tokens/s of both and their ratio; MoE time per layer call of both (mean
-   and median) and the ratio of medians; the serverless layer's mean time broken into gate,
-   scatter, invoke (of which the slowest host's expert compute; the rest is transfer and RPC)
-   and gather.
+   and median; all calls, prefill and decode apart) and the ratio of medians; the serverless
+   layer's mean time (all calls) broken into gate, scatter, invoke (of which the slowest host's
+   expert compute; the rest is transfer and RPC) and gather.
 3. The latency model's constants, fitted on single-expert invokes of T tokens:
    host compute = alpha * T (alpha: seconds per token of expert compute), and
    round trip - compute = overhead + 2 * beta * T (beta: seconds per token moved, each way).
@@ -27,7 +27,7 @@ FIT_TOKENS = (1, 8, 32, 128, 512)
 
 
 class TimedExecutor:
-    """Wraps an executor and records the wall time of each run_layer call."""
+    """Wraps an executor and records (tokens, seconds) of each run_layer call."""
 
     def __init__(self, inner: ExpertExecutor):
         self.inner, self.samples = inner, []
@@ -35,12 +35,16 @@ class TimedExecutor:
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         start = time.perf_counter()
         out = self.inner.run_layer(layer, x, routing)
-        self.samples.append(time.perf_counter() - start)
+        self.samples.append((x.shape[0], time.perf_counter() - start))
         return out
 
-    def summary_ms(self) -> dict[str, float]:
-        """Mean and median ms per layer call (the median resists a busy machine's stalls)."""
-        return {"mean": 1e3 * float(np.mean(self.samples)), "median": 1e3 * float(np.median(self.samples))}
+    def summary_ms(self, batch: int) -> dict[str, dict[str, float]]:
+        """Mean and median ms per layer call, for all calls, prefill and decode apart (the median
+        resists a busy machine's stalls). A decode step carries one row per sequence (<= batch)."""
+        phases = {"all": [s for _, s in self.samples], "prefill": [s for t, s in self.samples if t > batch],
+                  "decode": [s for t, s in self.samples if t <= batch]}
+        return {name: {"mean": 1e3 * float(np.mean(v)), "median": 1e3 * float(np.median(v)), "calls": len(v)}
+                for name, v in phases.items() if v}
 
 
 def bench_prompts(engine, count: int, prompt_tokens: int) -> list[list[int]]:
@@ -140,8 +144,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         "identical_outputs": ref == got,
         "tokens_per_s": {"in_process": generated / local_s, "expert_functions": generated / remote_s,
                          "ratio": (generated / remote_s) / (generated / local_s)},
-        "moe_layer_ms": {"in_process": local.summary_ms(), "expert_functions": timed_remote.summary_ms(),
-                         "ratio_of_medians": timed_remote.summary_ms()["median"] / local.summary_ms()["median"]},
+        "moe_layer_ms": _compare(local.summary_ms(batch), timed_remote.summary_ms(batch)),
         "breakdown_ms_per_layer": {"gate": 1e3 * gate_s / max(t.layers, 1), "scatter": per_call(t.scatter_s),
                                    "invoke": per_call(t.invoke_s), "expert_compute": per_call(t.compute_s),
                                    "transfer_and_rpc": per_call(t.invoke_s - t.compute_s),
@@ -149,6 +152,12 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         "tokens_moved_per_layer": t.tokens_moved / max(t.layers, 1),
         "latency_model": fit,
     }
+
+
+def _compare(local: dict, remote: dict) -> dict:
+    """Per phase: both paths' ms per layer call and the ratio of their medians."""
+    return {phase: {"in_process": local[phase], "expert_functions": remote[phase],
+                    "ratio_of_medians": remote[phase]["median"] / local[phase]["median"]} for phase in local}
 
 
 def _gate_seconds(moe, capture) -> float:
@@ -168,9 +177,11 @@ def print_report(result: dict[str, Any]) -> None:
           f"load average {result['load_average_1m']:.1f} on {os.cpu_count()} cores")
     print(f"tokens/s        in-process {tps['in_process']:8.1f}   expert functions {tps['expert_functions']:8.1f}"
           f"   ratio {tps['ratio']:.3f}")
-    local, remote = moe["in_process"], moe["expert_functions"]
-    print(f"MoE layer (ms, median/mean)  in-process {local['median']:.3f}/{local['mean']:.3f}   expert functions "
-          f"{remote['median']:.3f}/{remote['mean']:.3f}   ratio of medians {moe['ratio_of_medians']:.2f}")
+    for phase, row in moe.items():
+        local, remote = row["in_process"], row["expert_functions"]
+        print(f"MoE layer {phase:8s}(ms, median/mean)  in-process {local['median']:.3f}/{local['mean']:.3f}   "
+              f"expert functions {remote['median']:.3f}/{remote['mean']:.3f}   ratio of medians "
+              f"{row['ratio_of_medians']:.2f}")
     print("breakdown (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
     print(f"latency model: alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), beta "
           f"{fit['beta_s_per_token'] * 1e6:.3f} us/token moved (each way), call overhead "

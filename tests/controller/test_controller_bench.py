@@ -105,3 +105,13 @@ def test_loads_from_a_saved_trace_file(tmp_path: Path):
     assert str(path) in note
     with pytest.raises(ValueError, match="requests > 0"):
         request_loads_from(str(path), requests=0, new_tokens=0)
+
+
+def test_plan_command_prints_every_layer_and_gpu(tmp_path: Path, capsys):
+    from moeless.cli import main
+
+    path = tmp_path / "loads.npy"
+    np.save(path, np.array([[100, 20, 0, 5], [1, 1, 1, 1]]))
+    assert main(["plan", str(path), "--gpus", "2", "--planner", "paper"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 0:" in out and "layer 1:" in out and out.count("gpu 1:") == 2 and "serial" in out

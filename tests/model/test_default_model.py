@@ -6,6 +6,7 @@ Builds the default model once per session into $MOELESS_CACHE (about two minutes
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -31,18 +32,34 @@ PPL_RATIO_BOUND = 1.6
 GEN_PPL_BOUND = 12.0
 
 
+@contextmanager
+def _threads(n: int):
+    """Both cores for the model's big matrices (tests/conftest.py sets one thread per session)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.fixture
+def two_threads():
+    with _threads(2):
+        yield
+
+
 @pytest.fixture(scope="session")
 def dense():
-    torch.set_num_threads(2)
-    model, tokenizer = gguf_source.load_dense()
-    return model, tokenizer
+    return gguf_source.load_dense()
 
 
 @pytest.fixture(scope="session")
 def built(dense) -> tuple[float, float]:
     """Build the default model; (seconds the build took, modification time of its weights)."""
     start = time.perf_counter()
-    path = build(BuildConfig(), progress=True)
+    with _threads(2):
+        path = build(BuildConfig(), progress=True)
     return time.perf_counter() - start, (path / "model.safetensors").stat().st_mtime
 
 
@@ -100,7 +117,7 @@ def test_build_is_cached(built, moe):
     assert (spec.arch, spec.num_layers, spec.num_experts, spec.top_k, spec.expert_ffn) == ("moeless-sliced", 30, 8, 2, 192)
 
 
-def test_conversion_is_deterministic_per_seed(dense, built):
+def test_conversion_is_deterministic_per_seed(dense, built, two_threads):
     """Re-converting the first layers gives the cached partitions and routers bit for bit; another seed differs."""
     model, tokenizer = dense
     cfg = BuildConfig()
@@ -122,7 +139,7 @@ def test_conversion_is_deterministic_per_seed(dense, built):
     assert not torch.equal(other_routers, routers)
 
 
-def test_all_experts_reproduce_the_dense_model(dense, held_out, built):
+def test_all_experts_reproduce_the_dense_model(dense, held_out, built, two_threads):
     model, _ = dense
     full = default_model(top_k=8)
     seqs = held_out[:4]
@@ -130,7 +147,7 @@ def test_all_experts_reproduce_the_dense_model(dense, held_out, built):
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
 
-def test_default_k_keeps_quality_and_generates_sensible_text(dense, moe, held_out):
+def test_default_k_keeps_quality_and_generates_sensible_text(dense, moe, held_out, two_threads):
     model, tokenizer = dense
     # 1. Held-out perplexity within the measured ratio of the dense model's.
     ppl_dense = perplexity(lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits, held_out)

@@ -19,12 +19,13 @@ def test_bench_scores_every_method_and_writes_json_and_png(sliced, sliced_traces
         assert set(result["scores"][dataset]) == set(METHODS)
         for method in METHODS:
             row = result["scores"][dataset][method]["1"]
-            assert 0.0 <= row["load_acc"] <= 1.0 and row["ms_per_layer"] > 0
+            assert 0.0 <= row["load_acc"] <= 1.0
             assert math.isnan(row["topk_hit"]) == (method in ("history", "fmoe"))
     ratio = result["ratios"]["sharegpt"]["gate_reuse"]["1"]["load_acc"]
     scores = result["scores"]["sharegpt"]
     assert ratio == pytest.approx(scores["gate_replica"]["1"]["load_acc"] / scores["gate_reuse"]["1"]["load_acc"])
     assert result["memory_per_layer_bytes"]["gate_replica"] == result["gate_bytes"]
+    assert all(ms > 0 for ms in result["latency_ms_per_layer"].values())
     assert "gate_replica" in bench_summary(result)
     path = write_result(str(tmp_path), "predictor", result)
     assert json.loads(path.read_text())["pairs"] == 1

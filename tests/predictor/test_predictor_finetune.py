@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moeless.predictor.finetune import FitConfig, hit_rate, layer_aware_finetune, pair_data
-from moeless.predictor.gate_replica import all_pairs, gate_route
+from moeless.predictor.gate_replica import all_pairs, gate_route, rescaled_gate_copies
 from moeless.predictor.scratch import train_scratch
 
 
@@ -20,9 +20,10 @@ def test_finetuning_never_lowers_held_out_accuracy(sliced, split):
     config = FitConfig(threshold=1.01, max_epochs=6, lr=0.5, batch_size=32)
     predictor, reports = layer_aware_finetune(sliced, fit, val, pairs, config, progress=False)
     route = gate_route(sliced)
+    start = rescaled_gate_copies(sliced, fit, pairs)
     for pair in pairs:
         data = pair_data(sliced, val, pair)
-        original = hit_rate(sliced.gate(sum(pair)), route, sum(pair), data)
+        original = hit_rate(start[pair], route, sum(pair), data)
         after = hit_rate(predictor.modules[pair], route, sum(pair), data)
         assert reports[pair].before == pytest.approx(original)
         assert reports[pair].after == pytest.approx(after)
@@ -46,7 +47,7 @@ def test_an_exhausted_time_budget_leaves_the_gates_as_they_are(sliced, split):
     fit, val = split
     predictor, reports = layer_aware_finetune(sliced, fit, val, [(0, 1)], FitConfig(threshold=1.01, time_budget_s=0.0), progress=False)
     assert reports[(0, 1)].epochs == 0 and reports[(0, 1)].after == reports[(0, 1)].before
-    torch.testing.assert_close(predictor.modules[(0, 1)].weight, sliced.gate(1).weight)
+    torch.testing.assert_close(predictor.modules[(0, 1)].weight, rescaled_gate_copies(sliced, fit, [(0, 1)])[(0, 1)].weight)
 
 
 def test_scratch_mlp_is_larger_than_a_gate_and_learns_something(sliced, split):

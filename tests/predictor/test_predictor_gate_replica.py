@@ -7,7 +7,7 @@ import torch
 from moeless.model.tiny import TINY_ARCHS, tiny_model
 from moeless.predictor.collect import collect_traces
 from moeless.predictor.evaluate import by_distance, replay
-from moeless.predictor.gate_replica import all_pairs, gate_reuse
+from moeless.predictor.gate_replica import all_pairs, gate_reuse, rescaled_gate_copies
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -36,7 +36,6 @@ def test_replay_scores_distance_zero_perfectly_and_distance_one_less(sliced, sli
     scores = by_distance(replay(gate_reuse(sliced, pairs), sliced_traces.split("test"), pairs))
     assert scores[0]["topk_hit"] == 1.0 and scores[0]["load_acc"] == 1.0 and scores[0]["straggler"] == 1.0
     assert scores[1]["topk_hit"] < 1.0
-    assert scores[1]["ms_per_layer"] > 0
 
 
 def test_unknown_pair_and_bad_pairs_are_clear_errors(sliced):
@@ -44,3 +43,14 @@ def test_unknown_pair_and_bad_pairs_are_clear_errors(sliced):
         gate_reuse(sliced, [(0, 1)]).predict(1, 0, torch.zeros(3, sliced.spec.hidden_size), np.zeros((2, 4)))
     with pytest.raises(ValueError, match="l \\+ d < L"):
         gate_reuse(sliced, [(1, 1)])
+
+
+def test_rescaled_copies_see_layer_l_inputs_at_layer_l_plus_d_scale(sliced, sliced_traces):
+    copies = rescaled_gate_copies(sliced, sliced_traces, [(0, 0), (0, 1)])
+    torch.testing.assert_close(copies[(0, 0)].weight, sliced.gate(0).weight, rtol=0, atol=0)  # d = 0: the gate itself
+    x = sliced_traces.traces[0].hidden[0]
+    ratio = sliced_traces.channel_rms(1) / sliced_traces.channel_rms(0)
+    with torch.no_grad():
+        torch.testing.assert_close(copies[(0, 1)](x), sliced.gate(1)(x * ratio))
+    all_tokens = torch.cat([t.hidden[1] for t in sliced_traces.traces])
+    torch.testing.assert_close(sliced_traces.channel_rms(1), all_tokens.pow(2).mean(0).sqrt())
