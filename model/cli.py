@@ -66,7 +66,7 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=8, help="experts per layer E; must divide 1536 (default 8)")
-    parser.add_argument("--top-k", type=int, default=2, help="experts per token k, 1..E (default 2)")
+    parser.add_argument("--top-k", type=int, default=4, help="experts per token k, 1..E (default 4: see docs/model.md)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the neuron clustering (default 0)")
 
 

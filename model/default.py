@@ -15,7 +15,7 @@ import hashlib
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -30,6 +30,9 @@ from moeless.model.moefy import (
 )
 from moeless.paths import cache_dir
 
+if TYPE_CHECKING:
+    from moeless.model.moe_model import MoEModel
+
 # Bump when the conversion's result changes for the same arguments (invalidates caches).
 CODE_VERSION = 1
 
@@ -39,7 +42,7 @@ class BuildConfig:
     """How the default model is built: calibration data and the conversion's knobs."""
 
     num_experts: int = 8
-    top_k: int = 2
+    top_k: int = 4
     seed: int = 0
     calib_prompts: int = 256  # ShareGPT "train" prompts
     calib_tokens: int = 64  # each truncated to this many tokens
@@ -65,7 +68,7 @@ def model_path(cfg: BuildConfig) -> Path:
     return cache_dir() / f"smollm2-moe-e{cfg.num_experts}-k{cfg.top_k}-s{cfg.seed}-v{CODE_VERSION}-{_digest(cfg)}"
 
 
-def default_model(num_experts: int = 8, top_k: int = 2, seed: int = 0, force: bool = False, progress: bool = False):
+def default_model(num_experts: int = 8, top_k: int = 4, seed: int = 0, force: bool = False, progress: bool = False) -> "MoEModel":
     """The default MoEModel (moeless.model.moe_model): loaded from the cache, else built and cached.
 
     force: rebuild the conversion and the model even when cached.

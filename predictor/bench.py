@@ -34,7 +34,7 @@ class BenchConfig:
     source_stride: int = 1
     threshold: float = 0.8
     epochs: int = 20
-    mlp_epochs: int = 8
+    mlp_epochs: int = 6
     mlp_width: int = 512
     history_window: int = 16
     fit: dict = field(default_factory=lambda: {"lr": 1e-3, "batch_size": 256})
@@ -82,16 +82,16 @@ def run_bench(model, sharegpt: RoutingTraces, humaneval: RoutingTraces, cfg: Ben
         warm(p, train)
         return p
 
-    scores, memory, latency = {}, {}, {}
+    scores: dict = {}
     test = sharegpt.split("test")
     for name, traces in (("sharegpt", test), ("humaneval", humaneval)):
         scores[name] = {}
         for method in METHODS:
-            predictor = fresh(method)
-            per_pair = replay(predictor, traces, pairs, progress=progress)
+            per_pair = replay(fresh(method), traces, pairs, progress=progress)
             scores[name][method] = {str(d): m for d, m in by_distance(per_pair).items()}
-            memory[method] = predictor.nbytes()
-            latency[method] = latency_ms(predictor, test.traces[0], pairs)
+    longest = max(test.traces, key=lambda t: t.num_tokens)  # latency at the largest prefill
+    memory = {method: fresh(method).nbytes() for method in METHODS}
+    latency = {method: latency_ms(fresh(method), longest, pairs) for method in METHODS}
     tuned = [r for r in replica_reports.values() if r.tuned]
     return {
         "config": asdict(cfg),
@@ -102,7 +102,7 @@ def run_bench(model, sharegpt: RoutingTraces, humaneval: RoutingTraces, cfg: Ben
         "scores": scores,
         "memory_bytes": memory,
         "latency_ms_per_layer": latency,
-        "latency_tokens": test.traces[0].num_tokens,
+        "latency_tokens": longest.num_tokens,
         "gate_bytes": spec.hidden_size * spec.num_experts * 4,  # one float32 gate [E, H]
         "memory_per_layer_bytes": {m: b / len(pairs) if m in ("gate_replica", "replica_init", "gate_reuse", "mlp") else b / spec.num_layers for m, b in memory.items()},
         "training_s": {"gate_replica": replica_s, "mlp": mlp_s},

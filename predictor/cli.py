@@ -37,7 +37,7 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
                                            "on held-out ShareGPT and HumanEval prompts. Writes predictor.json and predictor.png with --out.")
     add_bench_flags(bench)
     bench.add_argument("--model", metavar="DIR", help="a MoE model directory (default: the default model)")
-    bench.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    bench.add_argument("--threads", type=int, default=2, help="torch CPU threads for the model's forward passes (default 2); predictors use one")
     bench.set_defaults(func=_bench)
 
 
@@ -45,7 +45,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="DIR", help="a MoE model directory (default: the default model)")
     parser.add_argument("--prompts", type=int, default=240, help="ShareGPT prompts to trace, split 70:30 by prompt (default 240)")
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens per prompt (default 96)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads for the model's forward passes (default 2); predictors use one")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -53,16 +53,18 @@ def _train(args: argparse.Namespace) -> int:
     from moeless.predictor.finetune import FitConfig, layer_aware_finetune
     from moeless.predictor.fingerprint import model_hash
     from moeless.predictor.gate_replica import all_pairs
-    from moeless.predictor.sources import dataset_traces, load_model, set_threads
+    from moeless.predictor.sources import dataset_traces, load_model
     from moeless.predictor.store import save_predictor
+    from moeless.predictor.threads import torch_threads
 
-    set_threads(args.threads)
-    model = load_model(args.model)
-    traces = dataset_traces(model, "sharegpt", args.prompts, args.max_tokens)
+    with torch_threads(args.threads):
+        model = load_model(args.model)
+        traces = dataset_traces(model, "sharegpt", args.prompts, args.max_tokens)
     fit, val = traces.split("train").holdout()
     pairs = all_pairs(model.spec.num_layers, sorted(set(args.distances)))
     config = FitConfig(threshold=args.threshold, max_epochs=args.max_epochs, time_budget_s=args.time_budget)
-    replicas, reports = layer_aware_finetune(model, fit, val, pairs, config)
+    with torch_threads(1):
+        replicas, reports = layer_aware_finetune(model, fit, val, pairs, config)
     out = args.out or cache_dir() / "predictor" / f"gate-replicas-{model_hash(model)}.pt"
     metadata = {
         "accuracy": {f"{l}/{d}": r.as_dict() for (l, d), r in reports.items()},
@@ -84,22 +86,24 @@ def _eval(args: argparse.Namespace) -> int:
     from moeless.predictor.gate_replica import gate_reuse
     from moeless.predictor.history import HistoryPredictor
     from moeless.predictor.report import scores_table
-    from moeless.predictor.sources import dataset_traces, load_model, set_threads
+    from moeless.predictor.sources import dataset_traces, load_model
     from moeless.predictor.store import load_predictor
+    from moeless.predictor.threads import torch_threads
 
-    set_threads(args.threads)
-    model = load_model(args.model)
-    predictor, meta = load_predictor(args.file, model)
+    with torch_threads(args.threads):
+        model = load_model(args.model)
+        predictor, meta = load_predictor(args.file, model)
+        sharegpt = dataset_traces(model, "sharegpt", args.prompts, args.max_tokens)
+        datasets = [("sharegpt", sharegpt.split("test"))]
+        if args.humaneval:
+            datasets.append(("humaneval", dataset_traces(model, "humaneval", args.humaneval, args.max_tokens)))
     pairs = sorted(predictor.modules)
-    sharegpt = dataset_traces(model, "sharegpt", args.prompts, args.max_tokens)
-    datasets = [("sharegpt", sharegpt.split("test"))]
-    if args.humaneval:
-        datasets.append(("humaneval", dataset_traces(model, "humaneval", args.humaneval, args.max_tokens)))
     spec = model.spec
     for name, traces in datasets:
         history = HistoryPredictor(spec.num_layers, spec.num_experts, spec.top_k)
         warm(history, sharegpt.split("train"))
-        scores = {p.name: by_distance(replay(p, traces, pairs)) for p in (predictor, gate_reuse(model, pairs), history)}
+        with torch_threads(1):
+            scores = {p.name: by_distance(replay(p, traces, pairs)) for p in (predictor, gate_reuse(model, pairs), history)}
         print(f"\n== {name}: {len(traces.traces)} held-out prompts, {traces.num_tokens} tokens ==")
         print(scores_table(scores))
     print(f"\nfile: distances {meta['distances']}, model {meta['model_hash']}, {json.dumps(meta.get('config', {}))}")
@@ -111,14 +115,16 @@ def _bench(args: argparse.Namespace) -> int:
 
     from moeless.predictor.bench import QUICK, BenchConfig, run_bench
     from moeless.predictor.report import bench_summary, plot_scores
-    from moeless.predictor.sources import dataset_traces, load_model, set_threads
+    from moeless.predictor.sources import dataset_traces, load_model
+    from moeless.predictor.threads import torch_threads
 
-    set_threads(args.threads)
     cfg = QUICK if args.quick else BenchConfig()
-    model = load_model(args.model)
-    sharegpt = dataset_traces(model, "sharegpt", cfg.sharegpt, cfg.max_tokens)
-    humaneval = dataset_traces(model, "humaneval", cfg.humaneval, cfg.max_tokens)
-    result = run_bench(model, sharegpt, humaneval, cfg)
+    with torch_threads(args.threads):
+        model = load_model(args.model)
+        sharegpt = dataset_traces(model, "sharegpt", cfg.sharegpt, cfg.max_tokens)
+        humaneval = dataset_traces(model, "humaneval", cfg.humaneval, cfg.max_tokens)
+    with torch_threads(1):
+        result = run_bench(model, sharegpt, humaneval, cfg)
     print(bench_summary(result))
     path = write_result(args.out, "predictor", result)
     if path is not None:

@@ -12,12 +12,14 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from moeless.predictor.base import Predictor
 from moeless.predictor.dataset import PromptTrace, RoutingTraces
 from moeless.predictor.gate_replica import Pair
 from moeless.predictor.metrics import summarise, topk_hit_rate
+from moeless.predictor.threads import torch_threads
 
 
 @dataclass
@@ -62,14 +64,18 @@ def replay(predictor: Predictor, traces: RoutingTraces, pairs: list[Pair], progr
 def latency_ms(predictor: Predictor, trace: PromptTrace, pairs: list[Pair], repeats: int = 5) -> float:
     """Median wall time of one predict call (one layer's forecast) on one trace's tokens, in ms:
     the latency a forecast adds to a layer when it is not overlapped with the layer's compute.
-    The median resists other processes' noise on a shared machine."""
+
+    Measured on one CPU thread, as the runtime's worker runs it (see threads.torch_threads). The
+    median resists other processes' noise.
+    """
     hidden, trajectory = trace.hidden.float(), trace.trajectory.numpy()
     times = []
-    for _ in range(repeats):
-        for source, distance in pairs:
-            start = time.perf_counter()
-            predictor.predict(source, distance, hidden[source], trajectory[: source + 1])
-            times.append(time.perf_counter() - start)
+    with torch_threads(1):
+        for _ in range(repeats):
+            for source, distance in pairs:
+                start = time.perf_counter()
+                predictor.predict(source, distance, hidden[source], trajectory[: source + 1])
+                times.append(time.perf_counter() - start)
     return 1e3 * float(np.median(times))
 
 

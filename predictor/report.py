@@ -61,7 +61,7 @@ def plot_scores(result: dict, path: str | Path) -> Path:
             ax.set_title(f"{dataset}: {LABELS[metric]}")
             ax.set_xlabel("distance d (layers ahead)")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    axes[0][1].legend(fontsize=8)  # load accuracy: the panel every method has a line in
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

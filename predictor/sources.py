@@ -7,8 +7,6 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from moeless.paths import cache_dir
 from moeless.predictor.collect import collect_traces
 from moeless.predictor.dataset import RoutingTraces, load_traces, save_traces
@@ -50,10 +48,3 @@ def dataset_traces(model, dataset: str, prompts: int, max_tokens: int, progress:
     save_traces(traces, path)
     log.info("cached %d %s traces in %s", len(traces.traces), dataset, path)
     return traces
-
-
-def set_threads(threads: int) -> None:
-    """Cap torch's CPU threads (the machines are shared)."""
-    if threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {threads}")
-    torch.set_num_threads(threads)
