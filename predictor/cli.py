@@ -37,6 +37,7 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
                                            "on held-out ShareGPT and HumanEval prompts. Writes predictor.json and predictor.png with --out.")
     add_bench_flags(bench)
     bench.add_argument("--model", metavar="DIR", help="a MoE model directory (default: the default model)")
+    bench.add_argument("--threshold", type=float, default=None, help="layer-aware fine-tuning threshold h (default 0.8)")
     bench.add_argument("--threads", type=int, default=2, help="torch CPU threads for the model's forward passes (default 2); predictors use one")
     bench.set_defaults(func=_bench)
 
@@ -111,6 +112,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from dataclasses import replace
     from pathlib import Path
 
     from moeless.predictor.bench import QUICK, BenchConfig, run_bench
@@ -119,6 +121,8 @@ def _bench(args: argparse.Namespace) -> int:
     from moeless.predictor.threads import torch_threads
 
     cfg = QUICK if args.quick else BenchConfig()
+    if args.threshold is not None:
+        cfg = replace(cfg, threshold=args.threshold)
     with torch_threads(args.threads):
         model = load_model(args.model)
         sharegpt = dataset_traces(model, "sharegpt", cfg.sharegpt, cfg.max_tokens)

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from moeless.predictor.base import Predictor

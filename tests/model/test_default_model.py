@@ -26,10 +26,11 @@ from moeless.model.default import (
 )
 from moeless.model.quality import perplexity
 
-# Measured bounds (docs/model.md: E=8, k=2, seed 0): held-out perplexity ratio MoE/dense was
-# PPL_RATIO_MEASURED; the dense model's perplexity of the MoE's greedy answer was GEN_PPL_MEASURED.
+# Bounds ~20-50% above what was measured for the default E=8, k=4, seed 0 (docs/model.md): the
+# MoE/dense perplexity ratio on these 16 held-out prompts was 5.05; the dense model's perplexity
+# of the MoE's 16-token greedy answer was 6.4.
 PPL_RATIO_BOUND = 6.0
-GEN_PPL_BOUND = 30.0
+GEN_PPL_BOUND = 10.0
 
 
 @contextmanager
@@ -73,10 +74,10 @@ def held_out(dense) -> list[torch.Tensor]:
     return encode_prompts(dense[1], sharegpt_prompts(16, "test"), 64)
 
 
-def _logits(model, seqs):
-    """Logits of each sequence alone: list of [S_i, V]."""
+def _logits(forward, seqs):
+    """Logits of each sequence alone: forward(input_ids [1, S]) -> HF output; list of [S_i, V]."""
     with torch.no_grad():
-        return [model(input_ids=s[None]).logits[0] for s in seqs]
+        return [forward(input_ids=s[None]).logits[0] for s in seqs]
 
 
 def test_missing_gguf_package_says_how_to_install(monkeypatch, tmp_path):
@@ -95,6 +96,7 @@ def test_gguf_file_is_found_without_importing_the_package():
     assert gguf_source.PACKAGE not in sys.modules
 
 
+@pytest.mark.slow
 def test_dense_model_is_smollm2(dense):
     model, tokenizer = dense
     cfg = model.config
@@ -103,6 +105,7 @@ def test_dense_model_is_smollm2(dense):
     assert tokenizer.decode(tokenizer("The capital of France")["input_ids"]) == "The capital of France"
 
 
+@pytest.mark.slow
 def test_build_is_cached(built, moe):
     build_s, mtime = built
     start = time.perf_counter()
@@ -117,6 +120,7 @@ def test_build_is_cached(built, moe):
     assert (spec.arch, spec.num_layers, spec.num_experts, spec.top_k, spec.expert_ffn) == ("moeless-sliced", 30, 8, 4, 192)
 
 
+@pytest.mark.slow
 def test_conversion_is_deterministic_per_seed(dense, built, two_threads):
     """Re-converting the first layers gives the cached partitions and routers bit for bit; another seed differs."""
     model, tokenizer = dense
@@ -139,19 +143,21 @@ def test_conversion_is_deterministic_per_seed(dense, built, two_threads):
     assert not torch.equal(other_routers, routers)
 
 
+@pytest.mark.slow
 def test_all_experts_reproduce_the_dense_model(dense, held_out, built, two_threads):
     model, _ = dense
     full = default_model(top_k=8)
     seqs = held_out[:4]
-    for ours, ref in zip(_logits(full, seqs), _logits(model, seqs)):
+    for ours, ref in zip(_logits(full.forward, seqs), _logits(model, seqs)):
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_default_k_keeps_quality_and_generates_sensible_text(dense, moe, held_out, two_threads):
     model, tokenizer = dense
     # 1. Held-out perplexity within the measured ratio of the dense model's.
     ppl_dense = perplexity(lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits, held_out)
-    ppl_moe = perplexity(lambda ids, mask: moe(ids, mask).logits, held_out)
+    ppl_moe = perplexity(lambda ids, mask: moe.forward(ids, mask).logits, held_out)
     assert ppl_moe < PPL_RATIO_BOUND * ppl_dense, (ppl_moe, ppl_dense)
     # 2. A greedy answer to a real prompt that the dense model finds likely.
     chat = [{"role": "user", "content": "What is the capital of France?"}]
