@@ -56,12 +56,11 @@ def dense():
 
 
 @pytest.fixture(scope="session")
-def built(dense) -> tuple[float, float]:
-    """Build the default model; (seconds the build took, modification time of its weights)."""
-    start = time.perf_counter()
+def built(dense) -> float:
+    """Build the default model (or find it cached); the modification time of its weights."""
     with _threads(2):
         path = build(BuildConfig(), progress=True)
-    return time.perf_counter() - start, (path / "model.safetensors").stat().st_mtime
+    return (path / "model.safetensors").stat().st_mtime
 
 
 @pytest.fixture(scope="session")
@@ -107,13 +106,13 @@ def test_dense_model_is_smollm2(dense):
 
 @pytest.mark.slow
 def test_build_is_cached(built, moe):
-    build_s, mtime = built
     start = time.perf_counter()
     again = default_model()
     load_s = time.perf_counter() - start
     path = model_path(BuildConfig())
-    assert (path / "model.safetensors").stat().st_mtime == mtime, "the second call rebuilt the model"
-    assert load_s < build_s / 3
+    assert (path / "model.safetensors").stat().st_mtime == built, "the second call rebuilt the model"
+    # A build takes a minute or more on 2 cores; loading the cached model took 0.7 s.
+    assert load_s < 15
     for l, e in [(0, 0), (29, 7)]:
         assert torch.equal(again.expert_weights(l, e)["down"], moe.expert_weights(l, e)["down"])
     spec = moe.spec
