@@ -9,6 +9,7 @@ its file exists, else from a Poisson process at the same mean rate, and the call
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-AZURE_CONV = Path("/work/shared/data/traces/AzureLLMInferenceTrace_conv.csv")
+AZURE_CONV_FILE = "AzureLLMInferenceTrace_conv.csv"
 AZURE_CONV_RATE = 19_365 / 3_600.0  # requests per second over the trace's hour (its README)
 
 
@@ -36,12 +37,20 @@ class Iteration:
     batch: int  # requests in it
 
 
-def arrival_times(count: int, path: Path = AZURE_CONV, seed: int = 0, rate_scale: float = 1.0) -> tuple[np.ndarray, str]:
+def traces_dir() -> Path:
+    """$MOELESS_TRACES, else ../shared/data/traces beside the source checkout (the project's real
+    traces; a user's clone has none, and callers fall back to a generated arrival process)."""
+    env = os.environ.get("MOELESS_TRACES")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+
+
+def arrival_times(count: int, path: Path | None = None, seed: int = 0, rate_scale: float = 1.0) -> tuple[np.ndarray, str]:
     """Seconds since the first arrival of `count` requests: ([count], a line saying where they came from).
 
     rate_scale > 1 compresses time (more requests per second). Without the trace file: a Poisson
     process at the trace's mean rate.
     """
+    path = path or traces_dir() / AZURE_CONV_FILE
     if count <= 0:
         raise ValueError(f"need at least one request, got {count}")
     if rate_scale <= 0:
