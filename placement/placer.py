@@ -240,6 +240,12 @@ def place_priced(
             part = [1.0]
         elif split == "level" and w > 0:
             part = _at_least_a_token(w, _level_shares(w, [gpus.work[g] + call for g in chosen]))
+            for hot, cold, extra in _warm_left_idle(e, chosen, part, warm[e], gpus.work, w, call, max(balanced, peak)):
+                if alpha * extra * horizon > cold_start:
+                    moves.append(WarmMove(e, hot, cold, alpha * extra))
+                else:  # staying warm is cheaper: the warm GPU takes the cold one's tokens
+                    i, j = chosen.index(hot), chosen.index(cold)
+                    part[i], part[j] = part[j], 0.0
         else:
             part = [1.0 / len(chosen)] * len(chosen)
         first = True
@@ -256,6 +262,7 @@ def place_priced(
     if split == "level" and budget is not None:
         spare = min(budget - len(experts), gpus.spare())
         _relieve_busiest(gpus, experts, placed, shares, loads, warm, spare, balanced, call, model, horizon)
+    _return_home(gpus, experts, placed, shares, loads, warm, call, model, horizon, moves)
     layer = LayerPlacement(np.array(experts, dtype=np.int64), np.array(placed, dtype=np.int64), _normalise(experts, shares, num_experts))
     return layer, np.array(gpus.free, dtype=np.int64), moves
 
@@ -313,6 +320,53 @@ def _add_replica(
         gpus.total += 1
         del experts[i], placed[i], shares[i]
     return True
+
+
+def _return_home(
+    gpus: _Gpus, experts: list[int], placed: list[int], shares: list[float], loads: list[float],
+    warm: list[list[int]], call: float, model: LatencyModel, horizon: float, moves: list[WarmMove],
+) -> None:
+    """6. Greedy order can fill a warm GPU before its expert's turn and free room there later
+    (replicas dropped in steps 4-5). A replica that went cold while a warm GPU of its expert has
+    room now goes back there, unless that raises the busiest GPU's work by more than the cold
+    start it saves: then it stays, recorded as a priced move. Edits the lists and gpus in place."""
+    settled: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for i, (e, g) in enumerate(zip(experts, placed)):
+            if g in warm[e] or i in settled:
+                continue
+            held = {placed[j] for j, x in enumerate(experts) if x == e}
+            homes = [h for h in warm[e] if h not in held and gpus.free[h] > 0]
+            if not homes:
+                continue
+            h = min(homes, key=gpus.work.__getitem__)
+            item = loads[e] * shares[i] + (call if loads[e] * shares[i] > 0 else 0.0)
+            extra = max(0.0, gpus.work[h] + item - max(gpus.work))
+            settled.add(i)
+            if model.alpha * extra * horizon > model.cold_start:
+                if not any(m.expert == e and m.cold_gpu == g for m in moves):  # not priced in step 2
+                    moves.append(WarmMove(e, h, g, model.alpha * extra))
+                continue
+            gpus.work[g] -= item
+            gpus.work[h] += item
+            gpus.free[g] += 1
+            gpus.free[h] -= 1
+            placed[i] = h
+            changed = True
+
+
+def _warm_left_idle(
+    e: int, chosen: list[int], part: list[float], warm: list[int], work: list[float], w: float, call: float, straggler: float
+) -> list[tuple[int, int, float]]:
+    """4b. Pairs (warm GPU, cold GPU, penalty in tokens) where a level split left a warm GPU of
+    expert e without tokens while a cold one got them: a move, to be priced like one. The penalty
+    is the work the warm GPU would add above the straggler if it took the cold one's tokens."""
+    idle = [g for g, p in zip(chosen, part) if g in warm and p <= 0.0]
+    busy = [(g, p) for g, p in zip(chosen, part) if g not in warm and p > 0.0]
+    return [(hot, cold, max(0.0, work[hot] + w * p + call - max(straggler, work[cold] + w * p + call)))
+            for hot, (cold, p) in zip(idle, busy)]
 
 
 def _level_shares(tokens: float, loads: list[float]) -> list[float]:
