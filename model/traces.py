@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from moeless.model.batching import left_pad
 from moeless.model.moe_model import MoEModel
 
 
@@ -85,12 +86,7 @@ def _batch_loads(model: MoEModel, seqs: list[list[int]], max_new_tokens: int, eo
     """Loads of one batch of prompts, generated together."""
     num_experts = model.spec.num_experts
     # 1. Left-pad to ids, mask: [B, S].
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros((len(seqs), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(seqs):
-        ids[b, width - len(s) :] = torch.tensor(s)
-        mask[b, width - len(s) :] = 1
+    ids, mask = left_pad(seqs)
     # 2. Generate one extra token, so that the last of max_new_tokens is fed back too.
     device = model.hf.device
     with model.capture() as capture:
@@ -106,7 +102,7 @@ def _batch_loads(model: MoEModel, seqs: list[list[int]], max_new_tokens: int, eo
     decode = torch.stack([token_counts(c) for c in calls]) if calls else no_calls  # [calls - 1, B, L, E]
     result = []
     for b, s in enumerate(seqs):
-        generated = out[b, width:].tolist()
+        generated = out[b, ids.shape[1]:].tolist()
         steps = generated.index(eos) if eos in generated else max_new_tokens
         result.append(RequestLoads(
             prefill=prefill[b].sum(0).numpy().astype(np.int64),

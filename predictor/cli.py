@@ -56,7 +56,7 @@ def _train(args: argparse.Namespace) -> int:
     from moeless.predictor.gate_replica import all_pairs
     from moeless.predictor.sources import dataset_traces, load_model
     from moeless.predictor.store import save_predictor
-    from moeless.predictor.threads import torch_threads
+    from moeless.threads import torch_threads
 
     with torch_threads(args.threads):
         model = load_model(args.model)
@@ -89,7 +89,7 @@ def _eval(args: argparse.Namespace) -> int:
     from moeless.predictor.report import scores_table
     from moeless.predictor.sources import dataset_traces, load_model
     from moeless.predictor.store import load_predictor
-    from moeless.predictor.threads import torch_threads
+    from moeless.threads import torch_threads
 
     with torch_threads(args.threads):
         model = load_model(args.model)
@@ -118,7 +118,7 @@ def _bench(args: argparse.Namespace) -> int:
     from moeless.predictor.bench import QUICK, BenchConfig, run_bench
     from moeless.predictor.report import bench_summary, plot_scores
     from moeless.predictor.sources import dataset_traces, load_model
-    from moeless.predictor.threads import torch_threads
+    from moeless.threads import torch_threads
 
     cfg = QUICK if args.quick else BenchConfig()
     if args.threshold is not None:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from moeless.paths import cache_dir
 
-DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
+DEMO_QUESTION = "What is the capital of France?"
 
 
 @dataclass(frozen=True)

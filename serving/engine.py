@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 import torch
 
 from moeless.expert_fn.errors import ReplicaLoadError
+from moeless.model.batching import left_pad
 from moeless.model.interface import ExpertExecutor
 from moeless.serving.api import ApiError, GenerationRequest, check_context
 from moeless.serving.codec import Codec, TextStream, codec_for
@@ -100,12 +101,7 @@ class Engine:
         """Greedy decoding of a batch: per step the new token of each row, None once a row is done
         (it produced EOS or max_tokens tokens)."""
         # 1. Left-pad to one [B, S] batch; the mask hides the pads, positions count real tokens only.
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, p in enumerate(prompts):
-            ids[b, width - len(p):] = torch.tensor(p)
-            mask[b, width - len(p):] = 1
+        ids, mask = left_pad(prompts)
         done = [False] * len(prompts)
         step_ids, cache = ids, None
         for step in range(max(max_tokens)):

@@ -6,7 +6,6 @@ Builds the default model once per session into $MOELESS_CACHE (about two minutes
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from moeless.model.default import (
     model_path,
 )
 from moeless.model.quality import perplexity
+from moeless.threads import torch_threads
 
 # Bounds ~20-50% above what was measured for the default E=8, k=4, seed 0 (docs/model.md): the
 # MoE/dense perplexity ratio on these 16 held-out prompts was 5.05; the dense model's perplexity
@@ -33,20 +33,9 @@ PPL_RATIO_BOUND = 6.0
 GEN_PPL_BOUND = 10.0
 
 
-@contextmanager
-def _threads(n: int):
-    """Both cores for the model's big matrices (tests/conftest.py sets one thread per session)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 @pytest.fixture
 def two_threads():
-    with _threads(2):
+    with torch_threads(2):
         yield
 
 
@@ -58,7 +47,7 @@ def dense():
 @pytest.fixture(scope="session")
 def built(dense) -> float:
     """Build the default model (or find it cached); the modification time of its weights."""
-    with _threads(2):
+    with torch_threads(2):
         path = build(BuildConfig(), progress=True)
     return (path / "model.safetensors").stat().st_mtime
 
