@@ -49,7 +49,7 @@ def measure_latency_model(repeats: int = 50, threads: int = 1) -> tuple[LatencyM
     import torch
 
     from moeless.model.experts import expert_forward
-    from moeless.model.weight_store import WeightStore, export_experts
+    from moeless.model.weight_store import export_experts
 
     hidden, ffn = EXPERT_SHAPE
     saved_threads = torch.get_num_threads()

@@ -25,7 +25,8 @@ from moeless.placement.cluster import Cluster
 from moeless.placement.eplb import rebalance_experts
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.oracle import oracle_load
-from moeless.placement.placer import place_jsq_warm, place_priced, place_round_robin
+from moeless.placement.placer import place_jsq_warm, place_round_robin
+from moeless.placement.priced_placer import place_priced
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
 

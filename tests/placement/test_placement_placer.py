@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from moeless.placement.diff import diff_layer
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.placer import _level_shares, place_jsq_warm, place_priced, place_round_robin
+from moeless.placement.placer import place_jsq_warm, place_round_robin
+from moeless.placement.priced_placer import _level_shares, place_priced
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
 SETTINGS = settings(max_examples=60, deadline=None)
