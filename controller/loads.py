@@ -29,13 +29,12 @@ def request_loads_from(source: str, requests: int, new_tokens: int) -> tuple[lis
         loads = request_loads(model, prompts, new_tokens, progress=True)
         return loads, f"tiny random moeless-sliced model, {requests} random-token prompts (wiring check, not real loads)"
     if source == "default":
-        cached = cache_dir() / f"planner-loads-default-n{requests}-t{new_tokens}.npz"
+        from moeless.model.datasets import sharegpt_prompts
+        from moeless.model.default import BuildConfig, default_model, model_path
+
+        # Keyed by the default model's own cache name (E, k, seed, code version): loads of another build never leak in.
+        cached = cache_dir() / f"planner-loads-{model_path(BuildConfig()).name}-n{requests}-t{new_tokens}.npz"
         if not cached.is_file():
-            try:
-                from moeless.model.default import default_model
-            except ImportError as err:
-                raise SystemExit(f"the default model is not available ({err}); pass --loads tiny or a .npz trace") from err
-            from moeless.model.datasets import sharegpt_prompts
 
             loads = request_loads(default_model(), sharegpt_prompts(requests, split="test"), new_tokens, progress=True)
             save_request_loads(cached, loads)
