@@ -49,7 +49,10 @@ class _Gpus:
         """The least-loaded eligible GPU of `among` (ties: the first), or -1."""
         if not among:
             return -1
-        g = min(among, key=self.queue.__getitem__)
+        if among is self.all:  # the common case: one C-level min over the queue, no key calls
+            work = min(self.queue)
+            return self.queue.index(work) if work < INF else -1
+        g = among[0] if len(among) == 1 else min(among, key=self.queue.__getitem__)
         return g if self.queue[g] < INF else -1
 
     def hold(self, g: int) -> None:
@@ -61,6 +64,11 @@ class _Gpus:
         self.total -= 1
         self.unplaced -= first
         self.work[g] += work
+
+    def take_alone(self, g: int, work: float) -> None:
+        """GPU g takes an expert's only replica: it is eligible again at once (take, then release)."""
+        self.take(g, True, work)
+        self.queue[g] = self.work[g] if self.free[g] > 0 else INF
 
     def release(self, gpus: list[int]) -> None:
         """The current expert is done: its GPUs are eligible again for the next one."""

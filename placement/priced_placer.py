@@ -64,16 +64,16 @@ def place_priced(
     alpha = model.alpha
     call = model.call_overhead / alpha if alpha > 0 else 0.0
     peak = max(gpus.work)  # the most work on any GPU so far
-    balanced = (float(load.sum()) + call * int((load > 0).sum()) + sum(gpus.work)) / num_gpus
+    balanced = (float(load.sum()) + call * np.count_nonzero(load) + sum(gpus.work)) / num_gpus
     loads, counts = load.tolist(), logcnt.tolist()
     experts, placed, shares, moves = [], [], [], []
     cold_start = model.cold_start
 
     def pick(e: int, item: float) -> int:
         """2. The best cold GPU (least loaded) against the best warm one, priced in seconds; -1 if none."""
-        g = gpus.least(gpus.all)
-        if g >= 0 and g not in warm[e]:
-            hot = gpus.least(warm[e])
+        g, warm_e = gpus.least(gpus.all), warm[e]
+        if g >= 0 and warm_e and g not in warm_e:
+            hot = gpus.least(warm_e)
             if hot >= 0:
                 straggler = max(balanced, peak, gpus.work[g] + item)
                 penalty = alpha * max(0.0, gpus.work[hot] + item - straggler)
@@ -91,8 +91,7 @@ def place_priced(
             g = pick(e, item)
             if g < 0:
                 raise PlacementError(f"no GPU has room for expert {e}'s first replica")
-            gpus.take(g, True, item)
-            gpus.release((g,))
+            gpus.take_alone(g, item)
             peak = max(peak, gpus.work[g])
             experts.append(e)
             placed.append(g)
@@ -140,7 +139,8 @@ def place_priced(
         spare = min(budget - len(experts), gpus.spare())
         _relieve_busiest(gpus, experts, placed, shares, loads, warm, spare, balanced, call, model, horizon)
     _return_home(gpus, experts, placed, shares, loads, warm, call, model, horizon, moves)
-    layer = LayerPlacement(np.array(experts, dtype=np.int64), np.array(placed, dtype=np.int64), _normalise(experts, shares, num_experts))
+    expert = np.array(experts, dtype=np.int64)
+    layer = LayerPlacement(expert, np.array(placed, dtype=np.int64), _normalise(expert, shares, num_experts))
     return layer, np.array(gpus.free, dtype=np.int64), moves
 
 
@@ -153,22 +153,33 @@ def _relieve_busiest(
     least-loaded GPU, and re-level its tokens over its GPUs; a change is kept only if the busiest
     GPU's work drops, by more than a cold start costs (per horizon) when the new replica is cold.
     Edits the replica lists (experts, placed, shares: [R]) and gpus in place."""
+    # Replica indices per expert and per GPU, ascending, so no try scans every replica. A dropped
+    # replica gets GPU -1 and leaves the lists at the end, so indices stay valid meanwhile.
+    by_expert: list[list[int]] = [[] for _ in loads]
+    by_gpu: list[list[int]] = [[] for _ in gpus.free]
+    for i, (e, g) in enumerate(zip(experts, placed)):
+        by_expert[e].append(i)
+        by_gpu[g].append(i)
     for _ in range(max(spare, 0)):
-        top = max(gpus.all, key=gpus.work.__getitem__)
+        top = gpus.work.index(max(gpus.work))  # the first busiest GPU
         if gpus.work[top] - balanced <= max(RELIEF_TOKENS, RELIEF_FRACTION * balanced):
-            return
-        there = sorted((i for i, g in enumerate(placed) if g == top), key=lambda i: -loads[experts[i]] * shares[i])
-        tries = there[:RELIEF_TRIES]
-        if not any(_add_replica(gpus, experts, placed, shares, loads, warm, experts[i], top, call, model, horizon) for i in tries):
-            return
+            break
+        tries = sorted(by_gpu[top], key=lambda i: -loads[experts[i]] * shares[i])[:RELIEF_TRIES]
+        if not any(_add_replica(gpus, experts, placed, shares, loads, warm, by_expert, by_gpu, experts[i], top, call, model, horizon)
+                   for i in tries):
+            break
+    if -1 in placed:
+        kept = [i for i, g in enumerate(placed) if g >= 0]
+        experts[:], placed[:], shares[:] = [experts[i] for i in kept], [placed[i] for i in kept], [shares[i] for i in kept]
 
 
 def _add_replica(
-    gpus: _Gpus, experts: list[int], placed: list[int], shares: list[float], loads: list[float],
-    warm: list[list[int]], e: int, top: int, call: float, model: LatencyModel, horizon: float,
+    gpus: _Gpus, experts: list[int], placed: list[int], shares: list[float], loads: list[float], warm: list[list[int]],
+    by_expert: list[list[int]], by_gpu: list[list[int]], e: int, top: int, call: float, model: LatencyModel, horizon: float,
 ) -> bool:
-    """One more replica of expert e if it lowers GPU `top`'s work and pays for itself; True if added."""
-    mine = [i for i, x in enumerate(experts) if x == e]
+    """One more replica of expert e if it lowers GPU `top`'s work and pays for itself; True if added.
+    by_expert [E], by_gpu [G]: replica indices of each expert and on each GPU, kept up to date."""
+    mine = by_expert[e]
     held = {placed[i] for i in mine}
     hot = [g for g in warm[e] if g not in held and gpus.free[g] > 0]
     target = gpus.least(hot) if hot else -1
@@ -189,13 +200,17 @@ def _add_replica(
     for i, p in zip(mine, part):
         shares[i] = p
     gpus.take(target, False, 0.0)
+    for i in mine:
+        if shares[i] <= 0:  # a replica left without tokens goes
+            gpus.free[placed[i]] += 1
+            gpus.total += 1
+            by_gpu[placed[i]].remove(i)
+            placed[i] = -1
+    by_expert[e] = [i for i in mine if placed[i] >= 0] + [len(experts)]
+    by_gpu[target].append(len(experts))
     experts.append(e)
     placed.append(target)
     shares.append(part[-1])
-    for i in sorted((i for i in mine if shares[i] <= 0), reverse=True):  # a replica left without tokens goes
-        gpus.free[placed[i]] += 1
-        gpus.total += 1
-        del experts[i], placed[i], shares[i]
     return True
 
 
@@ -207,31 +222,42 @@ def _return_home(
     (replicas dropped in steps 4-5). A replica that went cold while a warm GPU of its expert has
     room now goes back there, unless that raises the busiest GPU's work by more than the cold
     start it saves: then it stays, recorded as a priced move. Edits the lists and gpus in place."""
-    settled: set[int] = set()
+    # Only replicas off every warm GPU of their expert can go home; each is settled once priced.
+    pending = [i for i, (e, g) in enumerate(zip(experts, placed)) if warm[e] and g not in warm[e]]
+    if not pending:
+        return
+    held: dict[int, set[int]] = {experts[i]: set() for i in pending}  # GPUs holding each such expert
+    for e, g in zip(experts, placed):
+        if e in held:
+            held[e].add(g)
+    priced = {(m.expert, m.cold_gpu) for m in moves}  # moves already recorded (step 2 or here)
+    work, free, alpha, cold_start = gpus.work, gpus.free, model.alpha, model.cold_start
     changed = True
     while changed:
-        changed = False
-        for i, (e, g) in enumerate(zip(experts, placed)):
-            if g in warm[e] or i in settled:
-                continue
-            held = {placed[j] for j, x in enumerate(experts) if x == e}
-            homes = [h for h in warm[e] if h not in held and gpus.free[h] > 0]
+        changed, waiting, busiest = False, [], max(work)
+        for i in pending:
+            e, g = experts[i], placed[i]
+            homes = [h for h in warm[e] if h not in held[e] and free[h] > 0]
             if not homes:
+                waiting.append(i)  # a home may free up later in this pass
                 continue
-            h = min(homes, key=gpus.work.__getitem__)
+            h = min(homes, key=work.__getitem__)
             item = loads[e] * shares[i] + (call if loads[e] * shares[i] > 0 else 0.0)
-            extra = max(0.0, gpus.work[h] + item - max(gpus.work))
-            settled.add(i)
-            if model.alpha * extra * horizon > model.cold_start:
-                if not any(m.expert == e and m.cold_gpu == g for m in moves):  # not priced in step 2
-                    moves.append(WarmMove(e, h, g, model.alpha * extra))
+            extra = max(0.0, work[h] + item - busiest)
+            if alpha * extra * horizon > cold_start:
+                if (e, g) not in priced:
+                    priced.add((e, g))
+                    moves.append(WarmMove(e, h, g, alpha * extra))
                 continue
-            gpus.work[g] -= item
-            gpus.work[h] += item
-            gpus.free[g] += 1
-            gpus.free[h] -= 1
+            work[g] -= item
+            work[h] += item
+            free[g] += 1
+            free[h] -= 1
+            held[e].discard(g)
+            held[e].add(h)
             placed[i] = h
-            changed = True
+            changed, busiest = True, max(work)
+        pending = waiting
 
 
 def _warm_left_idle(
@@ -271,8 +297,9 @@ def _at_least_a_token(tokens: float, shares: list[float]) -> list[float]:
     return [s / total for s in kept]
 
 
-def _normalise(experts: list[int], shares: list[float], num_experts: int) -> np.ndarray:
-    """Shares rescaled to sum to exactly 1 per expert (dropping empty replicas changes the sum)."""
-    expert = np.array(experts, dtype=np.int64)
+def _normalise(expert: np.ndarray, shares: list[float], num_experts: int) -> np.ndarray:
+    """Shares rescaled to sum to exactly 1 per expert (dropping empty replicas changes the sum).
+
+    expert: [R] int, shares: [R] -> [R] float."""
     share = np.array(shares, dtype=np.float64)
     return share / np.bincount(expert, weights=share, minlength=num_experts)[expert]
