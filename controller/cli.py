@@ -9,7 +9,7 @@ from moeless.benchio import add_bench_flags, write_result
 # Planners the quality part replays: the baselines, moeless, the paper's pair and the ablations.
 QUALITY_PLANNERS = (
     "static", "oracle", "eplb", "eplb-window", "paper", "moeless",
-    "moeless-no-scaler", "moeless-no-placer", "moeless-cv-scaler", "moeless-even", "moeless-warm-always",
+    "moeless-no-scaler", "moeless-no-placer", "moeless-cold", "moeless-greedy",
 )
 TIMING_SIZES = ((8, 8), (16, 8), (64, 8), (256, 64))
 

@@ -6,9 +6,9 @@ PLANNERS) or by a "module:function" string naming such a function. `get_planner`
 config and returns a `Planner` called as planner(forecast, cluster, previous).
 
 Names: moeless (default) | paper | static | eplb | eplb-global | eplb-window | oracle, and ablations
-moeless-no-scaler, moeless-no-placer, moeless-cv-scaler (paper's stopping rule),
-moeless-even (no uneven splits), moeless-warm-always (paper's placer), paper-no-scaler,
-paper-no-placer.
+moeless-no-scaler (no expert is cut into replicas), moeless-no-placer (moeless's counts placed
+round-robin), moeless-cold (ignores the resident placement), moeless-greedy (the straggler
+scaler then the priced placer: moeless's previous default), paper-no-scaler, paper-no-placer.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from moeless.placement.eplb import rebalance_experts
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.oracle import oracle_load
 from moeless.placement.placer import place_jsq_warm, place_round_robin
+from moeless.placement.fill_placer import place_fill
 from moeless.placement.priced_placer import place_priced
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
@@ -65,6 +66,8 @@ PlanFn = Callable[[np.ndarray, Cluster, "Placement | None", PlannerConfig], Plac
 LayerScaler = Callable[[np.ndarray, "np.ndarray | None", "int | None", int], np.ndarray]
 # A placer for one layer: (load [E], logcnt [E], free slots [G], previous layer, budget) -> (layer, free slots [G]).
 LayerPlacer = Callable[[np.ndarray, np.ndarray, np.ndarray, "LayerPlacement | None", "int | None"], tuple[LayerPlacement, np.ndarray]]
+# A whole plan of one layer: (load [E], free slots [G], previous layer, budget) -> (layer, free slots [G]).
+LayerPlan = Callable[[np.ndarray, np.ndarray, "LayerPlacement | None", "int | None"], tuple[LayerPlacement, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,8 @@ def check_forecast(forecast: np.ndarray) -> np.ndarray:
     return forecast
 
 
-def plan_layers(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, scale: LayerScaler, place: LayerPlacer) -> Placement:
-    """Scale then place every layer in turn; later layers get the memory earlier ones left.
+def plan_layers(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, plan_layer: LayerPlan) -> Placement:
+    """Plan every layer in turn; later layers get the memory earlier ones left.
 
     forecast: [L, E]; previous: the placement now resident (its replicas are warm), or None.
     """
@@ -110,9 +113,8 @@ def plan_layers(forecast: np.ndarray, cluster: Cluster, previous: Placement | No
         budget = int(free.sum()) - num_experts * (num_layers - l - 1)
         budget = budget if cap is None else min(budget, cap)
         before = previous.layers[l] if previous is not None else None
-        # 2. Replica counts, then their GPUs and shares.
-        logcnt = scale(forecast[l], None if before is None else before.logcnt(num_experts), budget, cluster.num_gpus)
-        layer, free = place(forecast[l], logcnt, free, before, budget)
+        # 2. Replica counts, their GPUs and shares.
+        layer, free = plan_layer(forecast[l], free, before, budget)
         layers.append(layer)
     return Placement(tuple(layers), num_experts, cluster.num_gpus)
 
@@ -146,14 +148,14 @@ def _call_tokens(model: LatencyModel | None) -> float:
     return model.call_overhead / model.alpha if model is not None and model.alpha > 0 else 0.0
 
 
-def _placer(kind: str, config: PlannerConfig, split: str = "level") -> LayerPlacer:
+def _placer(kind: str, config: PlannerConfig) -> LayerPlacer:
     """"priced" (moeless), "warm" (paper's JSQ with warm reuse) or "off" (round-robin)."""
     if kind == "priced" and config.model is None:
         raise ValueError("moeless's placer needs a latency model: PlannerConfig(model=LatencyModel(...))")
 
     def place(load, logcnt, free, before, budget):
         if kind == "priced":
-            layer, free, _ = place_priced(load, logcnt, free, before, config.model, config.horizon, split, budget)
+            layer, free, _ = place_priced(load, logcnt, free, before, config.model, config.horizon, "level", budget)
             return layer, free
         if kind == "warm":
             return place_jsq_warm(load, logcnt, free, before)
@@ -162,12 +164,37 @@ def _placer(kind: str, config: PlannerConfig, split: str = "level") -> LayerPlac
     return place
 
 
-def _layered(scaler: str, placer: str, split: str = "level") -> PlanFn:
+def _layered(scaler: str, placer: str) -> PlanFn:
+    """A scaler (replica counts), then a placer (their GPUs and shares), layer by layer."""
+
     def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
-        place = _placer(placer, config, split)
-        if scaler == "off":  # no replication at all: the placer gets no budget for extra replicas
-            return plan_layers(forecast, cluster, previous, _scaler(scaler, config), lambda *a: place(*a[:4], None))
-        return plan_layers(forecast, cluster, previous, _scaler(scaler, config), place)
+        scale, place = _scaler(scaler, config), _placer(placer, config)
+
+        def plan_layer(load, free, before, budget):
+            logcnt = scale(load, None if before is None else before.logcnt(load.shape[0]), budget, cluster.num_gpus)
+            # with the scaler off the placer gets no budget for extra replicas either
+            return place(load, logcnt, free, before, None if scaler == "off" else budget)
+
+        return plan_layers(forecast, cluster, previous, plan_layer)
+
+    return plan
+
+
+def _filled(split: bool = True, warm: bool = True, placer: str = "fill") -> PlanFn:
+    """moeless: the lowest work level every GPU fits under decides counts and GPUs together
+    (placement/fill_placer.py). placer="off" keeps its counts but places them round-robin."""
+
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        if config.model is None:
+            raise ValueError("moeless's planner needs a latency model: PlannerConfig(model=LatencyModel(...))")
+
+        def plan_layer(load, free, before, budget):
+            layer, left, _ = place_fill(load, free, before, config.model, config.horizon, budget, split, warm)
+            if placer == "off":
+                return place_round_robin(load, layer.logcnt(load.shape[0]), free)
+            return layer, left
+
+        return plan_layers(forecast, cluster, previous, plan_layer)
 
     return plan
 
@@ -224,17 +251,16 @@ def _check_memory(placement: Placement, cluster: Cluster) -> None:
 
 
 PLANNERS: dict[str, PlanFn] = {
-    "moeless": _layered("straggler", "priced"),
+    "moeless": _filled(),
     "paper": _layered("cv", "warm"),
     "static": plan_static,
     "eplb": _plan_eplb(global_only=False),
     "eplb-global": _plan_eplb(global_only=True),
     "oracle": plan_static,
-    "moeless-no-scaler": _layered("off", "priced"),
-    "moeless-no-placer": _layered("straggler", "off"),
-    "moeless-cv-scaler": _layered("cv", "priced"),
-    "moeless-even": _layered("straggler", "priced", split="even"),
-    "moeless-warm-always": _layered("straggler", "warm"),
+    "moeless-no-scaler": _filled(split=False),
+    "moeless-no-placer": _filled(placer="off"),
+    "moeless-cold": _filled(warm=False),
+    "moeless-greedy": _layered("straggler", "priced"),
     "paper-no-scaler": _layered("off", "warm"),
     "paper-no-placer": _layered("cv", "off"),
 }

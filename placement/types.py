@@ -57,12 +57,13 @@ class LayerPlacement:
         expert_tokens = np.asarray(expert_tokens, dtype=np.int64)
         exact = expert_tokens[self.expert] * self.share
         counts = np.floor(exact).astype(np.int64)
-        for e in np.unique(self.expert):
-            idx = np.flatnonzero(self.expert == e)
-            missing = int(expert_tokens[e] - counts[idx].sum())
-            if missing > 0:
-                order = idx[np.argsort(-(exact[idx] - counts[idx]), kind="stable")]
-                counts[order[:missing]] += 1
+        missing = expert_tokens - np.bincount(self.expert, weights=counts, minlength=expert_tokens.shape[0]).astype(np.int64)
+        # Replicas grouped by expert, largest remainder first (ties: lower index); the first
+        # `missing` of each group get one more token.
+        order = np.lexsort((np.arange(self.num_replicas), counts - exact, self.expert))
+        grouped = self.expert[order]
+        rank = np.arange(self.num_replicas) - np.searchsorted(grouped, grouped)
+        counts[order[rank < missing[grouped]]] += 1
         return counts
 
     def gpu_tokens(self, expert_tokens: np.ndarray, num_gpus: int) -> np.ndarray:
