@@ -103,6 +103,7 @@ def _time_planner(planner: Planner, loads: np.ndarray, cluster: Cluster) -> dict
 
     Wall time, and the thread's CPU time (what the call costs without waiting for a busy CPU).
     """
+    planner(loads[:1], cluster, None)  # warm-up: the first call loads the compiled kernels (once per process)
     previous, wall, cpu, replicas = None, [], [], []
     enabled = gc.isenabled()
     gc.disable()  # as timeit does: a collection pause is not the planner's time

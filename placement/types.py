@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeless.placement.kernels import largest_remainder
+
 
 SHARE_TOLERANCE = 1e-9 + 1e-5  # |sum of an expert's shares - 1|, as np.isclose's default rtol + atol=1e-9
 
@@ -54,17 +56,7 @@ class LayerPlacement:
         largest-remainder rule, so counts are whole and sum exactly to the expert's tokens;
         ties go to the lower replica index (deterministic).
         """
-        expert_tokens = np.asarray(expert_tokens, dtype=np.int64)
-        exact = expert_tokens[self.expert] * self.share
-        counts = np.floor(exact).astype(np.int64)
-        missing = expert_tokens - np.bincount(self.expert, weights=counts, minlength=expert_tokens.shape[0]).astype(np.int64)
-        # Replicas grouped by expert, largest remainder first (ties: lower index); the first
-        # `missing` of each group get one more token.
-        order = np.lexsort((np.arange(self.num_replicas), counts - exact, self.expert))
-        grouped = self.expert[order]
-        rank = np.arange(self.num_replicas) - np.searchsorted(grouped, grouped)
-        counts[order[rank < missing[grouped]]] += 1
-        return counts
+        return largest_remainder(np.asarray(expert_tokens, dtype=np.int64), self.expert, np.asarray(self.share, dtype=np.float64))
 
     def gpu_tokens(self, expert_tokens: np.ndarray, num_gpus: int) -> np.ndarray:
         """Tokens each GPU computes: [G] int."""

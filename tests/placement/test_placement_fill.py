@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeless.placement.diff import diff_layer
-from moeless.placement.fill_placer import fill, place_fill
+from moeless.placement.fill_placer import place_fill
+from moeless.placement.kernels import fill
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.types import Placement, PlacementError
+from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
 CALL_1 = LatencyModel(alpha=1e-6, beta=0.0, cold_start=1e-3, call_overhead=1e-6)  # a call costs one token
 
@@ -125,11 +126,32 @@ def test_walk_follows_the_resident_order_so_groups_stay_together():
     assert diff_layer(first, second).churn <= 2 or decision.stayed
 
 
-def test_fill_respects_slots_and_budget():
-    tokens = [5.0, 5.0, 5.0]
-    assert fill(tokens, [0, 1, 2], [1, 1, 1], 1.0, 6.0, budget=3) == [(0, 0, 5.0), (1, 1, 5.0), (2, 2, 5.0)]
-    assert fill(tokens, [0, 1, 2], [1, 1], 1.0, 100.0, budget=3) is None  # 2 slots, 3 experts
-    assert fill(tokens, [0, 1, 2], [3], 1.0, 100.0, budget=2) is None  # over the budget
+def run_fill(tokens, caps, level, budget):
+    tokens, order, caps = np.array(tokens), np.arange(len(tokens)), np.array(caps)
+    out = [np.zeros(budget, np.int64), np.zeros(budget, np.int64), np.zeros(budget)]
+    count = fill(tokens, order, caps, 1.0, level, budget - len(tokens), *out)
+    return None if count < 0 else list(zip(out[0][:count].tolist(), out[1][:count].tolist(), out[2][:count].tolist()))
+
+
+def test_fill_cuts_an_overflowing_expert_and_respects_slots_and_budget():
+    assert run_fill([5.0, 5.0, 5.0], [1, 1, 1], 6.0, budget=3) == [(0, 0, 5.0), (1, 1, 5.0), (2, 2, 5.0)]
+    assert run_fill([5.0, 5.0, 5.0], [1, 1], 100.0, budget=3) is None  # 2 slots, 3 experts
+    # 6 tokens + 1 call fill bin 0, the other 3 go on with expert 1 (3 + 1 + 1 + 1 = 6 <= 7)
+    assert run_fill([9.0, 1.0], [3, 3], 7.0, budget=3) == [(0, 0, 6.0), (0, 1, 3.0), (1, 1, 1.0)]
+    assert run_fill([9.0, 1.0], [3, 3], 6.0, budget=3) is None  # 5 | 4 + 1 call + 1 + 1 call > 6
+    assert run_fill([9.0, 1.0], [3, 3], 7.0, budget=2) is None  # no cut left: 9 tokens never fit 7
+
+
+def test_largest_remainder_is_whole_and_sums_to_each_experts_tokens():
+    layer = LayerPlacement(np.array([0, 0, 0, 1]), np.array([0, 1, 2, 0]), np.array([0.5, 0.25, 0.25, 1.0]))
+    assert layer.replica_tokens(np.array([7, 3])).tolist() == [3, 2, 2, 3]  # 3.5, 1.75, 1.75: the .75s get the 2 missing
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        share = rng.dirichlet(np.ones(5))
+        layer = LayerPlacement(np.zeros(5, dtype=np.int64), np.arange(5), share)
+        tokens = int(rng.integers(0, 1000))
+        counts = layer.replica_tokens(np.array([tokens]))
+        assert counts.sum() == tokens and (np.abs(counts - tokens * share) < 1).all()
 
 
 @pytest.mark.parametrize(
