@@ -155,7 +155,7 @@ def _placer(kind: str, config: PlannerConfig) -> LayerPlacer:
 
     def place(load, logcnt, free, before, budget):
         if kind == "priced":
-            layer, free, _ = place_priced(load, logcnt, free, before, config.model, config.horizon, "level", budget)
+            layer, free, _ = place_priced(load, logcnt, free, before, config.model, config.horizon, budget)
             return layer, free
         if kind == "warm":
             return place_jsq_warm(load, logcnt, free, before)

@@ -14,7 +14,7 @@ Warm replicas are priced with the latency model, as every cold start is:
 2. each group (bin) goes to the GPU where most of its replicas are already warm;
 3. the whole plan replaces the previous one only when the layer time it saves, over `horizon`
    iterations, outweighs its cold starts (those of the GPU that loads the most); else the
-   previous replicas stay and only the token shares change.
+   previous replicas stay and their shares are re-levelled for today's loads (`kernels.reshare`).
 
 Tiny example (a call costs 1 token, 2 GPUs with 4 free slots each, loads [10, 6, 2, 0]): level
 11 (10 + 1 = 6 + 1 + 2 + 1 + 1 wasted); GPU 0 runs experts 1 and 2 (the bin with more replicas
@@ -36,14 +36,20 @@ LEVEL_TOLERANCE = 0.5  # tokens: bisection stops when the bracket is narrower (f
 
 @dataclass(frozen=True)
 class FillDecision:
-    """Why a layer's plan is what it is: the fill's level (work in tokens), and when a previous
-    placement existed, the predicted seconds the new plan saves per iteration against keeping the
-    previous replicas (re-shared), and the cold-start seconds it would cost (the slowest GPU's)."""
+    """Why a layer's plan is what it is. kind: "fill" (cuts where they lower the level), "whole"
+    (the fill without cuts) or "resident" (the replicas already loaded, re-shared); level: the
+    fill's level (work in tokens); saved_s: predicted seconds per iteration the chosen plan saves
+    against the resident replicas re-shared, cold_s: the cold starts it costs (the GPU that loads
+    the most; every replica when nothing is resident)."""
 
+    kind: str
     level: float
-    stayed: bool = False
     saved_s: float = 0.0
     cold_s: float = 0.0
+
+    @property
+    def stayed(self) -> bool:
+        return self.kind == "resident"
 
 
 def place_fill(
@@ -85,42 +91,55 @@ def place_fill(
         order = np.argsort(-load, kind="stable")
     active = load[order] > 0
     idle, order = order[~active], order[active]
-    # 2. The lowest level that fits, keeping one slot per idle expert. Later bins get more slots:
-    #    walked most loaded first, they end with the many small experts.
-    caps = np.sort(free)
-    level, expert, bin_, tokens = kernels.lowest_level(load, order, caps, call, budget - idle.size, split, LEVEL_TOLERANCE)
-    if level < 0 or slots - expert.size < idle.size:
+    # 2. Candidates, each priced as its layer time plus its cold starts (the GPU that loads the
+    #    most) amortised over the horizon: the fill at its lowest level; the same without cuts
+    #    (fewer replicas to load), unless its largest expert alone is slower; the resident
+    #    replicas re-shared (nothing to load). Ties keep the earlier.
+    was_warm = np.zeros((num_experts, num_gpus), dtype=np.int64)
+    if resident is not None:
+        was_warm[resident.expert, resident.gpu] = 1
+
+    def priced(kind: str, layer: LayerPlacement, left: np.ndarray, level: float) -> tuple:
+        cold_s = model.cold_start * kernels.most_cold_loads(layer.expert, layer.gpu, was_warm, num_gpus)
+        time_s = model.layer_time(load, layer, num_gpus, "serial")
+        return time_s + cold_s / horizon, time_s, cold_s, kind, layer, left, level
+
+    layer, left, level = _fill(load, order, idle, free, was_warm, call, budget, split)
+    if layer is None:
         raise PlacementError(
             f"{order.size} experts with tokens and {idle.size} without do not fit {num_gpus} GPUs' {slots} free slots "
             f"within a budget of {budget} replicas; add GPU memory or raise the layer memory cap"
         )
-    # 3. Bins onto GPUs, most warm replicas first; idle experts stay warm where a slot is left.
-    was_warm = np.zeros((num_experts, num_gpus), dtype=np.int64)
-    if resident is not None:
-        was_warm[resident.expert, resident.gpu] = 1
-    gpu = kernels.assign_bins(bin_, expert, was_warm, free)[bin_]
-    left = free - np.bincount(gpu, minlength=num_gpus)
-    idle_gpu = kernels.place_idle(idle, was_warm, left)
-    layer = LayerPlacement(
-        np.concatenate([expert, idle]), np.concatenate([gpu, idle_gpu]),
-        np.concatenate([tokens / load[expert], np.ones(idle.size)]),
-    )
-    # 4. The new plan only when it pays for its cold starts; else keep the resident replicas.
-    if resident is None:
-        return layer, left, FillDecision(level)
-    cold = layer.gpu[was_warm[layer.expert, layer.gpu] == 0]
-    cold_loads = int(np.bincount(cold, minlength=num_gpus).max()) if cold.size else 0
-    resident_held = np.bincount(resident.gpu, minlength=num_gpus)
-    can_stay = (
-        resident_held.shape[0] == num_gpus and bool((resident_held <= free).all())
+    candidates = [priced("fill" if split else "whole", layer, left, level)]
+    largest = float(load.max())
+    whole_floor = model.alpha * largest + model.call_overhead + 2.0 * model.beta * largest
+    if layer.num_replicas > num_experts and candidates[0][0] > whole_floor:
+        whole, whole_left, whole_level = _fill(load, order, idle, free, was_warm, call, budget, False)
+        if whole is not None:
+            candidates.append(priced("whole", whole, whole_left, whole_level))
+    if resident is not None and _fits(resident, free, budget, num_experts):
+        kept = LayerPlacement(resident.expert, resident.gpu, kernels.reshare(load, resident.expert, resident.gpu, call, num_gpus))
+        candidates.insert(0, priced("resident", kept, free - np.bincount(resident.gpu, minlength=num_gpus), level))
+    # 3. The cheapest; a stay reports what the best move would have saved and cost.
+    best = min(range(len(candidates)), key=lambda i: (candidates[i][0], i))
+    _, time_s, cold_s, kind, layer, left, level = candidates[best]
+    if kind == "resident" and len(candidates) > 1:
+        _, time_s, cold_s, *_ = min(candidates[1:], key=lambda c: c[0])
+    saved = candidates[0][1] - time_s if candidates[0][3] == "resident" else 0.0
+    return layer, left, FillDecision(kind, level, saved, cold_s)
+
+
+def _fill(load: np.ndarray, order: np.ndarray, idle: np.ndarray, free: np.ndarray, was_warm: np.ndarray, call: float,
+          budget: int, split: bool) -> tuple[LayerPlacement | None, np.ndarray, float]:
+    """The fill at its lowest level, on GPUs (kernels.fill_plan): (layer or None, free slots left [G], level)."""
+    level, expert, gpu, share, left = kernels.fill_plan(load, order, idle, free, was_warm, call, budget, split, LEVEL_TOLERANCE)
+    return (LayerPlacement(expert, gpu, share) if level >= 0 else None), left, level
+
+
+def _fits(resident: LayerPlacement, free: np.ndarray, budget: int, num_experts: int) -> bool:
+    """The resident replicas still fit this layer's slots and budget and hold every expert."""
+    held = np.bincount(resident.gpu, minlength=free.shape[0])
+    return (
+        held.shape[0] == free.shape[0] and bool((held <= free).all())
         and resident.num_replicas <= budget and bool(np.bincount(resident.expert, minlength=num_experts).all())
     )
-    if not cold_loads or not can_stay:
-        return layer, left, FillDecision(level)
-    share = resident.share / np.bincount(resident.expert, weights=resident.share)[resident.expert]
-    kept = LayerPlacement(resident.expert, resident.gpu, share)
-    saved = model.layer_time(load, kept, num_gpus, "serial") - model.layer_time(load, layer, num_gpus, "serial")
-    cold_s = model.cold_start * cold_loads
-    if saved * horizon <= cold_s:
-        return kept, free - resident_held, FillDecision(level, True, saved, cold_s)
-    return layer, left, FillDecision(level, False, saved, cold_s)

@@ -194,3 +194,97 @@ def place_idle(idle, was_warm, left):  # pragma: no cover (compiled)
         gpus[i] = choice
         left[choice] -= 1
     return gpus
+
+
+@njit(cache=True)
+def reshare(load, expert, gpu, call, num_gpus):  # pragma: no cover (compiled)
+    """Token shares of fixed replicas: [R]. load: [E]; expert, gpu: [R] the resident replicas.
+
+    Experts from most to least loaded (LPT) water-fill their tokens over the GPUs that hold them,
+    least-loaded first: k replicas share the tokens when that gives the lowest common level
+    (work + piece + call), every piece at least one token. Replicas left without tokens keep a
+    zero share (they stay warm); an expert without tokens gives its first replica share 1.
+    """
+    num_replicas = expert.shape[0]
+    share = np.zeros(num_replicas)
+    work = np.zeros(num_gpus)
+    mine = np.empty(num_replicas, np.int64)
+    for e in np.argsort(-load, kind="mergesort"):
+        count = 0
+        for r in range(num_replicas):
+            if expert[r] == e:
+                mine[count] = r
+                count += 1
+        if count == 0:
+            continue
+        w = load[e]
+        if w <= 0:
+            share[mine[0]] = 1.0
+            continue
+        ranked = mine[:count][np.argsort(work[gpu[mine[:count]]], kind="mergesort")]
+        best_k, best_level, under = 1, w + work[gpu[ranked[0]]] + call, 0.0
+        for k in range(1, count + 1):
+            under += work[gpu[ranked[k - 1]]] + call
+            level = (w + under) / k
+            if level - work[gpu[ranked[k - 1]]] - call < 1.0:
+                break
+            if level < best_level:
+                best_k, best_level = k, level
+        for j in range(best_k):
+            r = ranked[j]
+            piece = best_level - work[gpu[r]] - call if best_k > 1 else w
+            share[r] = piece / w
+            work[gpu[r]] += piece + call
+    return share
+
+
+@njit(cache=True)
+def serial_time(expert_tokens, expert, gpu, share, num_gpus, alpha, call_overhead, beta):  # pragma: no cover (compiled)
+    """Seconds of one MoE layer when replicas on a GPU run one after another: the busiest GPU's
+    sum of alpha * tokens + call_overhead per replica with tokens, plus 2 beta times the most
+    tokens any GPU receives. Tokens are whole, each expert's split by `largest_remainder`."""
+    counts = largest_remainder(expert_tokens, expert, share)
+    tokens = np.zeros(num_gpus, np.int64)
+    calls = np.zeros(num_gpus, np.int64)
+    for r in range(expert.shape[0]):
+        tokens[gpu[r]] += counts[r]
+        calls[gpu[r]] += counts[r] > 0
+    work, most = 0.0, 0
+    for g in range(num_gpus):
+        work = max(work, alpha * tokens[g] + call_overhead * calls[g])
+        most = max(most, tokens[g])
+    return work + 2.0 * beta * most
+
+
+@njit(cache=True)
+def most_cold_loads(expert, gpu, was_warm, num_gpus):  # pragma: no cover (compiled)
+    """Replicas the GPU that loads the most must load: those not resident (was_warm [E, G] == 0)."""
+    loads = np.zeros(num_gpus, np.int64)
+    for r in range(expert.shape[0]):
+        if was_warm[expert[r], gpu[r]] == 0:
+            loads[gpu[r]] += 1
+    return loads.max()
+
+
+@njit(cache=True)
+def fill_plan(load, order, idle, free, was_warm, call, budget, split, tolerance):  # pragma: no cover (compiled)
+    """The fill at its lowest level, on GPUs: (level, expert [R], gpu [R], share [R], left [G]);
+    level -1 when it does not fit. One slot is kept per idle expert; bin b may hold as many
+    replicas as the b-th fewest free slots (walked most loaded first, the last bins end with the
+    many small experts); bins go to GPUs by `assign_bins`, idle experts by `place_idle`."""
+    caps = np.sort(free)
+    level, expert, bins, tokens = lowest_level(load, order, caps, call, budget - idle.shape[0], split, tolerance)
+    pieces = expert.shape[0]
+    if level < 0 or free.sum() - pieces < idle.shape[0]:
+        return -1.0, expert, bins, tokens, free.copy()
+    gpu_of = assign_bins(bins, expert, was_warm, free)
+    left = free.copy()
+    size = pieces + idle.shape[0]
+    out_expert, out_gpu, share = np.empty(size, np.int64), np.empty(size, np.int64), np.ones(size)
+    for p in range(pieces):
+        out_expert[p], out_gpu[p] = expert[p], gpu_of[bins[p]]
+        share[p] = tokens[p] / load[expert[p]]
+        left[out_gpu[p]] -= 1
+    out_expert[pieces:] = idle
+    out_gpu[pieces:] = place_idle(idle, was_warm, left)
+    return level, out_expert, out_gpu, share, left

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeless.placement.kernels import serial_time
 from moeless.placement.types import LayerPlacement
 
 EXECUTIONS = ("paper", "serial")
@@ -41,25 +42,17 @@ class LatencyModel:
                 raise ValueError(f"LatencyModel.{name} must be a finite non-negative number of seconds, got {value}")
 
     def layer_time(self, load: np.ndarray, layer: LayerPlacement, num_gpus: int, execution: str) -> float:
-        """Seconds one MoE layer takes. load: [E] tokens per expert."""
-        compute, moved = self.gpu_work(load, layer, num_gpus, execution)
-        return compute + 2.0 * self.beta * float(moved.max())
+        """Seconds one MoE layer takes. load: [E] tokens per expert; both models add 2 beta max_g tokens_g.
 
-    def gpu_work(self, load: np.ndarray, layer: LayerPlacement, num_gpus: int, execution: str) -> tuple[float, np.ndarray]:
-        """(compute seconds of the layer, tokens each GPU receives [G]).
-
-        paper:  compute = max over replicas of alpha * load[e] * share (fractional tokens);
-        serial: compute = max over GPUs of the sum of its replicas' alpha * tokens + call_overhead
-                (whole tokens, largest-remainder split).
+        paper:  max over replicas of alpha * load[e] * share (replicas in parallel, fractional tokens);
+        serial: max over GPUs of the sum of its replicas' alpha * tokens + call_overhead (whole
+                tokens, largest-remainder split; compiled, as planners price candidates with it).
         """
-        load = np.asarray(load)
-        if execution == "paper":
-            tokens = load[layer.expert] * layer.share
-            moved = np.bincount(layer.gpu, weights=tokens, minlength=num_gpus)
-            return self.alpha * float(tokens.max(initial=0.0)), moved
         if execution == "serial":
-            tokens = layer.replica_tokens(load)
-            work = self.alpha * tokens + self.call_overhead * (tokens > 0)
+            expert_tokens = np.asarray(load, dtype=np.int64)
+            return serial_time(expert_tokens, layer.expert, layer.gpu, layer.share, num_gpus, self.alpha, self.call_overhead, self.beta)
+        if execution == "paper":
+            tokens = np.asarray(load)[layer.expert] * layer.share
             moved = np.bincount(layer.gpu, weights=tokens, minlength=num_gpus)
-            return float(np.bincount(layer.gpu, weights=work, minlength=num_gpus).max()), moved
+            return self.alpha * float(tokens.max(initial=0.0)) + 2.0 * self.beta * float(moved.max())
         raise ValueError(f"unknown execution model {execution!r}; use one of {EXECUTIONS}")

@@ -19,7 +19,6 @@ from moeless.placement.latency_model import LatencyModel
 from moeless.placement.placer import _check, _Gpus, _warm_map
 from moeless.placement.types import LayerPlacement, PlacementError
 
-SPLITS = ("even", "level")
 # Step 5 stops within one token or 1% of the balanced work (closer gains too little for its replicas)
 # and tries the 3 heaviest replicas on the busiest GPU (enough in practice, and it bounds the time).
 RELIEF_TOKENS, RELIEF_FRACTION, RELIEF_TRIES = 1.0, 0.01, 3
@@ -42,7 +41,6 @@ def place_priced(
     previous: LayerPlacement | None,
     model: LatencyModel,
     horizon: float = 1.0,
-    split: str = "level",
     budget: int | None = None,
     gpu_load: np.ndarray | None = None,
 ) -> tuple[LayerPlacement, np.ndarray, list[WarmMove]]:
@@ -50,15 +48,13 @@ def place_priced(
 
     A GPU's work is counted in tokens plus, per replica call with tokens, the model's call
     overhead in tokens (call_overhead / alpha). horizon: iterations over which a cold start is
-    amortised (staying warm costs its penalty each iteration; a cold start is paid once). split:
-    "level" (uneven shares that level the chosen GPUs) or "even". budget: most replicas the layer
-    may hold; with "level", replicas beyond logcnt (up to it) relieve the busiest GPU while that
-    pays (step 5). gpu_load: [G] work the GPUs already carry (default none). Returns the
+    amortised (staying warm costs its penalty each iteration; a cold start is paid once). An
+    expert's replicas split its tokens unevenly, to level the GPUs they land on. budget: most
+    replicas the layer may hold; replicas beyond logcnt (up to it) relieve the busiest GPU while
+    that pays (step 5). gpu_load: [G] work the GPUs already carry (default none). Returns the
     placement, the free slots left [G] and the warm replicas that moved.
     """
     load, logcnt = _check(load, logcnt, free_slots)
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
     num_experts, num_gpus = load.shape[0], len(free_slots)
     gpus, warm = _Gpus(free_slots, num_experts, gpu_load), _warm_map(previous, num_experts)
     alpha = model.alpha
@@ -114,7 +110,7 @@ def place_priced(
         # 4. Split the expert's tokens; a GPU left with no tokens gets no replica.
         if len(chosen) == 1:
             part = [1.0]
-        elif split == "level" and w > 0:
+        elif w > 0:
             part = _at_least_a_token(w, _level_shares(w, [gpus.work[g] + call for g in chosen]))
             for hot, cold, extra in _warm_left_idle(e, chosen, part, warm[e], gpus.work, w, call, max(balanced, peak)):
                 if alpha * extra * horizon > cold_start:
@@ -135,7 +131,7 @@ def place_priced(
             placed.append(g)
             shares.append(s)
         gpus.release(chosen)
-    if split == "level" and budget is not None:
+    if budget is not None:
         spare = min(budget - len(experts), gpus.spare())
         _relieve_busiest(gpus, experts, placed, shares, loads, warm, spare, balanced, call, model, horizon)
     _return_home(gpus, experts, placed, shares, loads, warm, call, model, horizon, moves)

@@ -66,12 +66,12 @@ def test_paper_placer_invariants_and_warm_replicas_never_move_while_their_gpu_ha
 
 
 @SETTINGS
-@given(layer_inputs(), st.sampled_from([0.0, 1e-5, 1e-3]), st.sampled_from(["level", "even"]), st.integers(0, 8))
-def test_priced_placer_invariants_and_warm_replicas_move_only_when_it_pays(inputs, cold_start, split, extra):
+@given(layer_inputs(), st.sampled_from([0.0, 1e-5, 1e-3]), st.integers(0, 8))
+def test_priced_placer_invariants_and_warm_replicas_move_only_when_it_pays(inputs, cold_start, extra):
     load, logcnt, free, previous = inputs
     model = LatencyModel(alpha=1e-7, beta=1e-9, cold_start=cold_start, call_overhead=1e-6)
     budget = int(logcnt.sum()) + extra
-    layer, free_after, moves = place_priced(load, logcnt, free, previous, model, horizon=2.0, split=split, budget=budget)
+    layer, free_after, moves = place_priced(load, logcnt, free, previous, model, horizon=2.0, budget=budget)
     check_common(layer, load, logcnt, free, free_after, budget)
     for move in moves:
         assert move.penalty_s * 2.0 > cold_start, "moved a warm replica although staying was cheaper"
@@ -104,7 +104,7 @@ def test_priced_placer_levels_gpus_with_uneven_splits():
     load = np.array([600.0, 300.0, 100.0])
     layer, _, _ = place_priced(load, np.array([2, 1, 1]), np.array([3, 3, 3]), None, model)
     assert sorted(layer.gpu_tokens(load.astype(np.int64), 3).tolist()) == [300, 350, 350]
-    even, _, _ = place_priced(load, np.array([2, 1, 1]), np.array([3, 3, 3]), None, model, split="even")
+    even, _ = place_jsq_warm(load, np.array([2, 1, 1]), np.array([3, 3, 3]))  # the paper's even split
     assert even.gpu_tokens(load.astype(np.int64), 3).max() == 400
 
 
@@ -155,7 +155,6 @@ def test_extra_replicas_never_take_the_last_slots_first_replicas_need():
         (lambda: place_jsq_warm(np.array([1.0]), np.array([0]), np.array([1])), ValueError, "at least one replica"),
         (lambda: place_jsq_warm(np.array([1.0]), np.array([1]), np.array([], dtype=int)), ValueError, "zero GPUs"),
         (lambda: place_jsq_warm(np.ones(3), np.ones(3, int), np.array([1, 1])), PlacementError, "free replica slots"),
-        (lambda: place_priced(np.ones(2), np.ones(2, int), np.array([2]), None, LatencyModel(1, 1, 1), split="x"), ValueError, "split"),
     ],
 )
 def test_invalid_inputs_raise_clear_errors(call, error, message):
