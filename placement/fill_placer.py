@@ -1,20 +1,21 @@
 """moeless's default planner for one layer: the lowest per-GPU work level its experts fit under.
 
 A GPU's work is the sum over its replicas of tokens + c, with c the per-call overhead in tokens
-(replicas on one GPU run one after another). For a level M, `fill` walks the experts and fills
-GPU after GPU up to M, cutting an expert that does not fit into whole-token pieces, one replica
-per piece (McNaughton's wrap-around rule, paying a call per piece). The fill is within about one
-call of the level a perfect split would reach, so bisection on M (`lowest_level`) decides the
-replica counts and the placement together: an expert gets more replicas exactly where its tokens
-would otherwise hold a GPU above the level.
+(replicas on one GPU run one after another). For a level M, the fill (`kernels.fill`) walks the
+experts and fills GPU after GPU up to M, cutting an expert that does not fit into whole-token
+pieces, one replica per piece (McNaughton's wrap-around rule, paying a call per piece). The fill
+is within about one call of the level a perfect split would reach, so bisection on M
+(`kernels.lowest_level`) decides the replica counts and the placement together: an expert gets
+more replicas exactly where its tokens would otherwise hold a GPU above the level.
 
-Warm replicas are priced with the latency model, as every cold start is:
-1. experts are walked in the order the previous placement holds them, so a fill at a similar
+Cold starts are priced with the latency model:
+1. experts are walked in the order the resident placement holds them, so a fill at a similar
    level cuts them into similar groups;
 2. each group (bin) goes to the GPU where most of its replicas are already warm;
-3. the whole plan replaces the previous one only when the layer time it saves, over `horizon`
-   iterations, outweighs its cold starts (those of the GPU that loads the most); else the
-   previous replicas stay and their shares are re-levelled for today's loads (`kernels.reshare`).
+3. three whole plans are priced, each as its layer time plus its cold starts (those of the GPU
+   that loads the most) spread over `horizon` iterations: the fill, the fill without cuts (fewer
+   replicas to load), and the resident replicas with their tokens re-levelled for today's loads
+   (`kernels.reshare`; nothing to load). The cheapest wins.
 
 Tiny example (a call costs 1 token, 2 GPUs with 4 free slots each, loads [10, 6, 2, 0]): level
 11 (10 + 1 = 6 + 1 + 2 + 1 + 1 wasted); GPU 0 runs experts 1 and 2 (the bin with more replicas
