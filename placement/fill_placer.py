@@ -12,10 +12,10 @@ Cold starts are priced with the latency model:
 1. experts are walked in the order the resident placement holds them, so a fill at a similar
    level cuts them into similar groups;
 2. each group (bin) goes to the GPU where most of its replicas are already warm;
-3. three whole plans are priced, each as its layer time plus its cold starts (those of the GPU
-   that loads the most) spread over `horizon` iterations: the fill, the fill without cuts (fewer
-   replicas to load), and the resident replicas with their tokens re-levelled for today's loads
-   (`kernels.reshare`; nothing to load). The cheapest wins.
+3. two whole plans are priced, each as its layer time plus its cold starts (those of the GPU
+   that loads the most) spread over `horizon` iterations: the fill, and the resident replicas
+   with their tokens re-levelled for today's loads (`kernels.reshare`; nothing to load). The
+   cheaper wins. (A third, the fill without cuts, never helped on the benchmark: dropped.)
 
 Tiny example (a call costs 1 token, 2 GPUs with 4 free slots each, loads [10, 6, 2, 0]): level
 11 (10 + 1 = 6 + 1 + 2 + 1 + 1 wasted); GPU 0 runs experts 1 and 2 (the bin with more replicas
@@ -38,7 +38,7 @@ LEVEL_TOLERANCE = 0.5  # tokens: bisection stops when the bracket is narrower (f
 @dataclass(frozen=True)
 class FillDecision:
     """Why a layer's plan is what it is. kind: "fill" (cuts where they lower the level), "whole"
-    (the fill without cuts) or "resident" (the replicas already loaded, re-shared); level: the
+    (the fill with split=False) or "resident" (the replicas already loaded, re-shared); level: the
     fill's level (work in tokens); saved_s: predicted seconds per iteration the chosen plan saves
     against the resident replicas re-shared, cold_s: the cold starts it costs (the GPU that loads
     the most; every replica when nothing is resident)."""
@@ -92,18 +92,12 @@ def place_fill(
         order = np.argsort(-load, kind="stable")
     active = load[order] > 0
     idle, order = order[~active], order[active]
-    # 2. Candidates, each priced as its layer time plus its cold starts (the GPU that loads the
-    #    most) amortised over the horizon: the fill at its lowest level; the same without cuts
-    #    (fewer replicas to load), unless its largest expert alone is slower; the resident
-    #    replicas re-shared (nothing to load). Ties keep the earlier.
+    # 2. Two candidates, each priced as its layer time plus its cold starts (the GPU that loads the
+    #    most) amortised over the horizon: the fill at its lowest level, and the resident replicas
+    #    re-shared (nothing to load). Ties keep the resident ones.
     was_warm = np.zeros((num_experts, num_gpus), dtype=np.int64)
     if resident is not None:
         was_warm[resident.expert, resident.gpu] = 1
-
-    def priced(kind: str, layer: LayerPlacement, left: np.ndarray, level: float) -> tuple:
-        cold_s = model.cold_start * kernels.most_cold_loads(layer.expert, layer.gpu, was_warm, num_gpus)
-        time_s = model.layer_time(load, layer, num_gpus, "serial")
-        return time_s + cold_s / horizon, time_s, cold_s, kind, layer, left, level
 
     layer, left, level = _fill(load, order, idle, free, was_warm, call, budget, split)
     if layer is None:
@@ -111,22 +105,16 @@ def place_fill(
             f"{order.size} experts with tokens and {idle.size} without do not fit {num_gpus} GPUs' {slots} free slots "
             f"within a budget of {budget} replicas; add GPU memory or raise the layer memory cap"
         )
-    candidates = [priced("fill" if split else "whole", layer, left, level)]
-    largest = float(load.max())
-    whole_floor = model.alpha * largest + model.call_overhead + 2.0 * model.beta * largest
-    if layer.num_replicas > num_experts and candidates[0][0] > whole_floor:
-        whole, whole_left, whole_level = _fill(load, order, idle, free, was_warm, call, budget, False)
-        if whole is not None:
-            candidates.append(priced("whole", whole, whole_left, whole_level))
-    if resident is not None and _fits(resident, free, budget, num_experts):
-        kept = LayerPlacement(resident.expert, resident.gpu, kernels.reshare(load, resident.expert, resident.gpu, call, num_gpus))
-        candidates.insert(0, priced("resident", kept, free - np.bincount(resident.gpu, minlength=num_gpus), level))
-    # 3. The cheapest; a stay reports what the best move would have saved and cost.
-    best = min(range(len(candidates)), key=lambda i: (candidates[i][0], i))
-    _, time_s, cold_s, kind, layer, left, level = candidates[best]
-    if kind == "resident" and len(candidates) > 1:
-        _, time_s, cold_s, *_ = min(candidates[1:], key=lambda c: c[0])
-    saved = candidates[0][1] - time_s if candidates[0][3] == "resident" else 0.0
+    kind = "fill" if split else "whole"
+    time_s = model.layer_time(load, layer, num_gpus, "serial")
+    cold_s = model.cold_start * kernels.most_cold_loads(layer.expert, layer.gpu, was_warm, num_gpus)
+    if resident is None or not _fits(resident, free, budget, num_experts):
+        return layer, left, FillDecision(kind, level, 0.0, cold_s)
+    # 3. The cheaper; a stay reports what the fill would have saved and cost.
+    kept = LayerPlacement(resident.expert, resident.gpu, kernels.reshare(load, resident.expert, resident.gpu, call, num_gpus))
+    saved = model.layer_time(load, kept, num_gpus, "serial") - time_s
+    if saved * horizon <= cold_s:
+        return kept, free - np.bincount(resident.gpu, minlength=num_gpus), FillDecision("resident", level, saved, cold_s)
     return layer, left, FillDecision(kind, level, saved, cold_s)
 
 
