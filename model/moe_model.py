@@ -95,7 +95,8 @@ class MoEModel:
         self._gates = [self._make_gate(b) for b in self._blocks]
         self._dispatch = [_DispatchBlock(self, l) for l in range(len(self._blocks))]
         self._executor: ExpertExecutor = self.local_executor()
-        self._capture: RoutingCapture | None = None
+        self._captures: dict[int, RoutingCapture] = {}  # by thread: a capture records its own thread's forwards
+        self._capture: RoutingCapture | None = None  # the one recording the forward in progress
         self._token_mask: torch.Tensor | None = None
         self._lock = threading.Lock()  # forward swaps modules in and out of hf
 
@@ -164,6 +165,7 @@ class MoEModel:
         with self._lock:
             self._executor = executor or self.local_executor()
             self._token_mask = None if attention_mask is None else attention_mask[:, -input_ids.shape[1]:].reshape(-1).bool()
+            self._capture = self._captures.get(threading.get_ident())
             if self._capture is not None:
                 self._capture.iterations.append([])
             decoder = self.hf.model.layers
@@ -178,6 +180,7 @@ class MoEModel:
                     use_cache=use_cache,
                 )
             finally:
+                self._capture = None
                 for i, block in zip(self._layer_ids, self._blocks):
                     decoder[i].mlp = block
 
@@ -214,13 +217,17 @@ class MoEModel:
 
     @contextmanager
     def capture(self) -> Iterator[RoutingCapture]:
-        """Record routing of every forward call inside the block (tokens under the attention mask)."""
+        """Record routing of every forward call this thread makes inside the block (tokens under
+        the attention mask); forwards from other threads meanwhile are not recorded."""
+        thread = threading.get_ident()
+        if thread in self._captures:
+            raise RuntimeError("a capture is already open in this thread; close it before opening another")
         capture = RoutingCapture()
-        self._capture = capture
+        self._captures[thread] = capture
         try:
             yield capture
         finally:
-            self._capture = None
+            del self._captures[thread]
 
     def _record(self, l: int, x: torch.Tensor, routing: Routing) -> None:
         keep = self._token_mask

@@ -141,6 +141,35 @@ def test_capture_records_one_iteration_per_generation_step(tiny):
     assert len(capture.iterations) == 4, "forward calls outside the block are not recorded"
 
 
+def test_a_capture_records_only_its_own_threads_forwards(tiny):
+    import threading
+
+    model = tiny("mixtral")
+    ids = torch.randint(0, 128, (1, 5))
+    started, done = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        started.wait()
+        for _ in range(3):
+            model.forward(torch.randint(0, 128, (2, 7)))  # another request served meanwhile
+        done.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    with model.capture() as capture:
+        started.set()
+        model.forward(ids)
+        done.wait(timeout=60)
+        model.forward(ids)
+    worker.join()
+    assert done.is_set() and len(capture.iterations) == 2
+    assert capture.loads().sum(-1)[:, 0].tolist() == [5 * 2, 5 * 2]  # 5 tokens x top-2, never the other batch
+    with model.capture():
+        with pytest.raises(RuntimeError, match="already open"):
+            with model.capture():
+                pass
+
+
 class _Recording:
     """An executor that delegates to the local one and records what it was asked."""
 
