@@ -26,6 +26,7 @@ from moeless.placement.diff import diff
 from moeless.placement.latency_model import LatencyModel
 
 EXPERT_SHAPE = (576, 192)  # the default model's expert: hidden H, FFN width F
+TIMES = ("paper_s", "serial_s", "serial_cold_s", "prefetch_s")  # the Replay fields that are layer times
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -148,26 +149,35 @@ class Replay:
     paper_s: list[float] = field(default_factory=list)
     serial_s: list[float] = field(default_factory=list)
     serial_cold_s: list[float] = field(default_factory=list)  # serial plus each layer's slowest GPU's cold loads
+    prefetch_s: list[float] = field(default_factory=list)  # the same, less what loading d layers ahead hides
     replicas: list[float] = field(default_factory=list)
     churn: list[float] = field(default_factory=list)
 
 
-def replay(planner: Planner, iterations: Sequence[Iteration], cluster: Cluster, model: LatencyModel, progress=None) -> Replay:
-    """Plan every iteration (perfect forecast, chained previous placement) and price it."""
+def replay(planner: Planner, iterations: Sequence[Iteration], cluster: Cluster, model: LatencyModel, progress=None,
+           prefetch_layers: int = 3) -> Replay:
+    """Plan every iteration (perfect forecast, chained previous placement) and price it.
+
+    Cold loads of a layer cost cold_start each on the GPU that loads the most ("serial + cold");
+    with a forecast d = prefetch_layers layers ahead they can start d layers early, so only what
+    exceeds d times the iteration's mean serial layer time stays on the critical path ("prefetch").
+    """
     out, previous = Replay(), None
     num_gpus = cluster.num_gpus
     for it in iterations:
         placement = planner(it.load, cluster, previous)
         loads = planner.lossy_load(it.load) if planner.lossy_load else it.load
         diffs = diff(previous, placement)
-        paper, serial, cold = [], [], []
+        paper, serial, loading = [], [], []
         for l, layer in enumerate(placement.layers):
             paper.append(model.layer_time(loads[l], layer, num_gpus, "paper"))
             serial.append(model.layer_time(loads[l], layer, num_gpus, "serial"))
-            cold.append(serial[-1] + model.cold_start * float(diffs[l].cold_loads_per_gpu(num_gpus).max()))
+            loading.append(model.cold_start * float(diffs[l].cold_loads_per_gpu(num_gpus).max()))
+        hidden = prefetch_layers * float(np.mean(serial))
         out.paper_s.append(float(np.mean(paper)))
         out.serial_s.append(float(np.mean(serial)))
-        out.serial_cold_s.append(float(np.mean(cold)))
+        out.serial_cold_s.append(float(np.mean(serial) + np.mean(loading)))
+        out.prefetch_s.append(float(np.mean(serial) + np.mean(np.maximum(np.asarray(loading) - hidden, 0.0))))
         out.replicas.append(float(placement.logcnt().sum(axis=1).mean()))
         out.churn.append(float(np.mean([d.churn for d in diffs])))
         previous = placement
@@ -186,10 +196,10 @@ def summarise(replays: dict[str, Replay], phases: Sequence[str]) -> dict:
             continue
         table = {}
         for name, r in replays.items():
-            row = {key: float(np.mean(np.asarray(getattr(r, key))[mask])) for key in ("paper_s", "serial_s", "serial_cold_s", "replicas", "churn")}
+            row = {key: float(np.mean(np.asarray(getattr(r, key))[mask])) for key in (*TIMES, "replicas", "churn")}
             table[name] = row
         for row in table.values():
-            for key in ("paper_s", "serial_s", "serial_cold_s"):
+            for key in TIMES:
                 if "static" in table:
                     row[f"{key}_vs_static"] = row[key] / table["static"][key]
                 if "oracle" in table:

@@ -56,6 +56,9 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     p.add_argument("--horizon", type=float, default=1000.0,
                    help="iterations over which moeless amortises a cold start when it weighs moving or adding a "
                         "replica (default 1000; 1 puts every cold start on the critical path)")
+    p.add_argument("--prefetch-layers", type=int, default=3,
+                   help="layers ahead a forecast lets cold loads start; the 'prefetch' column hides that many layer "
+                        "times of each layer's cold loads (default 3)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests decoding together (default 32)")
     p.add_argument("--step-ms", type=float, default=50.0, help="wall time of one serving iteration (default 50 ms)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="speed up arrivals by this factor (default 1)")
@@ -135,6 +138,8 @@ def _quality(args: argparse.Namespace, bench, model) -> dict:
     from moeless.placement.cluster import Cluster
 
     quick = args.quick
+    if args.prefetch_layers < 0:
+        raise SystemExit(f"--prefetch-layers must be >= 0 (layers a forecast looks ahead), got {args.prefetch_layers}")
     source = args.loads or ("tiny" if quick else "default")
     requests, loads_note = loads_source.request_loads_from(
         source, args.requests or (6 if quick else 48), args.new_tokens or (8 if quick else 32)
@@ -154,19 +159,22 @@ def _quality(args: argparse.Namespace, bench, model) -> dict:
     replays = {}
     with tqdm(total=len(iterations) * len(QUALITY_PLANNERS), desc="replaying planners") as bar:
         for name in names:
-            replays[name] = bench.replay(get_planner(name, config), iterations, cluster, model, bar)
+            replays[name] = bench.replay(get_planner(name, config), iterations, cluster, model, bar, args.prefetch_layers)
         # EPLB gets (at least) the replicas moeless used on average, a multiple of G.
         budget = max(num_experts, -(-round(float(np.mean(replays["moeless"].replicas))) // args.gpus) * args.gpus)
         for name in ("eplb", "eplb-window"):
-            replays[name] = bench.replay(get_planner(name, PlannerConfig(model=model, eplb_replicas=budget)), iterations, cluster, model, bar)
+            eplb = get_planner(name, PlannerConfig(model=model, eplb_replicas=budget))
+            replays[name] = bench.replay(eplb, iterations, cluster, model, bar, args.prefetch_layers)
     summary = bench.summarise(replays, [i.phase for i in iterations])
     for phase, block in summary.items():
         print(f"\n  {phase} ({block['iterations']} iterations); mean layer time, ratio to static EP / to Oracle:")
-        print(f"  {'planner':<20} {'paper model':>24} {'serial model':>24} {'serial + cold starts':>24} {'replicas':>8} {'churn':>6}")
+        prefetch = f"cold, prefetch {args.prefetch_layers}"
+        print(f"  {'planner':<20} {'paper model':>24} {'serial model':>24} {'serial + cold starts':>24} {prefetch:>24} {'replicas':>8} {'churn':>6}")
         for name in QUALITY_PLANNERS:
             row = block["planners"][name]
-            cells = [f"{row[k] * 1e6:7.1f}us {row[k + '_vs_static']:5.2f} {row[k + '_vs_oracle']:5.2f}" for k in ("paper_s", "serial_s", "serial_cold_s")]
-            print(f"  {name:<20} {cells[0]:>24} {cells[1]:>24} {cells[2]:>24} {row['replicas']:8.1f} {row['churn']:6.1f}")
+            cells = [f"{row[k] * 1e6:7.1f}us {row[k + '_vs_static']:5.2f} {row[k + '_vs_oracle']:5.2f}" for k in bench.TIMES]
+            print(f"  {name:<20} {' '.join(f'{c:>24}' for c in cells)} {row['replicas']:8.1f} {row['churn']:6.1f}")
     return {"loads": loads_note, "arrivals": arrivals_note, "eplb_replicas": budget, "summary": summary,
             "config": {"gpus": args.gpus, "layer_cap": cap, "cv_threshold": args.cv_threshold, "horizon": args.horizon,
+                       "prefetch_layers": args.prefetch_layers,
                        "max_batch": args.max_batch, "step_ms": args.step_ms, "rate_scale": args.rate_scale}}

@@ -75,8 +75,11 @@ def test_replay_prices_every_planner_and_summary_gives_ratios():
         rows = summary[phase]["planners"]
         assert rows["static"]["serial_s_vs_static"] == pytest.approx(1.0)
         assert rows["oracle"]["paper_s_vs_oracle"] == pytest.approx(1.0)
-        assert rows["moeless"]["serial_cold_s"] >= rows["moeless"]["serial_s"] > 0
+        assert rows["moeless"]["serial_cold_s"] >= rows["moeless"]["prefetch_s"] >= rows["moeless"]["serial_s"] > 0
     assert replays["static"].churn[1:] == [0.0] * (len(its) - 1)  # static never changes after its first load
+    unhidden = replay(get_planner("moeless", PlannerConfig(model=model)), its, cluster, model, prefetch_layers=0)
+    assert unhidden.prefetch_s == unhidden.serial_cold_s  # nothing loads ahead: every cold start is exposed
+    assert unhidden.serial_cold_s[0] > unhidden.serial_s[0]  # the first plan loads everything
 
 
 @pytest.mark.filterwarnings("ignore")
