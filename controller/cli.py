@@ -53,9 +53,9 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     p.add_argument("--layer-cap", type=float, default=2.0,
                    help="memory cap per layer, in multiples of one replica per expert (the paper's M_cap; default 2)")
     p.add_argument("--cv-threshold", type=float, default=0.2, help="the paper's CV threshold V (default 0.2)")
-    p.add_argument("--horizon", type=float, default=1000.0,
-                   help="iterations over which moeless amortises a cold start when it weighs moving or adding a "
-                        "replica (default 1000; 1 puts every cold start on the critical path)")
+    p.add_argument("--horizon", type=float, default=None,
+                   help="iterations over which moeless amortises a cold start when it weighs a new plan against the "
+                        "resident replicas (default 30; 1 puts every cold start on the critical path)")
     p.add_argument("--prefetch-layers", type=int, default=3,
                    help="layers ahead a forecast lets cold loads start; the 'prefetch' column hides that many layer "
                         "times of each layer's cold loads (default 3)")
@@ -136,6 +136,7 @@ def _quality(args: argparse.Namespace, bench, model) -> dict:
     from moeless.controller.iterations import arrival_times, compose_iterations
     from moeless.controller.planner import PlannerConfig, get_planner
     from moeless.placement.cluster import Cluster
+    from moeless.placement.fill_placer import HORIZON
 
     quick = args.quick
     if args.prefetch_layers < 0:
@@ -151,10 +152,11 @@ def _quality(args: argparse.Namespace, bench, model) -> dict:
     cap = int(round(args.layer_cap * num_experts))
     # Memory in replica slots: the per-layer cap binds, the GPUs hold every layer at the cap.
     cluster = Cluster.uniform(args.gpus, -(-num_layers * cap // args.gpus), expert_bytes=1, layer_cap_replicas=cap)
-    config = PlannerConfig(model=model, cv_threshold=args.cv_threshold, horizon=args.horizon)
+    horizon = HORIZON if args.horizon is None else args.horizon
+    config = PlannerConfig(model=model, cv_threshold=args.cv_threshold, horizon=horizon)
     print(f"\nplan quality: {loads_note}; {arrivals_note}")
     print(f"  {len(iterations)} iterations ({sum(i.phase == 'prefill' for i in iterations)} prefill), L={num_layers} E={num_experts} "
-          f"G={args.gpus}, memory cap {cap} replicas/layer, V={args.cv_threshold}, horizon {args.horizon}")
+          f"G={args.gpus}, memory cap {cap} replicas/layer, V={args.cv_threshold}, horizon {horizon}")
     names = [n for n in QUALITY_PLANNERS if not n.startswith("eplb")]
     replays = {}
     with tqdm(total=len(iterations) * len(QUALITY_PLANNERS), desc="replaying planners") as bar:
@@ -175,6 +177,6 @@ def _quality(args: argparse.Namespace, bench, model) -> dict:
             cells = [f"{row[k] * 1e6:7.1f}us {row[k + '_vs_static']:5.2f} {row[k + '_vs_oracle']:5.2f}" for k in bench.TIMES]
             print(f"  {name:<20} {' '.join(f'{c:>24}' for c in cells)} {row['replicas']:8.1f} {row['churn']:6.1f}")
     return {"loads": loads_note, "arrivals": arrivals_note, "eplb_replicas": budget, "summary": summary,
-            "config": {"gpus": args.gpus, "layer_cap": cap, "cv_threshold": args.cv_threshold, "horizon": args.horizon,
+            "config": {"gpus": args.gpus, "layer_cap": cap, "cv_threshold": args.cv_threshold, "horizon": horizon,
                        "prefetch_layers": args.prefetch_layers,
                        "max_batch": args.max_batch, "step_ms": args.step_ms, "rate_scale": args.rate_scale}}

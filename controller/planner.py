@@ -26,7 +26,7 @@ from moeless.placement.eplb import rebalance_experts
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.oracle import oracle_load
 from moeless.placement.placer import place_jsq_warm, place_round_robin
-from moeless.placement.fill_placer import place_fill
+from moeless.placement.fill_placer import HORIZON, place_fill
 from moeless.placement.priced_placer import place_priced
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
@@ -39,8 +39,8 @@ class PlannerConfig:
     cv_threshold: the paper's V; slack: moeless's straggler slack over the balanced GPU load;
     dead_band: hysteresis added to the stopping rule before a layer's counts are re-planned;
     min_replicas / max_replicas: per expert (max defaults to the GPU count);
-    horizon: iterations over which a cold start is amortised in moeless's placer (1000, about
-             50 s of serving: loads are assumed prefetched; 1 puts every cold start on the critical path);
+    horizon: iterations a new plan is expected to serve, over which moeless spreads its cold starts
+             (fill_placer.HORIZON = 30, about 1.5 s of serving; 1 puts every cold start on the critical path);
     eplb_replicas: EPLB's replicas per layer (default: the smallest multiple of G >= E);
     eplb_groups / eplb_nodes: EPLB's expert groups and nodes (hierarchical packing);
     eplb_window / eplb_period: "eplb-window" re-plans every period iterations from the loads of
@@ -53,7 +53,7 @@ class PlannerConfig:
     dead_band: float = 0.0
     min_replicas: int = 1
     max_replicas: int | None = None
-    horizon: float = 1000.0
+    horizon: float = HORIZON
     eplb_replicas: int | None = None
     eplb_groups: int = 1
     eplb_nodes: int = 1
