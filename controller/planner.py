@@ -120,13 +120,13 @@ def plan_layers(forecast: np.ndarray, cluster: Cluster, previous: Placement | No
 
 
 def _scaler(kind: str, config: PlannerConfig) -> LayerScaler:
-    """"straggler" (moeless), "cv" (paper) or "off" (one replica per expert)."""
+    """"straggler" (moeless-greedy), "cv" (paper) or "off" (one replica per expert)."""
 
     def scale(load: np.ndarray, previous: np.ndarray | None, budget: int | None, num_gpus: int) -> np.ndarray:
         if kind == "off":
             return np.ones(load.shape[0], dtype=np.int64)
         if kind == "straggler":
-            call = _call_tokens(config.model)
+            call = config.model.call_tokens if config.model is not None else 0.0
             strict = straggler_within(num_gpus, config.slack, call)
             relaxed = straggler_within(num_gpus, config.slack + config.dead_band, call)
         else:
@@ -143,13 +143,8 @@ def _scaler(kind: str, config: PlannerConfig) -> LayerScaler:
     return scale
 
 
-def _call_tokens(model: LatencyModel | None) -> float:
-    """A replica call's fixed overhead in tokens of work (0 without a model)."""
-    return model.call_overhead / model.alpha if model is not None and model.alpha > 0 else 0.0
-
-
 def _placer(kind: str, config: PlannerConfig) -> LayerPlacer:
-    """"priced" (moeless), "warm" (paper's JSQ with warm reuse) or "off" (round-robin)."""
+    """"priced" (moeless-greedy), "warm" (paper's JSQ with warm reuse) or "off" (round-robin)."""
     if kind == "priced" and config.model is None:
         raise ValueError("moeless's placer needs a latency model: PlannerConfig(model=LatencyModel(...))")
 

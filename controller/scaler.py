@@ -10,7 +10,7 @@ The rules differ in what they measure:
 - `active_cv_below(V)`: the same CV over replicas of experts that receive tokens.
 - `straggler_within(G, slack, c)`: what sets a layer's time on G GPUs: the largest replica's work
   is at most (1 + slack) x the least work the busiest GPU could have (total / G, counting a
-  per-call cost of c tokens when replicas on one GPU run one after another). The default.
+  per-call cost of c tokens when replicas on one GPU run one after another). moeless-greedy's rule.
 
 Wrappers compose on top (as in Ray Serve's autoscaling policy): `with_dead_band` keeps the
 previous counts while a looser rule still holds, so plans do not flap between iterations.

@@ -87,7 +87,7 @@ def place_fill(
     if slots < num_experts:
         raise PlacementError(f"{slots} free replica slots cannot hold {num_experts} experts; add GPU memory or GPUs")
     budget = slots if budget is None else min(budget, slots)
-    call = model.call_overhead / model.alpha if model.alpha > 0 else 0.0
+    call = model.call_tokens
     resident = previous if warm else None
     # 1. Walk order: as the resident placement holds the experts (its replica order), else most loaded first.
     if resident is not None:

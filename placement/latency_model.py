@@ -41,6 +41,11 @@ class LatencyModel:
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"LatencyModel.{name} must be a finite non-negative number of seconds, got {value}")
 
+    @property
+    def call_tokens(self) -> float:
+        """A call's fixed overhead in tokens of work (call_overhead / alpha; 0 when alpha is 0)."""
+        return self.call_overhead / self.alpha if self.alpha > 0 else 0.0
+
     def layer_time(self, load: np.ndarray, layer: LayerPlacement, num_gpus: int, execution: str) -> float:
         """Seconds one MoE layer takes. load: [E] tokens per expert; both models add 2 beta max_g tokens_g.
 

@@ -3,7 +3,8 @@
 - `place_jsq_warm`: the paper's Algorithm 2. Replicas from most to least loaded; a replica whose
   expert was resident on a GPU in the previous placement stays there when that GPU has room
   (warm start), however loaded it is; otherwise join-shortest-queue (least-loaded GPU with room).
-- `place_priced` (placement/priced_placer.py): moeless's default, pricing warm reuse.
+- `place_priced` (placement/priced_placer.py): moeless's previous default (moeless-greedy), pricing warm reuse;
+  moeless's default plans counts and GPUs together (placement/fill_placer.py).
 - `place_round_robin`: the "placer off" ablation: blocks as static EP, extra replicas round-robin.
 
 All take free replica slots per GPU ([G] int, what earlier layers left) and return the

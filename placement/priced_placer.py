@@ -1,4 +1,4 @@
-"""moeless's Expert Placer: replicas of one layer on GPUs, pricing every cold start.
+"""moeless-greedy's Expert Placer (the previous default): replicas of one layer on GPUs, pricing every cold start.
 
 A GPU's work is the sum of its replicas' work (they run one after another). Single-replica
 experts go first, most to least loaded (LPT); then replicated experts split their tokens
@@ -44,7 +44,7 @@ def place_priced(
     budget: int | None = None,
     gpu_load: np.ndarray | None = None,
 ) -> tuple[LayerPlacement, np.ndarray, list[WarmMove]]:
-    """moeless's placer. load: [E] tokens, logcnt: [E] replicas, free_slots: [G].
+    """moeless-greedy's placer. load: [E] tokens, logcnt: [E] replicas, free_slots: [G].
 
     A GPU's work is counted in tokens plus, per replica call with tokens, the model's call
     overhead in tokens (call_overhead / alpha). horizon: iterations over which a cold start is
@@ -58,7 +58,7 @@ def place_priced(
     num_experts, num_gpus = load.shape[0], len(free_slots)
     gpus, warm = _Gpus(free_slots, num_experts, gpu_load), _warm_map(previous, num_experts)
     alpha = model.alpha
-    call = model.call_overhead / alpha if alpha > 0 else 0.0
+    call = model.call_tokens
     peak = max(gpus.work)  # the most work on any GPU so far
     balanced = (float(load.sum()) + call * np.count_nonzero(load) + sum(gpus.work)) / num_gpus
     loads, counts = load.tolist(), logcnt.tolist()
