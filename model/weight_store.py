@@ -6,8 +6,10 @@ Layout of a store directory:
                                     "dtype", "experts": {"<l>/<e>": {"file", "sha256", "bytes"}}}
     experts/l000_e000.safetensors  tensors "gate" [F, H], "up" [F, H], "down" [H, F]
 
-Expert functions load single experts from it (safetensors files are memory-mapped), verifying
-the checksum, so a corrupt or missing file fails that one load with an error naming the file.
+Expert functions load single experts from it: `load` takes one pass over the file, checks its
+sha256 on the bytes it read and parses them, so a corrupt or missing file fails that one load
+with an error naming the file. An expert host verifies a file once, when it enters its host
+memory tier (expert_fn/tiers.py); copies from that tier need no further check.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as parse_safetensors
 from safetensors.torch import save_file
 
 from moeless.model.experts import EXPERT_TENSORS
@@ -89,23 +91,27 @@ class WeightStore:
             ) from None
 
     def load(self, layer: int, expert: int, verify: bool = True) -> dict[str, torch.Tensor]:
-        """The weights of expert (layer, expert): {"gate", "up", "down"}.
+        """The weights of expert (layer, expert): {"gate", "up", "down"}, in fresh memory.
 
+        One read of the file; with verify its sha256 is checked on those bytes before parsing.
         Raises WeightStoreError naming the file when it is missing, fails its checksum, or
         lacks a tensor.
         """
         entry = self._entry(layer, expert)
         path = self.root / entry["file"]
-        if not path.is_file():
-            raise WeightStoreError(f"{path}: expert weight file is missing; re-export the store")
-        if verify and _sha256(path) != entry["sha256"]:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise WeightStoreError(f"{path}: expert weight file is missing; re-export the store") from None
+        except OSError as err:
+            raise WeightStoreError(f"{path}: cannot read expert weights ({err.strerror}); check the store") from err
+        if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise WeightStoreError(f"{path}: checksum mismatch, the file is corrupt; re-export the store")
         try:
-            with safe_open(str(path), framework="pt") as f:
-                tensors = {name: f.get_tensor(name) for name in EXPERT_TENSORS}
-        except Exception as err:  # safetensors raises several types for damaged files
+            tensors = parse_safetensors(data)
+            return {name: tensors[name] for name in EXPERT_TENSORS}
+        except Exception as err:  # safetensors raises several types for damaged files; KeyError for a missing tensor
             raise WeightStoreError(f"{path}: cannot read expert weights ({err}); re-export the store") from err
-        return tensors
 
 
 def export_experts(
