@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "moeless.model.cli",
     "moeless.predictor.cli",
     "moeless.controller.cli",
+    "moeless.controller.operator.cli",
     "moeless.expert_fn.cli",
     "moeless.serving.cli",
 )

@@ -1,0 +1,168 @@
+"""The operator's only contact with the API server and the hosts: read what exists, apply actions.
+
+Objects travel as plain API dicts (camelCase, as `kubectl get -o json` shows them): reads ask the
+client for the raw JSON, writes send dicts. Every write that replaces an object sends the
+resourceVersion it read, so a concurrent change makes it fail with 409 instead of being lost; the
+next reconcile starts again from what is there (level-triggered).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.request
+from typing import Any, Callable
+
+import urllib3
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from moeless.controller.operator import objects as obj
+from moeless.controller.operator.meters import HostMeters, parse_host_metrics
+from moeless.controller.operator.reconcile import (Action, Create, Delete, Emit, Observed, Scale, Update, UpdateStatus,
+                                                   pod_ready, rfc3339)
+from moeless.controller.operator.spec import SpecError, parse_spec
+
+log = logging.getLogger("moeless.operator")
+
+Scraper = Callable[[str], str]  # url -> /metrics text
+UNREACHABLE = (OSError, urllib3.exceptions.HTTPError)  # API server down or restarting
+
+
+def http_scrape(url: str, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:  # noqa: S310 (pod addresses only)
+        return reply.read().decode()
+
+
+def raw(call: Callable[..., Any], *args: Any, **kwargs: Any) -> dict | None:
+    """The JSON of a read, or None for 404."""
+    try:
+        return json.loads(call(*args, _preload_content=False, **kwargs).data)
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+class Kube:
+    """Typed clients of one ApiClient plus the host scraper."""
+
+    def __init__(self, api: client.ApiClient, scrape: Scraper = http_scrape, component: str = obj.MANAGED_BY) -> None:
+        self.core, self.apps = client.CoreV1Api(api), client.AppsV1Api(api)
+        self.custom, self.coordination = client.CustomObjectsApi(api), client.CoordinationV1Api(api)
+        self.scrape, self.component = scrape, component
+
+    # -- reads --------------------------------------------------------------------------------
+    def list_policies(self, namespace: str | None) -> list[dict]:
+        if namespace:
+            doc = raw(self.custom.list_namespaced_custom_object, obj.GROUP, obj.VERSION, namespace, obj.PLURAL)
+        else:
+            doc = raw(self.custom.list_cluster_custom_object, obj.GROUP, obj.VERSION, obj.PLURAL)
+        return (doc or {}).get("items", [])
+
+    def managed_pools(self, namespace: str | None) -> set[tuple[str, str]]:
+        """(namespace, policy) of every StatefulSet the operator made (to find those of deleted policies)."""
+        selector = f"app.kubernetes.io/managed-by={obj.MANAGED_BY}"
+        if namespace:
+            doc = raw(self.apps.list_namespaced_stateful_set, namespace, label_selector=selector)
+        else:
+            doc = raw(self.apps.list_stateful_set_for_all_namespaces, label_selector=selector)
+        return {(s["metadata"]["namespace"], s["metadata"]["labels"][obj.POLICY_LABEL])
+                for s in (doc or {}).get("items", []) if obj.POLICY_LABEL in s["metadata"].get("labels", {})}
+
+    def _get(self, kind: str, namespace: str, name: str) -> dict | None:
+        read = {"StatefulSet": self.apps.read_namespaced_stateful_set, "Service": self.core.read_namespaced_service,
+                "ConfigMap": self.core.read_namespaced_config_map, "Deployment": self.apps.read_namespaced_deployment}[kind]
+        return raw(read, name, namespace)
+
+    def observe(self, namespace: str, policy_name: str, policy: dict | None) -> Observed:
+        objects = {}
+        for kind, name in obj.names(policy_name).values():
+            found = self._get(kind, namespace, name)
+            if found is not None:
+                objects[(kind, name)] = found
+        if policy is None:
+            return Observed(objects=objects)
+        selector = f"{obj.POLICY_LABEL}={policy_name},app.kubernetes.io/component=expert-host"
+        pods = (raw(self.core.list_namespaced_pod, namespace, label_selector=selector) or {}).get("items", [])
+        try:
+            spec = parse_spec(policy.get("spec"))
+        except SpecError:
+            return Observed(objects=objects, pods=pods)
+        meters = {}
+        for pod in pods:
+            url = metrics_url(pod, spec.hosts.metrics_port, spec.hosts.host_network)
+            if url is None:
+                continue
+            try:
+                meters[pod["metadata"]["name"]] = parse_host_metrics(self.scrape(url))
+            except (OSError, ValueError) as err:  # an unreachable host shows as Degraded/MetersUnavailable
+                log.info("cannot read %s: %s", url, err)
+        serving = None
+        if spec.non_expert_deployment:
+            deployment = self._get("Deployment", namespace, spec.non_expert_deployment)
+            serving = None if deployment is None else int((deployment.get("status") or {}).get("readyReplicas") or 0)
+        return Observed(objects=objects, pods=pods, meters=meters, serving_ready=serving)
+
+    # -- writes -------------------------------------------------------------------------------
+    def apply(self, namespace: str, policy: dict | None, actions: list[Action], now: float) -> None:
+        for action in actions:
+            try:
+                self._apply(namespace, policy, action, now)
+            except ApiException as err:
+                if err.status in (404, 409):  # gone, exists, or changed since read: the next pass sees it
+                    log.info("%s in %s: %s (next pass retries)", type(action).__name__, namespace, err.reason)
+                    continue
+                raise
+
+    def _apply(self, namespace: str, policy: dict | None, action: Action, now: float) -> None:
+        if isinstance(action, Create):
+            kind = action.obj["kind"]
+            create = {"StatefulSet": self.apps.create_namespaced_stateful_set, "Service": self.core.create_namespaced_service,
+                      "ConfigMap": self.core.create_namespaced_config_map}[kind]
+            create(namespace, action.obj)
+        elif isinstance(action, Update):
+            current = self._get(action.kind, namespace, action.name)
+            if current is None:
+                return
+            for key, value in action.fields.items():  # resourceVersion stays: a concurrent write makes this a 409
+                current[key] = value if key == "data" else {**current.get(key, {}), **value}
+            replace = {"StatefulSet": self.apps.replace_namespaced_stateful_set,
+                       "ConfigMap": self.core.replace_namespaced_config_map}[action.kind]
+            replace(action.name, namespace, current)
+        elif isinstance(action, Scale):
+            self.apps.patch_namespaced_stateful_set_scale(action.name, namespace, {"spec": {"replicas": action.replicas}})
+        elif isinstance(action, Delete):
+            delete = {"StatefulSet": self.apps.delete_namespaced_stateful_set, "Service": self.core.delete_namespaced_service,
+                      "ConfigMap": self.core.delete_namespaced_config_map}[action.kind]
+            delete(action.name, namespace, propagation_policy="Background")
+        elif isinstance(action, UpdateStatus):
+            body = {"apiVersion": policy["apiVersion"], "kind": policy["kind"], "metadata": policy["metadata"],
+                    "status": action.status}
+            self.custom.replace_namespaced_custom_object_status(obj.GROUP, obj.VERSION, namespace, obj.PLURAL,
+                                                                policy["metadata"]["name"], body)
+        elif isinstance(action, Emit):
+            self.core.create_namespaced_event(namespace, event(policy, action, now, self.component))
+
+
+def metrics_url(pod: dict, port: int, host_network: bool) -> str | None:
+    """Where a ready host pod serves /metrics (None while it is not ready or has no address)."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip or not pod_ready(pod):
+        return None
+    if host_network:
+        port += int(pod["metadata"]["name"].rsplit("-", 1)[1])
+    return f"http://{ip}:{port}/metrics"
+
+
+def event(policy: dict, action: Emit, now: float, component: str) -> dict[str, Any]:
+    meta = policy["metadata"]
+    stamp = rfc3339(now)
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": obj.API_VERSION, "kind": obj.KIND, "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta["uid"]},
+        "type": action.type, "reason": action.reason, "message": action.message,
+        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1, "source": {"component": component},
+    }

@@ -1,0 +1,119 @@
+"""The operator's control loop: every resync (sooner when a policy changes), reconcile every policy.
+
+Why the kubernetes client and not Kopf: the reconcile is one pure function of the whole observed
+state (reconcile.py), not a set of per-event handlers; time-driven steps (keep-alive, scale to
+zero) need a periodic pass anyway; leader election must be a real Lease (Kopf's peering only
+pauses peers); and the client is already a dependency, so the shell stays ~300 lines we own.
+
+A watch on policies only wakes the loop early; correctness never depends on seeing an event. Any
+API error (server restarting, conflict) ends that policy's pass; the next pass starts from what is
+there. Metrics: moeless_operator_heartbeat_timestamp_seconds (last finished pass),
+moeless_operator_reconciles_total{result}, moeless_operator_leader.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from kubernetes import watch
+from kubernetes.client.rest import ApiException
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from moeless.controller.operator import objects as obj
+from moeless.controller.operator.kube import UNREACHABLE, Kube
+from moeless.controller.operator.leader import LeaderElector
+from moeless.controller.operator.reconcile import reconcile
+
+log = logging.getLogger("moeless.operator")
+
+
+class OperatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.heartbeat = Gauge("moeless_operator_heartbeat_timestamp_seconds",
+                               "when the last reconcile pass over all policies finished", registry=self.registry)
+        self.reconciles = Counter("moeless_operator_reconciles", "policy reconciles by result", ["result"],
+                                  registry=self.registry)
+        self.leader = Gauge("moeless_operator_leader", "1 while this replica holds the lease", registry=self.registry)
+        self.policies = Gauge("moeless_operator_policies", "policies seen in the last pass", registry=self.registry)
+
+
+class Operator:
+    """Reconciles the policies of one namespace (None: all) until stopped."""
+
+    def __init__(self, kube: Kube, namespace: str | None = None, resync_s: float = 10.0,
+                 clock: Callable[[], float] = time.time, elector: LeaderElector | None = None) -> None:
+        self.kube, self.namespace, self.resync_s, self.clock, self.elector = kube, namespace, resync_s, clock, elector
+        self.metrics = OperatorMetrics()
+        self._wake = threading.Event()
+        self._watch: watch.Watch | None = None
+
+    # -- one pass -------------------------------------------------------------------------------
+    def pass_once(self) -> int:
+        """Reconcile every policy (and the leftovers of deleted ones); returns how many failed."""
+        failed = 0
+        policies = self.kube.list_policies(self.namespace)
+        self.metrics.policies.set(len(policies))
+        live = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in policies}
+        work = [(key, p) for key, p in zip(sorted(live), sorted(policies, key=_key))]
+        work += [(key, None) for key in sorted(self.kube.managed_pools(self.namespace) - live)]
+        for (namespace, name), policy in work:
+            try:
+                observed = self.kube.observe(namespace, name, policy)
+                now = self.clock()
+                actions = reconcile(name, policy, observed, now)
+                self.kube.apply(namespace, policy, actions, now)
+                for action in actions:
+                    log.debug("%s/%s: %s", namespace, name, action)
+                self.metrics.reconciles.labels("ok").inc()
+            except (ApiException, *UNREACHABLE) as err:
+                failed += 1
+                self.metrics.reconciles.labels("error").inc()
+                log.warning("%s/%s: %s (next pass retries)", namespace, name, getattr(err, "reason", err))
+        return failed
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        threading.Thread(target=self._watch_policies, args=(stop,), name="watch-policies", daemon=True).start()
+        if self.elector is not None:
+            threading.Thread(target=self.elector.run, args=(stop,), name="leader-election", daemon=True).start()
+        while not stop.is_set():
+            leading = self.elector is None or self.elector.leading
+            self.metrics.leader.set(1 if leading else 0)
+            if leading:
+                try:
+                    self.pass_once()
+                    self.metrics.heartbeat.set(self.clock())
+                except (ApiException, *UNREACHABLE) as err:
+                    log.warning("listing policies: %s (retrying)", getattr(err, "reason", err))
+            self._wake.wait(self.resync_s if leading else 1.0)
+            self._wake.clear()
+        if self._watch is not None:
+            self._watch.stop()
+        if self.elector is not None:
+            self.elector.release()
+
+    def _watch_policies(self, stop: threading.Event) -> None:
+        """Wake the loop on any policy event; restart the watch whenever it ends or fails."""
+        custom = self.kube.custom
+        while not stop.is_set():
+            self._watch = watch.Watch()
+            try:
+                if self.namespace:
+                    stream = self._watch.stream(custom.list_namespaced_custom_object, obj.GROUP, obj.VERSION,
+                                                self.namespace, obj.PLURAL, timeout_seconds=60)
+                else:
+                    stream = self._watch.stream(custom.list_cluster_custom_object, obj.GROUP, obj.VERSION, obj.PLURAL,
+                                                timeout_seconds=60)
+                for _ in stream:
+                    self._wake.set()
+            except (ApiException, ValueError, *UNREACHABLE) as err:
+                log.info("policy watch ended: %s", getattr(err, "reason", err))
+                stop.wait(1.0)
+
+
+def _key(policy: dict) -> tuple[str, str]:
+    return policy["metadata"]["namespace"], policy["metadata"]["name"]

@@ -1,0 +1,176 @@
+"""The objects one policy owns, as the API wants them (pure builders, no client).
+
+For a policy NAME in a namespace:
+- StatefulSet NAME-hosts: the expert-host pool (stable names: host i is GPU i of the placement;
+  scale-in removes the highest ordinals). Its size moves only through the scale subresource.
+- Service NAME-hosts: headless, so the serving app reaches each host by name.
+- ConfigMap NAME-serving: config.yaml, the serving knobs (a `moeless serve --config` file).
+- ConfigMap NAME-placement: resident.json, the replicas resident on each host.
+Every object carries the policy as its controller owner (deleting the policy deletes them) and
+the labels below; an object with one of these names that is not owned by the policy is left alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from moeless.controller.operator.spec import GIB, PolicySpec
+
+GROUP, VERSION, KIND, PLURAL = "moeless.io", "v1alpha1", "ExpertAutoscalingPolicy", "expertautoscalingpolicies"
+API_VERSION = f"{GROUP}/{VERSION}"
+MANAGED_BY = "moeless-operator"
+POLICY_LABEL = "moeless.io/policy"
+TEMPLATE_HASH = "moeless.io/template-hash"
+WAKE_ANNOTATION = "moeless.io/wake"  # set (any value, e.g. a timestamp) to wake a pool scaled to zero
+
+
+def names(policy_name: str) -> dict[str, tuple[str, str]]:
+    """role -> (kind, name) of the objects a policy owns."""
+    return {
+        "hosts": ("StatefulSet", f"{policy_name}-hosts"),
+        "service": ("Service", f"{policy_name}-hosts"),
+        "serving": ("ConfigMap", f"{policy_name}-serving"),
+        "placement": ("ConfigMap", f"{policy_name}-placement"),
+    }
+
+
+def labels(policy_name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "moeless",
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        POLICY_LABEL: policy_name,
+    }
+
+
+def owner_reference(policy: dict) -> dict[str, Any]:
+    meta = policy["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def owned_by(obj: dict, policy_name: str, uid: str | None) -> bool:
+    """Whether obj's controller is this policy (by uid; by name when the policy is gone, uid None)."""
+    for ref in obj.get("metadata", {}).get("ownerReferences") or ():
+        if ref.get("kind") == KIND and ref.get("controller") and ref.get("name") == policy_name:
+            if uid is None or ref.get("uid") == uid:
+                return True
+    return False
+
+
+def _meta(policy: dict, name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": policy["metadata"]["namespace"], "labels": labels(policy["metadata"]["name"], component),
+            "ownerReferences": [owner_reference(policy)]}
+
+
+def host_command(spec: PolicySpec) -> list[str]:
+    """The expert host's command line; on the node's network host i listens on port + i."""
+    pool = spec.hosts
+    memory_gb = round(pool.memory_gib_per_host * GIB / 1e9, 3)
+    tail = (f"--store {spec.store} --bind 0.0.0.0 --keep-alive-s {spec.knobs.keep_alive_s:g} "
+            f"--memory-gb {memory_gb:g} --drain-s {pool.drain_seconds}")
+    if pool.host_network:
+        offset = "${POD_NAME##*-}"
+        return ["sh", "-c", f"exec moeless expert-host {tail} --port $(({pool.grpc_port} + {offset})) "
+                            f"--metrics-port $(({pool.metrics_port} + {offset}))"]
+    return ["moeless", "expert-host", *tail.split(), "--port", str(pool.grpc_port), "--metrics-port", str(pool.metrics_port)]
+
+
+def _probe(spec: PolicySpec, path: str) -> dict[str, Any]:
+    pool = spec.hosts
+    timing = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3}
+    if not pool.host_network:
+        return {"httpGet": {"path": path, "port": "metrics"}, **timing}
+    # On the node's network each host has its own port: an exec probe computes it.
+    check = (f"import os,urllib.request as u; u.urlopen('http://127.0.0.1:%d{path}' % "
+             f"({pool.metrics_port} + int(os.environ['POD_NAME'].rsplit('-', 1)[1])), timeout=2)")
+    return {"exec": {"command": ["python", "-c", check]}, **timing}
+
+
+def pod_template(policy: dict, spec: PolicySpec) -> dict[str, Any]:
+    name, pool = policy["metadata"]["name"], spec.hosts
+    volumes = [{"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    if spec.pvc or spec.host_path:
+        source = ({"persistentVolumeClaim": {"claimName": spec.pvc, "readOnly": True}} if spec.pvc
+                  else {"hostPath": {"path": spec.host_path, "type": "Directory"}})
+        volumes.append({"name": "store", **source})
+        mounts.append({"name": "store", "mountPath": spec.store, "readOnly": True})
+    resources: dict[str, Any] = {"requests": {"cpu": pool.cpu}}
+    if pool.gpus_per_host:
+        resources["limits"] = {"nvidia.com/gpu": pool.gpus_per_host}
+    container = {
+        "name": "expert-host", "image": pool.image, "imagePullPolicy": pool.image_pull_policy,
+        "command": host_command(spec),
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "HOME", "value": "/tmp"}, {"name": "MOELESS_CACHE", "value": "/tmp/moeless-cache"},
+                {"name": "NUMBA_CACHE_DIR", "value": "/tmp/numba"}],
+        "readinessProbe": _probe(spec, "/readyz"),
+        "livenessProbe": {**_probe(spec, "/healthz"), "initialDelaySeconds": 30},
+        "resources": resources,
+        "volumeMounts": mounts,
+        "securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    if not pool.host_network:  # declared ports on the node's network would collide between hosts
+        container["ports"] = [{"name": "grpc", "containerPort": pool.grpc_port},
+                              {"name": "metrics", "containerPort": pool.metrics_port}]
+    pod_spec: dict[str, Any] = {
+        "containers": [container], "volumes": volumes, "enableServiceLinks": False,
+        # Draining finishes the calls in flight before the kill.
+        "terminationGracePeriodSeconds": pool.drain_seconds + 10,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001},
+    }
+    if pool.host_network:
+        pod_spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
+    meta = {"labels": labels(name, "expert-host"),
+            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(pool.metrics_port)}}
+    return {"metadata": meta, "spec": pod_spec}
+
+
+def template_hash(template: dict) -> str:
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stateful_set(policy: dict, spec: PolicySpec, replicas: int) -> dict[str, Any]:
+    kind, name = names(policy["metadata"]["name"])["hosts"]
+    template = pod_template(policy, spec)
+    meta = _meta(policy, name, "expert-host")
+    meta["annotations"] = {TEMPLATE_HASH: template_hash(template)}
+    return {
+        "apiVersion": "apps/v1", "kind": kind, "metadata": meta,
+        "spec": {"replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",
+                 "selector": {"matchLabels": {POLICY_LABEL: policy["metadata"]["name"],
+                                              "app.kubernetes.io/component": "expert-host"}},
+                 "template": template},
+    }
+
+
+def service(policy: dict, spec: PolicySpec) -> dict[str, Any]:
+    kind, name = names(policy["metadata"]["name"])["service"]
+    return {
+        "apiVersion": "v1", "kind": kind, "metadata": _meta(policy, name, "expert-host"),
+        "spec": {"clusterIP": "None",
+                 "selector": {POLICY_LABEL: policy["metadata"]["name"], "app.kubernetes.io/component": "expert-host"},
+                 "ports": [{"name": "grpc", "port": spec.hosts.grpc_port},
+                           {"name": "metrics", "port": spec.hosts.metrics_port}]},
+    }
+
+
+def serving_config_map(policy: dict, spec: PolicySpec) -> dict[str, Any]:
+    kind, name = names(policy["metadata"]["name"])["serving"]
+    config = yaml.safe_dump(spec.knobs.to_mapping(), sort_keys=False)
+    return {"apiVersion": "v1", "kind": kind, "metadata": _meta(policy, name, "serving-config"),
+            "data": {"config.yaml": config}}
+
+
+def placement_config_map(policy: dict, resident: dict[str, list[list[int]]]) -> dict[str, Any]:
+    """resident: host pod -> [[layer, expert], ...] of the replicas it holds."""
+    kind, name = names(policy["metadata"]["name"])["placement"]
+    body = {"hosts": resident, "replicas": sum(len(v) for v in resident.values())}
+    return {"apiVersion": "v1", "kind": kind, "metadata": _meta(policy, name, "placement"),
+            "data": {"resident.json": json.dumps(body, sort_keys=True)}}

@@ -1,0 +1,133 @@
+"""An ExpertAutoscalingPolicy's spec, parsed and checked (the checks OpenAPI cannot express).
+
+The API server already refuses wrong types and out-of-range values (manifests/crd.yaml); this
+module adds what Kubernetes 1.20 cannot check: planner names, unknown serving keys, minHosts <=
+maxHosts. Defaults are the CRD's (tests/k8s/test_crd_schema.py keeps them equal), so a spec that
+did not pass through an API server (unit tests) parses the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from moeless.knobs import KnobError, Knobs
+
+GIB = 1024**3
+
+
+class SpecError(ValueError):
+    """A policy the operator cannot act on; the message names the field (spec.hosts.maxHosts: ...)."""
+
+
+@dataclass(frozen=True)
+class HostPool:
+    image: str
+    max_hosts: int
+    min_hosts: int = 0
+    image_pull_policy: str = "IfNotPresent"
+    gpus_per_host: int = 1
+    memory_gib_per_host: float = 16.0
+    target_memory_utilization: float = 0.8
+    cpu: str = "1"
+    grpc_port: int = 50051
+    metrics_port: int = 9400
+    host_network: bool = False
+    drain_seconds: int = 30
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Everything the reconcile needs from spec, with defaults filled in."""
+
+    store: str
+    hosts: HostPool
+    knobs: Knobs
+    pvc: str | None = None
+    host_path: str | None = None
+    prewarm_hosts: int = 0
+    scale_to_zero: bool = False
+    scale_to_zero_delay_s: float = 300.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float | None = None  # None: knobs.keep_alive_s
+    non_expert_deployment: str | None = None
+    non_expert_gib_per_replica: float = 0.0
+
+    @property
+    def scale_in_delay_s(self) -> float:
+        return self.knobs.keep_alive_s if self.downscale_delay_s is None else self.downscale_delay_s
+
+    @property
+    def host_capacity_bytes(self) -> int:
+        return int(self.hosts.memory_gib_per_host * GIB)
+
+
+_POOL_KEYS = {
+    "image": ("image", str), "maxHosts": ("max_hosts", int), "minHosts": ("min_hosts", int),
+    "imagePullPolicy": ("image_pull_policy", str), "gpusPerHost": ("gpus_per_host", int),
+    "memoryGiBPerHost": ("memory_gib_per_host", float), "targetMemoryUtilization": ("target_memory_utilization", float),
+    "cpu": ("cpu", str), "grpcPort": ("grpc_port", int), "metricsPort": ("metrics_port", int),
+    "hostNetwork": ("host_network", bool), "drainSeconds": ("drain_seconds", int),
+}
+
+
+def _typed(value: Any, kind: type, where: str) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise SpecError(f"{where}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _block(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    block = spec.get(key) or {}
+    if not isinstance(block, Mapping):
+        raise SpecError(f"spec.{key}: expected an object, got {block!r}")
+    return block
+
+
+def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
+    """spec (the object's .spec) -> PolicySpec; raises SpecError naming the first bad field."""
+    if not isinstance(spec, Mapping):
+        raise SpecError("spec: missing; a policy needs spec.model and spec.hosts")
+    # 1. Model: where the weight store is.
+    model = _block(spec, "model")
+    if not isinstance(model.get("store"), str) or not model["store"]:
+        raise SpecError("spec.model.store: required, the weight store's path inside the host pods")
+    if model.get("persistentVolumeClaim") and model.get("hostPath"):
+        raise SpecError("spec.model: set persistentVolumeClaim or hostPath, not both")
+    # 2. Host pool.
+    raw_pool = _block(spec, "hosts")
+    unknown = sorted(set(raw_pool) - set(_POOL_KEYS))
+    if unknown:
+        raise SpecError(f"spec.hosts.{unknown[0]}: unknown field; known: {', '.join(_POOL_KEYS)}")
+    for required in ("image", "maxHosts"):
+        if required not in raw_pool:
+            raise SpecError(f"spec.hosts.{required}: required")
+    pool = HostPool(**{attr: _typed(raw_pool[key], kind, f"spec.hosts.{key}")
+                       for key, (attr, kind) in _POOL_KEYS.items() if key in raw_pool})
+    if pool.min_hosts > pool.max_hosts:
+        raise SpecError(f"spec.hosts.minHosts: {pool.min_hosts} exceeds maxHosts {pool.max_hosts}")
+    # 3. Serving knobs: exactly a `moeless serve --config` file.
+    try:
+        knobs = Knobs.from_mapping(_block(spec, "serving"), where="spec.serving")
+    except KnobError as err:
+        raise SpecError(str(err)) from None
+    # 4. Scaling behaviour and billing.
+    prewarm, to_zero, non_expert = _block(spec, "prewarm"), _block(spec, "scaleToZero"), _block(spec, "nonExpert")
+    prewarm_hosts = _typed(prewarm.get("hosts", 0), int, "spec.prewarm.hosts")
+    if prewarm_hosts > pool.max_hosts:
+        raise SpecError(f"spec.prewarm.hosts: {prewarm_hosts} exceeds hosts.maxHosts {pool.max_hosts}")
+    downscale = spec.get("downscaleDelaySeconds")
+    return PolicySpec(
+        store=model["store"], hosts=pool, knobs=knobs,
+        pvc=model.get("persistentVolumeClaim") or None, host_path=model.get("hostPath") or None,
+        prewarm_hosts=prewarm_hosts,
+        scale_to_zero=_typed(to_zero.get("enabled", False), bool, "spec.scaleToZero.enabled"),
+        scale_to_zero_delay_s=_typed(to_zero.get("delaySeconds", 300.0), float, "spec.scaleToZero.delaySeconds"),
+        upscale_delay_s=_typed(spec.get("upscaleDelaySeconds", 30.0), float, "spec.upscaleDelaySeconds"),
+        downscale_delay_s=None if downscale is None else _typed(downscale, float, "spec.downscaleDelaySeconds"),
+        non_expert_deployment=non_expert.get("deployment") or None,
+        non_expert_gib_per_replica=_typed(non_expert.get("memoryGiBPerReplica", 0.0), float,
+                                          "spec.nonExpert.memoryGiBPerReplica"),
+    )

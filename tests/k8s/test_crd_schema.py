@@ -1,0 +1,91 @@
+"""The CRD's OpenAPI schema and moeless/knobs.py cannot drift apart; the chart ships the same CRD."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moeless.controller.operator.spec import HostPool, PolicySpec, _POOL_KEYS
+from moeless.knobs import BY_KEY, PREDICTORS, KnobError, Knobs
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "manifests" / "crd.yaml"
+CHART_CRD = ROOT / "helm" / "moeless" / "crds" / "expertautoscalingpolicies.yaml"
+
+
+def schema() -> dict:
+    crd = yaml.safe_load(CRD.read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+
+
+def accepts(key: str, value) -> bool:
+    try:
+        BY_KEY[key].parse(value, key)
+        return True
+    except KnobError:
+        return False
+
+
+def test_the_chart_ships_the_manifests_crd():
+    assert CHART_CRD.read_text() == CRD.read_text(), "copy manifests/crd.yaml to helm/moeless/crds/"
+
+
+def test_serving_block_has_exactly_the_knobs():
+    assert set(schema()["serving"]["properties"]) == set(BY_KEY)
+
+
+@pytest.mark.parametrize("key", sorted(BY_KEY))
+def test_each_knob_has_the_same_type_and_range(key):
+    prop = schema()["serving"]["properties"][key]
+    assert "default" not in prop, "serving defaults come from Knobs, not the CRD"
+    default = getattr(Knobs(), BY_KEY[key].attr)
+    kind = prop["type"]
+    if kind == "boolean":
+        assert accepts(key, True) and accepts(key, False) and not accepts(key, 1)
+        return
+    if kind == "string":
+        if "enum" in prop:
+            assert tuple(prop["enum"]) == PREDICTORS
+            assert all(accepts(key, v) for v in prop["enum"]) and not accepts(key, "other")
+        else:  # planner names: checked by the operator (KnobError), not by an enum
+            assert accepts(key, default) and not accepts(key, "") and prop["minLength"] == 1
+        return
+    assert kind in ("integer", "number")
+    assert (kind == "integer") == isinstance(default, int)
+    if kind == "integer":
+        assert not accepts(key, 2.5)
+    step = 1 if kind == "integer" else 1e-9
+    low = prop.get("minimum")
+    if low is None:
+        assert accepts(key, -1e9 if kind == "number" else -10**9)
+    elif prop.get("exclusiveMinimum"):
+        assert not accepts(key, low) and accepts(key, low + step)
+    else:
+        assert accepts(key, low) and not accepts(key, low - step)
+    high = prop.get("maximum")
+    if high is None:
+        assert accepts(key, 10**9)
+    else:
+        assert accepts(key, high) and not accepts(key, high + step)
+    assert bool(prop.get("nullable")) == accepts(key, None)
+
+
+def test_crd_defaults_are_the_operators_defaults():
+    props = schema()
+    hosts = props["hosts"]["properties"]
+    pool_defaults = {f.name: f.default for f in dataclasses.fields(HostPool) if f.default is not dataclasses.MISSING}
+    for key, (attr, _) in _POOL_KEYS.items():
+        if attr in pool_defaults:
+            assert hosts[key].get("default") == pool_defaults[attr], key
+        else:
+            assert "default" not in hosts[key] and key in props["hosts"]["required"]
+    spec_defaults = {f.name: f.default for f in dataclasses.fields(PolicySpec)}
+    assert props["prewarm"]["properties"]["hosts"]["default"] == spec_defaults["prewarm_hosts"]
+    assert props["scaleToZero"]["properties"]["enabled"]["default"] == spec_defaults["scale_to_zero"]
+    assert props["scaleToZero"]["properties"]["delaySeconds"]["default"] == spec_defaults["scale_to_zero_delay_s"]
+    assert props["upscaleDelaySeconds"]["default"] == spec_defaults["upscale_delay_s"]
+    assert "default" not in props["downscaleDelaySeconds"]  # unset: keepAliveSeconds
+    assert props["nonExpert"]["properties"]["memoryGiBPerReplica"]["default"] == spec_defaults["non_expert_gib_per_replica"]
