@@ -1,8 +1,13 @@
-"""Meters of one expert host: memory held over time (GB·s), loads, cold starts, invocations.
+"""Meters of one expert host: memory held over time (GB·s), loads, cold starts, invocations,
+and per MoE layer the cold-start time prefetching hid and the time invocations waited (exposed).
 
 GB·s integrates the bytes each replica holds, from the start of its load to its eviction
 (the `resident` billing model of DESIGN.md), with GB = 1e9 bytes. Pure bookkeeping on an
-injected clock; prometheus.py exposes it, the Status RPC reports it.
+injected clock; metrics.py exposes it, the Status RPC reports it.
+
+Cold starts: a load started ahead of the invocation that needs it (a prefetch: `load` without
+wait) hides its time, except what the invocation still waits for; a load the invocation starts
+itself is all exposed. Only the exposed part costs latency.
 """
 
 from __future__ import annotations
@@ -45,6 +50,41 @@ class HostTotals:
 
 
 @dataclass
+class LayerColdMeters:
+    """Cold starts of one MoE layer on this host: seconds hidden by prefetch and exposed (waited)."""
+
+    hidden_s: float = 0.0
+    exposed_s: float = 0.0
+    waits: int = 0  # replica loads an invocation waited for
+    prefetched: int = 0  # replica loads started ahead that an invocation then used
+
+
+@dataclass
+class ColdMeters:
+    """Per-layer cold-start meters, prefetches never used (evicted first), and device copies."""
+
+    layers: dict[int, LayerColdMeters] = field(default_factory=dict)
+    prefetch_wasted: int = 0
+    copies: int = 0  # host tier -> device copies (cold starts proper)
+    copy_s_sum: float = 0.0
+
+    def used(self, layer: int, load_s: float, waited_s: float, prefetched: bool) -> None:
+        """An invocation of `layer` used a replica loaded for it: load_s its load's duration,
+        waited_s how long the invocation waited for it (0 when resident by then)."""
+        m = self.layers.setdefault(layer, LayerColdMeters())
+        m.exposed_s += waited_s
+        if waited_s > 0 or not prefetched:
+            m.waits += 1
+        if prefetched:
+            m.prefetched += 1
+            m.hidden_s += max(load_s - waited_s, 0.0)
+
+    def as_dict(self) -> dict:
+        return {"layers": {l: asdict(m) for l, m in sorted(self.layers.items())}, "prefetch_wasted": self.prefetch_wasted,
+                "copies": self.copies, "copy_s_sum": self.copy_s_sum}
+
+
+@dataclass
 class Meters:
     """Counters per replica and per host. Not thread-safe: used under the runtime's lock."""
 
@@ -52,6 +92,7 @@ class Meters:
     replicas: dict[Key, ReplicaMeters] = field(default_factory=dict)
     host_invocations: int = 0
     load_s_sum: float = 0.0
+    cold: ColdMeters = field(default_factory=ColdMeters)
 
     def _of(self, key: Key) -> ReplicaMeters:
         return self.replicas.setdefault(key, ReplicaMeters())

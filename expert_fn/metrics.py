@@ -1,7 +1,9 @@
 """Prometheus exposition of a host's meters: a collector read at scrape time.
 
 Per replica (labels layer, expert): GB·s, bytes held, loads, cold starts, invocations, tokens.
-Per host: the same totals, load seconds, evictions, Invoke calls and calls in flight.
+Per layer (label layer): cold-start seconds hidden by prefetch and exposed (waited for).
+Per host: the same totals, load seconds, evictions, Invoke calls and calls in flight, prefetches
+never used, device copies, and the host memory tier's hits, misses, reads and bytes.
 """
 
 from __future__ import annotations
@@ -51,6 +53,30 @@ class RuntimeCollector(Collector):
         }
         for name, (family, doc, field) in host.items():
             yield family(f"{PREFIX}_host_{name}", doc, value=totals[field])
+        per_layer = {
+            "cold_hidden_seconds": ("cold-start seconds hidden by loads started ahead (prefetch)", "hidden_s"),
+            "cold_exposed_seconds": ("cold-start seconds invocations waited for (the latency they cost)", "exposed_s"),
+            "cold_waits": ("replica loads an invocation waited for", "waits"),
+            "prefetched": ("replica loads started ahead that an invocation then used", "prefetched"),
+        }
+        cold = status["cold"]
+        for name, (doc, field) in per_layer.items():
+            metric = CounterMetricFamily(f"{PREFIX}_layer_{name}", doc, labels=["layer"])
+            for layer, m in cold["layers"].items():
+                metric.add_metric([str(layer)], m[field])
+            yield metric
+        yield CounterMetricFamily(f"{PREFIX}_host_prefetch_wasted", "replicas loaded ahead and evicted before any use",
+                                  value=cold["prefetch_wasted"])
+        yield CounterMetricFamily(f"{PREFIX}_host_device_copies", "host tier -> device copies", value=cold["copies"])
+        yield CounterMetricFamily(f"{PREFIX}_host_device_copy_seconds", "seconds spent copying host tier -> device",
+                                  value=cold["copy_s_sum"])
+        tier = status["host_tier"]
+        for name, doc in (("hits", "loads served from host memory"), ("misses", "loads that read the file (disk -> host)"),
+                          ("read_failures", "file reads refused: missing, checksum mismatch, unreadable"),
+                          ("evictions", "entries evicted from host memory"), ("read_s_sum", "seconds reading and verifying files")):
+            family = f"{PREFIX}_host_tier_{'read_seconds' if name == 'read_s_sum' else name}"
+            yield CounterMetricFamily(family, f"host memory tier: {doc}", value=tier[name])
+        yield GaugeMetricFamily(f"{PREFIX}_host_tier_bytes", "bytes of verified weights in host memory", value=tier["bytes"])
         yield GaugeMetricFamily(f"{PREFIX}_host_inflight", "Invoke calls running now", value=status["inflight"])
         yield GaugeMetricFamily(f"{PREFIX}_host_memory_bytes", "replica memory capacity", value=status["memory_bytes"])
         ready = status["health"] == "serving"

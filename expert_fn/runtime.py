@@ -1,9 +1,11 @@
 """The expert host's engine, without the network: replicas, loads off the request path, invokes.
 
-Thread-safe: gRPC handler threads call load / evict / invoke / status concurrently. Loads run
-on a small thread pool (the weight store's memory-mapped safetensors files), so a pre-warm
-returns at once; an invoke that needs a replica still loading waits for it (a cold start).
-A sweeper thread evicts replicas idle for longer than keep_alive_s.
+Thread-safe: gRPC handler threads call load / evict / invoke / status concurrently. A load
+goes through the weight tiers (expert_fn/tiers.py): disk -> host memory (sha256 checked once, on
+entry) -> device, on a small thread pool, so a pre-warm or prefetch returns at once; an invoke
+that needs a replica still loading waits for it (a cold start), and a load already running is
+never started twice. Per layer the meters count the cold-start time a prefetch hid and the time
+invocations waited. A sweeper thread evicts replicas idle for longer than keep_alive_s.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from moeless.expert_fn.errors import BadRequest, ReplicaLoadError
 from moeless.expert_fn.executor import forward_for
 from moeless.expert_fn.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
 from moeless.expert_fn.meters import Meters
+from moeless.expert_fn.tiers import DeviceCopier, HostTier, TierConfig
 from moeless.model.weight_store import WeightStore, WeightStoreError
 
 log = logging.getLogger(__name__)
@@ -40,9 +43,12 @@ class ExpertHostRuntime:
         keep_alive_s: float,
         clock: Callable[[], float] = time.monotonic,
         load_workers: int = 2,
+        tier: TierConfig = TierConfig(),
     ) -> None:
         self.store = store
         self.device = device
+        self.tier = HostTier(store, tier, pin=device.startswith("cuda") and torch.cuda.is_available())
+        self._copier = DeviceCopier(device)
         self.keep_alive_s = keep_alive_s
         self.health = "starting"  # "serving" once the server listens, "draining" on SIGTERM
         self._forward = forward_for(device)
@@ -51,22 +57,27 @@ class ExpertHostRuntime:
         self.table = ReplicaTable(capacity_bytes, keep_alive_s, clock, self.meters)
         self._weights: dict[Key, Weights] = {}
         self._loads: dict[Key, Future] = {}
+        self._ahead: set[Key] = set()  # loaded or loading ahead of any invocation (prefetch, pre-warm)
         self._inflight = 0
         self._pool = ThreadPoolExecutor(load_workers, thread_name_prefix="expert-load")
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="keep-alive", daemon=True)
         self._sweeper.start()
+        if tier.prewarm != "none":
+            threading.Thread(target=self.tier.prewarm, name="host-tier-prewarm", daemon=True).start()
 
     # --- operations -------------------------------------------------------------------------
 
     def load(self, layer: int, expert: int, wait: bool = False) -> tuple[ReplicaState, bool]:
-        """Pre-warm (layer, expert); returns (its state, whether this call started a load).
+        """Pre-warm or prefetch (layer, expert); returns (its state, whether this call started a load).
 
         wait=True blocks until resident and raises ReplicaLoadError if the load fails.
         """
         key = self._check_key(layer, expert)
         with self._lock:
             future, started = self._start_load(key)
+            if started:
+                self._ahead.add(key)
         if wait and future is not None:
             future.result()
         with self._lock:
@@ -78,7 +89,7 @@ class ExpertHostRuntime:
         with self._lock:
             evicted = self.table.evict(key)
             if evicted:
-                self._weights.pop(key, None)
+                self._dropped([key])
             return evicted, self.table.state(key)
 
     def invoke(self, layer: int, batches: dict[int, torch.Tensor]) -> InvokeResult:
@@ -101,13 +112,21 @@ class ExpertHostRuntime:
         try:
             with self._lock:
                 cold = [key for key in keys if self.table.state(key) not in RESIDENT]
+                loading = {key: self._start_load(key)[0] for key in cold}
                 for key in cold:
-                    self._start_load(key)
                     self.meters.cold_start(key)
+                ahead = self._ahead.intersection(keys)
+                self._ahead.difference_update(keys)
+            waited: dict[Key, float] = {}
             for key in keys:
-                self._pin(key)
+                waited[key] = self._pin(key, loading.get(key))
                 pinned.append(key)
-            # 2. Compute outside the lock.
+            # 2. Cold-start meters: what prefetching hid, what this call waited for.
+            with self._lock:
+                for key in set(cold) | ahead:  # a resident replica loaded ahead waited for nothing
+                    load_s = self.meters.replicas[key].last_load_s
+                    self.meters.cold.used(layer, load_s, waited[key] if key in cold else 0.0, prefetched=key in ahead)
+            # 3. Compute outside the lock.
             with self._lock:
                 weights = [self._weights[key] for key in keys]
             for (expert, x), w in zip(batches.items(), weights):
@@ -121,15 +140,15 @@ class ExpertHostRuntime:
         finally:
             with self._lock:
                 for key in pinned:
-                    for evicted in self.table.release(key):
-                        self._weights.pop(evicted, None)
+                    self._dropped(self.table.release(key))
                 self._inflight -= 1
         with self._lock:
             self.meters.invoked(layer, {e: int(x.shape[0]) for e, x in batches.items()})
         return InvokeResult(result, len(cold), compute_s)
 
     def status(self) -> dict:
-        """Host facts, every replica seen (state, bytes, GB·s, counts) and the host's totals."""
+        """Host facts, every replica seen (state, bytes, GB·s, counts), the host's totals, the
+        cold-start meters ("cold": per layer hidden / exposed seconds) and the host tier's counters."""
         with self._lock:
             replicas = []
             for (layer, expert), r in sorted(self.table.replicas().items()):
@@ -144,6 +163,7 @@ class ExpertHostRuntime:
                 "device": self.device, "memory_bytes": self.table.capacity_bytes,
                 "keep_alive_s": self.keep_alive_s, "health": self.health, "inflight": self._inflight,
                 "replicas": replicas, "meters": self.meters.totals().as_dict(),
+                "cold": self.meters.cold.as_dict(), "host_tier": self.tier.stats(),
             }
 
     def close(self) -> None:
@@ -160,18 +180,23 @@ class ExpertHostRuntime:
             return self._loads[key], False
         if not self.table.needs_load(key):
             return None, False
-        for evicted in self.table.begin_load(key, self._resident_bytes(key)):
-            self._weights.pop(evicted, None)
+        self._dropped(self.table.begin_load(key, self._resident_bytes(key)))
         future = self._pool.submit(self._load_weights, key)
         self._loads[key] = future
         return future, True
 
     def _load_weights(self, key: Key) -> None:
-        """On a load thread: read, convert and place key's weights; record the outcome."""
+        """On a load thread: key's weights from the host tier (read and verified there first if
+        they are not in it) copied to the device; record the outcome."""
         weights, error = None, None
         try:
-            raw = self.store.load(*key)
-            weights = {name: t.to(self.device, torch.float32).contiguous() for name, t in raw.items()}
+            raw, _ = self.tier.get(key)
+            started = time.perf_counter()
+            weights = self._copier.to_device(raw)
+            copy_s = time.perf_counter() - started
+            with self._lock:
+                self.meters.cold.copies += 1
+                self.meters.cold.copy_s_sum += copy_s
         except WeightStoreError as err:
             error = str(err)
         except Exception as err:  # a device or conversion failure is this replica's problem only
@@ -180,20 +205,35 @@ class ExpertHostRuntime:
             self.table.finish_load(key, error)
             if weights is not None:
                 self._weights[key] = weights
+            else:
+                self._ahead.discard(key)  # a failed prefetch is not a hidden cold start
             del self._loads[key]
         if error is not None:
             log.warning("replica (layer %d, expert %d) failed to load: %s", key[0], key[1], error)
             raise ReplicaLoadError(f"layer {key[0]} expert {key[1]} failed to load: {error}")
 
-    def _pin(self, key: Key) -> None:
-        """Acquire key for an invocation, waiting for its load (again, if evicted meanwhile)."""
+    def _pin(self, key: Key, load: Future | None) -> float:
+        """Acquire key for an invocation, waiting for `load` (its running load, which raises if it
+        failed: a failed load is not retried here) and again if it was evicted meanwhile; returns
+        the seconds waited (on the injected clock)."""
+        started = self.meters.clock()
+        if load is not None:
+            load.result()
         while True:
             with self._lock:
                 if self.table.state(key) in RESIDENT:
                     self.table.acquire(key)
-                    return
+                    return self.meters.clock() - started
                 future, _ = self._start_load(key)
             future.result()
+
+    def _dropped(self, keys: list[Key]) -> None:
+        """Under the lock: keys were evicted; free their weights, count prefetches never used."""
+        for key in keys:
+            self._weights.pop(key, None)
+            if key in self._ahead:
+                self._ahead.discard(key)
+                self.meters.cold.prefetch_wasted += 1
 
     def _resident_bytes(self, key: Key) -> int:
         """Bytes key takes once converted to float32 (the store may hold a narrower dtype)."""
@@ -212,5 +252,4 @@ class ExpertHostRuntime:
         period = min(max(self.keep_alive_s / 4, 0.05), 1.0)
         while not self._stop.wait(period):
             with self._lock:
-                for key in self.table.expire():
-                    self._weights.pop(key, None)
+                self._dropped(self.table.expire())
