@@ -17,6 +17,7 @@ Thread-safe: concurrent gets of one expert share one read (single flight); a rea
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from collections import OrderedDict
@@ -62,6 +63,22 @@ class TierStats:
     read_s_sum: float = 0.0  # disk -> host: read, sha256, parse (and pin)
     entries: int = 0
     bytes: int = 0
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """The host-tier flags of an expert host (--host-tier-gb, --host-tier-eviction, --host-tier-prewarm)."""
+    parser.add_argument("--host-tier-gb", type=float, default=None, metavar="G",
+                        help="host memory for verified expert weights (GB = 1e9 bytes; 0 turns the tier off; default: no limit)")
+    parser.add_argument("--host-tier-eviction", choices=EVICTION_ORDERS, default="lru",
+                        help="which host-tier entry goes first when it is full (default lru)")
+    parser.add_argument("--host-tier-prewarm", choices=PREWARM, default="none",
+                        help="read every expert into host memory at start, as capacity allows (default none)")
+
+
+def tier_config_from_args(args: argparse.Namespace) -> TierConfig:
+    """TierConfig from the flags of add_tier_arguments; raises ValueError with the flag's meaning."""
+    gb = args.host_tier_gb
+    return TierConfig(None if gb is None else round(gb * 1e9), args.host_tier_eviction, args.host_tier_prewarm)
 
 
 def weights_bytes(weights: Weights) -> int:

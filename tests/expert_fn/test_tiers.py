@@ -220,3 +220,16 @@ def test_tier_settings_are_checked():
         TierConfig(prewarm="some")
     with pytest.raises(ValueError, match=">= 0 bytes"):
         TierConfig(capacity_bytes=-1)
+
+
+def test_tier_flags_make_a_config():
+    import argparse
+
+    from moeless.expert_fn.tiers import add_tier_arguments, tier_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_tier_arguments(parser)
+    config = tier_config_from_args(parser.parse_args(["--host-tier-gb", "0.5", "--host-tier-eviction", "fifo",
+                                                      "--host-tier-prewarm", "all"]))
+    assert config == TierConfig(500_000_000, "fifo", "all")
+    assert tier_config_from_args(parser.parse_args([])) == TierConfig()
