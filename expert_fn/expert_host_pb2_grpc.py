@@ -59,6 +59,16 @@ class ExpertHostStub:
                 request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthRequest.SerializeToString,
                 response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.InvokePacked = channel.unary_unary(
+                '/moeless.expert_fn.ExpertHost/InvokePacked',
+                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.PackedRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.PackedReply.FromString,
+                _registered_method=True)
+        self.LocalChannel = channel.unary_unary(
+                '/moeless.expert_fn.ExpertHost/LocalChannel',
+                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelReply.FromString,
+                _registered_method=True)
 
 
 class ExpertHostServicer:
@@ -99,6 +109,20 @@ class ExpertHostServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InvokePacked(self, request, context):
+        """Invoke with one tensor for all experts (rows expert-major): what the serving path sends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LocalChannel(self, request, context):
+        """The host's shared-memory channel for clients on the same machine (local_channel.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertHostServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +150,16 @@ def add_ExpertHostServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthRequest.FromString,
                     response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthReply.SerializeToString,
+            ),
+            'InvokePacked': grpc.unary_unary_rpc_method_handler(
+                    servicer.InvokePacked,
+                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.PackedRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.PackedReply.SerializeToString,
+            ),
+            'LocalChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocalChannel,
+                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +297,60 @@ class ExpertHost:
             '/moeless.expert_fn.ExpertHost/Health',
             moeless_dot_expert__fn_dot_expert__host__pb2.HealthRequest.SerializeToString,
             moeless_dot_expert__fn_dot_expert__host__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InvokePacked(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moeless.expert_fn.ExpertHost/InvokePacked',
+            moeless_dot_expert__fn_dot_expert__host__pb2.PackedRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_expert__host__pb2.PackedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocalChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moeless.expert_fn.ExpertHost/LocalChannel',
+            moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelReply.FromString,
             options,
             channel_credentials,
             insecure,

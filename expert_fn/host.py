@@ -1,11 +1,14 @@
 """One expert host process: `python -m moeless.expert_fn.host --store DIR --port N ...`
 (the same as `moeless expert-host`).
 
-It serves the ExpertHost gRPC API on --bind:--port (0 picks a free port) and, with
+It serves the ExpertHost gRPC API on --bind:--port (0 picks a free port), the shared-memory
+local channel for clients on the same machine (unless --no-local-channel) and, with
 --metrics-port, /metrics, /healthz and /readyz over HTTP. Once listening it prints one JSON line
 to stdout, {"event": "ready", "port": ..., "metrics_port": ...}, which the launcher waits for.
 SIGTERM (or SIGINT) drains gracefully: readiness turns false, new calls are refused, calls in
-flight finish (up to --drain-s), then the process exits 0.
+flight finish (up to --drain-s), then the process exits 0. With --exit-with-parent it also
+drains and exits when its parent process is gone (a launcher killed without cleaning up
+leaves no host behind).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -35,6 +39,9 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add("--threads", type=int, default=1, help="torch CPU threads for expert compute (default 1)")
     add("--drain-s", type=float, default=30.0, metavar="S",
         help="on SIGTERM, wait this long for calls in flight (default 30)")
+    add("--no-local-channel", action="store_true",
+        help="offer no shared-memory channel to clients on this machine (gRPC only)")
+    add("--exit-with-parent", action="store_true", help="drain and exit when the parent process is gone")
 
 def serve(args: argparse.Namespace) -> int:
     """Run one host until SIGTERM/SIGINT; returns the exit status."""
@@ -45,12 +52,18 @@ def serve(args: argparse.Namespace) -> int:
     from moeless.expert_fn.codec import CHANNEL_OPTIONS
     from moeless.expert_fn.gpu import detect_device
     from moeless.expert_fn.http_endpoints import start_http_endpoints
+    from moeless.expert_fn.local_channel_server import LocalChannelServer
     from moeless.expert_fn.runtime import ExpertHostRuntime
     from moeless.expert_fn.servicer import ExpertHostServicer
     from moeless.model.weight_store import WeightStore, WeightStoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
+    if hasattr(os, "SCHED_BATCH"):
+        # A woken host thread then never preempts the caller, which is still handing the same
+        # layer to the other hosts (on 2 cores that preemption serialised the hosts). Inherited
+        # by every thread started below; no privilege needed.
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     # 1. Store, device, runtime.
     if (args.memory_gb is not None and args.memory_gb <= 0) or args.keep_alive_s < 0 or args.threads < 1:
         print("expert-host: --memory-gb must be > 0, --keep-alive-s >= 0 and --threads >= 1", file=sys.stderr)
@@ -68,7 +81,8 @@ def serve(args: argparse.Namespace) -> int:
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,
                                   initargs=(args.threads,))
     server = grpc.server(handlers, options=CHANNEL_OPTIONS)
-    pb_grpc.add_ExpertHostServicer_to_server(ExpertHostServicer(runtime), server)
+    local = None if args.no_local_channel else LocalChannelServer(runtime, threads=args.threads)
+    pb_grpc.add_ExpertHostServicer_to_server(ExpertHostServicer(runtime, local.name if local else ""), server)
     port = server.add_insecure_port(f"{args.bind}:{args.port}")
     if port == 0:
         print(f"expert-host: cannot listen on {args.bind}:{args.port} (in use?); pick another --port", file=sys.stderr)
@@ -84,12 +98,18 @@ def serve(args: argparse.Namespace) -> int:
     print(json.dumps(ready), flush=True)
     log.info("serving %s on %s:%d (%s, %.2f GB for replicas, keep-alive %.1f s)",
              args.store, args.bind, port, device.name, capacity / 1e9, args.keep_alive_s)
-    while not stop.wait(1.0):
-        pass
+    parent = os.getppid()
+    while not stop.wait(0.5):
+        if args.exit_with_parent and os.getppid() != parent:  # orphans are re-parented at once
+            log.warning("parent process %d is gone; stopping", parent)
+            break
     # 4. Drain: refuse new calls, let those in flight finish.
     runtime.health = "draining"
     log.info("draining (up to %.1f s)", args.drain_s)
-    server.stop(grace=args.drain_s).wait()
+    stopped = server.stop(grace=args.drain_s)
+    if local:
+        local.close(args.drain_s)
+    stopped.wait()
     runtime.close()
     if http:
         http.shutdown()

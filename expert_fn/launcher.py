@@ -156,19 +156,25 @@ def launch_local_hosts(
     threads: int = 1,
     drain_s: float = 30.0,
     startup_timeout_s: float = 60.0,
+    local_channel: bool = True,
 ) -> LocalHostGroup:
     """Start num_hosts expert hosts serving store_dir on loopback and wait until all are ready.
 
     memory_bytes: replica memory per host (default: the host's own, 4 GB on a CPU). metrics:
     also serve /metrics, /healthz, /readyz on a free port each (group.metrics_urls).
+    local_channel: offer the shared-memory channel (False: gRPC only, as for a remote host).
+    Hosts exit by themselves when this process dies without closing the group.
     """
     if num_hosts < 1:
         raise ValueError(f"num_hosts must be >= 1, got {num_hosts}")
     if not Path(store_dir, "index.json").is_file():
         raise FileNotFoundError(f"{store_dir}: no weight store (index.json); export one with `moeless model export`")
-    args = ["--store", str(store_dir), "--keep-alive-s", str(keep_alive_s), "--threads", str(threads), "--drain-s", str(drain_s)]
+    args = ["--store", str(store_dir), "--keep-alive-s", str(keep_alive_s), "--threads", str(threads), "--drain-s", str(drain_s),
+            "--exit-with-parent"]
     if memory_bytes is not None:
         args += ["--memory-gb", repr(memory_bytes / 1e9)]
     if metrics:
         args += ["--metrics-port", "0"]
+    if not local_channel:
+        args += ["--no-local-channel"]
     return LocalHostGroup(args, num_hosts, startup_timeout_s)

@@ -10,8 +10,9 @@ import grpc
 
 from moeless.expert_fn import expert_host_pb2 as pb
 from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
-from moeless.expert_fn.codec import batches_from_proto, put_batches
+from moeless.expert_fn.codec import batches_from_proto, put_batches, put_tensor, tensor_from_proto
 from moeless.expert_fn.errors import ERROR_KEY, BadRequest, ExpertHostError, HostMemoryFull, ReplicaLoadError
+from moeless.expert_fn.packed import run_packed
 from moeless.expert_fn.runtime import ExpertHostRuntime
 
 STATUS_CODES = {
@@ -27,8 +28,9 @@ def _abort(context: grpc.ServicerContext, err: ExpertHostError) -> None:
 
 
 class ExpertHostServicer(pb_grpc.ExpertHostServicer):
-    def __init__(self, runtime: ExpertHostRuntime) -> None:
+    def __init__(self, runtime: ExpertHostRuntime, local_channel: str = "") -> None:
         self.runtime = runtime
+        self.local_channel = local_channel  # the abstract socket of local_channel_server, "" if none
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadReply:
         try:
@@ -52,6 +54,19 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
         reply = pb.InvokeReply(cold_starts=result.cold_starts, compute_s=result.compute_s)
         put_batches(reply.outputs, result.outputs)
         return reply
+
+    def InvokePacked(self, request: pb.PackedRequest, context: grpc.ServicerContext) -> pb.PackedReply:
+        try:
+            x = tensor_from_proto(request.x)
+            result = run_packed(self.runtime, request.layer, list(request.experts), list(request.counts), x, out=x)
+        except ExpertHostError as err:
+            _abort(context, err)
+        reply = pb.PackedReply(cold_starts=result.cold_starts, compute_s=result.compute_s)
+        put_tensor(reply.y, result.y)
+        return reply
+
+    def LocalChannel(self, request: pb.LocalChannelRequest, context: grpc.ServicerContext) -> pb.LocalChannelReply:
+        return pb.LocalChannelReply(socket=self.local_channel)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         s = self.runtime.status()

@@ -1,8 +1,9 @@
 """RemoteExecutor: the serverless ExpertExecutor, running each MoE layer's experts on expert hosts.
 
 Per layer: read the current placement (it may change between iterations), scatter the routed
-tokens to the hosts that hold the experts' replicas, one invocation per host, all hosts in
-parallel, then gather and combine with the gate weights (moeless.serving.scatter).
+tokens to the hosts that hold the experts' replicas, one packed call per host, all hosts in
+parallel (each client's submit returns at once: shared memory for hosts on this machine, a gRPC
+future otherwise), then gather and combine with the gate weights (moeless.serving.scatter).
 
 Faults: an ExpertHostUnavailable marks that host dead and the layer is re-run with the dead
 hosts' replicas moved to live hosts (they load there on demand, a cold start). A dead host is
@@ -15,23 +16,26 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
 
-from moeless.expert_fn.codec import InvokeResult
 from moeless.expert_fn.errors import ExpertHostUnavailable
+from moeless.expert_fn.packed import Pending
 from moeless.model.interface import Routing
 from moeless.serving.placement_source import PlacementSource
-from moeless.serving.scatter import evacuate, gather, host_inputs, plan_scatter
+from moeless.serving.scatter import evacuate, gather, plan_scatter
 
 
 class HostClient(Protocol):
-    """What the executor needs of moeless.expert_fn.client.ExpertHostClient."""
+    """What the executor needs of moeless.expert_fn.client.ExpertHostClient (any transport)."""
 
-    def invoke_detailed(self, layer: int, batches: dict[int, torch.Tensor]) -> InvokeResult: ...
+    def submit(self, layer: int, experts: Sequence[int], counts: Sequence[int], x: torch.Tensor,
+               rows: torch.Tensor) -> Pending:
+        """Start the packed call on x[rows] (expert-major, counts[i] rows for experts[i]); returns
+        at once. Pending.result() -> PackedResult (y: [n, H]); ExpertHostUnavailable = host down."""
+        ...
 
     def status(self) -> dict: ...
 
@@ -40,8 +44,8 @@ class HostClient(Protocol):
 class LayerTimes:
     """Accumulated wall time of the executor's steps over all layers run (seconds).
 
-    scatter_s: planning + building host batches; invoke_s: the parallel host calls (transfer +
-    expert compute + RPC); compute_s: per layer the slowest host's own compute time (the part
+    scatter_s: planning + packing the hosts' rows (into shared memory or a message) and sending;
+    invoke_s: waiting for the parallel host calls (transfer + expert compute + RPC); compute_s: per layer the slowest host's own compute time (the part
     of invoke_s that is expert compute on the critical path); compute_sum_s: all hosts' compute;
     gather_s: reassembly and weighted combine; tokens_moved: rows sent to hosts (each comes
     back, so 2x that many vectors cross the wire); cold_starts: replicas loaded on demand.
@@ -78,7 +82,6 @@ class RemoteExecutor:
         self.times = LayerTimes()
         self._dead: dict[int, float] = {}  # host -> when it was marked dead
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(clients)), thread_name_prefix="expert-invoke")
 
     @property
     def dead_hosts(self) -> set[int]:
@@ -97,7 +100,7 @@ class RemoteExecutor:
                 self.times.retries += 1
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing of its own to release (the clients belong to the caller)."""
 
     def _run_once(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         # 1. The placement of this iteration, with dead hosts' replicas moved to live ones.
@@ -106,23 +109,36 @@ class RemoteExecutor:
         dead = self.dead_hosts
         if dead:
             placement = evacuate(placement, dead, len(self.clients))
-        # 2. Scatter: each expert's tokens split over its replicas, grouped by host.
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        # 2. Scatter: each expert's tokens split over its replicas, packed by host.
         plan = plan_scatter(routing.idx, placement)
-        inputs = host_inputs(plan, x.float())
-        scattered = time.perf_counter()
-        # 3. One invocation per host, all hosts in parallel.
-        futures = {h: self._pool.submit(self.clients[h].invoke_detailed, layer, batch) for h, batch in inputs.items()}
-        results, down = {}, []
-        for h, future in futures.items():
-            try:
-                results[h] = future.result()
-            except ExpertHostUnavailable:
-                down.append(h)
+        x32 = x.float().contiguous()
+        # 3. One packed call per host, all in flight at once; then wait for every one of them
+        #    (always all: a call left uncollected would hold its client).
+        pending, results, down, failure = {}, {}, [], None
+        try:
+            for h, batch in plan.hosts.items():
+                try:
+                    pending[h] = self.clients[h].submit(layer, batch.experts, batch.counts, x32, batch.rows)
+                except ExpertHostUnavailable:
+                    down.append(h)
+        finally:
+            scattered = time.perf_counter()
+            for h, call in pending.items():
+                try:
+                    results[h] = call.result()
+                except ExpertHostUnavailable:
+                    down.append(h)
+                except Exception as err:  # e.g. ReplicaLoadError: raised once every call is back
+                    failure = failure or err
+        if failure is not None:
+            raise failure
         if down:
             raise _HostsDown(down)
         invoked = time.perf_counter()
         # 4. Gather and combine with the gate weights.
-        out = gather(plan, {h: r.outputs for h, r in results.items()}, routing.weight.float(), x.shape[0]).to(x.dtype)
+        out = gather(plan, {h: r.y for h, r in results.items()}, routing.weight.float()).to(x.dtype)
         done = time.perf_counter()
         t = self.times
         t.layers += 1

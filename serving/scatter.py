@@ -2,12 +2,14 @@
 
 Scatter: the gate chose experts idx: [T, k]; each expert's tokens are listed in token order and
 cut into consecutive chunks, one per replica, of the whole sizes LayerPlacement.replica_tokens
-gives (its share of the expert's tokens). A host receives, per expert, the concatenation of the
-chunks of the replicas it holds, so one invocation per host per layer carries everything.
+gives (its share of the expert's tokens). A host receives one packed batch: the rows of every
+chunk it holds, expert-major (expert_fn/packed.py), so one call per host per layer carries
+everything. All of it is a few vectorised tensor ops per layer (one argsort, one index per host).
 
-Gather: each expert's outputs are put back in token order and combined with the gate weights
-expert by expert, in the same order as the in-process reference (LocalExecutor), so the result
-equals the reference forward up to float rounding inside the expert matmuls.
+Gather: each output row, times its gate weight, goes to its token's combine slot, and each
+token's k slots are added in ascending expert order, the order of the in-process reference
+(LocalExecutor), so the result equals the reference forward bit for bit when the expert
+outputs do.
 
 Chunks are whole and never smaller than MIN_CHUNK rows unless the expert has fewer tokens than
 that (then one replica takes them all): CPU BLAS (MKL sgemm, measured here) computes batches of
@@ -35,61 +37,75 @@ class NoLiveHostError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ExpertTokens:
-    """The tokens routed to one expert, in token order.
+class HostBatch:
+    """One host's packed call for one layer.
 
-    rows: [N] long, token index t; slots: [N] long, which of the token's k choices it was.
+    experts: ascending, each with >= 1 row; counts: rows per expert; rows: [n] long, the token
+    index of each row (the host gets x[rows], expert-major); dest: [n] long, the flat combine slot
+    t * k + r of each row's output (r: the expert's rank among token t's k experts, ascending);
+    flat: [n] long, the row's index into idx.reshape(-1) (its gate weight).
     """
 
+    experts: list[int]
+    counts: list[int]
     rows: torch.Tensor
-    slots: torch.Tensor
+    dest: torch.Tensor
+    flat: torch.Tensor
 
 
 @dataclass(frozen=True)
 class ScatterPlan:
-    """Where every routed token of one layer goes.
+    """Where every routed token of one layer goes: tokens T, k choices each, host -> HostBatch."""
 
-    experts: expert -> its ExpertTokens (experts with no token are absent);
-    hosts: host -> expert -> [n] long positions into experts[e].rows (that host's chunks).
-    """
-
-    experts: dict[int, ExpertTokens]
-    hosts: dict[int, dict[int, torch.Tensor]]
+    tokens: int
+    k: int
+    hosts: dict[int, HostBatch]
 
     def tokens_per_host(self) -> dict[int, int]:
-        return {h: int(sum(p.numel() for p in batch.values())) for h, batch in self.hosts.items()}
+        return {h: int(b.rows.numel()) for h, b in self.hosts.items()}
 
 
 def plan_scatter(idx: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
-    """Split each expert's tokens over its replicas and group them by host.
+    """Split each expert's tokens over its replicas and pack them by host.
 
     idx: [T, k] long expert choices; placement: the layer's replicas (expert, gpu, share).
     """
-    # 1. Each expert's tokens in token order (row-major over [T, k], as the reference walks them).
+    tokens, k = idx.shape
     num_experts = int(placement.expert.max()) + 1 if placement.num_replicas else 0
     if idx.numel() and int(idx.max()) >= num_experts:
         raise ValueError(f"the gate chose expert {int(idx.max())} but the placement has only {num_experts} experts")
-    experts: dict[int, ExpertTokens] = {}
-    for e in torch.unique(idx).tolist():
-        rows, slots = torch.where(idx == e)
-        experts[e] = ExpertTokens(rows, slots)
-    # 2. Whole token counts per replica from each replica's share.
-    load = np.zeros(num_experts, dtype=np.int64)
-    for e, tokens in experts.items():
-        load[e] = tokens.rows.numel()
-    counts = merge_small_chunks(placement.expert, placement.replica_tokens(load), MIN_CHUNK)
-    # 3. Consecutive chunks per replica, appended to the replica's host batch.
-    offset = np.zeros(num_experts, dtype=np.int64)
-    chunks: dict[int, dict[int, list[torch.Tensor]]] = {}
-    for r in range(placement.num_replicas):
-        e, n = int(placement.expert[r]), int(counts[r])
-        if n == 0:
-            continue
-        start = int(offset[e])
+    # 1. Every (token, slot) in expert-major order, tokens ascending within an expert (the order
+    #    the reference walks them); each one's combine slot: its expert's rank within the token.
+    flat_idx = idx.reshape(-1)
+    order = torch.argsort(flat_idx, stable=True)
+    rank = torch.empty_like(idx)
+    rank.scatter_(1, torch.argsort(idx, dim=1), torch.arange(k).expand(tokens, k))
+    dest = (torch.arange(tokens).unsqueeze(1) * k + rank).reshape(-1)[order]
+    load = torch.bincount(flat_idx, minlength=num_experts).numpy()
+    first = np.concatenate([[0], np.cumsum(load)[:-1]])  # where each expert's rows start in `order`
+    # 2. Whole token counts per replica from each replica's share; chunks of >= MIN_CHUNK rows.
+    expert, gpu = placement.expert, placement.gpu
+    if placement.num_replicas == num_experts:  # one replica per expert: its chunk is the expert's rows
+        counts = load[expert]
+    else:
+        counts = merge_small_chunks(expert, placement.replica_tokens(load), MIN_CHUNK)
+    # 3. Consecutive chunks per replica; a host's batch lists its experts ascending.
+    offset = first.copy()
+    segments: dict[int, dict[int, list[tuple[int, int]]]] = {}
+    for r in np.flatnonzero(counts):
+        e, n = int(expert[r]), int(counts[r])
+        segments.setdefault(int(gpu[r]), {}).setdefault(e, []).append((int(offset[e]), n))
         offset[e] += n
-        chunks.setdefault(int(placement.gpu[r]), {}).setdefault(e, []).append(torch.arange(start, start + n))
-    hosts = {h: {e: torch.cat(parts) for e, parts in sorted(batch.items())} for h, batch in sorted(chunks.items())}
-    return ScatterPlan(experts, hosts)
+    hosts = {}
+    for h, by_expert in sorted(segments.items()):
+        experts = sorted(by_expert)
+        spans = [span for e in experts for span in by_expert[e]]
+        positions = torch.cat([torch.arange(a, a + n) for a, n in spans]) if len(spans) > 1 else \
+            torch.arange(spans[0][0], spans[0][0] + spans[0][1])
+        flat = order[positions]
+        hosts[h] = HostBatch(experts, [sum(n for _, n in by_expert[e]) for e in experts],
+                             torch.div(flat, k, rounding_mode="floor"), dest[positions], flat)
+    return ScatterPlan(tokens, k, hosts)
 
 
 def merge_small_chunks(expert: np.ndarray, counts: np.ndarray, min_rows: int) -> np.ndarray:
@@ -115,35 +131,32 @@ def merge_small_chunks(expert: np.ndarray, counts: np.ndarray, min_rows: int) ->
     return counts
 
 
-def host_inputs(plan: ScatterPlan, x: torch.Tensor) -> dict[int, dict[int, torch.Tensor]]:
-    """The token batches to send: host -> expert -> [n, H] rows of x: [T, H]."""
-    return {
-        h: {e: x[plan.experts[e].rows[pos]].contiguous() for e, pos in batch.items()}
-        for h, batch in plan.hosts.items()
-    }
+def host_inputs(plan: ScatterPlan, x: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The packed rows each host gets: host -> x[rows]: [n, H] (transports copy them themselves)."""
+    return {h: x.index_select(0, b.rows) for h, b in plan.hosts.items()}
 
 
-def gather(plan: ScatterPlan, outputs: dict[int, dict[int, torch.Tensor]], weight: torch.Tensor,
-           num_tokens: int) -> torch.Tensor:
-    """Combine the hosts' expert outputs with the gate weights.
+def gather(plan: ScatterPlan, outputs: dict[int, torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
+    """Combine the hosts' packed outputs with the gate weights.
 
-    outputs: host -> expert -> [n, H] (the answers to host_inputs); weight: [T, k] -> [T, H],
-    sum_j weight[t, j] * expert(idx[t, j])(x[t]).
+    outputs: host -> y: [n, H] (row for row of its HostBatch); weight: [T, k] -> [T, H],
+    sum_j weight[t, j] * expert(idx[t, j])(x[t]), summed over each token's experts in ascending
+    expert order starting from the lowest: the reference's order, so the sums round the same.
     """
-    # 1. Reassemble each expert's outputs in token order.
-    per_expert: dict[int, torch.Tensor] = {}
+    tokens, k = plan.tokens, plan.k
+    if not plan.hosts:
+        return weight.new_zeros((tokens, 0))
+    hidden = next(iter(outputs.values())).shape[-1]
+    # 1. Each output, times its gate weight, into its combine slot [T * k, H].
+    flat_weight = weight.reshape(-1)
+    slots = weight.new_empty((tokens * k, hidden))
     for h, batch in plan.hosts.items():
-        for e, pos in batch.items():
-            y = outputs[h][e]
-            if e not in per_expert:
-                per_expert[e] = y.new_empty((plan.experts[e].rows.numel(), y.shape[-1]))
-            per_expert[e][pos] = y
-    # 2. Weighted sum, expert by expert in ascending order (the reference's order).
-    hidden = next(iter(per_expert.values())).shape[-1] if per_expert else 0
-    out = weight.new_zeros((num_tokens, hidden))
-    for e in sorted(per_expert):
-        tokens = plan.experts[e]
-        out.index_add_(0, tokens.rows, per_expert[e] * weight[tokens.rows, tokens.slots, None])
+        slots.index_copy_(0, batch.dest, outputs[h] * flat_weight.index_select(0, batch.flat).unsqueeze(1))
+    # 2. Per token, the k slots added in rank order.
+    slots = slots.view(tokens, k, hidden)
+    out = slots[:, 0].clone()
+    for r in range(1, k):
+        out += slots[:, r]
     return out
 
 

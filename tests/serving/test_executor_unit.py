@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from moeless.expert_fn.codec import InvokeResult
 from moeless.expert_fn.errors import ExpertHostUnavailable
+from moeless.expert_fn.packed import PackedResult
 from moeless.model.experts import expert_forward
 from moeless.model.tiny import tiny_model
 from moeless.placement.types import LayerPlacement, Placement
@@ -23,17 +23,28 @@ class FakeHost:
     def __init__(self, model):
         self.model, self.down, self.seen = model, False, []
 
-    def invoke_detailed(self, layer, batches):
+    def submit(self, layer, experts, counts, x, rows):
         if self.down:
             raise ExpertHostUnavailable("fake host is down")
-        self.seen.append((layer, sorted(batches)))
-        outputs = {e: expert_forward(self.model.expert_weights(layer, e), x, self.model.spec.act) for e, x in batches.items()}
-        return InvokeResult(outputs, cold_starts=0, compute_s=0.0)
+        self.seen.append((layer, list(experts)))
+        xs, parts, start = x[rows], [], 0
+        for e, n in zip(experts, counts):
+            parts.append(expert_forward(self.model.expert_weights(layer, e), xs[start:start + n], self.model.spec.act))
+            start += n
+        return _Done(PackedResult(torch.cat(parts), cold_starts=0, compute_s=0.0))
 
     def status(self):
         if self.down:
             raise ExpertHostUnavailable("fake host is down")
         return {}
+
+
+class _Done:
+    def __init__(self, result):
+        self._result = result
+
+    def result(self):
+        return self._result
 
 
 class FakeClock:
