@@ -59,6 +59,7 @@ def _run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("urllib3").setLevel(logging.WARNING)  # one line per request otherwise
     if args.resync_s <= 0:
         print("moeless operator: --resync-s must be > 0", file=sys.stderr)
         return 2

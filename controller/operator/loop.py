@@ -13,6 +13,7 @@ moeless_operator_reconciles_total{result}, moeless_operator_leader.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -72,7 +73,7 @@ class Operator:
             except (ApiException, *UNREACHABLE) as err:
                 failed += 1
                 self.metrics.reconciles.labels("error").inc()
-                log.warning("%s/%s: %s (next pass retries)", namespace, name, getattr(err, "reason", err))
+                log.warning("%s/%s: %s (next pass retries)", namespace, name, describe(err))
         return failed
 
     # -- the loop -------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class Operator:
                     self.pass_once()
                     self.metrics.heartbeat.set(self.clock())
                 except (ApiException, *UNREACHABLE) as err:
-                    log.warning("listing policies: %s (retrying)", getattr(err, "reason", err))
+                    log.warning("listing policies: %s (retrying)", describe(err))
             self._wake.wait(self.resync_s if leading else 1.0)
             self._wake.clear()
         if self._watch is not None:
@@ -97,7 +98,7 @@ class Operator:
             self.elector.release()
 
     def _watch_policies(self, stop: threading.Event) -> None:
-        """Wake the loop on any policy event; restart the watch whenever it ends or fails."""
+        """Wake the loop when a policy is added, deleted or changed; restart the watch when it ends or fails."""
         custom = self.kube.custom
         while not stop.is_set():
             self._watch = watch.Watch()
@@ -108,11 +109,27 @@ class Operator:
                 else:
                     stream = self._watch.stream(custom.list_cluster_custom_object, obj.GROUP, obj.VERSION, obj.PLURAL,
                                                 timeout_seconds=60)
-                for _ in stream:
-                    self._wake.set()
+                seen: dict[str, tuple] = {}
+                for event in stream:
+                    meta = event["object"].get("metadata", {})
+                    # Our own status writes come back as events too: wake only for the user's changes.
+                    mark = (meta.get("generation"), json.dumps(meta.get("annotations"), sort_keys=True))
+                    if event["type"] != "MODIFIED" or seen.get(meta.get("uid")) != mark:
+                        self._wake.set()
+                    seen[meta.get("uid")] = mark
             except (ApiException, ValueError, *UNREACHABLE) as err:
                 log.info("policy watch ended: %s", getattr(err, "reason", err))
                 stop.wait(1.0)
+
+
+def describe(err: Exception) -> str:
+    """An API error's own message (the server names the field), else the exception."""
+    if isinstance(err, ApiException):
+        try:
+            return f"{err.status} {json.loads(err.body)['message']}"
+        except (TypeError, ValueError, KeyError):
+            return f"{err.status} {err.reason}"
+    return str(err)
 
 
 def _key(policy: dict) -> tuple[str, str]:

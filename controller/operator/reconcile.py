@@ -217,7 +217,7 @@ def _meter(spec: PolicySpec, policy: dict, status: dict, observed: Observed, now
     metered_at = seconds(status.get("meterTime"))
     if metered_at is not None and observed.serving_ready and spec.non_expert_gib_per_replica:
         cost["nonExpertGBSeconds"] += observed.serving_ready * spec.non_expert_gib_per_replica * GIB / 1e9 * (now - metered_at)
-    cost = {k: round(v, 3) for k, v in cost.items()}
+    cost = {k: round(v, 9) for k, v in cost.items()}
     wake = (policy["metadata"].get("annotations") or {}).get(obj.WAKE_ANNOTATION)
     woken = bool(wake) and wake != status.get("wokenBy")
     status.update(meters={**{p: v for p, v in last.items() if p in uids and p not in readings}, **readings},
@@ -234,7 +234,10 @@ def _condition(status: dict, kind: str) -> dict | None:
 def _transition(status: dict, kind: str, value: str, reason: str, message: str, now: float) -> dict[str, Any]:
     old = _condition(status, kind)
     since = old["lastTransitionTime"] if old and old.get("status") == value else rfc3339(now)
-    return {"type": kind, "status": value, "reason": reason, "message": message, "lastTransitionTime": since}
+    condition = {"type": kind, "status": value, "reason": reason, "lastTransitionTime": since}
+    if message:  # the client sends an empty string as null, which the schema refuses
+        condition["message"] = message
+    return condition
 
 
 def _invalid(status: dict, generation: Any, message: str, now: float) -> list[Action]:
