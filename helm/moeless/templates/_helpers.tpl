@@ -1,0 +1,32 @@
+{{/* Names, labels and the image, shared by every template. */}}
+{{- define "moeless.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}{{ .Release.Name | trunc 63 | trimSuffix "-" }}{{- else -}}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
+
+{{- define "moeless.policyName" -}}
+{{- default .Release.Name .Values.policy.name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "moeless.labels" -}}
+app.kubernetes.io/name: moeless
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: moeless
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "moeless.selector" -}}
+app.kubernetes.io/name: moeless
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "moeless.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* KubeRay's RayService when asked, or when "auto" and the cluster serves ray.io/v1. */}}
+{{- define "moeless.kuberay" -}}
+{{- $mode := toString .Values.serving.kuberay -}}
+{{- if or (eq $mode "true") (and (eq $mode "auto") (.Capabilities.APIVersions.Has "ray.io/v1/RayService")) -}}true{{- end -}}
+{{- end -}}

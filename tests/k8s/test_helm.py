@@ -1,0 +1,118 @@
+"""The chart with the real helm 3.17.2: lint, template, server-side dry-run of every rendered object,
+install and uninstall against the loopback API server.
+
+KubeRay's RayService and the Prometheus Operator's ServiceMonitor are rendered and checked here,
+but the API server cannot judge them (their CRDs are not installed offline): no dry-run for those.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from moeless.controller.operator import objects
+from moeless.controller.operator.spec import parse_spec
+
+from k8s_support import ROOT, wait_for
+
+CHART = ROOT / "helm" / "moeless"
+NS = "helm-test"
+pytestmark = pytest.mark.k8s
+
+
+def helm_run(helm, *args: str, kubeconfig=None, check: bool = True) -> subprocess.CompletedProcess:
+    env_args = ["--kubeconfig", str(kubeconfig)] if kubeconfig else []
+    result = subprocess.run([str(helm), *args, *env_args], capture_output=True, text=True, timeout=120)
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)}: {result.stderr}")
+    return result
+
+
+def render(helm, *sets: str) -> list[dict]:
+    args = [a for s in sets for a in ("--set", s)]
+    out = helm_run(helm, "template", "t", str(CHART), "--namespace", NS, *args).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def kinds(docs: list[dict]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def pod_specs(docs: list[dict]) -> list[dict]:
+    specs = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"]
+    for d in docs:
+        if d["kind"] == "RayService":
+            cluster = d["spec"]["rayClusterConfig"]
+            specs += [cluster["headGroupSpec"]["template"]["spec"]]
+            specs += [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+    return specs
+
+
+@pytest.mark.parametrize("sets", [(), ("serving.kuberay=true", "serviceMonitor.enabled=true"),
+                                  ("policy.model.hostPath=/srv/store", "policy.scaleToZero.enabled=true")])
+def test_lint(helm, sets):
+    args = [a for s in sets for a in ("--set", s)]
+    result = helm_run(helm, "lint", "--strict", str(CHART), *args)
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+
+
+def test_template_default_is_a_deployment_and_a_gpu_pool_policy(helm):
+    docs = render(helm)
+    assert kinds(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Deployment", "ExpertAutoscalingPolicy",
+                           "Role", "RoleBinding", "Service", "Service", "ServiceAccount"]
+    for spec in pod_specs(docs):  # non-root, read-only root filesystem everywhere
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert all(c["securityContext"]["readOnlyRootFilesystem"] for c in spec["containers"])
+    policy = next(d for d in docs if d["kind"] == "ExpertAutoscalingPolicy")
+    spec = parse_spec(policy["spec"])  # what the operator will accept
+    assert spec.non_expert_deployment == "t-moeless-serving"
+    # The pool the operator makes from it: GPUs requested, ready on /readyz, time to drain on SIGTERM.
+    policy["metadata"].update(namespace=NS, uid="u")
+    pod = objects.stateful_set(policy, spec, 1)["spec"]["template"]["spec"]
+    host = pod["containers"][0]
+    assert host["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert host["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert pod["terminationGracePeriodSeconds"] > spec.hosts.drain_seconds
+    assert pod["securityContext"]["runAsNonRoot"] and host["securityContext"]["readOnlyRootFilesystem"]
+
+
+def test_template_with_kuberay_and_service_monitors(helm):
+    docs = render(helm, "serving.kuberay=true", "serviceMonitor.enabled=true")
+    assert "RayService" in kinds(docs) and kinds(docs).count("Deployment") == 1  # the operator's only
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert sorted(m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] for m in monitors) == \
+        ["expert-host", "operator"]
+    policy = next(d for d in docs if d["kind"] == "ExpertAutoscalingPolicy")
+    assert "nonExpert" not in policy["spec"]
+    ray = next(d for d in docs if d["kind"] == "RayService")
+    assert yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"][0]["args"]["config"].endswith("config.yaml")
+    for spec in pod_specs(docs):
+        assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+def test_every_rendered_object_passes_a_server_side_dry_run(helm, kubectl):
+    kubectl("apply", "-f", str(CHART / "crds"))
+    kubectl("wait", "--for=condition=Established", "crd/expertautoscalingpolicies.moeless.io", "--timeout=30s")
+    kubectl("create", "namespace", NS, check=False)
+    for sets in [(), ("policy.model.hostPath=/srv/store", "policy.scaleToZero.enabled=true", "operator.replicas=2",
+                      "policy.serving.planner=static", "policy.serving.predictor=history")]:
+        docs = render(helm, *sets)
+        result = kubectl("apply", "--dry-run=server", "-n", NS, "-f", "-", stdin=yaml.safe_dump_all(docs))
+        assert result.stdout.count("(server dry run)") == len(docs)
+
+
+def test_install_and_uninstall(helm, kubectl, cluster):
+    helm_run(helm, "install", "demo", str(CHART), "--namespace", NS, "--create-namespace", kubeconfig=cluster.kubeconfig)
+    assert "deployed" in helm_run(helm, "status", "demo", "-n", NS, kubeconfig=cluster.kubeconfig).stdout
+    policy = kubectl.json("get", "eap", "demo", "-n", NS)
+    assert policy["spec"]["hosts"]["gpusPerHost"] == 1 and policy["spec"]["hosts"]["image"] == "moeless:0.1.0"
+    for kind, name in (("deployment", "demo-moeless-operator"), ("deployment", "demo-moeless-serving"),
+                       ("service", "demo-moeless-serving"), ("serviceaccount", "demo-moeless-operator")):
+        kubectl("get", kind, name, "-n", NS)
+    helm_run(helm, "uninstall", "demo", "-n", NS, "--wait", kubeconfig=cluster.kubeconfig)
+    wait_for(lambda: kubectl("get", "eap", "demo", "-n", NS, check=False).returncode != 0, what="policy removed")
+    assert kubectl("get", "deployment", "-n", NS, "-o", "name").stdout.strip() == ""
+    assert kubectl("get", "clusterrole", "demo-moeless-operator", check=False).returncode != 0
+    kubectl("get", "crd", "expertautoscalingpolicies.moeless.io")  # helm keeps CRDs on uninstall
