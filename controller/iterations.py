@@ -30,11 +30,17 @@ class RequestLoads(Protocol):
 
 @dataclass(frozen=True)
 class Iteration:
-    """One forward pass of the batch: phase "prefill" or "decode", load: [L, E] tokens per expert."""
+    """One forward pass of the batch: phase "prefill" or "decode", load: [L, E] tokens per expert.
+
+    batch: requests in it; rows: what each contributed, (request, decode row), the row -1 for a
+    prefill (request i replays requests[i % len(requests)]); time_s: when it starts.
+    """
 
     phase: str
     load: np.ndarray
-    batch: int  # requests in it
+    batch: int
+    rows: tuple[tuple[int, int], ...] = ()
+    time_s: float = 0.0
 
 
 def traces_dir() -> Path:
@@ -73,6 +79,19 @@ def arrival_times(count: int, path: Path | None = None, seed: int = 0, rate_scal
     return np.cumsum(gaps) - gaps[0], f"Poisson arrivals at {AZURE_CONV_RATE:.2f}/s ({path} not found)"
 
 
+def per_iteration(iterations: Sequence[Iteration], prefill: Sequence[np.ndarray], decode: Sequence[np.ndarray]) -> np.ndarray:
+    """Any per-request quantity summed the way the iterations batch requests: [I, ...].
+
+    prefill[r]: [...] of request r's prefill; decode[r]: [S_r, ...], one row per decode step.
+    (With the requests' own loads this gives back every iteration's load.)
+    """
+    n = len(prefill)
+    out = []
+    for it in iterations:
+        out.append(sum(np.asarray(prefill[i % n] if s < 0 else decode[i % n][s], dtype=np.float64) for i, s in it.rows))
+    return np.stack(out)
+
+
 def compose_iterations(
     requests: Sequence[RequestLoads], arrivals: np.ndarray, step_s: float, max_batch: int, max_iterations: int
 ) -> list[Iteration]:
@@ -96,14 +115,15 @@ def compose_iterations(
         # 2. Newcomers make a prefill iteration; otherwise every running request decodes a token.
         if admitted:
             load = sum(np.asarray(requests[i % len(requests)].prefill) for i in admitted)
-            out.append(Iteration("prefill", np.asarray(load, dtype=np.int64).reshape(shape), len(admitted)))
+            out.append(Iteration("prefill", np.asarray(load, dtype=np.int64).reshape(shape), len(admitted), tuple((i, -1) for i in admitted), now))
             running.extend([i, 0] for i in admitted)
         else:
             load = np.zeros(shape, dtype=np.int64)
+            rows = tuple((i, step) for i, step in running)
             for slot in running:
                 load += np.asarray(requests[slot[0] % len(requests)].decode[slot[1]], dtype=np.int64)
                 slot[1] += 1
-            out.append(Iteration("decode", load, len(running)))
+            out.append(Iteration("decode", load, len(running), rows, now))
         running = [s for s in running if s[1] < len(requests[s[0] % len(requests)].decode)]
         now += step_s
     return out

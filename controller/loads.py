@@ -1,43 +1,106 @@
-"""Where `moeless bench planner` gets real per-request routing loads (moeless.model.traces).
+"""Where `moeless bench planner` gets real per-request loads, forecasts and the model's expert facts.
 
-'default': the default model on ShareGPT test prompts, traced once and cached as .npz under the
-moeless cache; 'tiny': a tiny random moeless-sliced model on random token ids (wiring only, no
-tokenizer); anything else: a .npz file written by moeless.model.traces.save_request_loads.
+'default': the default model on ShareGPT test prompts (held out from the predictor's training
+prompts), with the gate-replica predictor's forecasts at every distance; the predictor is the
+one `moeless predictor train` caches for this model (trained on the ShareGPT train split first if
+missing). Traced once and cached under the moeless cache, keyed by the model's build and the
+predictor file. 'tiny': a tiny random moeless-sliced model on random token ids with untrained gate
+copies as the predictor (wiring only). Anything else: a .npz written by forecasts.save (loads and
+forecasts) or by moeless.model.traces.save_request_loads (loads only: no predictor forecasts).
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 
-def request_loads_from(source: str, requests: int, new_tokens: int) -> tuple[list, str]:
-    """(list of RequestLoads, a line saying where they came from)."""
-    from moeless.model.traces import load_request_loads, request_loads, save_request_loads
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the cost profile needs of the model: expert shape (H, F) and non-expert bytes (float32)."""
+
+    hidden: int
+    ffn: int
+    non_expert_bytes: int
+
+
+def model_facts(model) -> ModelFacts:
+    """Expert shape and non-expert bytes of a MoEModel (routed experts excluded, float32)."""
+    ffn, hidden = model.expert_weights(0, 0)["gate"].shape
+    params = {id(p): p for p in model.hf.parameters()}  # tied weights counted once
+    total = sum(p.numel() for p in params.values())
+    experts = model.spec.num_layers * model.spec.num_experts * 3 * hidden * ffn
+    return ModelFacts(int(hidden), int(ffn), 4 * max(total - experts, 0))
+
+
+def requests_from(source: str, requests: int, new_tokens: int, distances: Sequence[int]) -> tuple[list, list | None, ModelFacts, str]:
+    """(per-request loads, their forecasts or None, the model's facts, a line saying where they came from)."""
+    from moeless.controller import forecasts as fc
     from moeless.paths import cache_dir
 
     if requests <= 0 or new_tokens < 0:
         raise ValueError(f"need requests > 0 and new_tokens >= 0, got {requests}, {new_tokens}")
     if source == "tiny":
         from moeless.model.tiny import tiny_model
+        from moeless.predictor.gate_replica import all_pairs, gate_reuse
 
         rng = np.random.default_rng(0)
         model = tiny_model("moeless-sliced")
-        vocab = model.spec.vocab_size
-        prompts = [rng.integers(0, vocab, size=int(rng.integers(8, 64))).tolist() for _ in range(requests)]
-        loads = request_loads(model, prompts, new_tokens, progress=True)
-        return loads, f"tiny random moeless-sliced model, {requests} random-token prompts (wiring check, not real loads)"
+        distances = [d for d in distances if d < model.spec.num_layers] or [1]
+        prompts = [rng.integers(0, model.spec.vocab_size, size=int(rng.integers(8, 64))).tolist() for _ in range(requests)]
+        loads, forecasts = fc.trace_with_forecasts(model, gate_reuse(model, all_pairs(model.spec.num_layers, distances)),
+                                                   prompts, new_tokens, distances)
+        note = f"tiny random moeless-sliced model, {requests} random-token prompts, untrained gate copies (wiring check, not real loads)"
+        return loads, forecasts, model_facts(model), note
     if source == "default":
         from moeless.model.datasets import sharegpt_prompts
         from moeless.model.default import BuildConfig, default_model, model_path
 
-        # Keyed by the default model's own cache name (E, k, seed, code version): loads of another build never leak in.
-        cached = cache_dir() / f"planner-loads-{model_path(BuildConfig()).name}-n{requests}-t{new_tokens}.npz"
+        model = default_model()
+        predictor, path = gate_replicas(model, distances)
+        tag = hashlib.sha256(path.read_bytes()).hexdigest()[:8]
+        ds = "".join(map(str, sorted(set(distances))))
+        cached = cache_dir() / f"planner-forecasts-{model_path(BuildConfig()).name}-p{tag}-n{requests}-t{new_tokens}-d{ds}.npz"
         if not cached.is_file():
-
-            loads = request_loads(default_model(), sharegpt_prompts(requests, split="test"), new_tokens, progress=True)
-            save_request_loads(cached, loads)
-        return load_request_loads(cached), f"default model on {requests} ShareGPT test prompts, {new_tokens} decode tokens ({cached})"
+            loads, forecasts = fc.trace_with_forecasts(model, predictor, sharegpt_prompts(requests, split="test"), new_tokens, distances)
+            fc.save(cached, loads, forecasts)
+        loads, forecasts = fc.load(cached)
+        note = (f"default model on {requests} ShareGPT test prompts, {new_tokens} decode tokens; gate-replica predictor "
+                f"{path.name} (trained on the train split) ({cached})")
+        return loads, forecasts, model_facts(model), note
     path = Path(source)
-    return load_request_loads(path), f"routing trace {path}"
+    with np.load(path) as f:
+        has_forecasts = "predicted_prefill" in f.files
+    if has_forecasts:
+        loads, forecasts = fc.load(path)
+    else:
+        from moeless.model.traces import load_request_loads
+
+        loads, forecasts = load_request_loads(path), None
+    from moeless.model.default import default_model
+
+    return loads, forecasts, model_facts(default_model()), f"routing trace {path} (expert shape of the default model)"
+
+
+def gate_replicas(model, distances: Sequence[int]):
+    """(the gate-replica predictor of `model` covering `distances`, its file): the file `moeless
+    predictor train` writes for this model, trained now (ShareGPT train split) if missing or short."""
+    from moeless.paths import cache_dir
+    from moeless.predictor.fingerprint import model_hash
+    from moeless.predictor.store import PredictorFileError, load_predictor
+
+    path = cache_dir() / "predictor" / f"gate-replicas-{model_hash(model)}.pt"
+    try:
+        predictor, meta = load_predictor(path, model)
+        if set(distances) <= set(meta["distances"]):
+            return predictor, path
+    except PredictorFileError:
+        pass
+    from moeless.cli import main
+
+    main(["predictor", "train", "--distances", *map(str, sorted({*distances, 1, 2, 3, 4})), "--out", str(path)])
+    return load_predictor(path, model)[0], path

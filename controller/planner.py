@@ -1,14 +1,17 @@
-"""One planner interface: plan(forecast [L, E], cluster, previous) -> Placement.
+"""One planner interface: plan(forecast [L, E], cluster, resident) -> Placement.
 
 Every policy, moeless's default, the paper-faithful pair, each baseline and each ablation, is
 a plan function `(forecast, cluster, previous, config) -> Placement`, selectable by name (see
 PLANNERS) or by a "module:function" string naming such a function. `get_planner` binds the
-config and returns a `Planner` called as planner(forecast, cluster, previous).
+config and returns a `Planner` called as planner(forecast, cluster, previous). `previous` is what
+is resident (every warm replica, whether the last plan used it or not), or None.
 
-Names: moeless (default) | paper | static | eplb | eplb-global | eplb-window | oracle, and ablations
-moeless-no-scaler (no expert is cut into replicas), moeless-no-placer (moeless's counts placed
-round-robin), moeless-cold (ignores the resident placement), moeless-greedy (the straggler
-scaler then the priced placer: moeless's previous default), paper-no-scaler, paper-no-placer.
+Names: moeless (default: plans against the resident replicas and adds one only where its priced
+gain beats its cold start and memory) | paper | static | eplb | eplb-global | eplb-window | oracle,
+and ablations moeless-no-scaler (one replica per expert), moeless-no-placer (moeless's counts
+placed round-robin), moeless-cold (ignores what is resident), moeless-free-memory (memory unpriced),
+moeless-fill (re-plans every iteration by the lowest per-GPU work level: the previous default),
+moeless-greedy (the straggler scaler then the priced placer), paper-no-scaler, paper-no-placer.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from moeless.placement.oracle import oracle_load
 from moeless.placement.placer import place_jsq_warm, place_round_robin
 from moeless.placement.fill_placer import HORIZON, place_fill
 from moeless.placement.priced_placer import place_priced
+from moeless.placement.resident_planner import GB_S_PRICE, ReplicaCost, place_resident
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
 
@@ -35,12 +39,17 @@ from moeless.placement.types import LayerPlacement, Placement, PlacementError
 class PlannerConfig:
     """Knobs of all planners (each planner reads the ones it needs).
 
-    model: measured latency model (moeless's placer prices warm reuse with it);
+    model: measured latency model (moeless prices replicas with it; its cold_start is one load from
+           the host memory tier);
     cv_threshold: the paper's V; slack: moeless's straggler slack over the balanced GPU load;
     dead_band: hysteresis added to the stopping rule before a layer's counts are re-planned;
     min_replicas / max_replicas: per expert (max defaults to the GPU count);
-    horizon: iterations a new plan is expected to serve, over which moeless spreads its cold starts
-             (fill_placer.HORIZON = 30, about 1.5 s of serving; 1 puts every cold start on the critical path);
+    horizon: iterations over which moeless counts a new replica's gain (and moeless-fill spreads a
+             new plan's cold starts); fill_placer.HORIZON = 30, about 1.5 s of serving;
+    prefetch_layers: d, layers a forecast looks ahead (a load started then hides d layer times);
+    keep_alive_s: how long an unused replica stays resident (memory a new replica holds at least);
+    gb_s_price: seconds of layer time one GB·s of replica memory is worth (resident_planner.GB_S_PRICE);
+    iteration_s: seconds one serving iteration takes (memory held over the horizon);
     eplb_replicas: EPLB's replicas per layer (default: the smallest multiple of G >= E);
     eplb_groups / eplb_nodes: EPLB's expert groups and nodes (hierarchical packing);
     eplb_window / eplb_period: "eplb-window" re-plans every period iterations from the loads of
@@ -54,6 +63,10 @@ class PlannerConfig:
     min_replicas: int = 1
     max_replicas: int | None = None
     horizon: float = HORIZON
+    prefetch_layers: int = 1
+    keep_alive_s: float = 60.0
+    gb_s_price: float = GB_S_PRICE
+    iteration_s: float = 0.05
     eplb_replicas: int | None = None
     eplb_groups: int = 1
     eplb_nodes: int = 1
@@ -175,9 +188,9 @@ def _layered(scaler: str, placer: str) -> PlanFn:
     return plan
 
 
-def _filled(split: bool = True, warm: bool = True, placer: str = "fill") -> PlanFn:
-    """moeless: the lowest work level every GPU fits under decides counts and GPUs together
-    (placement/fill_placer.py). placer="off" keeps its counts but places them round-robin."""
+def _filled(split: bool = True, warm: bool = True) -> PlanFn:
+    """moeless-fill: the lowest work level every GPU fits under decides counts and GPUs together
+    (placement/fill_placer.py), re-planned every iteration with its cold starts spread over the horizon."""
 
     def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
         if config.model is None:
@@ -185,6 +198,27 @@ def _filled(split: bool = True, warm: bool = True, placer: str = "fill") -> Plan
 
         def plan_layer(load, free, before, budget):
             layer, left, _ = place_fill(load, free, before, config.model, config.horizon, budget, split, warm)
+            return layer, left
+
+        return plan_layers(forecast, cluster, previous, plan_layer)
+
+    return plan
+
+
+def _resident(additions: bool = True, warm: bool = True, placer: str = "resident", price_memory: bool = True) -> PlanFn:
+    """moeless: the resident replicas re-levelled, a replica added only where it pays
+    (placement/resident_planner.py). additions=False: one replica per expert (scaler off);
+    warm=False: ignores what is resident; placer="off": its counts placed round-robin;
+    price_memory=False: memory is free."""
+
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        if config.model is None:
+            raise ValueError("moeless's planner needs a latency model: PlannerConfig(model=LatencyModel(...))")
+        cost = ReplicaCost(config.model, config.prefetch_layers, cluster.expert_bytes, config.keep_alive_s,
+                           config.gb_s_price if price_memory else 0.0, config.horizon, config.iteration_s)
+
+        def plan_layer(load, free, before, budget):
+            layer, left, _ = place_resident(load, free, before if warm else None, cost, budget if additions else load.shape[0])
             if placer == "off":
                 return place_round_robin(load, layer.logcnt(load.shape[0]), free)
             return layer, left
@@ -217,21 +251,25 @@ def _plan_eplb(global_only: bool) -> PlanFn:
 
 
 def _plan_eplb_window() -> PlanFn:
-    """A fresh stateful EPLB that only sees past loads (one per Planner: it keeps a history)."""
+    """A fresh stateful EPLB that only sees past loads (one per Planner: it keeps a history and its plan)."""
     history: deque[np.ndarray] = deque()
     calls = [0]
+    last: list[Placement] = []
     eplb = _plan_eplb(global_only=False)
 
     def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
         """EPLB re-planned every eplb_period calls from the summed loads of the last eplb_window
-        calls; before any history it balances uniform loads."""
-        due = calls[0] % config.eplb_period == 0 or previous is None
+        calls; before any history it balances uniform loads. Between re-plans it keeps its own
+        last plan (what is resident may hold more)."""
+        due = calls[0] % config.eplb_period == 0 or not last
         window = np.sum(history, axis=0) if history else np.ones_like(forecast)
         calls[0] += 1
         history.append(forecast)
         while len(history) > config.eplb_window:
             history.popleft()
-        return eplb(window, cluster, previous, config) if due else previous
+        if due:
+            last[:] = [eplb(window, cluster, previous, config)]
+        return last[0]
 
     return plan
 
@@ -246,15 +284,19 @@ def _check_memory(placement: Placement, cluster: Cluster) -> None:
 
 
 PLANNERS: dict[str, PlanFn] = {
-    "moeless": _filled(),
+    "moeless": _resident(),
     "paper": _layered("cv", "warm"),
     "static": plan_static,
     "eplb": _plan_eplb(global_only=False),
     "eplb-global": _plan_eplb(global_only=True),
     "oracle": plan_static,
-    "moeless-no-scaler": _filled(split=False),
-    "moeless-no-placer": _filled(placer="off"),
-    "moeless-cold": _filled(warm=False),
+    "moeless-no-scaler": _resident(additions=False),
+    "moeless-no-placer": _resident(placer="off"),
+    "moeless-cold": _resident(warm=False),
+    "moeless-free-memory": _resident(price_memory=False),
+    "moeless-fill": _filled(),
+    "moeless-fill-no-scaler": _filled(split=False),
+    "moeless-fill-cold": _filled(warm=False),
     "moeless-greedy": _layered("straggler", "priced"),
     "paper-no-scaler": _layered("off", "warm"),
     "paper-no-placer": _layered("cv", "off"),

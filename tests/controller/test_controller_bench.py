@@ -9,11 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeless.controller.bench_planner import replay, summarise
 from moeless.controller.iterations import AZURE_CONV_RATE, arrival_times, compose_iterations
-from moeless.controller.planner import PlannerConfig, get_planner
-from moeless.placement.cluster import Cluster
-from moeless.placement.latency_model import LatencyModel
 
 
 @dataclass
@@ -63,25 +59,6 @@ def test_arrivals_from_the_azure_trace_or_poisson_fallback(tmp_path: Path):
         arrival_times(0)
 
 
-def test_replay_prices_every_planner_and_summary_gives_ratios():
-    rng = np.random.default_rng(0)
-    reqs = [FakeRequest(rng.integers(0, 50, (2, 4)), rng.integers(0, 2, (4, 2, 4))) for _ in range(4)]
-    its = compose_iterations(reqs, np.array([0.0, 0.05, 0.1, 0.5]), 0.1, 8, 50)
-    model = LatencyModel(alpha=1e-6, beta=1e-8, cold_start=1e-4)
-    cluster = Cluster.uniform(2, 8, 1, layer_cap_replicas=8)
-    replays = {n: replay(get_planner(n, PlannerConfig(model=model)), its, cluster, model) for n in ("static", "oracle", "moeless")}
-    summary = summarise(replays, [i.phase for i in its])
-    for phase in ("prefill", "decode"):
-        rows = summary[phase]["planners"]
-        assert rows["static"]["serial_s_vs_static"] == pytest.approx(1.0)
-        assert rows["oracle"]["paper_s_vs_oracle"] == pytest.approx(1.0)
-        assert rows["moeless"]["serial_cold_s"] >= rows["moeless"]["prefetch_s"] >= rows["moeless"]["serial_s"] > 0
-    assert replays["static"].churn[1:] == [0.0] * (len(its) - 1)  # static never changes after its first load
-    unhidden = replay(get_planner("moeless", PlannerConfig(model=model)), its, cluster, model, prefetch_layers=0)
-    assert unhidden.prefetch_s == unhidden.serial_cold_s  # nothing loads ahead: every cold start is exposed
-    assert unhidden.serial_cold_s[0] > unhidden.serial_s[0]  # the first plan loads everything
-
-
 @pytest.mark.filterwarnings("ignore")
 def test_bench_planner_command_end_to_end(tmp_path: Path, capsys):
     from moeless.cli import main
@@ -90,31 +67,44 @@ def test_bench_planner_command_end_to_end(tmp_path: Path, capsys):
             "--iterations", "12", "--out", str(tmp_path)]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "alpha" in printed and "EPLB/moeless" in printed and "serial model" in printed
+    assert "alpha" in printed and "EPLB/moeless" in printed and "prefetch distance d = 1" in printed and "targets" in printed
     doc = json.loads((tmp_path / "planner.json").read_text())
     assert [(r["E"], r["G"]) for r in doc["planning_time"]] == [(8, 8), (16, 8), (64, 8), (256, 64)]
-    assert doc["latency_model"]["alpha"] > 0 and doc["latency_model"]["cold_start"] > 0
-    assert "moeless" in doc["quality"]["summary"]["prefill"]["planners"]
+    assert doc["cost_profile"]["alpha"] > 0 and doc["cost_profile"]["load_s"]["disk"] > doc["cost_profile"]["load_s"]["host"] > 0
+    summary = doc["quality"]["summary"]
+    assert {"static|perfect|d=1", "moeless|predictor|d=1", "eplb-window|previous|d=1", "moeless|perfect|d=1"} <= set(summary)
+    assert summary["static|perfect|d=1"]["all"]["serial_cold_s_vs_static"] == pytest.approx(1.0)
+    profile = json.loads((tmp_path / "cost-profile.json").read_text())
+    assert profile["alpha"] == doc["cost_profile"]["alpha"]
 
 
 def test_loads_from_a_saved_trace_file(tmp_path: Path):
-    from moeless.controller.loads import request_loads_from
+    from moeless.controller.loads import requests_from
     from moeless.model.traces import RequestLoads, save_request_loads
 
     saved = [RequestLoads(np.full((2, 4), i), np.ones((i, 2, 4), dtype=np.int64), prompt_tokens=4) for i in range(3)]
     path = save_request_loads(tmp_path / "t.npz", saved)
-    loads, note = request_loads_from(str(path), requests=3, new_tokens=0)
+    loads, forecasts, facts, note = requests_from(str(path), requests=3, new_tokens=0, distances=[1])
     assert [len(r.decode) for r in loads] == [0, 1, 2] and loads[2].prefill.tolist() == [[2] * 4] * 2
-    assert str(path) in note
+    assert forecasts is None and str(path) in note and facts.hidden > 0
     with pytest.raises(ValueError, match="requests > 0"):
-        request_loads_from(str(path), requests=0, new_tokens=0)
+        requests_from(str(path), requests=0, new_tokens=0, distances=[1])
+
+
+PROFILE = {"alpha": 7.5e-6, "beta": 2.9e-6, "call_overhead": 8.7e-5, "load_s": {"disk": 1.2e-3, "host": 1e-4},
+           "expert_bytes": 1_327_104, "non_expert_bytes": 10**8, "source": "a test"}
 
 
 def test_plan_command_prints_every_layer_and_gpu(tmp_path: Path, capsys):
     from moeless.cli import main
 
-    path = tmp_path / "loads.npy"
+    path, profile = tmp_path / "loads.npy", tmp_path / "profile.json"
     np.save(path, np.array([[100, 20, 0, 5], [1, 1, 1, 1]]))
-    assert main(["plan", str(path), "--gpus", "2", "--planner", "paper"]) == 0
+    profile.write_text(json.dumps(PROFILE))
+    assert main(["plan", str(path), "--gpus", "2", "--planner", "paper", "--profile", str(profile)]) == 0
     out = capsys.readouterr().out
     assert "layer 0:" in out and "layer 1:" in out and out.count("gpu 1:") == 2 and "serial" in out
+    profile.write_text(json.dumps({k: v for k, v in PROFILE.items() if k != "alpha"}))
+    assert main(["plan", str(path), "--profile", str(profile)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lacks 'alpha'" in err[0] and str(profile) in err[0]

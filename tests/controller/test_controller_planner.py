@@ -67,11 +67,12 @@ def test_moeless_keeps_resident_replicas_and_the_cold_ablation_does_not():
     cluster = Cluster.uniform(4, 16, expert_bytes=1)
     first = skewed(rng, 2, 8, 800)
     nudged = first + rng.integers(-2, 3, first.shape).clip(-first, None)
-    config = PlannerConfig(model=MODEL, horizon=1.0)  # one iteration never pays a 0.1 ms cold start here
+    # one iteration's gain never pays a 0.1 ms cold start nothing hides, here
+    config = PlannerConfig(model=MODEL, horizon=1.0, prefetch_layers=0)
     planner, cold = get_planner("moeless", config), get_planner("moeless-cold", config)
-    resident = planner(first, cluster)
-    assert sum(d.churn for d in diff(resident, planner(nudged, cluster, resident))) == 0
-    ignoring, fresh = cold(nudged, cluster, resident), cold(nudged, cluster, None)  # the previous placement is ignored
+    resident = get_planner("moeless", PlannerConfig(model=MODEL))(first, cluster)
+    assert all(d.cold_loads.size == 0 for d in diff(resident, planner(nudged, cluster, resident)))
+    ignoring, fresh = cold(nudged, cluster, resident), cold(nudged, cluster, None)  # what is resident is ignored
     assert all(np.array_equal(a.gpu, b.gpu) and np.array_equal(a.share, b.share) for a, b in zip(ignoring.layers, fresh.layers))
 
 

@@ -1,0 +1,96 @@
+"""The measured cost profile the digital twin prices plans with: one JSON file.
+
+`moeless bench planner --out DIR` measures it on this machine and writes DIR/cost-profile.json
+(a GPU profile has the same fields); the twin and `moeless eval` read it back. Every field is
+required; a missing or bad one is one clear error naming the file and the field.
+
+    {"alpha": s/token, "beta": s/token, "call_overhead": s/call,
+     "load_s": {"disk": s, "host": s},   # one replica's load: from the weight store (read, sha256,
+                                         # copy) and from the host memory tier (a copy)
+     "expert_bytes": bytes, "non_expert_bytes": bytes, "source": "where and how it was measured"}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from moeless.placement.latency_model import LatencyModel
+
+TIERS = ("disk", "host")
+FIELDS = {
+    "alpha": "seconds per token through one expert",
+    "beta": "seconds per token moved one way",
+    "call_overhead": "seconds per replica call with tokens",
+    "load_s": "one replica's load time per tier, {\"disk\": s, \"host\": s}",
+    "expert_bytes": "bytes one replica holds",
+    "non_expert_bytes": "bytes of the non-expert weights (embeddings, attention, norms, gates, head)",
+    "source": "where and how the profile was measured",
+}
+
+
+class ProfileError(ValueError):
+    """A cost profile that is missing, unreadable or lacks a field."""
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Measured costs (seconds, bytes); see the module docstring for the fields."""
+
+    alpha: float
+    beta: float
+    call_overhead: float
+    load_s: dict[str, float]
+    expert_bytes: int
+    non_expert_bytes: int
+    source: str
+
+    def latency_model(self, tier: str = "host") -> LatencyModel:
+        """The latency model whose cold start is one load from `tier` ("host" or "disk")."""
+        if tier not in self.load_s:
+            raise ProfileError(f"no load time for tier {tier!r}; the profile has {sorted(self.load_s)}")
+        return LatencyModel(alpha=self.alpha, beta=self.beta, cold_start=self.load_s[tier], call_overhead=self.call_overhead)
+
+    def to_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @staticmethod
+    def from_mapping(doc: dict, where: str = "profile") -> "CostProfile":
+        """A profile from its JSON fields; ProfileError names the first missing or bad one."""
+        if not isinstance(doc, dict):
+            raise ProfileError(f"{where}: a cost profile is a JSON object with {', '.join(FIELDS)}")
+        for name, meaning in FIELDS.items():
+            if name not in doc:
+                raise ProfileError(f"{where}: cost profile lacks {name!r} ({meaning}); re-measure it with "
+                                   "`moeless bench planner --out DIR` or add the field")
+        for name in ("alpha", "beta", "call_overhead", "expert_bytes", "non_expert_bytes"):
+            _check_number(doc[name], f"{where}: {name}")
+        loads = doc["load_s"]
+        if not isinstance(loads, dict) or set(TIERS) - set(loads):
+            raise ProfileError(f"{where}: load_s must give seconds for every tier {list(TIERS)}, got {loads!r}")
+        for tier in TIERS:
+            _check_number(loads[tier], f"{where}: load_s.{tier}")
+        return CostProfile(float(doc["alpha"]), float(doc["beta"]), float(doc["call_overhead"]),
+                           {t: float(loads[t]) for t in TIERS}, int(doc["expert_bytes"]), int(doc["non_expert_bytes"]),
+                           str(doc["source"]))
+
+    @staticmethod
+    def from_json(path: str | Path) -> "CostProfile":
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ProfileError(f"{path}: no such cost profile; write one with `moeless bench planner --out DIR`") from None
+        except json.JSONDecodeError as err:
+            raise ProfileError(f"{path}: not valid JSON ({err})") from err
+        return CostProfile.from_mapping(doc, str(path))
+
+
+def _check_number(value, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ProfileError(f"{where}: expected a finite number >= 0, got {value!r}")

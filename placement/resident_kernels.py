@@ -1,0 +1,245 @@
+"""Compiled inner loops of moeless's resident planner (numba): grow the resident replicas of one
+layer one priced replica at a time. The policy is placement/resident_planner.py; see there.
+
+Work is counted in tokens: a GPU's work is its replicas' tokens plus `call` (the call overhead in
+tokens) per replica with tokens; the layer takes alpha * max work + 2 beta * max tokens (the
+serial model of LatencyModel, on whole tokens).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def layer_seconds(tok, calls, alpha, call_overhead, beta):
+    """Serial layer time from per-GPU tokens [G] and calls with tokens [G]."""
+    work, most = 0.0, 0
+    for g in range(tok.shape[0]):
+        work = max(work, alpha * tok[g] + call_overhead * calls[g])
+        most = max(most, tok[g])
+    return work + 2.0 * beta * most
+
+
+@njit(cache=True)
+def water_fill(w, other, call, pieces):
+    """Split w whole tokens over GPUs whose other work is other [k] (ascending): the lowest common
+    level, every piece at least one token (as kernels.reshare). Writes pieces [k]; returns the
+    number of GPUs used."""
+    k_all = other.shape[0]
+    best_k, best_level, under = 1, w + other[0] + call, 0.0
+    for k in range(1, k_all + 1):
+        under += other[k - 1] + call
+        level = (w + under) / k
+        if level - other[k - 1] - call < 1.0:
+            break
+        if level < best_level:
+            best_k, best_level = k, level
+    given = 0
+    for j in range(k_all):
+        pieces[j] = 0
+    for j in range(best_k):
+        piece = int(np.floor(best_level - other[j] - call)) if best_k > 1 else int(w)
+        pieces[j] = max(piece, 1)
+        given += pieces[j]
+    j = 0
+    while given < w:  # whole tokens: the rest one each to the least loaded
+        pieces[j % best_k] += 1
+        given += 1
+        j += 1
+    while given > w:
+        if pieces[j % best_k] > 1:
+            pieces[j % best_k] -= 1
+            given -= 1
+        j += 1
+    return best_k
+
+
+@njit(cache=True)
+def grow(load, expert, gpu, tokens, free, budget, call, alpha, call_overhead, beta,
+         load_s, hide_layers, memory_s, horizon, epsilon):
+    """Add replicas to one layer while the best one's priced gain beats its cost.
+
+    load: [E] int tokens; expert, gpu, tokens: [R] the resident replicas and their whole tokens
+    (re-levelled); free: [G] slots the layer may use in all; budget: most replicas. A candidate is a
+    replica of an expert with tokens on the busiest GPU, on another GPU with a free slot; its expert
+    is re-levelled over its GPUs (water_fill). gain = (time now - time with it) x horizon; cost =
+    the exposed part of one more cold load on its GPU (loads x load_s beyond hide_layers x the
+    layer's time) + memory_s. Returns (expert, gpu, tokens) after the additions and the additions
+    as rows (expert, gpu, gain, cost, layer time before it, cold loads its GPU had before it) [A, 6].
+    """
+    num_gpus, cap = free.shape[0], budget
+    out_e = np.empty(cap, np.int64)
+    out_g = np.empty(cap, np.int64)
+    out_t = np.empty(cap, np.int64)
+    n = expert.shape[0]
+    out_e[:n], out_g[:n], out_t[:n] = expert, gpu, tokens
+    tok = np.zeros(num_gpus, np.int64)
+    calls = np.zeros(num_gpus, np.int64)
+    held = np.zeros(num_gpus, np.int64)
+    for r in range(n):
+        tok[out_g[r]] += out_t[r]
+        calls[out_g[r]] += out_t[r] > 0
+        held[out_g[r]] += 1
+    cold = np.zeros(num_gpus, np.int64)
+    added = np.empty((max(cap - n, 0), 6))
+    count = 0
+    mine = np.empty(cap, np.int64)
+    other = np.empty(cap + 1)
+    order = np.empty(cap + 1, np.int64)
+    pieces = np.empty(cap + 1, np.int64)
+    new_tok = np.empty(num_gpus, np.int64)
+    new_calls = np.empty(num_gpus, np.int64)
+    while n < cap:
+        now = layer_seconds(tok, calls, alpha, call_overhead, beta)
+        straggler = 0
+        for g in range(num_gpus):
+            if tok[g] + call * calls[g] > tok[straggler] + call * calls[straggler]:
+                straggler = g
+        best, best_e, best_g, best_gain, best_cost = epsilon, -1, -1, 0.0, 0.0
+        for r in range(n):
+            e = out_e[r]
+            if out_g[r] != straggler or out_t[r] == 0 or load[e] < 2:
+                continue
+            # The expert's replicas (its GPUs), then each GPU it could take.
+            m = 0
+            for q in range(n):
+                if out_e[q] == e:
+                    mine[m] = q
+                    m += 1
+            for g in range(num_gpus):
+                if held[g] >= free[g]:
+                    continue
+                taken = False
+                for j in range(m):
+                    taken = taken or out_g[mine[j]] == g
+                if taken:
+                    continue
+                # Other work on each of the expert's GPUs (without its own tokens), ascending.
+                for j in range(m + 1):
+                    h = out_g[mine[j]] if j < m else g
+                    own = out_t[mine[j]] if j < m else 0
+                    other[j] = tok[h] - own + call * (calls[h] - (own > 0))
+                idx = np.argsort(other[:m + 1])
+                for j in range(m + 1):
+                    order[j] = idx[j]
+                sorted_other = other[:m + 1][idx]
+                water_fill(load[e], sorted_other, call, pieces)
+                new_tok[:] = tok
+                new_calls[:] = calls
+                for j in range(m + 1):
+                    i = order[j]
+                    h = out_g[mine[i]] if i < m else g
+                    own = out_t[mine[i]] if i < m else 0
+                    new_tok[h] += pieces[j] - own
+                    new_calls[h] += (pieces[j] > 0) - (own > 0)
+                gain = (now - layer_seconds(new_tok, new_calls, alpha, call_overhead, beta)) * horizon
+                hide = hide_layers * now
+                cost = max((cold[g] + 1) * load_s - hide, 0.0) - max(cold[g] * load_s - hide, 0.0) + memory_s
+                if gain - cost > best:
+                    best, best_e, best_g, best_gain, best_cost = gain - cost, e, g, gain, cost
+        if best_e < 0:
+            break
+        # Apply: the new replica, then the expert re-levelled over its GPUs as priced.
+        m = 0
+        for q in range(n):
+            if out_e[q] == best_e:
+                mine[m] = q
+                m += 1
+        out_e[n], out_g[n], out_t[n] = best_e, best_g, 0
+        mine[m] = n
+        n += 1
+        for j in range(m + 1):
+            h = out_g[mine[j]]
+            own = out_t[mine[j]]
+            other[j] = tok[h] - own + call * (calls[h] - (own > 0))
+        idx = np.argsort(other[:m + 1])
+        water_fill(load[best_e], other[:m + 1][idx], call, pieces)
+        for j in range(m + 1):
+            r = mine[idx[j]]
+            h = out_g[r]
+            tok[h] += pieces[j] - out_t[r]
+            calls[h] += (pieces[j] > 0) - (out_t[r] > 0)
+            out_t[r] = pieces[j]
+        held[best_g] += 1
+        added[count, 0], added[count, 1], added[count, 2], added[count, 3] = best_e, best_g, best_gain, best_cost
+        added[count, 4], added[count, 5] = now, cold[best_g]
+        cold[best_g] += 1
+        count += 1
+    return out_e[:n].copy(), out_g[:n].copy(), out_t[:n].copy(), added[:count].copy()
+
+
+@njit(cache=True)
+def relevel(load, expert, gpu, tokens, num_gpus, call, alpha, call_overhead, beta, epsilon):
+    """Local search over fixed replicas: while it shortens the layer, re-level (water_fill) one
+    expert of the busiest GPU over all its GPUs, the expert that shortens it most. tokens [R] is
+    updated in place; returns the layer's time."""
+    n = expert.shape[0]
+    tok = np.zeros(num_gpus, np.int64)
+    calls = np.zeros(num_gpus, np.int64)
+    for r in range(n):
+        tok[gpu[r]] += tokens[r]
+        calls[gpu[r]] += tokens[r] > 0
+    mine = np.empty(n, np.int64)
+    other = np.empty(n)
+    pieces = np.empty(n, np.int64)
+    new_tok = np.empty(num_gpus, np.int64)
+    new_calls = np.empty(num_gpus, np.int64)
+    now = layer_seconds(tok, calls, alpha, call_overhead, beta)
+    for _ in range(4 * n):
+        straggler = 0
+        for g in range(num_gpus):
+            if tok[g] + call * calls[g] > tok[straggler] + call * calls[straggler]:
+                straggler = g
+        best_t, best_e = now - epsilon, -1
+        for r in range(n):
+            e = expert[r]
+            if gpu[r] != straggler or tokens[r] == 0:
+                continue
+            m = _replicas_of(expert, e, n, mine)
+            if m < 2:
+                continue
+            t = _refill(load[e], mine, m, gpu, tokens, tok, calls, call, other, pieces, new_tok, new_calls,
+                        alpha, call_overhead, beta, False)
+            if t < best_t:
+                best_t, best_e = t, e
+        if best_e < 0:
+            break
+        m = _replicas_of(expert, best_e, n, mine)
+        now = _refill(load[best_e], mine, m, gpu, tokens, tok, calls, call, other, pieces, new_tok, new_calls,
+                      alpha, call_overhead, beta, True)
+    return now
+
+
+@njit(cache=True)
+def _replicas_of(expert, e, n, mine):
+    m = 0
+    for q in range(n):
+        if expert[q] == e:
+            mine[m] = q
+            m += 1
+    return m
+
+
+@njit(cache=True)
+def _refill(w, mine, m, gpu, tokens, tok, calls, call, other, pieces, new_tok, new_calls, alpha, call_overhead, beta, apply):
+    """The layer time with one expert (its replicas mine[:m]) water-filled over its GPUs; with
+    apply, tokens, tok and calls take the new split."""
+    for j in range(m):
+        r = mine[j]
+        other[j] = tok[gpu[r]] - tokens[r] + call * (calls[gpu[r]] - (tokens[r] > 0))
+    idx = np.argsort(other[:m])
+    water_fill(w, other[:m][idx], call, pieces)
+    new_tok[:] = tok
+    new_calls[:] = calls
+    for j in range(m):
+        r = mine[idx[j]]
+        new_tok[gpu[r]] += pieces[j] - tokens[r]
+        new_calls[gpu[r]] += (pieces[j] > 0) - (tokens[r] > 0)
+        if apply:
+            tokens[r] = pieces[j]
+    if apply:
+        tok[:] = new_tok
+        calls[:] = new_calls
+    return layer_seconds(new_tok, new_calls, alpha, call_overhead, beta)

@@ -1,0 +1,131 @@
+"""The digital twin: resident set and keep-alive, prefetch timing, billing, and the cost profile."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moeless.controller.iterations import Iteration
+from moeless.controller.planner import PlannerConfig, get_planner
+from moeless.controller.profile import CostProfile, ProfileError
+from moeless.controller.twin import TwinSettings, replay
+from moeless.placement.cluster import Cluster
+from moeless.placement.types import LayerPlacement, Placement
+
+PROFILE = CostProfile(alpha=1e-6, beta=0.0, call_overhead=0.0, load_s={"disk": 1e-3, "host": 1e-4},
+                      expert_bytes=10**9, non_expert_bytes=2 * 10**9, source="a test")
+L, E, G = 3, 4, 2
+
+
+def iterations(loads: list[np.ndarray], step: float = 0.1, phase: str = "decode") -> list[Iteration]:
+    return [Iteration(phase, np.asarray(w, dtype=np.int64), 1, (), i * step) for i, w in enumerate(loads)]
+
+
+def cluster() -> Cluster:
+    return Cluster.uniform(G, 3 * L, expert_bytes=PROFILE.expert_bytes, layer_cap_replicas=2 * E)
+
+
+_CALLS: list = []
+
+
+def extra_replica_once(forecast, cluster, previous, config):
+    """A test planner: static EP, plus on its first call a replica of expert 0 on GPU 1 in every layer."""
+    _CALLS.append(previous)
+    static = Placement.static(forecast.shape[0], forecast.shape[1], cluster.num_gpus)
+    if len(_CALLS) > 1:
+        return static
+    layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([0.5, 1, 1, 1, 0.5]))
+    return Placement(tuple(layer for _ in range(forecast.shape[0])), forecast.shape[1], cluster.num_gpus)
+
+
+def test_static_ep_never_loads_and_pays_all_experts_memory_for_the_whole_run():
+    its = iterations([np.full((L, E), 3)] * 5)
+    record = replay(get_planner("static"), its, np.stack([i.load for i in its]), cluster(), PROFILE)
+    assert record.loads.sum() == 0 and record.evictions.sum() == 0 and (record.exposed_s == 0).all()
+    run_s = record.window_s.sum()
+    assert run_s == pytest.approx(0.5)
+    assert record.gb_s("resident").sum() == pytest.approx(L * E * 1.0 * run_s)  # 1 GB per expert, held all run
+    assert record.non_expert_gb_s == pytest.approx(2.0 * run_s)
+    assert record.gb_s("per-layer").sum() == pytest.approx((record.serial_s * E * 1.0).sum())
+
+
+def test_an_unplanned_replica_stays_for_keep_alive_then_is_evicted_and_billed_until_then():
+    _CALLS.clear()
+    its = iterations([np.full((L, E), 2)] * 12, step=0.1)
+    settings = TwinSettings(keep_alive_s=0.35, distance=0)
+    record = replay(get_planner(f"{__name__}:extra_replica_once"), its, np.stack([i.load for i in its]),
+                    cluster(), PROFILE, settings)
+    assert record.loads[0].tolist() == [1] * L and record.loads[1:].sum() == 0
+    assert _CALLS[1].layers[0].num_replicas == 5  # the planner saw the extra replica as resident
+    assert record.resident[:, 0].tolist() == [5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4]
+    assert record.evictions[4].tolist() == [1] * L and record.evictions.sum() == L  # last planned at 0.0, gone at 0.4
+    # Layer 0's memory: 4 GB all run, plus the extra one from 0.0 to 0.35.
+    assert record.gb_s_resident[:, 0].sum() == pytest.approx(4 * 1.2 + 0.35)
+
+
+@pytest.mark.parametrize("distance, exposed", [(0, [5e-6] * 3), (1, [5e-6, 0, 0]), (2, [5e-6, 0, 0])])
+def test_a_cold_load_started_d_layers_ahead_hides_their_time(distance, exposed):
+    _CALLS.clear()
+    its = iterations([np.full((L, E), 4)])
+    profile = CostProfile(**{**vars(PROFILE), "load_s": {"disk": 1e-3, "host": 5e-6}})
+    record = replay(get_planner(f"{__name__}:extra_replica_once"), its, np.stack([i.load for i in its]),
+                    cluster(), profile, TwinSettings(distance=distance))
+    # Every layer loads one replica on GPU 1 (5 us) and takes 10 us (GPU 1: 4 + 4 + 2 tokens). A load
+    # starts when layer max(l - d, 0) starts: with d = 0 each waits its whole load; with d >= 1 only
+    # layer 0's load is exposed (there is no earlier layer to hide it behind).
+    assert record.serial_s[0].tolist() == pytest.approx([10e-6] * L)
+    assert record.cold_s[0].tolist() == pytest.approx([5e-6] * L)
+    assert record.exposed_s[0].tolist() == pytest.approx(exposed, abs=1e-15)
+    assert record.hidden_s[0].tolist() == pytest.approx([5e-6 - x for x in exposed], abs=1e-15)
+    assert record.layer_time("serial")[0].tolist() == pytest.approx([10e-6 + x for x in exposed])
+
+
+def test_cold_loads_queue_on_their_gpu():
+    _CALLS.clear()
+    its = iterations([np.full((L, E), 4)])
+    record = replay(get_planner(f"{__name__}:extra_replica_once"), its, np.stack([i.load for i in its]),
+                    cluster(), PROFILE, TwinSettings(distance=2))
+    # 100 us loads, all issued when layer 0 starts, one after another on GPU 1: done at 100, 200, 300 us;
+    # layers start at 0, 110, 210 us.
+    assert record.exposed_s[0].tolist() == pytest.approx([100e-6, 90e-6, 90e-6])
+
+
+def test_perfectly_predicted_uniform_loads_give_every_lossless_planner_the_same_layer_time_and_oracle_is_a_bound():
+    its = iterations([np.full((L, E), 16)] * 4, phase="prefill")
+    forecasts = np.stack([i.load for i in its])
+    config = PlannerConfig(model=PROFILE.latency_model(), eplb_replicas=E)
+    times = {}
+    for name in ("static", "moeless", "moeless-fill", "eplb", "eplb-window", "paper"):
+        record = replay(get_planner(name, config), its, forecasts, cluster(), PROFILE, TwinSettings(distance=1))
+        times[name] = record.layer_time("serial", cold=False).mean()
+    assert len({round(t, 15) for t in times.values()}) == 1, times
+    skewed = iterations([np.array([[30, 2, 0, 0]] * L)] * 3, phase="prefill")
+    oracle = replay(get_planner("oracle", config), skewed, np.stack([i.load for i in skewed]), cluster(), PROFILE)
+    ours = replay(get_planner("moeless", config), skewed, np.stack([i.load for i in skewed]), cluster(), PROFILE)
+    assert oracle.layer_time().mean() <= ours.layer_time().mean()
+
+
+def test_replay_checks_its_inputs():
+    its = iterations([np.full((L, E), 1)] * 2)
+    with pytest.raises(ValueError, match="one forecast"):
+        replay(get_planner("static"), its, np.ones((3, L, E)), cluster(), PROFILE)
+    with pytest.raises(ValueError, match="tier"):
+        TwinSettings(tier="ssd")
+
+
+def test_cost_profile_round_trips_and_names_a_missing_field(tmp_path):
+    path = PROFILE.to_json(tmp_path / "p.json")
+    assert CostProfile.from_json(path) == PROFILE
+    doc = json.loads(path.read_text())
+    del doc["alpha"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ProfileError, match=r"p\.json: cost profile lacks 'alpha' \(seconds per token"):
+        CostProfile.from_json(path)
+    doc["alpha"], doc["load_s"] = 1e-6, {"disk": 1e-3}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ProfileError, match="every tier"):
+        CostProfile.from_json(path)
+    with pytest.raises(ProfileError, match="no such cost profile"):
+        CostProfile.from_json(tmp_path / "missing.json")
