@@ -1,10 +1,16 @@
-"""`moeless bench expert-invoke`: the cost of calling experts over gRPC instead of in-process.
+"""`moeless bench expert-invoke`: the cost of calling experts over gRPC instead of in-process, and
+what a cold start costs from each weight tier beside the compute it delays.
 
-Default shape H=576, F=192 (the default model's sliced experts). For several tokens-per-expert
-sizes, with `experts_per_call` experts per Invoke, it times the round trip to one local expert
-host (warm replicas) and the same computation in this process (the baseline), and reports
-round-trip overhead (ms per call) and time per token, and the ratio remote / in-process. Also
-the cold start: the time to load one replica from the weight store.
+Shape: the default model's experts unless given. For several tokens-per-expert sizes, with
+`experts_per_call` experts per Invoke, it times the round trip to one local expert host (warm
+replicas) and the same computation in this process (the baseline), and reports round-trip
+overhead (ms per call) and time per token, and the ratio remote / in-process.
+
+Cold starts, in the same run: one replica's load through the host's own path from each tier
+(disk -> host memory: read, sha256, parse; host memory -> device: the copy; the whole cold path
+with the host tier off), and over gRPC the first load of a replica (from disk) against a reload
+after eviction (from host memory), each beside the host's compute time of one call (one layer's
+experts on this host) at every size.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from tqdm import tqdm
 
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.expert_fn.tiers import DeviceCopier, HostTier, TierConfig
 from moeless.model.experts import expert_forward
 from moeless.model.weight_store import export_experts
 
@@ -51,12 +58,20 @@ def run_invoke_bench(
     ]
     rows = []
     with tempfile.TemporaryDirectory(prefix="moeless-bench-") as root:
-        export_experts(((0, e, w) for e, w in enumerate(weights)), root, model="random", num_layers=1,
-                       num_experts=experts_per_call, act="silu")
+        store = export_experts(((0, e, w) for e, w in enumerate(weights)), root, model="random", num_layers=1,
+                               num_experts=experts_per_call, act="silu")
+        tiers = tier_load_times(store, repeats)
         with launch_local_hosts(1, root, metrics=False, threads=threads) as hosts, ExpertHostClient(hosts.addresses[0]) as client:
             started = time.perf_counter()
-            client.load(0, 0, wait=True)
+            client.load(0, 0, wait=True)  # the host's first load of the file: from disk
             cold_start_s = time.perf_counter() - started
+            reloads = []
+            for _ in range(repeats):  # evicted, then loaded again: from the host's memory tier
+                client.evict(0, 0)
+                started = time.perf_counter()
+                client.load(0, 0, wait=True)
+                reloads.append(time.perf_counter() - started)
+            tiers["grpc_host_s"] = statistics.median(reloads)
             for e in range(1, experts_per_call):
                 client.load(0, e, wait=True)
             for n in tqdm(tokens, desc="tokens per expert"):
@@ -72,8 +87,31 @@ def run_invoke_bench(
                     "local_us_per_token": local / total * 1e6, "ratio": remote / local,
                     "remote_min_ms": remote_min * 1e3, "local_min_ms": local_min * 1e3,
                 })
+    tiers["grpc_disk_s"] = cold_start_s
     return {"hidden": hidden, "ffn": ffn, "experts_per_call": experts_per_call, "threads": threads,
-            "repeats": repeats, "cold_start_s": cold_start_s, "rows": rows}
+            "repeats": repeats, "cold_start_s": cold_start_s, "tiers": tiers, "rows": rows}
+
+
+def tier_load_times(store, repeats: int) -> dict:
+    """Median seconds of one replica's load per tier, as the expert host runs it (in-process):
+    disk_to_host (read + sha256 + parse), host_to_device (the copy), cold_no_tier (both, tier off)."""
+    copier = DeviceCopier("cpu")
+    off = HostTier(store, TierConfig(capacity_bytes=0))
+    times: dict[str, list[float]] = {"disk_to_host_s": [], "host_to_device_s": [], "cold_no_tier_s": []}
+    for _ in range(repeats + 1):  # the first round warms the page cache and allocator
+        tier = HostTier(store)
+        started = time.perf_counter()
+        weights, _ = tier.get((0, 0))
+        read = time.perf_counter() - started
+        started = time.perf_counter()
+        copier.to_device(weights)
+        copy = time.perf_counter() - started
+        started = time.perf_counter()
+        copier.to_device(off.get((0, 0))[0])
+        whole = time.perf_counter() - started
+        for name, value in zip(times, (read, copy, whole)):
+            times[name].append(value)
+    return {name: statistics.median(values[1:]) for name, values in times.items()}
 
 
 def print_invoke_bench(result: dict) -> None:
@@ -88,4 +126,14 @@ def print_invoke_bench(result: dict) -> None:
               f"{r['remote_us_per_token']:>14.2f} {r['local_us_per_token']:>13.2f} {r['ratio']:>6.2f}")
     print("min over the repeats (least disturbed by other load), remote / local ms: "
           + ", ".join(f"{r['tokens_per_expert']}: {r['remote_min_ms']:.2f} / {r['local_min_ms']:.2f}" for r in result["rows"]))
-    print(f"cold start (load one replica from the store, client round trip): {result['cold_start_s'] * 1e3:.1f} ms")
+    t = result["tiers"]
+    print(f"cold start of one replica ({result['hidden']}x{result['ffn']} float32), median:")
+    print(f"  in-process: disk -> host {t['disk_to_host_s'] * 1e3:.3f} ms (read + sha256 + parse), host -> device "
+          f"{t['host_to_device_s'] * 1e3:.3f} ms (the copy), no host tier {t['cold_no_tier_s'] * 1e3:.3f} ms")
+    print(f"  over gRPC (Load, wait): first load {t['grpc_disk_s'] * 1e3:.3f} ms (from disk), reload after eviction "
+          f"{t['grpc_host_s'] * 1e3:.3f} ms (from host memory)")
+    print("  beside the host's compute of one call (one layer's experts on this host), ms: "
+          + ", ".join(f"{r['tokens_per_expert']} tok/expert {r['host_compute_ms']:.3f}" for r in result["rows"]))
+    first = result["rows"][0]["host_compute_ms"] / 1e3
+    print(f"  a cold start from host memory is {t['host_to_device_s'] / first:.1f}x the smallest call's compute; "
+          f"from disk {t['cold_no_tier_s'] / first:.1f}x")

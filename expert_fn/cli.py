@@ -25,8 +25,8 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
         description="Times Invoke on one local expert host (warm replicas) against computing the same "
         "experts in this process, for several tokens-per-expert sizes; prints overhead and ratio.",
     )
-    bench.add_argument("--hidden", type=int, default=576, help="hidden size H (default 576)")
-    bench.add_argument("--ffn", type=int, default=192, help="expert FFN width F (default 192)")
+    bench.add_argument("--hidden", type=int, default=None, help="hidden size H (default: the default model's)")
+    bench.add_argument("--ffn", type=int, default=None, help="expert FFN width F (default: the default model's)")
     bench.add_argument("--experts-per-call", type=int, default=4, help="experts carried by one Invoke (default 4)")
     bench.add_argument("--threads", type=int, default=1, help="torch threads, host and baseline alike (default 1)")
     add_bench_flags(bench)
@@ -44,7 +44,13 @@ def _bench_invoke(args: argparse.Namespace) -> int:
     from moeless.expert_fn.bench import print_invoke_bench, run_invoke_bench
 
     sizes = dict(tokens=(1, 64, 512), repeats=10) if args.quick else {}
-    result = run_invoke_bench(hidden=args.hidden, ffn=args.ffn, experts_per_call=args.experts_per_call,
+    hidden, ffn = args.hidden, args.ffn
+    if hidden is None or ffn is None:  # the default model's expert shape (built and cached on first use)
+        from moeless.model.default import default_model
+
+        ffn_default, hidden_default = default_model().expert_weights(0, 0)["gate"].shape
+        hidden, ffn = hidden or int(hidden_default), ffn or int(ffn_default)
+    result = run_invoke_bench(hidden=hidden, ffn=ffn, experts_per_call=args.experts_per_call,
                               threads=args.threads, **sizes)
     print_invoke_bench(result)
     path = write_result(args.out, "expert-invoke", result)
