@@ -67,8 +67,15 @@ class LocalHostGroup:
             raise ValueError("these hosts serve no HTTP endpoints: launch them with metrics=True")
         return [f"http://127.0.0.1:{self._host(i).metrics_port}" for i in range(len(self._hosts))]
 
+    def __len__(self) -> int:
+        return len(self._hosts)
+
     def pid(self, i: int) -> int:
         return self._host(i).process.pid
+
+    def alive(self, i: int) -> bool:
+        """Whether host i's process is still running."""
+        return self._host(i).process.poll() is None
 
     def kill(self, i: int) -> None:
         """SIGKILL host i (no drain) and reap it: a crash, for fault tests."""

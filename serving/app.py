@@ -3,10 +3,15 @@
     Ingress (FastAPI)  --handle-->  ModelServer x N  --gRPC, one call per host per layer-->  expert hosts
 
 ModelServer holds the model with its routed experts dropped (embeddings, attention, norms,
-gates, shared experts, LM head) and a RemoteExecutor over the expert hosts. Concurrent requests
-are batched (serve.batch): one batch decodes together and streams events per request
-(moeless.serving.engine). The ingress validates requests (moeless.serving.api), formats
-OpenAI-style responses and server-sent events, and serves /healthz and /metrics.
+gates, shared experts, LM head) and a RemoteExecutor over the expert hosts. Requests are
+batched continuously (moeless.serving.scheduler: a request joins the running batch at the next
+iteration and leaves when it ends), or statically with batching="static" (serve.batch: a batch
+decodes to its longest request; the baseline of `moeless bench load`); either way each request
+streams its events (moeless.serving.engine). The ingress validates requests
+(moeless.serving.api), formats OpenAI-style responses and server-sent events, and serves
+/healthz (ok / degraded while an expert host is down / draining) and /metrics. `drain` stops a
+replica for shutdown: no new requests (503), running ones finish within a deadline or fail with
+a 503 that says so.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real `Request` type of the routes.
@@ -24,6 +29,9 @@ from ray import serve
 from moeless.placement.types import Placement
 from moeless.serving import api
 from moeless.serving.engine import error_event
+from moeless.serving.scheduler import BatchLimits
+
+BATCHING = ("continuous", "static")
 
 
 @dataclass(frozen=True)
@@ -38,10 +46,18 @@ class ServeConfig:
     replica_cpus: float = 0.5
     ingress_cpus: float = 0.25
     torch_threads: int = 1
-    max_batch: int = 8
-    batch_wait_s: float = 0.02
+    batching: str = "continuous"  # or "static" (the baseline)
+    limits: BatchLimits = BatchLimits()  # continuous batching's caps
+    max_batch: int = 8  # static batching: requests decoded as one batch
+    batch_wait_s: float = 0.02  # static batching: how long a batch waits to fill
     host_timeout_s: float = 30.0
+    transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else gRPC
     placement_board: str | None = None  # follow placements published under this name (placement_board.py)
+    drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)
+
+    def __post_init__(self):
+        if self.batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {self.batching!r}")
 
 
 @serve.deployment
@@ -63,7 +79,8 @@ class ModelServer:
         model = config.model_loader()
         model.drop_experts()
         spec = model.spec
-        self.clients = [ExpertHostClient(a, timeout_s=config.host_timeout_s) for a in config.host_addresses]
+        self.clients = [ExpertHostClient(a, timeout_s=config.host_timeout_s, transport=config.transport)
+                        for a in config.host_addresses]
         self.probes = [ExpertHostClient(a, timeout_s=2.0) for a in config.host_addresses]  # /healthz answers fast
         self.source = PlacementSource(config.placement or Placement.static(spec.num_layers, spec.num_experts,
                                                                              len(self.clients)))
@@ -74,13 +91,73 @@ class ModelServer:
 
             self.follower = BoardFollower(self.source, name=config.placement_board)
         self.engine = Engine(model, self.executor)
+        self.config = config
+        self.scheduler = self.loop = None
+        if config.batching == "continuous":
+            from moeless.serving.scheduler import Scheduler, SchedulerLoop
+
+            self.scheduler = Scheduler(self.engine, config.limits)
+            self.loop = SchedulerLoop(self.scheduler, threads=config.torch_threads)
         self._batched.set_max_batch_size(config.max_batch)
         self._batched.set_batch_wait_timeout_s(config.batch_wait_s)
+        self._inflight = 0
+        self._draining = False
+        self.watcher = None
+        if config.drain_signal:
+            from moeless.serving.shutdown import DrainWatcher
+
+            self.watcher = DrainWatcher(self.drain, name=config.drain_signal)
 
     async def generate(self, request: api.GenerationRequest) -> AsyncIterator[list[dict]]:
-        """The request's events, a list per decoding step (call with handle.options(stream=True))."""
-        async for events in self._batched(request):
-            yield events
+        """The request's events, a list per iteration (call with handle.options(stream=True))."""
+        if self._draining:
+            yield [error_event(api.ApiError(503, "the server is shutting down; retry on another replica",
+                                            code="shutting_down"))]
+            return
+        self._inflight += 1
+        try:
+            steps = self._continuous(request) if self.scheduler else self._batched(request)
+            async for events in steps:
+                yield events
+        finally:
+            self._inflight -= 1
+
+    async def _continuous(self, request: api.GenerationRequest) -> AsyncIterator[list[dict]]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            rid = self.scheduler.submit(request, lambda events: loop.call_soon_threadsafe(queue.put_nowait, events))
+        except api.ApiError as err:
+            yield [error_event(err)]
+            return
+        try:
+            while True:
+                events = await queue.get()
+                yield events
+                if any("finish" in e or "error" in e for e in events):
+                    return
+        finally:  # also when the client went away (the generator is closed or cancelled)
+            self.scheduler.cancel(rid)
+
+    def drain(self, timeout_s: float) -> dict:
+        """Stop admitting (503); wait up to timeout_s for the requests in flight, then fail the
+        rest with a 503 that says so. Returns {"unfinished": requests failed at the deadline}.
+        Runs on the DrainWatcher's thread (a handle call would reach one replica only)."""
+        self._draining = True
+        if self.scheduler:
+            self.scheduler.drain()
+        deadline = time.monotonic() + timeout_s
+        while self._inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        unfinished = self._inflight
+        if unfinished and self.scheduler:
+            self.scheduler.abort(f"the server shut down before this request finished (drain deadline "
+                                 f"{timeout_s:g} s); retry on another replica")
+            while self._inflight and time.monotonic() < deadline + 5.0:
+                time.sleep(0.05)
+        if self.loop:
+            self.loop.stop()
+        return {"unfinished": unfinished}
 
     @serve.batch(max_batch_size=8)  # the bare form refuses async generators; __init__ sets the config's values
     async def _batched(self, requests: list[api.GenerationRequest]) -> AsyncIterator[list]:
@@ -109,11 +186,17 @@ class ModelServer:
                 live.append(i)
             except Exception:  # any failure means "not serving"; the reason is in the host's log
                 pass
-        return {"hosts": len(self.clients), "live_hosts": live, "dead_hosts": sorted(self.executor.dead_hosts)}
+        return {"hosts": len(self.clients), "live_hosts": live, "dead_hosts": sorted(self.executor.dead_hosts),
+                "draining": self._draining}
 
     def stats(self) -> dict:
+        batching = {"running": 0, "waiting": 0, "iterations": 0, "refused": 0}
+        if self.scheduler:
+            batching = {**self.scheduler.counts(), "iterations": self.scheduler.stats.iterations,
+                        "refused": self.scheduler.stats.refused}
         return {**self.executor.times.as_dict(), "dead_hosts": sorted(self.executor.dead_hosts),
-                "placement_version": self.source.version}
+                "placement_version": self.source.version, "local_channels": sum(c.uses_local_channel for c in self.clients),
+                **batching}
 
 
 class _Metrics:
@@ -132,6 +215,12 @@ class _Metrics:
                                buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
         self.retries = Gauge("moeless_layer_retries", "MoE layers re-run after a host failure (one replica)",
                              registry=self.registry)
+        self.running = Gauge("moeless_running_requests", "requests in the running batch (one replica)",
+                             registry=self.registry)
+        self.waiting = Gauge("moeless_waiting_requests", "requests queued for the running batch (one replica)",
+                             registry=self.registry)
+        self.refused = Gauge("moeless_refused_requests", "requests refused with 429 because the queue was full "
+                             "(one replica)", registry=self.registry)
 
 
 # Helpers of the ingress sit above it: serve.ingress ships the class by value with what it references.
@@ -172,14 +261,22 @@ class Ingress:
     @web.get("/healthz")
     async def healthz(self):
         health = await self.server.health.remote()
-        status = 200 if health["live_hosts"] else 503
-        return JSONResponse({"status": "ok" if status == 200 else "no expert host is serving", **health}, status)
+        if health["draining"]:
+            status, word = 503, "draining"
+        elif not health["live_hosts"]:
+            status, word = 503, "no expert host is serving"
+        else:  # degraded: some host is down (restarting); the others carry its experts meanwhile
+            status, word = 200, "ok" if len(health["live_hosts"]) == health["hosts"] else "degraded"
+        return JSONResponse({"status": word, **health}, status)
 
     @web.get("/metrics")
     async def metrics(self):
         stats = await self.server.stats.remote()
         self.metrics.dead_hosts.set(len(stats["dead_hosts"]))
         self.metrics.retries.set(stats["retries"])
+        self.metrics.running.set(stats["running"])
+        self.metrics.waiting.set(stats["waiting"])
+        self.metrics.refused.set(stats["refused"])
         return PlainTextResponse(generate_latest(self.metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
@@ -247,6 +344,8 @@ class Ingress:
 
 def build_app(config: ServeConfig):
     """The bound application, for serve.run(build_app(config), route_prefix="/")."""
-    server = ModelServer.options(num_replicas=config.num_replicas, max_ongoing_requests=4 * config.max_batch,
+    ongoing = config.limits.max_running + config.limits.max_waiting if config.batching == "continuous" \
+        else 4 * config.max_batch
+    server = ModelServer.options(num_replicas=config.num_replicas, max_ongoing_requests=ongoing,
                                  ray_actor_options={"num_cpus": config.replica_cpus}).bind(config)
     return Ingress.options(ray_actor_options={"num_cpus": config.ingress_cpus}).bind(server, config.model_name)

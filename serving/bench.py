@@ -1,15 +1,18 @@
 """`moeless bench serve`: the cost of going serverless, measured in one run.
 
-1. The same model generates the same real prompts (ShareGPT, held-out split) twice with the same
-   engine: experts in-process (the baseline, LocalExecutor) and through expert functions on
-   local expert-host processes (RemoteExecutor). Outputs must be identical.
-2. Reported: generation tokens/s of both and their ratio; MoE time per layer call of both (mean
-   and median; all calls, prefill and decode apart) and the ratio of medians; the serverless
-   layer's mean time (all calls) broken into gate, scatter, invoke (of which the slowest host's
-   expert compute; the rest is transfer and RPC) and gather.
-3. The latency model's constants, fitted on single-expert invokes of T tokens:
-   host compute = alpha * T (alpha: seconds per token of expert compute), and
-   round trip - compute = overhead + 2 * beta * T (beta: seconds per token moved, each way).
+1. The same model generates the same real prompts (ShareGPT, held-out split) with the same
+   engine over four executors, batch by batch in turn (so a busy machine slows all alike):
+   experts in-process on 1 torch thread and on as many threads as the expert hosts have
+   together (the baselines: hosts compute in parallel, so the in-process layer gets the same
+   cores), and through expert functions on local expert-host processes over the shared-memory
+   local channel (what `moeless serve` uses) and over gRPC (what a remote host gets). Outputs of
+   every path must equal the 1-thread in-process ones.
+2. Reported: generation tokens/s; MoE time per layer call (mean and median; all calls, prefill
+   and decode apart) and the ratio of medians to the faster in-process baseline; each remote
+   path's layer broken into gate, scatter (plan + pack + send), invoke (of which the slowest
+   host's expert compute; the rest is transfer and call overhead) and gather.
+3. The latency model's constants, fitted on single-expert calls of T tokens over the local
+   channel: host compute = alpha * T, and round trip - compute = overhead + 2 * beta * T.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from moeless.model.interface import ExpertExecutor, Routing
 
 FIT_TOKENS = (1, 8, 32, 128, 512)
+TRANSPORTS = ("local", "grpc")
 
 
 class TimedExecutor:
@@ -58,34 +62,44 @@ def bench_prompts(engine, count: int, prompt_tokens: int) -> list[list[int]]:
     return [engine.codec.encode(p)[:prompt_tokens] for p in prompts]
 
 
-def generate_all(engine, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[list[list[int]], float]:
-    """Greedy generations of every prompt in batches; returns (tokens per prompt, seconds)."""
+def generate_batch(engine, chunk: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy generations of one batch of prompts (token ids per prompt)."""
+    rows: list[list[int]] = [[] for _ in chunk]
+    for step in engine.token_steps(chunk, [max_tokens] * len(chunk)):
+        for r, token in enumerate(step):
+            if token is not None:
+                rows[r].append(token)
+    return rows
+
+
+def generate_interleaved(paths: dict[str, tuple[Any, int]], prompts: list[list[int]], max_tokens: int,
+                         batch: int) -> tuple[dict[str, list[list[int]]], dict[str, float]]:
+    """Each path (name -> (engine, torch threads)) generates every batch, the paths taking turns
+    batch by batch; returns (tokens per prompt, seconds) per path."""
     from tqdm import tqdm
 
-    outputs: list[list[int]] = []
-    start = time.perf_counter()
+    outputs = {name: [] for name in paths}
+    seconds = dict.fromkeys(paths, 0.0)
     for i in tqdm(range(0, len(prompts), batch), desc="batches", leave=False):
-        chunk = prompts[i:i + batch]
-        rows: list[list[int]] = [[] for _ in chunk]
-        for step in engine.token_steps(chunk, [max_tokens] * len(chunk)):
-            for r, token in enumerate(step):
-                if token is not None:
-                    rows[r].append(token)
-        outputs.extend(rows)
-    return outputs, time.perf_counter() - start
+        for name, (engine, threads) in paths.items():
+            torch.set_num_threads(threads)
+            start = time.perf_counter()
+            outputs[name].extend(generate_batch(engine, prompts[i:i + batch], max_tokens))
+            seconds[name] += time.perf_counter() - start
+    return outputs, seconds
 
 
 def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
-    """Fit alpha, beta and the per-call overhead from invokes of expert (0, 0) on T tokens
+    """Fit alpha, beta and the per-call overhead from packed calls of expert (0, 0) on T tokens
     (least squares over the median of `repeats` calls per T)."""
     compute, transfer = [], []
     client.load(0, 0, wait=True)
     for tokens in FIT_TOKENS:
-        x = torch.randn(tokens, hidden)
+        x, rows = torch.randn(tokens, hidden), torch.arange(tokens)
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            result = client.invoke_detailed(0, {0: x})
+            result = client.submit(0, [0], [tokens], x, rows).result()
             samples.append((result.compute_s, time.perf_counter() - start - result.compute_s))
         median = np.median(np.array(samples), axis=0)  # robust to a busy machine's outliers
         compute.append(median[0])
@@ -93,17 +107,18 @@ def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
     alpha, _ = np.polyfit(FIT_TOKENS, compute, 1)
     slope, overhead = np.polyfit(FIT_TOKENS, transfer, 1)
     return {"alpha_s_per_token": float(alpha), "beta_s_per_token": float(slope / 2),
-            "call_overhead_s": float(overhead), "fit_tokens": list(FIT_TOKENS), "repeats": repeats}
+            "call_overhead_s": float(overhead), "fit_tokens": list(FIT_TOKENS), "repeats": repeats,
+            "transport": "local" if client.uses_local_channel else "grpc"}
 
 
 def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, prompt_tokens: int = 64,
               max_tokens: int = 16, batch: int = 4, threads: int = 1) -> dict[str, Any]:
-    """Measure both paths on the same prompts (see the module docstring); returns the figures."""
+    """Measure every path on the same prompts (see the module docstring); returns the figures."""
     from moeless.expert_fn.client import ExpertHostClient
     from moeless.expert_fn.launcher import launch_local_hosts
     from moeless.serving.embedded import choose_model, export_store
     from moeless.serving.engine import Engine
-    from moeless.serving.executor import RemoteExecutor
+    from moeless.serving.executor import LayerTimes, RemoteExecutor
     from moeless.serving.placement_source import PlacementSource
 
     torch.set_num_threads(threads)
@@ -111,53 +126,56 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
     moe = choice.loader()
     spec = moe.spec
     store = export_store(moe, choice.name)
-    local = TimedExecutor(moe.local_executor())
     ids = bench_prompts(Engine(moe), prompts, prompt_tokens)
+    wide = hosts * threads  # the cores the hosts compute on together
+    baselines = {f"in_process_{n}_threads": n for n in sorted({threads, wide})}
+    timed = {name: TimedExecutor(moe.local_executor()) for name in baselines}
     with launch_local_hosts(hosts, store, keep_alive_s=600, threads=threads, metrics=False) as group:
-        clients = [ExpertHostClient(a, timeout_s=120) for a in group.addresses]
-        remote = RemoteExecutor(clients, PlacementSource.static(spec.num_layers, spec.num_experts, hosts))
-        timed_remote = TimedExecutor(remote)
-        # 1. Warm both paths (replica loads, allocator), then measure.
-        for executor in (local, timed_remote):
-            generate_all(Engine(moe, executor), ids[:batch], 2, batch)
-        local.samples, timed_remote.samples = [], []
-        remote.times = type(remote.times)()
-        ref, local_s = generate_all(Engine(moe, local), ids, max_tokens, batch)
-        with moe.capture() as capture:
-            got, remote_s = generate_all(Engine(moe, timed_remote), ids, max_tokens, batch)
-        fit = fit_alpha_beta(clients[0], spec.hidden_size)
-        remote.close()
-        for c in clients:
-            c.close()
-    # 2. The gate's own time, on the gate inputs the remote run routed.
-    gate_s = _gate_seconds(moe, capture)
-    generated = sum(len(r) for r in ref)
-    t = remote.times
-
-    def per_call(seconds: float) -> float:  # ms per MoE-layer call
-        return 1e3 * seconds / max(t.layers, 1)
-
+        clients = {t: [ExpertHostClient(a, timeout_s=120, transport=t) for a in group.addresses] for t in TRANSPORTS}
+        remotes = {t: RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers, spec.num_experts, hosts))
+                   for t in TRANSPORTS}
+        timed |= {f"expert_functions_{t}": TimedExecutor(remotes[t]) for t in TRANSPORTS}
+        paths = {name: (Engine(moe, executor), baselines.get(name, threads)) for name, executor in timed.items()}
+        # 1. Warm every path (replica loads, channels, allocator), then measure.
+        generate_interleaved(paths, ids[:batch], 2, batch)
+        for executor in timed.values():
+            executor.samples = []
+        for remote in remotes.values():
+            remote.times = LayerTimes()
+        with moe.capture() as capture:  # routing of every path's forwards (for the gate's own time)
+            outputs, seconds = generate_interleaved(paths, ids, max_tokens, batch)
+        torch.set_num_threads(threads)
+        fit = fit_alpha_beta(clients["local"][0], spec.hidden_size)
+        for client in (c for cs in clients.values() for c in cs):
+            client.close()
+    # 2. Figures per path against the faster in-process baseline, per phase.
+    reference = outputs[next(iter(baselines))]
+    generated = sum(len(r) for r in reference)
+    layer_ms = {name: executor.summary_ms(batch) for name, executor in timed.items()}
+    best = {phase: min(layer_ms[name][phase]["median"] for name in baselines) for phase in layer_ms[next(iter(baselines))]}
+    gate_ms = 1e3 * _gate_seconds(moe, capture) / max(len(capture.iterations) * spec.num_layers, 1)
     return {
         "model": choice.name, "hosts": hosts, "prompts": len(ids), "prompt_tokens": prompt_tokens,
-        "max_tokens": max_tokens, "batch": batch, "threads": threads,
+        "max_tokens": max_tokens, "batch": batch, "threads_per_host": threads, "baseline_threads": list(baselines.values()),
         "load_average_1m": os.getloadavg()[0],  # a busy machine inflates every time below
-        "identical_outputs": ref == got,
-        "tokens_per_s": {"in_process": generated / local_s, "expert_functions": generated / remote_s,
-                         "ratio": (generated / remote_s) / (generated / local_s)},
-        "moe_layer_ms": _compare(local.summary_ms(batch), timed_remote.summary_ms(batch)),
-        "breakdown_ms_per_layer": {"gate": 1e3 * gate_s / max(t.layers, 1), "scatter": per_call(t.scatter_s),
-                                   "invoke": per_call(t.invoke_s), "expert_compute": per_call(t.compute_s),
-                                   "transfer_and_rpc": per_call(t.invoke_s - t.compute_s),
-                                   "gather": per_call(t.gather_s)},
-        "tokens_moved_per_layer": t.tokens_moved / max(t.layers, 1),
+        "identical_outputs": {name: outputs[name] == reference for name in timed},
+        "tokens_per_s": {name: generated / s for name, s in seconds.items()},
+        "moe_layer_ms": layer_ms,
+        "ratio_to_best_in_process": {name: {phase: ms[phase]["median"] / best[phase] for phase in best}
+                                     for name, ms in layer_ms.items()},
+        "breakdown_ms_per_layer": {t: _breakdown(remotes[t].times, gate_ms) for t in TRANSPORTS},
+        "tokens_moved_per_layer": remotes["local"].times.tokens_moved / max(remotes["local"].times.layers, 1),
         "latency_model": fit,
     }
 
 
-def _compare(local: dict, remote: dict) -> dict:
-    """Per phase: both paths' ms per layer call and the ratio of their medians."""
-    return {phase: {"in_process": local[phase], "expert_functions": remote[phase],
-                    "ratio_of_medians": remote[phase]["median"] / local[phase]["median"]} for phase in local}
+def _breakdown(t, gate_ms: float) -> dict[str, float]:
+    def per_call(seconds: float) -> float:  # ms per MoE-layer call
+        return 1e3 * seconds / max(t.layers, 1)
+
+    return {"gate": gate_ms, "scatter": per_call(t.scatter_s), "invoke": per_call(t.invoke_s),
+            "expert_compute": per_call(t.compute_s), "transfer_and_call": per_call(t.invoke_s - t.compute_s),
+            "gather": per_call(t.gather_s)}
 
 
 def _gate_seconds(moe, capture) -> float:
@@ -170,19 +188,18 @@ def _gate_seconds(moe, capture) -> float:
 
 
 def print_report(result: dict[str, Any]) -> None:
-    tps, moe, br, fit = result["tokens_per_s"], result["moe_layer_ms"], result["breakdown_ms_per_layer"], \
-        result["latency_model"]
+    fit = result["latency_model"]
     print(f"model {result['model']}: {result['prompts']} prompts x {result['max_tokens']} new tokens, batch "
-          f"{result['batch']}, {result['hosts']} expert hosts; outputs identical: {result['identical_outputs']}; "
-          f"load average {result['load_average_1m']:.1f} on {os.cpu_count()} cores")
-    print(f"tokens/s        in-process {tps['in_process']:8.1f}   expert functions {tps['expert_functions']:8.1f}"
-          f"   ratio {tps['ratio']:.3f}")
-    for phase, row in moe.items():
-        local, remote = row["in_process"], row["expert_functions"]
-        print(f"MoE layer {phase:8s}(ms, median/mean)  in-process {local['median']:.3f}/{local['mean']:.3f}   "
-              f"expert functions {remote['median']:.3f}/{remote['mean']:.3f}   ratio of medians "
-              f"{row['ratio_of_medians']:.2f}")
-    print("breakdown (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
-    print(f"latency model: alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), beta "
-          f"{fit['beta_s_per_token'] * 1e6:.3f} us/token moved (each way), call overhead "
+          f"{result['batch']}, {result['hosts']} expert hosts x {result['threads_per_host']} thread(s); load average "
+          f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores")
+    print(f"{'path':34s} {'tokens/s':>9s} {'identical':>9s}   MoE layer ms median (ratio to the faster in-process)")
+    for name, ms in result["moe_layer_ms"].items():
+        ratios = result["ratio_to_best_in_process"][name]
+        cells = "  ".join(f"{phase} {ms[phase]['median']:7.3f} ({ratios[phase]:.2f}x)" for phase in ("prefill", "decode", "all")
+                          if phase in ms)
+        print(f"{name:34s} {result['tokens_per_s'][name]:9.1f} {str(result['identical_outputs'][name]):>9s}   {cells}")
+    for transport, br in result["breakdown_ms_per_layer"].items():
+        print(f"breakdown over {transport} (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
+    print(f"latency model ({fit['transport']}): alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), "
+          f"beta {fit['beta_s_per_token'] * 1e6:.3f} us/token moved (each way), call overhead "
           f"{fit['call_overhead_s'] * 1e3:.3f} ms")

@@ -3,9 +3,13 @@
 1. Load the model (the default one is built and cached on first use) and export its experts to a
    weight store in the cache directory (reused while the experts are unchanged).
 2. Start the expert hosts as local processes over that store.
-3. Start local Ray (replicas with fractional CPUs) and the Serve app; print the URL.
+3. Start local Ray (replicas with fractional CPUs) and the Serve app; print the URL. A
+   supervisor restarts a host that dies (with back-off); meanwhile the others serve its experts.
 4. With --demo send one short chat request, print the answer and shut everything down;
-   otherwise serve until Ctrl-C.
+   otherwise serve until SIGINT (Ctrl-C) or SIGTERM.
+5. Shutting down: stop admitting (new requests get a 503), let running requests finish for up
+   to drain_s and fail the rest with a 503 that says so, stop Serve and Ray, then drain and stop
+   the expert hosts; return normally (exit status 0), leaving no process behind.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import functools
 import hashlib
 import os
 import re
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,8 +83,9 @@ def free_port() -> int:
 
 
 def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1, port: int = 8000,
-                   keep_alive_s: float = 300.0, max_batch: int = 8, demo: bool = False,
-                   demo_question: str = DEMO_QUESTION, demo_tokens: int = 40) -> str | None:
+                   keep_alive_s: float = 300.0, batching: str = "continuous", limits=None, max_batch: int = 8,
+                   drain_s: float = 30.0, demo: bool = False, demo_question: str = DEMO_QUESTION,
+                   demo_tokens: int = 40) -> str | None:
     """Run the serving path locally (see the module docstring); returns the demo's answer."""
     import httpx
     import ray
@@ -87,45 +94,73 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
     from moeless.expert_fn.launcher import launch_local_hosts
     from moeless.serving.app import ServeConfig, build_app
     from moeless.serving.placement_board import BOARD_NAME
+    from moeless.serving.scheduler import BatchLimits
+    from moeless.serving.shutdown import SIGNAL_NAME, drain_replicas
+    from moeless.serving.supervisor import HostSupervisor
 
+    stop = _stop_on_signals()
     # 1. The model and its weight store.
     choice = choose_model(model)
     print(f"loading model {choice.name} ...", flush=True)
     loaded = choice.loader()
     store = export_store(loaded, choice.name)
     del loaded  # the replicas load their own copy (without experts)
-    # 2. Expert hosts.
+    # 2. Expert hosts, kept running by the supervisor.
     print(f"starting {hosts} expert hosts over {store} ...", flush=True)
     with launch_local_hosts(hosts, store, keep_alive_s=keep_alive_s) as group:
-        # 3. Ray and the app.
-        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
-                 logging_level="WARNING")
+        supervisor = HostSupervisor(group)
         try:
-            port = port or free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            config = ServeConfig(choice.name, choice.loader, tuple(group.addresses), num_replicas=replicas,
-                                 replica_cpus=0.5, ingress_cpus=0.25, max_batch=max_batch,
-                                 placement_board=BOARD_NAME)
-            serve.run(build_app(config), name="moeless", route_prefix="/")
-            url = f"http://127.0.0.1:{port}"
-            print(f"moeless is serving {choice.name} at {url}  (OpenAI-style: /v1/completions, "
-                  f"/v1/chat/completions; /healthz, /metrics)", flush=True)
-            print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
-                  f"'{{\"model\": \"{choice.name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-                  f"\"Hi!\"}}], \"max_tokens\": 20}}'", flush=True)
-            # 4. The demo request, or serve until interrupted.
-            if demo:
-                return _demo(httpx, url, choice.name, demo_question, demo_tokens)
-            print("Ctrl-C stops it.", flush=True)
+            # 3. Ray and the app.
+            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
+                     logging_level="WARNING")
+            stop = _stop_on_signals(stop)  # again: Ray's start-up installs handlers of its own
             try:
-                while True:
-                    time.sleep(3600)
-            except KeyboardInterrupt:
-                print("stopping ...", flush=True)
-            return None
+                port = port or free_port()
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                config = ServeConfig(choice.name, choice.loader, tuple(group.addresses), num_replicas=replicas,
+                                     replica_cpus=0.5, ingress_cpus=0.25, batching=batching,
+                                     limits=limits or BatchLimits(), max_batch=max_batch,
+                                     placement_board=BOARD_NAME, drain_signal=SIGNAL_NAME)
+                serve.run(build_app(config), name="moeless", route_prefix="/")
+                url = f"http://127.0.0.1:{port}"
+                print(f"moeless is serving {choice.name} at {url}  (OpenAI-style: /v1/completions, "
+                      f"/v1/chat/completions; /healthz, /metrics)", flush=True)
+                # 4. The demo request, or serve until a stop signal.
+                if demo:
+                    return _demo(httpx, url, choice.name, demo_question, demo_tokens)
+                print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+                      f"'{{\"model\": \"{choice.name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+                      f"\"Hi!\"}}], \"max_tokens\": 20}}'", flush=True)
+                print("Ctrl-C (or SIGTERM) stops it.", flush=True)
+                stop.wait()
+                # 5. Drain the replicas while the HTTP side can still tell the clients.
+                print(f"stopping: no new requests; running ones get up to {drain_s:g} s ...", flush=True)
+                outcomes = drain_replicas(replicas, drain_s)
+                failed = sum(o.get("unfinished", 0) for o in outcomes.values())
+                print(f"drained {len(outcomes)} of {replicas} replicas; {failed} requests ended unfinished "
+                      "(their clients got a 503 saying so)", flush=True)
+                time.sleep(0.5)  # the last responses leave the ingress
+                return None
+            finally:
+                serve.shutdown()
+                ray.shutdown()
         finally:
-            serve.shutdown()
-            ray.shutdown()
+            supervisor.stop()
+            print("stopping the expert hosts ...", flush=True)
+
+
+def _stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
+    """An event set by SIGINT or SIGTERM (instead of dying mid-way and leaving processes behind)."""
+    stop = stop or threading.Event()
+
+    def handler(signum, frame):
+        if stop.is_set():
+            print(f"{signal.Signals(signum).name} again: still shutting down, please wait", flush=True)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return stop
 
 
 def _demo(httpx, url: str, model: str, question: str, tokens: int) -> str:

@@ -1,8 +1,12 @@
-"""Greedy batched generation over a MoEModel whose routed experts run through an executor.
+"""Greedy generation over a MoEModel whose routed experts run through an executor.
 
-`Engine.run(requests)` serves a batch of concurrent requests as one left-padded batch (with
-position ids from the attention mask, so each row equals its unbatched forward) and yields,
-once per decoding step, a list of events for every request:
+Two ways to batch. Continuous batching (moeless.serving.scheduler) calls the iteration-level
+primitives: `prefill(prompts)` (newcomers, one left-padded forward, their first tokens and KV)
+and `decode(slots, tokens)` (one token for every running request, its KV in KVSlots).
+Static batching, kept as the baseline of `moeless bench load`, is `Engine.run(requests)`: one
+left-padded batch decoded to its longest request. Both use position ids from each row's own
+length, so a row computes what it would alone. `run` yields, once per decoding step, a list
+of events for every request (the scheduler sends the same events):
 
     {"text": str}                                               a piece of generated text
     {"finish": "stop"|"length", "prompt_tokens", "completion_tokens"}   the request is done
@@ -13,15 +17,19 @@ Events are plain dicts so they cross Ray process boundaries unchanged.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
+from torch import nn
 
 from moeless.expert_fn.errors import ReplicaLoadError
 from moeless.model.batching import left_pad
 from moeless.model.interface import ExpertExecutor
 from moeless.serving.api import ApiError, GenerationRequest, check_context
 from moeless.serving.codec import Codec, TextStream, codec_for
+from moeless.serving.kv_slots import KVSlots
 from moeless.serving.scatter import NoLiveHostError
 
 
@@ -45,6 +53,7 @@ class Engine:
         self.model = model
         self.executor = executor
         self.codec = codec or codec_for(model)
+        _LastPositionHead.install(model.hf)
 
     @property
     def context_limit(self) -> int:
@@ -78,7 +87,7 @@ class Engine:
                 for i, token in zip(rows, tokens):
                     if token is None:
                         continue
-                    finish = self._finish(token, step + 1, requests[i].max_tokens)
+                    finish = self.finish_reason(token, step + 1, requests[i].max_tokens)
                     if finish != "stop":
                         piece = streams[i].push(token)
                         if piece:
@@ -91,7 +100,29 @@ class Engine:
         except Exception as err:  # a failed forward fails every request of the batch
             yield [evs + [error_event(err)] if i in prompts else evs for i, evs in enumerate(events)]
 
-    def _finish(self, token: int, generated: int, max_tokens: int) -> str | None:
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[list[int]]):
+        """One forward over new prompts (left-padded): (each one's first token, the cache).
+        The LM head runs on the last position only."""
+        ids, mask = left_pad(prompts)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with _LastPositionHead.only():
+            out = self.model.forward(ids, mask, None, use_cache=True, executor=self.executor, position_ids=positions)
+        return out.logits[:, -1].argmax(-1).tolist(), out.past_key_values
+
+    @torch.no_grad()
+    def decode(self, slots: KVSlots, tokens: Sequence[int]) -> list[int]:
+        """One forward for every row of `slots`: tokens[r] is row r's input, at position = its
+        cache length; returns each row's next token. The rows' KV grow by one column."""
+        cache, mask = slots.decode_inputs()
+        positions = torch.tensor([[slots.end - s] for s in slots.start])
+        ids = torch.tensor(list(tokens)).unsqueeze(1)
+        out = self.model.forward(ids, mask, cache, use_cache=True, executor=self.executor, position_ids=positions)
+        slots.advance()
+        return out.logits[:, -1].argmax(-1).tolist()
+
+    def finish_reason(self, token: int, generated: int, max_tokens: int) -> str | None:
+        """"stop" at EOS, "length" once max_tokens are generated, else None."""
         if token == self.codec.eos_token_id:
             return "stop"
         return "length" if generated >= max_tokens else None
@@ -107,8 +138,9 @@ class Engine:
         for step in range(max(max_tokens)):
             # 2. One forward call per step (prefill first, then one token per row with the KV cache).
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-            out = self.model.forward(step_ids, mask, cache, use_cache=True, executor=self.executor,
-                                     position_ids=positions)
+            with _LastPositionHead.only():
+                out = self.model.forward(step_ids, mask, cache, use_cache=True, executor=self.executor,
+                                         position_ids=positions)
             step_ids, cache = out.logits[:, -1].argmax(-1, keepdim=True), out.past_key_values
             mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
             # 3. Report each live row's token; a row ends at EOS or its own max_tokens.
@@ -119,3 +151,36 @@ class Engine:
             yield tokens
             if all(done):
                 return
+
+
+class _LastPositionHead(nn.Module):
+    """The LM head, computing only the last position while `only()` is on in this thread.
+
+    A prefill needs the logits of each row's last position; the full head costs a [S, V]
+    product per row (on the default model 28 M multiply-adds per token, more than the rest of
+    the forward). MoEModel.forward takes no logits_to_keep, so the head itself is wrapped.
+    """
+
+    _local = threading.local()
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, S, H] -> logits [B, S, V], or [B, 1, V] (the last position) under only()."""
+        return self.head(hidden[:, -1:] if getattr(self._local, "on", False) else hidden)
+
+    @classmethod
+    def install(cls, hf: nn.Module) -> None:
+        if not isinstance(hf.lm_head, cls):
+            hf.lm_head = cls(hf.lm_head)
+
+    @classmethod
+    @contextmanager
+    def only(cls):
+        cls._local.on = True
+        try:
+            yield
+        finally:
+            cls._local.on = False

@@ -36,7 +36,7 @@ class PlacementBoard:
 
 def board(name: str = BOARD_NAME):
     """The board actor (created on first use; it lives as long as the Ray instance)."""
-    return PlacementBoard.options(name=name, get_if_exists=True, lifetime="detached").remote()
+    return PlacementBoard.options(name=name, namespace="moeless", get_if_exists=True, lifetime="detached").remote()
 
 
 def publish_placement(placement: Placement, name: str = BOARD_NAME) -> int:

@@ -118,3 +118,23 @@ def test_a_published_placement_reaches_every_replica(url, hosts, tiny_store, ref
     publish_placement(Placement.static(spec.num_layers, spec.num_experts, 3), BOARD)
     for c in clients:
         c.close()
+
+
+def test_the_official_openai_client_gets_the_reference_completion_chat_and_stream(url, tiny_store, reference_text):
+    import openai
+
+    model, _ = tiny_store
+    client = openai.OpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    completion = client.completions.create(model=MODEL, prompt="The cat sat", max_tokens=7, temperature=0)
+    assert completion.choices[0].text == reference_text(model, "The cat sat", 7)
+    assert completion.usage.completion_tokens == 7 and completion.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                            stream=True)
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream]
+    assert "".join(pieces) == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0.7)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
