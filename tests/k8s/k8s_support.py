@@ -20,11 +20,13 @@ import sys
 import sysconfig
 import tarfile
 import time
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Callable
 
 import requests
+import urllib3
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = "v1.20.2"
@@ -156,8 +158,10 @@ class ControlPlane:
             if self.procs["apiserver"].poll() is not None:
                 raise RuntimeError(f"kube-apiserver exited; see {self.run_dir / 'apiserver.log'}")
             try:
-                reply = requests.get(f"{self.server}/readyz", verify=False, timeout=1,
-                                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+                with warnings.catch_warnings():  # the server's certificate is not made yet when it starts
+                    warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+                    reply = requests.get(f"{self.server}/readyz", verify=False, timeout=1,
+                                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
                 if reply.status_code == 200:
                     return
             except requests.RequestException:
