@@ -181,7 +181,7 @@ class ControlPlane:
             proc.wait()
 
     def restart_apiserver(self, down_s: float = 1.0) -> None:
-        self._stop("apiserver")
+        self._stop("apiserver", timeout=3.0)  # then SIGKILL: a crash is as good a test as a clean stop
         time.sleep(down_s)
         self.start_apiserver()
 

@@ -1,0 +1,85 @@
+"""Pure parts of the operator's shell: the Lease rule, where a host's /metrics is, the meters'
+parser on a real host's exposition, and `moeless operator`'s usage errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from prometheus_client import generate_latest
+
+from moeless.controller.operator.kube import metrics_url
+from moeless.controller.operator.leader import lease_step, micro_time, parse_micro_time
+from moeless.controller.operator.meters import parse_host_metrics
+from moeless.controller.operator.objects import host_command
+from moeless.controller.operator.spec import parse_spec
+
+T0 = 1_700_000_000.0
+
+
+def test_lease_taken_renewed_respected_and_taken_over_when_expired():
+    mine = lease_step(None, "a", T0, 15)
+    assert mine["holderIdentity"] == "a" and mine["leaseTransitions"] == 0
+    assert parse_micro_time(mine["renewTime"]) == T0
+    renewed = lease_step(mine, "a", T0 + 5, 15)
+    assert renewed["renewTime"] == micro_time(T0 + 5) and renewed["acquireTime"] == mine["acquireTime"]
+    assert lease_step(renewed, "b", T0 + 19, 15) is None  # a renewed 14 s ago: b follows
+    taken = lease_step(renewed, "b", T0 + 21, 15)  # expired: b takes it
+    assert taken["holderIdentity"] == "b" and taken["leaseTransitions"] == 1
+    released = dict(renewed, holderIdentity=None)
+    assert lease_step(released, "b", T0 + 6, 15)["holderIdentity"] == "b"  # released: at once
+
+
+def test_metrics_url_waits_for_ready_and_offsets_ports_on_the_node_network():
+    pod = {"metadata": {"name": "mix-hosts-3"},
+           "status": {"podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]}}
+    assert metrics_url(pod, 9400, host_network=False) == "http://10.0.0.7:9400/metrics"
+    assert metrics_url(pod, 9400, host_network=True) == "http://10.0.0.7:9403/metrics"
+    pending = {"metadata": {"name": "mix-hosts-0"}, "status": {"podIP": "10.0.0.8"}}
+    assert metrics_url(pending, 9400, host_network=False) is None
+
+
+def test_host_command_matches_the_expert_host_flags():
+    spec = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "memoryGiBPerHost": 1},
+                       "serving": {"keepAliveSeconds": 90}})
+    argv = host_command(spec)
+    assert argv[:2] == ["moeless", "expert-host"]
+    from moeless.cli import build_parser
+
+    args = build_parser().parse_args(argv[1:])  # the real CLI accepts exactly this
+    assert (args.store, args.keep_alive_s, args.memory_gb, args.metrics_port) == ("/s", 90.0, 1.074, 9400)
+
+
+def test_meters_parser_reads_a_real_runtime_exposition(tmp_path):
+    """The exposition of expert_fn.metrics over a real runtime with two replicas computed."""
+    import torch
+
+    from moeless.expert_fn.metrics import registry_for
+    from moeless.expert_fn.runtime import ExpertHostRuntime
+    from moeless.model.weight_store import WeightStore, export_experts
+
+    gen = torch.Generator().manual_seed(0)
+    weights = lambda: {"gate": torch.randn(8, 16, generator=gen), "up": torch.randn(8, 16, generator=gen),
+                       "down": torch.randn(16, 8, generator=gen)}
+    export_experts(((0, e, weights()) for e in range(2)), tmp_path, model="random", num_layers=1, num_experts=2,
+                   act="silu")
+    runtime = ExpertHostRuntime(WeightStore.open(tmp_path), device="cpu", capacity_bytes=10**6, keep_alive_s=60)
+    try:
+        runtime.invoke(0, {0: torch.randn(3, 16), 1: torch.randn(5, 16)})
+        meters = parse_host_metrics(generate_latest(registry_for(runtime)).decode())
+        status = runtime.status()
+    finally:
+        runtime.close()
+    assert meters.cold_starts == status["meters"]["cold_starts"] == 2 and meters.tokens == 8
+    assert meters.gb_seconds > 0 and meters.bytes_held == status["meters"]["bytes_held"] > 0
+    assert sorted((r.layer, r.expert, r.tokens) for r in meters.replicas) == [(0, 0, 3), (0, 1, 5)]
+
+
+def test_operator_usage_errors_are_one_line_and_exit_2(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "moeless", "operator", "--kubeconfig", str(tmp_path / "none")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "--kubeconfig" in result.stderr
+    help_text = subprocess.run([sys.executable, "-m", "moeless", "operator", "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+    assert "ExpertAutoscalingPolicy" in help_text and "--resync-s" in help_text
