@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+DATASETS = {"sharegpt": "ShareGPT test", "humaneval": "HumanEval"}  # the default model's prompt sources
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -37,13 +39,18 @@ def model_facts(model) -> ModelFacts:
     return ModelFacts(int(hidden), int(ffn), 4 * max(total - experts, 0))
 
 
-def requests_from(source: str, requests: int, new_tokens: int, distances: Sequence[int]) -> tuple[list, list | None, ModelFacts, str]:
-    """(per-request loads, their forecasts or None, the model's facts, a line saying where they came from)."""
+def requests_from(source: str, requests: int, new_tokens: int, distances: Sequence[int],
+                  dataset: str = "sharegpt") -> tuple[list, list | None, ModelFacts, str]:
+    """(per-request loads, their forecasts or None, the model's facts, a line saying where they came from).
+
+    dataset: the default model's prompts, "sharegpt" (its test split) or "humaneval" (code)."""
     from moeless.controller import forecasts as fc
     from moeless.paths import cache_dir
 
     if requests <= 0 or new_tokens < 0:
         raise ValueError(f"need requests > 0 and new_tokens >= 0, got {requests}, {new_tokens}")
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown prompt dataset {dataset!r}; use one of {', '.join(DATASETS)}")
     if source == "tiny":
         from moeless.model.tiny import tiny_model
         from moeless.predictor.gate_replica import all_pairs, gate_reuse
@@ -57,19 +64,21 @@ def requests_from(source: str, requests: int, new_tokens: int, distances: Sequen
         note = f"tiny random moeless-sliced model, {requests} random-token prompts, untrained gate copies (wiring check, not real loads)"
         return loads, forecasts, model_facts(model), note
     if source == "default":
-        from moeless.model.datasets import sharegpt_prompts
+        from moeless.model.datasets import humaneval_prompts, sharegpt_prompts
         from moeless.model.default import BuildConfig, default_model, model_path
 
         model = default_model()
         predictor, path = gate_replicas(model, distances)
         tag = hashlib.sha256(path.read_bytes()).hexdigest()[:8]
         ds = "".join(map(str, sorted(set(distances))))
-        cached = cache_dir() / f"planner-forecasts-{model_path(BuildConfig()).name}-p{tag}-n{requests}-t{new_tokens}-d{ds}.npz"
+        named = "" if dataset == "sharegpt" else f"-{dataset}"
+        cached = cache_dir() / f"planner-forecasts-{model_path(BuildConfig()).name}-p{tag}{named}-n{requests}-t{new_tokens}-d{ds}.npz"
         if not cached.is_file():
-            loads, forecasts = fc.trace_with_forecasts(model, predictor, sharegpt_prompts(requests, split="test"), new_tokens, distances)
+            prompts = sharegpt_prompts(requests, split="test") if dataset == "sharegpt" else humaneval_prompts(requests)
+            loads, forecasts = fc.trace_with_forecasts(model, predictor, prompts, new_tokens, distances)
             fc.save(cached, loads, forecasts)
         loads, forecasts = fc.load(cached)
-        note = (f"default model on {requests} ShareGPT test prompts, {new_tokens} decode tokens; gate-replica predictor "
+        note = (f"default model on {len(loads)} {DATASETS[dataset]} prompts, {new_tokens} decode tokens; gate-replica predictor "
                 f"{path.name} (trained on the train split) ({cached})")
         return loads, forecasts, model_facts(model), note
     path = Path(source)
