@@ -105,15 +105,19 @@ class Kube:
         return Observed(objects=objects, pods=pods, meters=meters, serving_ready=serving)
 
     # -- writes -------------------------------------------------------------------------------
-    def apply(self, namespace: str, policy: dict | None, actions: list[Action], now: float) -> None:
+    def apply(self, namespace: str, policy: dict | None, actions: list[Action], now: float) -> list[tuple[Action, int]]:
+        """Apply actions in order; returns those refused with 404 (gone) or 409 (exists, or changed since
+        read: a resourceVersion conflict), which the next pass redoes from what is there."""
+        refused = []
         for action in actions:
             try:
                 self._apply(namespace, policy, action, now)
             except ApiException as err:
-                if err.status in (404, 409):  # gone, exists, or changed since read: the next pass sees it
-                    log.info("%s in %s: %s (next pass retries)", type(action).__name__, namespace, err.reason)
-                    continue
-                raise
+                if err.status not in (404, 409):
+                    raise
+                log.info("%s in %s: %s %s (next pass retries)", type(action).__name__, namespace, err.status, err.reason)
+                refused.append((action, err.status))
+        return refused
 
     def _apply(self, namespace: str, policy: dict | None, action: Action, now: float) -> None:
         if isinstance(action, Create):

@@ -66,10 +66,10 @@ class Operator:
                 observed = self.kube.observe(namespace, name, policy)
                 now = self.clock()
                 actions = reconcile(name, policy, observed, now)
-                self.kube.apply(namespace, policy, actions, now)
+                refused = self.kube.apply(namespace, policy, actions, now)
                 for action in actions:
                     log.debug("%s/%s: %s", namespace, name, action)
-                self.metrics.reconciles.labels("ok").inc()
+                self.metrics.reconciles.labels("conflict" if refused else "ok").inc()
             except (ApiException, *UNREACHABLE) as err:
                 failed += 1
                 self.metrics.reconciles.labels("error").inc()

@@ -14,6 +14,7 @@ import base64
 import copy
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +23,8 @@ import torch
 import yaml
 from kubernetes import client, config
 
+from moeless.controller.operator.kube import Kube
+from moeless.controller.operator.reconcile import UpdateStatus, reconcile
 from moeless.controller.operator.spec import GIB
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
@@ -206,6 +209,21 @@ def test_api_server_restart_and_conflicting_writes_lose_no_policy_change(cluster
     assert proc.poll() is None
     beat = metric(port, "moeless_operator_heartbeat_timestamp_seconds")
     wait_for(lambda: metric(port, "moeless_operator_heartbeat_timestamp_seconds") > beat, what="a later heartbeat")
+
+
+def test_a_stale_write_is_refused_and_the_change_still_lands(kubectl, api, operators):
+    """A pass that read the policy before a user's change: its status write is refused (409), and the
+    change is not lost: the next pass, from a fresh read, acts on it."""
+    kube = Kube(api)
+    stale = next(p for p in kube.list_policies(NS) if p["metadata"]["name"] == "mix")
+    kubectl("patch", "eap", "mix", "-n", NS, "--type=merge", "-p", '{"spec": {"serving": {"keepAliveSeconds": 77}}}')
+    actions = reconcile("mix", stale, kube.observe(NS, "mix", stale), time.time())
+    refused = kube.apply(NS, stale, actions, time.time())
+    assert [(type(a), code) for a, code in refused] == [(UpdateStatus, 409)]
+    want = eap(kubectl)["metadata"]["generation"]
+    wait_for(lambda: "keepAliveSeconds: 77" in kubectl.json("get", "configmap", "mix-serving", "-n", NS)["data"]["config.yaml"],
+             what="the change acted on")
+    wait_for(lambda: eap(kubectl)["status"]["observedGeneration"] == want, what="observedGeneration")
 
 
 def test_a_standby_operator_takes_over_when_the_leader_stops(kubectl, operators, operator_kubeconfig):
