@@ -213,13 +213,15 @@ def _meter(spec: PolicySpec, policy: dict, status: dict, observed: Observed, now
         cold += int(increase(m.cold_starts, before, "coldStarts", uid))
         new_tokens += int(increase(m.tokens, before, "tokens", uid)) + m.inflight
         readings[pod] = {"uid": uid, "gbSeconds": m.gb_seconds, "coldStarts": m.cold_starts, "tokens": m.tokens}
-    # Pods gone since the last reading: forget them (their last interval is not billed).
+    # Non-expert weights: the serving app's ready replicas since the last pass.
     metered_at = seconds(status.get("meterTime"))
     if metered_at is not None and observed.serving_ready and spec.non_expert_gib_per_replica:
         cost["nonExpertGBSeconds"] += observed.serving_ready * spec.non_expert_gib_per_replica * GIB / 1e9 * (now - metered_at)
     cost = {k: round(v, 9) for k, v in cost.items()}
     wake = (policy["metadata"].get("annotations") or {}).get(obj.WAKE_ANNOTATION)
     woken = bool(wake) and wake != status.get("wokenBy")
+    # Pods gone since the last reading are forgotten (their last interval is not billed); pods not read
+    # this pass keep their last reading, so nothing is counted twice when they answer again.
     status.update(meters={**{p: v for p, v in last.items() if p in uids and p not in readings}, **readings},
                   cost=cost, coldStarts=cold, meterTime=rfc3339(now))
     if woken:

@@ -35,15 +35,15 @@ class Cluster:
     def __init__(self, pol: dict | None) -> None:
         self.policy, self.objects, self.events = pol, {}, []
 
-    def observe(self, meters: dict[str, HostMeters] | None = None) -> Observed:
+    def observe(self, meters: dict[str, HostMeters] | None = None, serving_ready: int | None = None) -> Observed:
         sts = self.objects.get(("StatefulSet", f"{NAME}-hosts"))
         n = sts["spec"]["replicas"] if sts else 0
         pods = [{"metadata": {"name": f"{NAME}-hosts-{i}", "uid": f"pod-{i}"},
                  "status": {"conditions": [{"type": "Ready", "status": "True"}]}} for i in range(n)]
-        return Observed(objects=copy.deepcopy(self.objects), pods=pods, meters=meters or {})
+        return Observed(objects=copy.deepcopy(self.objects), pods=pods, meters=meters or {}, serving_ready=serving_ready)
 
-    def step(self, now: float, meters: dict[str, HostMeters] | None = None) -> list:
-        actions = reconcile(NAME, copy.deepcopy(self.policy), self.observe(meters), now)
+    def step(self, now: float, meters: dict[str, HostMeters] | None = None, serving_ready: int | None = None) -> list:
+        actions = reconcile(NAME, copy.deepcopy(self.policy), self.observe(meters, serving_ready), now)
         for a in actions:
             if isinstance(a, Create):
                 self.objects[(a.obj["kind"], a.obj["metadata"]["name"])] = copy.deepcopy(a.obj)
@@ -240,3 +240,12 @@ def test_layer_cv_and_replicas_in_status():
     assert status["layerCV"] == {"p50": 0.25, "p95": 0.475}  # CVs 0.5 and 0.0
     placement = cluster.objects[("ConfigMap", "mix-placement")]["data"]["resident.json"]
     assert '"replicas": 4' in placement and status["lastPlanTime"]
+
+
+def test_non_expert_cost_bills_ready_serving_replicas_over_time():
+    cluster = Cluster(policy(nonExpert={"deployment": "serve", "memoryGiBPerReplica": 0.5}))
+    cluster.step(T0, serving_ready=2)  # the first pass starts the clock
+    cluster.step(T0 + 10, serving_ready=2)
+    cluster.step(T0 + 15, serving_ready=0)
+    # 2 replicas x 0.5 GiB (0.537 GB) x 10 s; nothing while none is ready.
+    assert cluster.policy["status"]["cost"]["nonExpertGBSeconds"] == pytest.approx(2 * 0.5 * GIB / 1e9 * 10)
