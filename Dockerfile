@@ -4,8 +4,9 @@
 #
 #   docker build -t moeless:0.1.0 .                                   # CPU torch (the pinned wheel)
 #   docker build -t moeless:0.1.0 --build-arg EXTRAS='[gpu]' .        # + NVML for GPU clusters
-#   docker build -t moeless:0.1.0 --build-arg BASE=local/debian-py311 .   # no registry: see docs/kubernetes.md
 #
+# Where no registry is reachable (this project's machines), scripts/k8s_node_e2e.py makes an image
+# from the machine's own Python, venv and sources instead (docs/kubernetes.md, the real-node tier).
 # GPU clusters need a CUDA build of torch==2.13.0 in the image (pip resolves the pin to CUDA on PyPI).
 ARG BASE=python:3.11-slim-bookworm
 FROM ${BASE}
