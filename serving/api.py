@@ -207,8 +207,10 @@ def completion_body(req: GenerationRequest, rid: str, text: str, finish: str, pr
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chunk_body(req: GenerationRequest, rid: str, text: str, finish: str | None) -> dict[str, Any]:
-    """One streamed event: a piece of text (finish None) or the last event (text "", finish set)."""
+def chunk_body(req: GenerationRequest, rid: str, text: str, finish: str | None,
+               usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """One streamed event: a piece of text (finish None) or the last event (text "", finish set,
+    with the request's usage, as OpenAI sends it with stream_options.include_usage)."""
     if req.is_chat:
         delta = {"content": text} if text or finish is None else {}
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
@@ -216,7 +218,10 @@ def chunk_body(req: GenerationRequest, rid: str, text: str, finish: str | None) 
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         kind = "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice]}
+    body = {"id": rid, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
 
 
 def sse(doc: dict[str, Any] | str) -> str:

@@ -319,7 +319,8 @@ class Ingress:
                 yield api.sse(api.chunk_body(req, rid, event["text"], None))
             if "finish" in event:
                 tokens = event["completion_tokens"]
-                yield api.sse(api.chunk_body(req, rid, "", event["finish"]))
+                yield api.sse(api.chunk_body(req, rid, "", event["finish"],
+                                             api.usage(event["prompt_tokens"], tokens)))
                 break
         yield api.sse("[DONE]")
         self._count(route, status, start, tokens)

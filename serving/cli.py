@@ -51,6 +51,35 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     add_bench_flags(bench)
     bench.set_defaults(func=_bench)
 
+    load = benches.add_parser(
+        "load", help="static vs continuous batching: N concurrent clients on ShareGPT prompts over HTTP (loopback)",
+        description="Deploy the app on local expert hosts once per batching mode (static, batches of 8; static, "
+                    "batches as wide as continuous batching's row cap; continuous) and send the same requests from N "
+                    "concurrent clients; print throughput, TTFT and time per output token p50/p99 and the ratios.",
+    )
+    load.add_argument("--model", default="default", help=MODEL_HELP)
+    load.add_argument("--hosts", type=_positive, default=2, help="expert-host processes (default 2)")
+    load.add_argument("--clients", type=_counts, help="concurrent client counts, comma-separated (default 32,48; 8 with --quick)")
+    load.add_argument("--requests-per-client", type=_positive, default=1, help="requests each client sends in turn (default 1)")
+    load.add_argument("--max-tokens", type=_positive, help="tokens per request (default 16; 8 with --quick)")
+    load.add_argument("--prompt-tokens", type=_positive, default=64, help="ShareGPT prompts cut to this many tokens (default 64)")
+    load.add_argument("--modes", type=_modes, help="batching modes, comma-separated (default static-8,static-wide,continuous; "
+                                                   "static-8,continuous with --quick)")
+    add_bench_flags(load)
+    load.set_defaults(func=_bench_load)
+
+    transport = benches.add_parser(
+        "transport", help="one expert call over the shared-memory local channel, gRPC and (--ray) Ray compiled "
+                          "graphs, against the same call in-process",
+        description="Time packed expert calls of decode and prefill size on one local expert host over each "
+                    "transport; print medians and ratios to the in-process call.",
+    )
+    transport.add_argument("--model", default="default", help=MODEL_HELP)
+    transport.add_argument("--repeats", type=_positive, help="calls per transport and size (default 200; 50 with --quick)")
+    transport.add_argument("--ray", action="store_true", help="also time a Ray compiled graph (starts local Ray)")
+    add_bench_flags(transport)
+    transport.set_defaults(func=_bench_transport)
+
 
 def _positive(text: str) -> int:
     value = _integer(text)
@@ -81,6 +110,48 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
+
+
+def _counts(text: str) -> list[int]:
+    values = [_positive(part) for part in text.split(",") if part]
+    if not values:
+        raise argparse.ArgumentTypeError("expected client counts like 32,48")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    from moeless.serving.bench_load import MODES
+
+    modes = [m for m in text.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; use some of {','.join(MODES)}")
+    return modes
+
+
+def _bench_load(args: argparse.Namespace) -> int:
+    from moeless.serving.bench_load import MODES, print_report, run_load_bench
+
+    result = run_load_bench(args.model, hosts=args.hosts, clients=args.clients or ([8] if args.quick else [32, 48]),
+                            requests_per_client=args.requests_per_client,
+                            max_tokens=args.max_tokens or (8 if args.quick else 16), prompt_tokens=args.prompt_tokens,
+                            modes=args.modes or (["static-8", "continuous"] if args.quick else list(MODES)))
+    print_report(result)
+    path = write_result(args.out, "load", result)
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
+def _bench_transport(args: argparse.Namespace) -> int:
+    from moeless.serving.bench_transport import print_report, run_transport_bench
+
+    result = run_transport_bench(args.model, repeats=args.repeats or (50 if args.quick else 200), ray_graph=args.ray)
+    print_report(result)
+    path = write_result(args.out, "transport", result)
+    if path:
+        print(f"wrote {path}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -46,3 +46,25 @@ def test_cli_help(argv, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(argv)
     assert info.value.code == 0 and "--model" in capsys.readouterr().out
+
+
+def test_bench_load_compares_static_and_continuous_batching_on_the_same_requests(tmp_path):
+    """The CLI in its own process (it starts its own Ray): JSON with both modes, same texts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MOELESS_CACHE=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-m", "moeless", "bench", "load", "--model", "tiny:mixtral", "--clients", "3",
+                          "--max-tokens", "4", "--prompt-tokens", "8", "--modes", "static-8,continuous",
+                          "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    doc = json.loads((tmp_path / "load.json").read_text())
+    assert doc["identical_outputs"] is True and set(doc["modes"]) == {"static-8", "continuous"}
+    for mode in doc["modes"].values():
+        row = mode["3"]
+        assert row["succeeded"] == 3 and row["completion_tokens"] == 12 and row["ttft_s"]["p99"] > 0
+        assert len(row["outcomes"]) == 3
+    assert doc["continuous_vs_static"]["3"]["static-8"]["throughput"] > 0
+    assert "continuous, N=3: vs static-8" in run.stdout

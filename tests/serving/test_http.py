@@ -138,3 +138,22 @@ def test_the_official_openai_client_gets_the_reference_completion_chat_and_strea
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0.7)
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+
+
+def test_load_generator_measures_each_request_of_a_replay_and_of_closed_loop_clients(url, tiny_store, reference_text):
+    from moeless.serving.loadgen import closed_loop, replay, summarize
+
+    model, _ = tiny_store
+    prompts = [f"load {i}" for i in range(6)]
+    outcomes = replay(url, MODEL, prompts, [0.0, 0.0, 0.1, 0.2, 0.2, 0.4], [3, 5, 4, 6, 2, 3])
+    assert [o.text for o in outcomes] == [reference_text(model, p, n) for p, n in zip(prompts, [3, 5, 4, 6, 2, 3])]
+    assert [o.completion_tokens for o in outcomes] == [3, 5, 4, 6, 2, 3] and outcomes[3].arrival_s == 0.2
+    for o in outcomes:
+        assert o.error is None and o.status == 200 and 0 < o.ttft_s <= o.end_s - o.arrival_s and o.tpot_s >= 0
+    looped = closed_loop(url, MODEL, prompts, clients=2, max_tokens=4)
+    assert [o.index for o in looped] == list(range(6))
+    assert [o.text for o in looped] == [reference_text(model, p, 4) for p in prompts]
+    figures = summarize(looped + [replay(url, "no-such-model", ["x"], [0.0], 2)[0]])
+    assert figures["succeeded"] == 6 and figures["failed"] == 1 and "not served here" in figures["errors"][0]
+    assert figures["completion_tokens"] == 24 and figures["tokens_per_s"] > 0
+    assert 0 < figures["ttft_s"]["p50"] <= figures["ttft_s"]["p99"]
