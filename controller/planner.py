@@ -11,7 +11,8 @@ gain beats its cold start and memory) | paper | static | eplb | eplb-global | ep
 and ablations moeless-no-scaler (one replica per expert), moeless-no-placer (moeless's counts
 placed round-robin), moeless-cold (ignores what is resident), moeless-free-memory (memory unpriced),
 moeless-fill (re-plans every iteration by the lowest per-GPU work level: the previous default),
-moeless-greedy (the straggler scaler then the priced placer), paper-no-scaler, paper-no-placer.
+moeless-greedy (the straggler scaler then the priced placer), paper-no-scaler, paper-no-placer, and
+both parts off together: moeless-no-scaler-no-placer, paper-no-scaler-no-placer.
 """
 
 from __future__ import annotations
@@ -292,6 +293,7 @@ PLANNERS: dict[str, PlanFn] = {
     "oracle": plan_static,
     "moeless-no-scaler": _resident(additions=False),
     "moeless-no-placer": _resident(placer="off"),
+    "moeless-no-scaler-no-placer": _resident(additions=False, placer="off"),
     "moeless-cold": _resident(warm=False),
     "moeless-free-memory": _resident(price_memory=False),
     "moeless-fill": _filled(),
@@ -300,6 +302,7 @@ PLANNERS: dict[str, PlanFn] = {
     "moeless-greedy": _layered("straggler", "priced"),
     "paper-no-scaler": _layered("off", "warm"),
     "paper-no-placer": _layered("cv", "off"),
+    "paper-no-scaler-no-placer": _layered("off", "off"),
 }
 
 
