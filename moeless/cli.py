@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "moeless.controller.operator.cli",
     "moeless.expert_fn.cli",
     "moeless.serving.cli",
+    "moeless.evaluation.cli",
 )
 
 

@@ -1,0 +1,173 @@
+"""`moeless eval` (the paper's evaluation as one command, one run directory) and `moeless report RUN_DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+QUICK = dict(model="tiny", requests=40, prompt_count=6, new_tokens=8, max_iterations=300, cv=("0.2", "0.6", "1.0"))
+DEFAULT_WORKLOAD = "conversation=azure-conv:sharegpt"
+
+
+def register(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
+    """Add `moeless eval` and `moeless report`."""
+    from moeless.evaluation.arrivals import DEFAULT_CV, DEFAULT_RATE, NAMED_TRACES
+    from moeless.knobs import add_knob_flags
+
+    p = commands.add_parser(
+        "eval",
+        help="the paper's evaluation: replay real prompts and arrivals through every planner, ablations, sweeps, "
+             "GB·s costs; one run directory and its report",
+        description=(
+            "Traces real prompts through the model (routing and the gate-replica predictor's forecasts at every "
+            "distance; cached), batches them by a real arrival trace, then replays moeless, the paper's planner, "
+            "static EP, EPLB and the Oracle through the digital twin with a measured cost profile: MoE-layer time "
+            "under both execution models (serial, paper), GB·s under both billing models (resident, per-layer), cold "
+            "starts after prefetch, prefill and decode apart; the ablations and the distance and CV-threshold sweeps. "
+            "Writes RUN_DIR/run.json and the report (markdown, JSON, CSV, PNG); `moeless report RUN_DIR` re-renders it."),
+    )
+    p.add_argument("--workload", action="append", metavar="[NAME=]TRACE[:PROMPTS]",
+                   help=f"a workload (repeatable): TRACE is an Azure CSV or Mooncake JSONL file, one of {', '.join(NAMED_TRACES)} "
+                        "(from $MOELESS_TRACES or ../shared/data/traces; the generated process when missing) or 'generated'; "
+                        f"PROMPTS sharegpt (test split, default) or humaneval (default {DEFAULT_WORKLOAD})")
+    p.add_argument("--model", choices=("default", "tiny"), default=None,
+                   help="'default' (the default MoE model) or 'tiny' (a tiny random model: wiring only); default: default, tiny with --quick")
+    p.add_argument("--requests", type=int, default=None, help="arrivals replayed per workload (the cap; default 400, 40 with --quick)")
+    p.add_argument("--prompt-count", type=int, default=None,
+                   help="distinct prompts traced per workload; arrival i replays prompt i mod this (default 96, 6 with --quick)")
+    p.add_argument("--new-tokens", type=int, default=None, help="decode tokens traced per prompt (default 32, 8 with --quick)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="arrival times x this (0.5: twice the rate; default 1)")
+    p.add_argument("--rate", type=float, default=DEFAULT_RATE,
+                   help=f"generated process: requests per second (default {DEFAULT_RATE:.2f}, the Azure conversation trace's)")
+    p.add_argument("--burstiness", type=float, default=DEFAULT_CV,
+                   help=f"generated process: coefficient of variation of inter-arrival gaps, 1 = Poisson (default {DEFAULT_CV}, "
+                        "the Azure conversation trace's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated process (default 0)")
+    p.add_argument("--batching", nargs="+", choices=("continuous", "second"), default=["continuous", "second"],
+                   help="batching models, the first one also for ablations and sweeps: iteration-level 'continuous' and the "
+                        "paper's 'second' (requests arriving within each second form one batch) (default both)")
+    p.add_argument("--step-ms", type=float, default=50.0, help="wall time of one serving iteration (default 50)")
+    p.add_argument("--max-batch", type=int, default=32, help="most requests in a batch (default 32)")
+    p.add_argument("--max-iterations", type=int, default=None, help="iterations replayed at most (default 4000, 300 with --quick)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs (expert hosts) of the replayed cluster (default 8)")
+    p.add_argument("--tier", choices=("host", "disk"), default="host", help="where cold starts load from (default host)")
+    p.add_argument("--profile", metavar="JSON",
+                   help="a measured cost profile (cost-profile.json or a `moeless bench planner --out` JSON; a GPU profile "
+                        "works the same); default: measured now on this machine")
+    p.add_argument("--ablate", nargs="+", default=["all"], metavar="PARTS",
+                   help="ablations: predictor, scaler, placer, combinations like scaler,placer, 'all' (every combination; "
+                        "default) or 'none'")
+    p.add_argument("--sweep-distances", nargs="+", default=None, metavar="D",
+                   help="prediction distances swept (default 1 2 3 4 5; 'none' skips)")
+    p.add_argument("--sweep-cv", nargs="+", default=None, metavar="V",
+                   help="CV thresholds swept with the paper's planner (default 0.2 0.4 0.6 0.8 1.0; 'none' skips)")
+    add_knob_flags(p)
+    p.add_argument("--out", metavar="DIR", default="moeless-eval", help="the run directory (default ./moeless-eval)")
+    p.add_argument("--markdown", metavar="FILE", help="also write the report's markdown here (links relative to it)")
+    p.add_argument("--quick", action="store_true", help="a small run (tiny model, few requests) in under a minute")
+    p.set_defaults(func=eval_command)
+
+    r = commands.add_parser("report", help="render a `moeless eval` run directory: markdown, JSON, CSV and PNG plots",
+                            description="Renders RUN_DIR/run.json into RUN_DIR/report.md, report.json, *.csv and *.png; the "
+                                        "same run directory always renders to the same bytes.")
+    r.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `moeless eval`")
+    r.add_argument("--markdown", metavar="FILE", help="also write the report's markdown here (links relative to it)")
+    r.set_defaults(func=report_command)
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"moeless {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def _config(args: argparse.Namespace):
+    """EvalConfig from the flags (quick defaults filled in); raises the errors eval_command reports."""
+    from dataclasses import replace
+
+    from moeless.evaluation.evaluate import EvalConfig
+    from moeless.evaluation.runs import CV_THRESHOLDS, DISTANCES, parse_ablations
+    from moeless.evaluation.workload import Sizes, WorkloadError, parse_workload
+    from moeless.knobs import knobs_from_args
+
+    quick = args.quick
+    knobs = knobs_from_args(args)
+    if quick and args.knob_distance is None:
+        knobs = replace(knobs, distance=1)  # the tiny model has two layers
+    ints = {"--requests": args.requests, "--prompt-count": args.prompt_count, "--new-tokens": args.new_tokens,
+            "--max-batch": args.max_batch, "--max-iterations": args.max_iterations, "--gpus": args.gpus}
+    bad = [flag for flag, value in ints.items() if value is not None and value <= 0]
+    if bad or not (args.time_scale > 0 and args.rate > 0 and args.burstiness > 0 and args.step_ms > 0):
+        raise WorkloadError(f"{bad[0] if bad else '--time-scale, --rate, --burstiness and --step-ms'} must be positive")
+    sizes = Sizes(requests=args.requests or (QUICK["requests"] if quick else 400),
+                  prompts=args.prompt_count or (QUICK["prompt_count"] if quick else 96),
+                  new_tokens=args.new_tokens or (QUICK["new_tokens"] if quick else 32), time_scale=args.time_scale,
+                  step_s=args.step_ms / 1e3, max_batch=args.max_batch,
+                  max_iterations=args.max_iterations or (QUICK["max_iterations"] if quick else 4000),
+                  rate=args.rate, cv=args.burstiness, seed=args.seed)
+    workloads = tuple(parse_workload(w) for w in (args.workload or [DEFAULT_WORKLOAD]))
+    names = [w.name for w in workloads]
+    if len(set(names)) < len(names):
+        raise WorkloadError(f"--workload: two workloads named {next(n for n in names if names.count(n) > 1)!r}; name them NAME=TRACE")
+    return EvalConfig(
+        workloads=workloads, knobs=knobs, sizes=sizes, model=args.model or (QUICK["model"] if quick else "default"),
+        batchings=tuple(dict.fromkeys(args.batching)), gpus=args.gpus, tier=args.tier, profile=args.profile,
+        ablations=tuple(parse_ablations(args.ablate)),
+        distances=tuple(_sweep(args.sweep_distances, int, "--sweep-distances", DISTANCES)),
+        cv_thresholds=tuple(_sweep(args.sweep_cv or (QUICK["cv"] if quick else None), float, "--sweep-cv", CV_THRESHOLDS)),
+        quick=quick,
+    )
+
+
+def _sweep(values, kind, flag: str, default) -> list:
+    from moeless.evaluation.workload import WorkloadError
+
+    if values is None:
+        return list(default)
+    if values == ["none"]:
+        return []
+    try:
+        out = sorted({kind(v) for v in values})
+    except ValueError:
+        raise WorkloadError(f"{flag}: expected numbers (or 'none'), got {' '.join(values)}") from None
+    if out[0] <= 0:
+        raise WorkloadError(f"{flag}: values must be positive, got {out[0]}")
+    return out
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from moeless.evaluation.evaluate import evaluate
+    from moeless.evaluation.report import render
+
+    try:
+        config = _config(args)
+        evaluate(config, args.out)
+    except _errors() as err:
+        return _fail("eval", str(err))
+    paths = render(args.out, args.markdown)
+    print(f"wrote {args.out}/run.json and the report: " + ", ".join(str(p) for p in paths[:3]) + f" (+{len(paths) - 3} files)")
+    return 0
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from moeless.evaluation.report import render
+
+    try:
+        paths = render(args.run_dir, args.markdown)
+    except _errors() as err:
+        return _fail("report", str(err))
+    print(f"rendered {len(paths)} files into {args.run_dir}" + (f" and {args.markdown}" if args.markdown else ""))
+    return 0
+
+
+def _errors() -> tuple[type[Exception], ...]:
+    """The errors of bad input: each is one line saying what was wrong and what to do."""
+    from moeless.controller.profile import ProfileError
+    from moeless.evaluation.arrivals import TraceError
+    from moeless.evaluation.report import RunDirError
+    from moeless.evaluation.runs import CaseError
+    from moeless.evaluation.workload import WorkloadError
+    from moeless.knobs import KnobError
+    from moeless.model.datasets import DatasetError
+    from moeless.placement.cluster import ClusterError
+
+    return ProfileError, TraceError, RunDirError, CaseError, WorkloadError, KnobError, DatasetError, ClusterError
