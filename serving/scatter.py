@@ -72,16 +72,17 @@ def plan_scatter(idx: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
     """
     tokens, k = idx.shape
     num_experts = int(placement.expert.max()) + 1 if placement.num_replicas else 0
-    if idx.numel() and int(idx.max()) >= num_experts:
-        raise ValueError(f"the gate chose expert {int(idx.max())} but the placement has only {num_experts} experts")
+    choice = idx.numpy()  # numpy: a decode step's arrays are tiny, and torch's per-op cost would dominate
+    if choice.size and int(choice.max()) >= num_experts:
+        raise ValueError(f"the gate chose expert {int(choice.max())} but the placement has only {num_experts} experts")
     # 1. Every (token, slot) in expert-major order, tokens ascending within an expert (the order
     #    the reference walks them); each one's combine slot: its expert's rank within the token.
-    flat_idx = idx.reshape(-1)
-    order = torch.argsort(flat_idx, stable=True)
-    rank = torch.empty_like(idx)
-    rank.scatter_(1, torch.argsort(idx, dim=1), torch.arange(k).expand(tokens, k))
-    dest = (torch.arange(tokens).unsqueeze(1) * k + rank).reshape(-1)[order]
-    load = torch.bincount(flat_idx, minlength=num_experts).numpy()
+    flat_idx = choice.reshape(-1)
+    order = np.argsort(flat_idx, kind="stable")
+    rank = np.empty_like(choice)
+    np.put_along_axis(rank, np.argsort(choice, axis=1), np.arange(k)[None, :], axis=1)
+    dest = (np.arange(tokens)[:, None] * k + rank).reshape(-1)[order]
+    load = np.bincount(flat_idx, minlength=num_experts)
     first = np.concatenate([[0], np.cumsum(load)[:-1]])  # where each expert's rows start in `order`
     # 2. Whole token counts per replica from each replica's share; chunks of >= MIN_CHUNK rows.
     expert, gpu = placement.expert, placement.gpu
@@ -99,12 +100,10 @@ def plan_scatter(idx: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
     hosts = {}
     for h, by_expert in sorted(segments.items()):
         experts = sorted(by_expert)
-        spans = [span for e in experts for span in by_expert[e]]
-        positions = torch.cat([torch.arange(a, a + n) for a, n in spans]) if len(spans) > 1 else \
-            torch.arange(spans[0][0], spans[0][0] + spans[0][1])
+        positions = np.concatenate([np.arange(a, a + n) for e in experts for a, n in by_expert[e]])
         flat = order[positions]
-        hosts[h] = HostBatch(experts, [sum(n for _, n in by_expert[e]) for e in experts],
-                             torch.div(flat, k, rounding_mode="floor"), dest[positions], flat)
+        hosts[h] = HostBatch(experts, [sum(n for _, n in by_expert[e]) for e in experts], torch.from_numpy(flat // k),
+                             torch.from_numpy(dest[positions]), torch.from_numpy(flat))
     return ScatterPlan(tokens, k, hosts)
 
 

@@ -26,6 +26,9 @@ def test_admit_first_come_first_served_within_rows_and_token_budget():
         BatchLimits(max_running=0)
 
 
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "deepseek_v2", "deepseek_v3")
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.set_num_threads(1)
@@ -71,8 +74,11 @@ def _run(scheduler, arrivals, max_steps=500):
     raise AssertionError("requests did not finish")
 
 
-def test_greedy_outputs_under_continuous_batching_equal_sequential_ones(model):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_outputs_under_continuous_batching_equal_sequential_ones(arch):
     # small KV storage and few rows: rows join, leave, move, and the columns are re-laid out
+    torch.set_num_threads(1)
+    model = tiny_model(arch, 0)  # every architecture (DeepSeek's MLA keys and values differ in width)
     scheduler = Scheduler(Engine(model), BatchLimits(max_running=3, max_tokens_per_iteration=24, max_waiting=20))
     scheduler.slots = KVSlots(scheduler.slots.num_layers, 3, min_capacity=8)
     arrivals = {0: [("hello", 9), ("The cat sat on the mat", 4)], 1: [("a", 14)],
