@@ -1,8 +1,8 @@
 """`moeless report RUN_DIR`: RUN_DIR/run.json -> report.md, report.json, tables/*.csv, plots/*.png.
 
 A pure function of run.json (no clock, no machine facts), so re-rendering a run directory writes
-the same bytes. RUN_DIR/notes.md, when present (written by a person after the run), is included
-verbatim at the end.
+the same bytes. RUN_DIR/notes.md, when present (written by a person after reading the run), is
+included verbatim after the claims table as "Reading the results".
 """
 
 from __future__ import annotations
@@ -172,8 +172,8 @@ def _markdown(doc: dict, claims: t.Table, sections: list[str], notes: str | None
         "against the Oracle. The same comparisons here, under each model:\n",
         _md_table(claims),
     ]
-    tail = [f"## Notes\n\n{notes.strip()}\n"] if notes else []
-    return "\n".join([*head, *sections, *tail]).rstrip() + "\n"
+    reading = [f"## Reading the results\n\n{notes.strip()}\n"] if notes else []
+    return "\n".join([*head, *reading, *sections]).rstrip() + "\n"
 
 
 def _md_table(table: t.Table) -> str:
