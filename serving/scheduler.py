@@ -23,6 +23,7 @@ and lets running requests finish; `abort(message)` ends the rest with a 503 at t
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -33,6 +34,8 @@ from moeless.serving.api import ApiError, GenerationRequest
 from moeless.serving.codec import TextStream
 from moeless.serving.engine import Engine, error_event
 from moeless.serving.kv_slots import KVSlots
+
+log = logging.getLogger(__name__)
 
 Sink = Callable[[list[dict]], None]  # receives one iteration's events of one request
 
@@ -205,6 +208,17 @@ class Scheduler:
                                         "on another replica", code="shutting_down"))
             self._flush(r)
 
+    def reset(self, err: Exception) -> None:
+        """Fail every request (running and queued) with err and start over with empty KV rows:
+        what the loop does when a step fails outside a forward (a bug), instead of hanging them."""
+        with self._lock:
+            requests = list(self._running.values()) + list(self._waiting)
+            self._running, self._waiting = {}, deque()
+            self.slots = KVSlots(self.slots.num_layers, self.limits.max_running, self.slots.min_capacity)
+        for r in requests:
+            self._fail(r, err)
+            self._flush(r)
+
     def abort(self, message: str) -> None:
         """End every running request with a 503 saying `message`, at the next step."""
         with self._lock:
@@ -282,4 +296,8 @@ class SchedulerLoop:
         torch.set_num_threads(self.threads)  # OpenMP's thread count is per thread
         while not self._stop.is_set():
             if self.scheduler.wait_for_work(0.2):
-                self.scheduler.step()
+                try:
+                    self.scheduler.step()
+                except Exception as err:  # never leave clients waiting on a dead loop
+                    log.exception("scheduler step failed; failing the requests in flight")
+                    self.scheduler.reset(err)

@@ -3,6 +3,7 @@ decoding whatever joins and leaves; caps, queue bound, cancel, drain and abort."
 
 import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -164,3 +165,24 @@ def test_loop_thread_serves_concurrent_submitters(model):
             events += inbox.get(timeout=30)
         assert "".join(e.get("text", "") for e in events) == _reference(model, prompt, n)
     loop.stop()
+
+
+def test_a_failing_step_fails_its_requests_instead_of_hanging_them(model):
+    from moeless.serving.scheduler import SchedulerLoop
+
+    scheduler = Scheduler(Engine(model), BatchLimits(max_running=2))
+    client = _Client()
+    scheduler.submit(GenerationRequest("m", 30, False, prompt="doomed"), client)
+    scheduler.step()
+    def bug():
+        raise RuntimeError("a bug outside any forward")
+
+    scheduler._drop_cancelled = bug  # the next step raises before any forward
+    loop = SchedulerLoop(scheduler)
+    deadline = time.monotonic() + 10
+    while not client.done:
+        assert time.monotonic() < deadline, "the request hung"
+        time.sleep(0.01)
+    loop.stop()
+    assert client.events[-1]["error"]["status"] == 500 and "a bug outside any forward" in client.events[-1]["error"]["message"]
+    assert len(scheduler.slots) == 0
