@@ -22,7 +22,7 @@ MODES = ("static-8", "static-wide", "continuous")
 
 def run_load_bench(model: str = "default", *, hosts: int = 2, clients: Sequence[int] = (32, 48),
                    requests_per_client: int = 1, max_tokens: int = 16, prompt_tokens: int = 64,
-                   modes: Sequence[str] = MODES, max_running: int = 32, max_tokens_per_iteration: int = 512,
+                   modes: Sequence[str] = MODES, max_running: int = 64, max_tokens_per_iteration: int = 512,
                    timeout_s: float = 900.0) -> dict[str, Any]:
     """Measure each mode on the same requests (see the module docstring); returns the figures."""
     import ray

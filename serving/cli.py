@@ -23,8 +23,8 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     serve.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                        help="continuous: a request joins the running batch at the next iteration and leaves when it "
                             "ends (default); static: a batch decodes to its longest request (the old baseline)")
-    serve.add_argument("--max-running", type=_positive, default=32,
-                       help="continuous batching: requests decoding together (default 32)")
+    serve.add_argument("--max-running", type=_positive, default=64,
+                       help="continuous batching: requests decoding together (default 64)")
     serve.add_argument("--max-tokens-per-iteration", type=_positive, default=512,
                        help="continuous batching: newcomers' prompt tokens + running requests per iteration (default 512)")
     serve.add_argument("--max-waiting", type=_non_negative, default=256,

@@ -44,7 +44,7 @@ Sink = Callable[[list[dict]], None]  # receives one iteration's events of one re
 class BatchLimits:
     """The caps of continuous batching (a ModelServer replica's)."""
 
-    max_running: int = 32  # requests decoding together (KV rows)
+    max_running: int = 64  # requests decoding together (KV rows)
     max_tokens_per_iteration: int = 512  # newcomers' prompt tokens + one per running request
     max_waiting: int = 256  # queued requests; more are refused with a 429
 
