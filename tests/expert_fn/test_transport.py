@@ -136,7 +136,7 @@ def test_a_host_exits_when_its_parent_dies(store, tmp_path):
     host_pid = int(launcher.stdout.readline())
     launcher.kill()
     launcher.wait()
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 30.0  # it checks every 0.5 s, then drains (slow on a loaded machine)
     while _running(host_pid):
         assert time.monotonic() < deadline, "the host outlived its launcher"
         time.sleep(0.1)
