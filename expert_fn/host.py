@@ -57,6 +57,7 @@ def serve(args: argparse.Namespace) -> int:
     from moeless.expert_fn.servicer import ExpertHostServicer
     from moeless.model.weight_store import WeightStore, WeightStoreError
 
+    parent = os.getppid()  # before the ready line: the launcher is alive until it has read it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
     if hasattr(os, "SCHED_BATCH"):
@@ -98,7 +99,6 @@ def serve(args: argparse.Namespace) -> int:
     print(json.dumps(ready), flush=True)
     log.info("serving %s on %s:%d (%s, %.2f GB for replicas, keep-alive %.1f s)",
              args.store, args.bind, port, device.name, capacity / 1e9, args.keep_alive_s)
-    parent = os.getppid()
     while not stop.wait(0.5):
         if args.exit_with_parent and os.getppid() != parent:  # orphans are re-parented at once
             log.warning("parent process %d is gone; stopping", parent)
