@@ -137,9 +137,13 @@ def test_a_host_exits_when_its_parent_dies(store, tmp_path):
     launcher.kill()
     launcher.wait()
     deadline = time.monotonic() + 30.0  # it checks every 0.5 s, then drains (slow on a loaded machine)
-    while _running(host_pid):
-        assert time.monotonic() < deadline, "the host outlived its launcher"
-        time.sleep(0.1)
+    try:
+        while _running(host_pid):
+            assert time.monotonic() < deadline, "the host outlived its launcher"
+            time.sleep(0.1)
+    finally:
+        if _running(host_pid):  # the test failed: leave nothing behind either
+            os.kill(host_pid, signal.SIGKILL)
 
 
 def _running(pid: int) -> bool:
