@@ -87,6 +87,11 @@ class MoEArch:
         """The shared experts' output for x: [T, H] -> [T, H], or None when there are none."""
         return None
 
+    def shared_ffn(self, block: nn.Module) -> int:
+        """Neurons of the block's shared experts (0: none)."""
+        mlp = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
+        return 0 if mlp is None else int(mlp.down_proj.weight.shape[-1])
+
     def drop_experts(self, block: nn.Module) -> None:
         block.experts.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
         block.experts.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -176,7 +181,7 @@ class DeepseekV3Arch(MoEArch):
 
 
 class SlicedArch(MoEArch):
-    """moeless-sliced (model/sliced_moe.py): top-k of router logits, weight 1.0, no shared experts."""
+    """moeless-sliced (model/sliced_moe.py): top-k of router logits, weight 1.0, an optional shared expert."""
 
     name = SLICED_ARCH
 
@@ -194,6 +199,12 @@ class SlicedArch(MoEArch):
 
     def route(self, block, logits):
         return block.route(logits)
+
+    def shared(self, block, x):
+        return block.shared_forward(x)
+
+    def shared_ffn(self, block):
+        return block.shared_ffn
 
     def expert(self, block, e):
         if block.gate_proj.numel() == 0:

@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import NoReturn
+
+from moeless.model.shape import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K
+
+# The shapes `moeless bench model-quality` compares by default (docs/model.md): the previous
+# default (E=8, k=4, no shared expert), then shared experts with finer routed experts.
+DEFAULT_CANDIDATES = (
+    "e8-sh0-k4", "e8-sh0-k6", "e16-sh384-k8", "e16-sh768-k4", "e16-sh768-k6", "e16-sh768-k8", "e32-sh768-k16", "e16-sh1024-k8",
+)
 
 
 def register(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
@@ -12,15 +22,17 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     model = commands.add_parser(
         "model",
         help="the default model: SmolLM2-135M-Instruct converted to an MoE (build, export, info)",
-        description="Build, inspect and export the default model, SmolLM2-135M-Instruct MoEfied into E experts per layer.",
+        description="Build, inspect and export the default model, SmolLM2-135M-Instruct MoEfied into a shared "
+        "expert and E routed experts per layer.",
     )
     sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
 
     build = sub.add_parser(
         "build",
         help="convert the dense model into an MoE and cache it (deterministic for a seed)",
-        description="Load SmolLM2-135M-Instruct from its GGUF package, cluster each FFN's neurons by "
-        "co-activation on ShareGPT prompts into E experts, train the routers, and cache the model.",
+        description="Load SmolLM2-135M-Instruct from its GGUF package, put each FFN's most active neurons "
+        "into a shared expert, cluster the others by co-activation on ShareGPT prompts into E routed experts, "
+        "train the routers, and cache the model.",
     )
     _add_model_flags(build)
     build.add_argument("--force", action="store_true", help="rebuild even when the cache holds this model")
@@ -53,42 +65,64 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
 
     quality = benches.add_parser(
         "model-quality",
-        help="held-out perplexity of the MoE for k in {1,2,4} against the dense model, and load skew",
-        description="Perplexity on held-out ShareGPT prompts of the dense model (baseline) and of the "
-        "MoE with k = 1, 2, 4 experts per token, and per-layer load skew (max/mean tokens per expert).",
+        help="held-out perplexity of candidate MoE shapes against the dense model, load skew, idle experts",
+        description="For each candidate shape (E routed experts, S shared neurons, k per token): perplexity on "
+        "held-out ShareGPT prompts against the dense model's (baseline, same run), per-layer routed-expert load "
+        "skew (max/mean tokens per expert), idle routed experts per decode iteration, and the demo answer.",
     )
-    quality.add_argument("--experts", type=int, default=8, help="experts per layer E (default 8)")
+    quality.add_argument("--candidates", default=None, metavar="LIST",
+                         help=f"comma-separated shapes like e16-sh768-k8 (default: {','.join(DEFAULT_CANDIDATES)}; "
+                         "--quick: the default model only)")
     quality.add_argument("--seed", type=int, default=0, help="conversion seed (default 0)")
-    quality.add_argument("--ks", default="1,2,4", help="comma-separated experts per token to evaluate (default 1,2,4)")
     add_bench_flags(quality)
     quality.set_defaults(func=_bench_quality)
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--experts", type=int, default=8, help="experts per layer E; must divide 1536 (default 8)")
-    parser.add_argument("--top-k", type=int, default=4, help="experts per token k, 1..E (default 4: see docs/model.md)")
+    parser.add_argument("--experts", type=int, default=DEFAULT_EXPERTS,
+                        help=f"routed experts per layer E; must divide 1536 - S (default {DEFAULT_EXPERTS})")
+    parser.add_argument("--shared", type=int, default=DEFAULT_SHARED,
+                        help=f"neurons of the shared expert S, 0 for none (default {DEFAULT_SHARED})")
+    parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+                        help=f"routed experts per token k, 1..E (default {DEFAULT_TOP_K}: see docs/model.md)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the neuron clustering (default 0)")
+
+
+def _usage_error(message: str) -> NoReturn:
+    """One line on stderr saying what was wrong, exit code 2 (a usage error)."""
+    print(f"moeless: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _config(args: argparse.Namespace):
+    """The BuildConfig of the model flags; a bad shape is a usage error (exit 2) saying what to change."""
+    from moeless.model.default import BuildConfig
+
+    try:
+        return BuildConfig(args.experts, args.top_k, args.seed, args.shared)
+    except ValueError as err:
+        _usage_error(str(err))
 
 
 def _build(args: argparse.Namespace) -> int:
     import time
 
-    from moeless.model.default import BuildConfig, build
+    from moeless.model.default import build
 
     start = time.perf_counter()
-    path = build(BuildConfig(args.experts, args.top_k, args.seed), force=args.force, progress=True)
+    path = build(_config(args), force=args.force, progress=True)
     print(f"model: {path} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 
 def _load(args: argparse.Namespace):
+    from moeless.model.hf_loader import load_moe_model
+
     if args.model:
-        from moeless.model.hf_loader import load_moe_model
-
         return load_moe_model(args.model)
-    from moeless.model.default import default_model
+    from moeless.model.default import build
 
-    return default_model(args.experts, args.top_k, args.seed, progress=True)
+    return load_moe_model(build(_config(args), progress=True))
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -98,7 +132,7 @@ def _export(args: argparse.Namespace) -> int:
 
     model = _load(args)
     spec = model.spec
-    name = args.model or f"smollm2-135m-moe-e{spec.num_experts}-k{spec.top_k}-s{args.seed}"
+    name = args.model or f"smollm2-135m-moe-e{spec.num_experts}-sh{spec.shared_ffn}-k{spec.top_k}-s{args.seed}"
     experts = tqdm(model.iter_experts(), total=spec.num_layers * spec.num_experts, desc="export experts")
     store = export_experts(experts, args.out, model=name, num_layers=spec.num_layers, num_experts=spec.num_experts, act=spec.act)
     print(f"weight store: {store.root} ({spec.num_layers} layers x {spec.num_experts} experts)")
@@ -106,14 +140,14 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from moeless.model.default import BuildConfig, conversion_path, model_path
+    from moeless.model.default import conversion_path, model_path
     from moeless.model.gguf_source import dense_cache_path
 
     model = _load(args)
     for key, value in vars(model.spec).items():
         print(f"{key:>14}: {value}")
     if not args.model:
-        cfg = BuildConfig(args.experts, args.top_k, args.seed)
+        cfg = _config(args)
         print(f"{'dense cache':>14}: {dense_cache_path()}")
         print(f"{'conversion':>14}: {conversion_path(cfg)}")
         print(f"{'model dir':>14}: {model_path(cfg)}")
@@ -123,16 +157,26 @@ def _info(args: argparse.Namespace) -> int:
 def _bench_speed(args: argparse.Namespace) -> int:
     from moeless.model.bench import speed_bench
 
-    speed_bench(args.experts, args.top_k, args.seed, quick=args.quick, out=args.out)
+    speed_bench(_config(args), quick=args.quick, out=args.out)
     return 0
 
 
 def _bench_quality(args: argparse.Namespace) -> int:
-    from moeless.model.bench import quality_bench
+    from moeless.model.bench import parse_candidate, quality_bench
 
+    default = [candidate_name()] if args.quick else list(DEFAULT_CANDIDATES)
+    candidates = default if args.candidates is None else [c for c in args.candidates.split(",") if c.strip()]
     try:
-        ks = [int(k) for k in args.ks.split(",")]
-    except ValueError:
-        raise SystemExit(f"--ks must be comma-separated integers like 1,2,4, got {args.ks!r}") from None
-    quality_bench(args.experts, ks, args.seed, quick=args.quick, out=args.out)
+        for c in candidates:
+            parse_candidate(c)
+    except ValueError as err:
+        _usage_error(f"--candidates: {err}")
+    if not candidates:
+        _usage_error("--candidates: give at least one shape like e16-sh768-k8")
+    quality_bench(candidates, args.seed, quick=args.quick, out=args.out)
     return 0
+
+
+def candidate_name() -> str:
+    """The default model's shape as a --candidates entry."""
+    return f"e{DEFAULT_EXPERTS}-sh{DEFAULT_SHARED}-k{DEFAULT_TOP_K}"

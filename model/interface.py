@@ -31,6 +31,7 @@ class MoESpec:
     vocab_size: int
     max_positions: int
     moe_layer_ids: tuple[int, ...] = field(default=())  # decoder-layer index of each MoE layer: [L]
+    shared_ffn: int = 0  # neurons of the shared experts per layer, run with the non-expert layers (0: none)
 
 
 @dataclass

@@ -91,6 +91,7 @@ class MoEModel:
             vocab_size=int(config.vocab_size),
             max_positions=int(config.max_position_embeddings),
             moe_layer_ids=self._layer_ids,
+            shared_ffn=self.arch.shared_ffn(first),
         )
         self._gates = [self._make_gate(b) for b in self._blocks]
         self._dispatch = [_DispatchBlock(self, l) for l in range(len(self._blocks))]

@@ -4,9 +4,11 @@ Pure functions over tensors (no model, no I/O). Shapes: T calibration tokens, H 
 N the dense FFN's neurons, E experts, F = N / E neurons per expert.
 
 Method (after Zhang et al., "MoEfication: Transformer Feed-forward Layers are Mixtures of
-Experts", 2022, adapted to SwiGLU):
+Experts", 2022, adapted to SwiGLU, with a shared expert as in DeepSeek-MoE and Qwen2-MoE):
 1. A neuron's activation on a token is the size of its contribution to the FFN output,
    |silu(gate x) * up x| * ||down column||; per token, the top `active_fraction` are "active".
+   The S neurons with the largest mean activation form the shared expert (run on every
+   token); the remaining N - S are split into the routed experts (steps 2-3).
 2. Co-activation: how often two neurons are active on the same token, cosine-normalised so
    that always-on neurons do not attract everything.
 3. Balanced clustering: E equal-size groups that maximise the mean co-activation between a
@@ -46,6 +48,25 @@ def neuron_activations(h: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     h: [T, N] neuron values; down: [H, N] -> [T, N].
     """
     return h.abs() * down.norm(dim=0)
+
+
+def shared_neurons(acts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` neurons with the largest mean activation: the always-on shared expert.
+
+    acts: [T, N] -> [size] long, ascending. Without it, these "hot" neurons land in one routed
+    expert that nearly every token picks (docs/model.md).
+    """
+    n = acts.shape[1]
+    if not 0 <= size < n:
+        raise ValueError(f"shared expert size must be in 0..{n - 1} neurons, got {size}")
+    return acts.mean(dim=0).topk(size).indices.sort().values
+
+
+def routed_neurons(num_neurons: int, shared: torch.Tensor) -> torch.Tensor:
+    """The neurons not in the shared expert: [N - S] long, ascending."""
+    keep = torch.ones(num_neurons, dtype=torch.bool)
+    keep[shared] = False
+    return keep.nonzero().flatten()
 
 
 def coactivation(acts: torch.Tensor, active_fraction: float) -> torch.Tensor:

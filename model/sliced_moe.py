@@ -1,8 +1,9 @@
 """The "moeless-sliced" architecture: a Llama whose dense FFNs are cut into neuron-slice experts.
 
 Every decoder layer's `mlp` (a LlamaMLP with F_dense neurons) becomes a SlicedMoE block: the
-neurons are partitioned into E slices of F = F_dense / E neurons each, every slice is one
-expert, and a router picks k slices per token. The slices of a SwiGLU FFN add up to the FFN
+neurons are partitioned into a shared expert of S neurons, which runs on every token (as in
+DeepSeek-MoE and Qwen2-MoE), and E routed slices of F = (F_dense - S) / E neurons each; a router
+picks k routed slices per token. The slices of a SwiGLU FFN add up to the FFN
 (down(act(gate x) * up x) is a sum over neurons), so every chosen expert's output is added with
 weight 1.0 and with k = E the block equals the dense FFN it came from.
 
@@ -41,47 +42,70 @@ def expert_act(hidden_act: str) -> str:
 
 
 class SlicedMoE(nn.Module):
-    """Neuron-slice experts of one dense SwiGLU FFN.
+    """Neuron-slice experts of one dense SwiGLU FFN: an optional shared expert plus E routed ones.
 
     router: Linear(H, E, bias=False); gate_proj: [E, F, H]; up_proj: [E, F, H]; down_proj: [E, H, F]
-    (expert e's slice is exactly moeless.model.experts' canonical {"gate", "up", "down"}).
-    Routing: the k largest router logits per token, each chosen expert with combine weight 1.0.
+    (expert e's slice is exactly moeless.model.experts' canonical {"gate", "up", "down"});
+    with shared_ffn S > 0, shared_gate: [S, H]; shared_up: [S, H]; shared_down: [H, S].
+    Routing: the k largest router logits per token, each chosen expert with combine weight 1.0;
+    the shared expert is added on every token.
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, expert_ffn: int, top_k: int, act: str = "silu"):
+    def __init__(self, hidden_size: int, num_experts: int, expert_ffn: int, top_k: int, act: str = "silu", shared_ffn: int = 0):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise SlicedModelError(f"top_k must be in 1..{num_experts} (the number of experts), got {top_k}")
-        self.num_experts, self.top_k, self.act = num_experts, top_k, act
+        if shared_ffn < 0:
+            raise SlicedModelError(f"shared_ffn must be >= 0 neurons, got {shared_ffn}")
+        self.num_experts, self.top_k, self.act, self.shared_ffn = num_experts, top_k, act, shared_ffn
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.gate_proj = nn.Parameter(torch.empty(num_experts, expert_ffn, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, expert_ffn, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, expert_ffn))
+        if shared_ffn:
+            self.shared_gate = nn.Parameter(torch.empty(shared_ffn, hidden_size))
+            self.shared_up = nn.Parameter(torch.empty(shared_ffn, hidden_size))
+            self.shared_down = nn.Parameter(torch.empty(hidden_size, shared_ffn))
 
     @staticmethod
-    def from_dense(mlp: nn.Module, neurons: torch.Tensor, router: torch.Tensor, top_k: int, act: str) -> "SlicedMoE":
-        """Slice a LlamaMLP. neurons: [E, F] long, a partition of its F_dense neurons; router: [E, H]."""
+    def from_dense(
+        mlp: nn.Module, neurons: torch.Tensor, router: torch.Tensor, top_k: int, act: str, shared: torch.Tensor | None = None
+    ) -> "SlicedMoE":
+        """Slice a LlamaMLP. neurons: [E, F] long and shared: [S] long (None: S = 0), together a
+        partition of its F_dense neurons; router: [E, H]."""
         f_dense, hidden = mlp.gate_proj.weight.shape
         num_experts, expert_ffn = neurons.shape
+        shared = torch.zeros(0, dtype=torch.long) if shared is None else shared
         if mlp.gate_proj.bias is not None:
             raise SlicedModelError("the dense FFN has biases (mlp_bias=True); only bias-free Llama FFNs can be sliced")
-        if sorted(neurons.flatten().tolist()) != list(range(f_dense)):
+        if sorted(neurons.flatten().tolist() + shared.tolist()) != list(range(f_dense)):
             raise SlicedModelError(
-                f"neurons [{num_experts}, {expert_ffn}] must be a partition of the FFN's {f_dense} neurons (each index exactly once)"
+                f"neurons [{num_experts}, {expert_ffn}] and shared [{len(shared)}] must be a partition of the FFN's "
+                f"{f_dense} neurons (each index exactly once)"
             )
         if tuple(router.shape) != (num_experts, hidden):
             raise SlicedModelError(f"router weights must be [{num_experts}, {hidden}] (experts, hidden), got {list(router.shape)}")
-        block = SlicedMoE(hidden, num_experts, expert_ffn, top_k, act)
+        block = SlicedMoE(hidden, num_experts, expert_ffn, top_k, act, shared_ffn=len(shared))
         with torch.no_grad():
             block.router.weight.copy_(router)
             block.gate_proj.copy_(mlp.gate_proj.weight[neurons])  # [E, F, H]
             block.up_proj.copy_(mlp.up_proj.weight[neurons])  # [E, F, H]
             block.down_proj.copy_(mlp.down_proj.weight[:, neurons].permute(1, 0, 2))  # [H, E, F] -> [E, H, F]
+            if len(shared):
+                block.shared_gate.copy_(mlp.gate_proj.weight[shared])  # [S, H]
+                block.shared_up.copy_(mlp.up_proj.weight[shared])  # [S, H]
+                block.shared_down.copy_(mlp.down_proj.weight[:, shared])  # [H, S]
         return block
 
     def expert(self, e: int) -> dict[str, torch.Tensor]:
         """Expert e in canonical form: {"gate": [F, H], "up": [F, H], "down": [H, F]} (views)."""
         return {"gate": self.gate_proj[e], "up": self.up_proj[e], "down": self.down_proj[e]}
+
+    def shared_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert on x: [T, H] -> [T, H]; None without one."""
+        if not self.shared_ffn:
+            return None
+        return expert_forward({"gate": self.shared_gate, "up": self.shared_up, "down": self.shared_down}, x, self.act)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [T, E] -> (idx [T, k] long, weight [T, k] all 1.0)."""
@@ -97,14 +121,18 @@ class SlicedMoE(nn.Module):
         for e in torch.unique(idx).tolist():
             tokens = (idx == e).any(dim=-1).nonzero().squeeze(-1)
             out.index_put_((tokens,), expert_forward(self.expert(e), x[tokens], self.act), accumulate=True)
+        shared = self.shared_forward(x)
+        if shared is not None:
+            out = out + shared
         return out.reshape(shape)
 
 
-def slice_llama(hf: nn.Module, neurons: torch.Tensor, routers: torch.Tensor, top_k: int) -> nn.Module:
+def slice_llama(hf: nn.Module, neurons: torch.Tensor, routers: torch.Tensor, top_k: int, shared: torch.Tensor | None = None) -> nn.Module:
     """Turn a dense LlamaForCausalLM into a moeless-sliced model, in place; returns it.
 
-    neurons: [L, E, F] long, per decoder layer a partition of the FFN's neurons into E experts;
-    routers: [L, E, H] router weights. Records the "moeless" config section.
+    neurons: [L, E, F] long and shared: [L, S] long (None: no shared expert), per decoder layer
+    together a partition of the FFN's neurons; routers: [L, E, H] router weights. Records the
+    "moeless" config section.
     """
     layers = hf.model.layers
     if neurons.dim() != 3 or neurons.shape[0] != len(layers):
@@ -113,11 +141,17 @@ def slice_llama(hf: nn.Module, neurons: torch.Tensor, routers: torch.Tensor, top
         raise SlicedModelError(
             f"routers must be [L, E, H] = [{neurons.shape[0]}, {neurons.shape[1]}, H], got {list(routers.shape)}"
         )
+    if shared is None:
+        shared = torch.zeros(len(layers), 0, dtype=torch.long)
+    if shared.dim() != 2 or shared.shape[0] != len(layers):
+        raise SlicedModelError(f"shared must be [L={len(layers)}, S], got {list(shared.shape)}")
     act = expert_act(hf.config.hidden_act)
-    for layer, part, router in zip(layers, neurons, routers):
-        layer.mlp = SlicedMoE.from_dense(layer.mlp, part, router.to(hf.dtype), top_k, act)
+    for layer, part, router, always in zip(layers, neurons, routers, shared):
+        layer.mlp = SlicedMoE.from_dense(layer.mlp, part, router.to(hf.dtype), top_k, act, shared=always)
     num_experts, expert_ffn = int(neurons.shape[1]), int(neurons.shape[2])
-    hf.config.moeless = {"arch": ARCH, "num_experts": num_experts, "top_k": int(top_k), "expert_ffn": expert_ffn}
+    hf.config.moeless = {
+        "arch": ARCH, "num_experts": num_experts, "top_k": int(top_k), "expert_ffn": expert_ffn, "shared_ffn": int(shared.shape[1]),
+    }
     return hf
 
 
@@ -155,7 +189,7 @@ def load_sliced(path: str | Path) -> nn.Module:
         raise SlicedModelError(f"{config_path}: no 'moeless' section with arch {ARCH!r}")
     section = raw[CONFIG_SECTION]
     config = LlamaConfig.from_dict(raw)
-    hf = _empty_sliced(config, section["num_experts"], section["expert_ffn"], section["top_k"])
+    hf = _empty_sliced(config, section["num_experts"], section["expert_ffn"], section["top_k"], section.get("shared_ffn", 0))
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise SlicedModelError(f"{weights}: missing weight file")
@@ -166,7 +200,7 @@ def load_sliced(path: str | Path) -> nn.Module:
     return hf.float().eval()
 
 
-def _empty_sliced(config, num_experts: int, expert_ffn: int, top_k: int) -> nn.Module:
+def _empty_sliced(config, num_experts: int, expert_ffn: int, top_k: int, shared_ffn: int) -> nn.Module:
     """A LlamaForCausalLM of `config` with SlicedMoE blocks and placeholder weights, to be overwritten by loading."""
     from transformers import LlamaForCausalLM
     from transformers.initialization import no_init_weights
@@ -176,5 +210,5 @@ def _empty_sliced(config, num_experts: int, expert_ffn: int, top_k: int) -> nn.M
     hf.tie_weights()  # skipped along with the initialisation
     act = expert_act(config.hidden_act)
     for layer in hf.model.layers:
-        layer.mlp = SlicedMoE(config.hidden_size, num_experts, expert_ffn, top_k, act)
+        layer.mlp = SlicedMoE(config.hidden_size, num_experts, expert_ffn, top_k, act, shared_ffn)
     return hf

@@ -12,6 +12,8 @@ from moeless.model.moefy import (
     expert_output_norms,
     ffn_hidden,
     neuron_activations,
+    routed_neurons,
+    shared_neurons,
     train_router,
 )
 
@@ -114,3 +116,14 @@ def test_train_router_is_deterministic():
     gen = torch.Generator().manual_seed(1)
     x, mass = torch.randn(600, 6, generator=gen), torch.rand(600, 3, generator=gen)
     assert torch.equal(train_router(x, mass), train_router(x, mass))
+
+
+def test_shared_neurons_are_the_most_active_and_the_rest_are_routed():
+    # Neuron 3 is large on every token, neuron 0 on most; the others are small or rare.
+    acts = torch.tensor([[4.0, 0.1, 0.0, 9.0, 0.2], [3.0, 0.0, 5.0, 8.0, 0.1], [0.0, 0.3, 0.0, 7.0, 0.2]])
+    shared = shared_neurons(acts, 2)
+    assert shared.tolist() == [0, 3]
+    assert routed_neurons(5, shared).tolist() == [1, 2, 4]
+    assert shared_neurons(acts, 0).tolist() == [] and routed_neurons(5, shared_neurons(acts, 0)).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="shared expert size must be in 0..4"):
+        shared_neurons(acts, 5)
