@@ -4,7 +4,7 @@
    alpha and the call overhead from a least-squares fit of `expert_forward` time over 1..256
    tokens; beta from serialising and copying a [T, H] float32 batch; one replica's load from disk
    (read, sha256, parse, copy: the expert host's path with its host tier off) and from the host
-   memory tier (the copy alone); expert and non-expert bytes.
+   memory tier (the copy alone); expert and non-expert bytes. Each time is the fastest of its repeats.
 2. Planning time per layer for several (E, G): moeless, moeless-fill and the paper beside EPLB.
 
 Part 2, the replay of every planner through the digital twin, is controller/bench_quality.py.
@@ -25,14 +25,16 @@ from moeless.placement.cluster import Cluster
 from moeless.placement.latency_model import LatencyModel
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
+def _fastest_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls after a warm-up: the cost on an unloaded machine (on this
+    shared CPU, medians swung 2-3x with other processes' load and once fitted a zero call overhead)."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.min(times))
 
 
 def _fit(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
@@ -63,7 +65,7 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
         # 1. alpha and the call overhead: one expert FFN call on T tokens.
         token_counts = [1, 4, 16, 64, 256]
         with torch.no_grad():
-            ffn_s = [_median_seconds(lambda x=torch.randn(t, hidden): expert_forward(weights, x), repeats) for t in token_counts]
+            ffn_s = [_fastest_seconds(lambda x=torch.randn(t, hidden): expert_forward(weights, x), repeats) for t in token_counts]
         alpha, call = _fit(token_counts, ffn_s)
 
         # 2. beta: serialise a [T, H] float32 batch and copy it back into a tensor (one direction).
@@ -71,7 +73,7 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
             return torch.frombuffer(bytearray(x.numpy().tobytes()), dtype=torch.float32).reshape(x.shape)
 
         moved = [16, 128, 1024]
-        move_s = [_median_seconds(lambda x=torch.randn(t, hidden): move(x), repeats) for t in moved]
+        move_s = [_fastest_seconds(lambda x=torch.randn(t, hidden): move(x), repeats) for t in moved]
         beta, _ = _fit(moved, move_s)
         # 3. One replica's load, as the expert host runs it: from disk (tier off) and from host memory.
         copier = DeviceCopier("cpu")
@@ -79,8 +81,8 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
         with tempfile.TemporaryDirectory() as root:
             store = export_experts([(0, 0, weights)], root, model="bench", num_layers=1, num_experts=1, act="silu")
             off, tier = HostTier(store, TierConfig(capacity_bytes=0)), HostTier(store)
-            disk = _median_seconds(lambda: copier.to_device(off.get((0, 0))[0]), loads)
-            host = _median_seconds(lambda: copier.to_device(tier.get((0, 0))[0]), loads)
+            disk = _fastest_seconds(lambda: copier.to_device(off.get((0, 0))[0]), loads)
+            host = _fastest_seconds(lambda: copier.to_device(tier.get((0, 0))[0]), loads)
             expert_bytes = store.expert_bytes(0, 0)
     finally:
         torch.set_num_threads(saved_threads)

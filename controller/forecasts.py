@@ -4,11 +4,12 @@ One greedy generation per batch of prompts, its routing captured (model.capture)
 actual loads (prefill [L, E], one [L, E] row per decode step, as moeless.model.traces records
 them) and, for every distance d, the load predictor's forecast of layer t made from layer t - d's
 gate input (per token top-k, counted per request). Layers t < d have no source layer in the same
-forward pass: NaN there (the bench falls back to the previous iteration's loads).
+forward pass: NaN there.
 
 `iteration_forecasts` turns them into [I, L, E] per iteration (batched like the loads) for three
 forecast kinds: "perfect" (the actual loads), "previous" (the previous iteration's loads) and
-"predictor" (the predictor at distance d, the previous iteration's loads where it has none).
+"predictor" (the predictor at distance d; layers t < d from layer 0, layer 0 from the last
+iteration of the same phase, scaled to this one's tokens).
 """
 
 from __future__ import annotations
@@ -120,19 +121,45 @@ def iteration_forecasts(iterations: Sequence[Iteration], kind: str, forecasts: S
                         distance: int | None = None) -> np.ndarray:
     """The forecast the planner sees in every iteration: [I, L, E] (see the module docstring).
 
-    The first iteration's "previous" is one token per expert (nothing seen yet).
+    "previous": the previous iteration's loads (one token per expert before the first).
+    "predictor" at distance d: layer t is forecast from layer max(t - d, 0), the iteration's first
+    layer forecasting layers 1..d-1 at their own distance where it was traced; layer 0 has no
+    source layer: the last iteration of the same phase, scaled to this iteration's tokens (the
+    scheduler knows both before the forward pass; the other phase's last iteration is a poor guess).
     """
     actual = np.stack([it.load for it in iterations]).astype(np.float64)
     if kind == "perfect":
         return actual
-    previous = np.concatenate([np.ones_like(actual[:1]), actual[:-1]])
     if kind == "previous":
-        return previous
+        return np.concatenate([np.ones_like(actual[:1]), actual[:-1]])
     if kind != "predictor":
         raise ValueError(f"unknown forecast kind {kind!r}; use one of {KINDS}")
     if not forecasts or distance not in forecasts[0].distances:
         have = forecasts[0].distances if forecasts else ()
         raise ValueError(f"no predictor forecasts at distance {distance}; traced distances: {have}")
-    j = forecasts[0].distances.index(distance)
-    predicted = per_iteration(iterations, [f.prefill[j] for f in forecasts], [f.decode[:, j] for f in forecasts])
-    return np.where(np.isnan(predicted), previous, predicted)
+    # Layer t is forecast from layer max(t - d, 0): at distance min(d, t), when that distance was traced.
+    predicted = np.full_like(actual, np.nan)
+    for j, d in enumerate(forecasts[0].distances):
+        if d <= distance:
+            by_d = per_iteration(iterations, [f.prefill[j] for f in forecasts], [f.decode[:, j] for f in forecasts])
+            layers = np.arange(actual.shape[1]) >= d if d == distance else np.arange(actual.shape[1]) == d
+            predicted[:, layers] = by_d[:, layers]
+    return np.where(np.isnan(predicted), same_phase_history(iterations), predicted)
+
+
+def same_phase_history(iterations: Sequence[Iteration]) -> np.ndarray:
+    """Per iteration, the last earlier iteration of its phase, scaled to its own token count per
+    layer (tokens spread evenly when there is none): [I, L, E]."""
+    out, last = [], {}
+    for it in iterations:
+        load = it.load.astype(np.float64)
+        total = load.sum(axis=1, keepdims=True)
+        before = last.get(it.phase)
+        if before is None:
+            guess = np.repeat(total / load.shape[1], load.shape[1], axis=1)
+        else:
+            guess = before * np.divide(total, before.sum(axis=1, keepdims=True), out=np.zeros_like(total),
+                                       where=before.sum(axis=1, keepdims=True) > 0)
+        out.append(guess)
+        last[it.phase] = load
+    return np.stack(out)

@@ -32,7 +32,7 @@ from moeless.placement.oracle import oracle_load
 from moeless.placement.placer import place_jsq_warm, place_round_robin
 from moeless.placement.fill_placer import HORIZON, place_fill
 from moeless.placement.priced_placer import place_priced
-from moeless.placement.resident_planner import GB_S_PRICE, ReplicaCost, place_resident
+from moeless.placement.resident_planner import GB_S_PRICE, MARGIN, ReplicaCost, place_resident
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
 
@@ -51,6 +51,8 @@ class PlannerConfig:
     keep_alive_s: how long an unused replica stays resident (memory a new replica holds at least);
     gb_s_price: seconds of layer time one GB·s of replica memory is worth (resident_planner.GB_S_PRICE);
     iteration_s: seconds one serving iteration takes (memory held over the horizon);
+    static_margin: the fraction of static EP's time (on the forecast) moeless must save before it
+                   leaves static EP's split (resident_planner.MARGIN);
     eplb_replicas: EPLB's replicas per layer (default: the smallest multiple of G >= E);
     eplb_groups / eplb_nodes: EPLB's expert groups and nodes (hierarchical packing);
     eplb_window / eplb_period: "eplb-window" re-plans every period iterations from the loads of
@@ -68,6 +70,7 @@ class PlannerConfig:
     keep_alive_s: float = 60.0
     gb_s_price: float = GB_S_PRICE
     iteration_s: float = 0.05
+    static_margin: float = MARGIN
     eplb_replicas: int | None = None
     eplb_groups: int = 1
     eplb_nodes: int = 1
@@ -215,11 +218,14 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
     def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
         if config.model is None:
             raise ValueError("moeless's planner needs a latency model: PlannerConfig(model=LatencyModel(...))")
-        cost = ReplicaCost(config.model, config.prefetch_layers, cluster.expert_bytes, config.keep_alive_s,
-                           config.gb_s_price if price_memory else 0.0, config.horizon, config.iteration_s)
+        # Layer l's loads can start at most l layers ahead (the iteration's first layer hides nothing).
+        costs = iter([ReplicaCost(config.model, min(config.prefetch_layers, l), cluster.expert_bytes, config.keep_alive_s,
+                                  config.gb_s_price if price_memory else 0.0, config.horizon, config.iteration_s)
+                      for l in range(forecast.shape[0])])
 
         def plan_layer(load, free, before, budget):
-            layer, left, _ = place_resident(load, free, before if warm else None, cost, budget if additions else load.shape[0])
+            layer, left, _ = place_resident(load, free, before if warm else None, next(costs),
+                                            budget if additions else load.shape[0], config.static_margin)
             if placer == "off":
                 return place_round_robin(load, layer.logcnt(load.shape[0]), free)
             return layer, left

@@ -58,16 +58,19 @@ def water_fill(w, other, call, pieces):
 
 @njit(cache=True)
 def grow(load, expert, gpu, tokens, free, budget, call, alpha, call_overhead, beta,
-         load_s, hide_layers, memory_s, horizon, epsilon):
-    """Add replicas to one layer while the best one's priced gain beats its cost.
+         load_s, hide_layers, memory_s, horizon, epsilon, lookahead):
+    """Add replicas to one layer in steps, each step's priced gain beating its cost.
 
     load: [E] int tokens; expert, gpu, tokens: [R] the resident replicas and their whole tokens
     (re-levelled); free: [G] slots the layer may use in all; budget: most replicas. A candidate is a
     replica of an expert with tokens on the busiest GPU, on another GPU with a free slot; its expert
-    is re-levelled over its GPUs (water_fill). gain = (time now - time with it) x horizon; cost =
-    the exposed part of one more cold load on its GPU (loads x load_s beyond hide_layers x the
-    layer's time) + memory_s. Returns (expert, gpu, tokens) after the additions and the additions
-    as rows (expert, gpu, gain, cost, layer time before it, cold loads its GPU had before it) [A, 6].
+    is re-levelled over its GPUs (water_fill). Its cost is the exposed part of one more cold load on
+    its GPU (loads x load_s beyond hide_layers x the layer's time) + memory_s. A step tries up to
+    `lookahead` candidates in a row, each the one that leaves the layer fastest over the horizon
+    after its cost (ties: the more even GPUs, so several stragglers are relieved in turn), and
+    keeps the prefix whose gain, (time before - time after) x horizon, beats its summed cost by the
+    most; no such prefix: stop. Returns (expert, gpu, tokens) after the additions and the additions
+    as rows (expert, gpu, gain, cost, layer time before it, cold loads its GPU had, step) [A, 7].
     """
     num_gpus, cap = free.shape[0], budget
     out_e = np.empty(cap, np.int64)
@@ -83,91 +86,81 @@ def grow(load, expert, gpu, tokens, free, budget, call, alpha, call_overhead, be
         calls[out_g[r]] += out_t[r] > 0
         held[out_g[r]] += 1
     cold = np.zeros(num_gpus, np.int64)
-    added = np.empty((max(cap - n, 0), 6))
-    count = 0
+    rows = np.empty((max(cap - n, 0), 7))
+    count, step = 0, 0
     mine = np.empty(cap, np.int64)
     other = np.empty(cap + 1)
-    order = np.empty(cap + 1, np.int64)
     pieces = np.empty(cap + 1, np.int64)
     new_tok = np.empty(num_gpus, np.int64)
     new_calls = np.empty(num_gpus, np.int64)
+    # The state of the last kept step, restored when a tentative run does not pay.
+    keep_t, keep_tok, keep_calls = out_t.copy(), tok.copy(), calls.copy()
+    keep_held, keep_cold, keep_n, keep_count = held.copy(), cold.copy(), n, count
+    now = layer_seconds(tok, calls, alpha, call_overhead, beta)
     while n < cap:
-        now = layer_seconds(tok, calls, alpha, call_overhead, beta)
-        straggler = 0
-        for g in range(num_gpus):
-            if tok[g] + call * calls[g] > tok[straggler] + call * calls[straggler]:
-                straggler = g
-        best, best_e, best_g, best_gain, best_cost = epsilon, -1, -1, 0.0, 0.0
-        for r in range(n):
-            e = out_e[r]
-            if out_g[r] != straggler or out_t[r] == 0 or load[e] < 2:
-                continue
-            # The expert's replicas (its GPUs), then each GPU it could take.
-            m = 0
-            for q in range(n):
-                if out_e[q] == e:
-                    mine[m] = q
-                    m += 1
+        start, spent, best_net, paid = now, 0.0, epsilon, False
+        for _ in range(lookahead):
+            if n >= cap:
+                break
+            straggler = 0
             for g in range(num_gpus):
-                if held[g] >= free[g]:
+                if tok[g] + call * calls[g] > tok[straggler] + call * calls[straggler]:
+                    straggler = g
+            best_score, best_even, best_e, best_g, best_time, best_cost = np.inf, np.inf, -1, -1, 0.0, 0.0
+            for r in range(n):
+                e = out_e[r]
+                if out_g[r] != straggler or out_t[r] == 0 or load[e] < 2:
                     continue
-                taken = False
-                for j in range(m):
-                    taken = taken or out_g[mine[j]] == g
-                if taken:
-                    continue
-                # Other work on each of the expert's GPUs (without its own tokens), ascending.
-                for j in range(m + 1):
-                    h = out_g[mine[j]] if j < m else g
-                    own = out_t[mine[j]] if j < m else 0
-                    other[j] = tok[h] - own + call * (calls[h] - (own > 0))
-                idx = np.argsort(other[:m + 1])
-                for j in range(m + 1):
-                    order[j] = idx[j]
-                sorted_other = other[:m + 1][idx]
-                water_fill(load[e], sorted_other, call, pieces)
-                new_tok[:] = tok
-                new_calls[:] = calls
-                for j in range(m + 1):
-                    i = order[j]
-                    h = out_g[mine[i]] if i < m else g
-                    own = out_t[mine[i]] if i < m else 0
-                    new_tok[h] += pieces[j] - own
-                    new_calls[h] += (pieces[j] > 0) - (own > 0)
-                gain = (now - layer_seconds(new_tok, new_calls, alpha, call_overhead, beta)) * horizon
-                hide = hide_layers * now
-                cost = max((cold[g] + 1) * load_s - hide, 0.0) - max(cold[g] * load_s - hide, 0.0) + memory_s
-                if gain - cost > best:
-                    best, best_e, best_g, best_gain, best_cost = gain - cost, e, g, gain, cost
-        if best_e < 0:
+                m = _replicas_of(out_e, e, n, mine)
+                for g in range(num_gpus):
+                    if held[g] >= free[g]:
+                        continue
+                    taken = False
+                    for j in range(m):
+                        taken = taken or out_g[mine[j]] == g
+                    if taken:
+                        continue
+                    out_e[n], out_g[n], out_t[n] = e, g, 0  # tentatively, to re-level over
+                    mine[m] = n
+                    after = _refill(load[e], mine, m + 1, out_g, out_t, tok, calls, call, other, pieces, new_tok,
+                                    new_calls, alpha, call_overhead, beta, False)
+                    hide = hide_layers * now
+                    cost = max((cold[g] + 1) * load_s - hide, 0.0) - max(cold[g] * load_s - hide, 0.0) + memory_s
+                    score = after * horizon + cost
+                    even = 0.0
+                    for h in range(num_gpus):
+                        even += (new_tok[h] + call * new_calls[h]) ** 2
+                    if score < best_score - epsilon or (score <= best_score + epsilon and even < best_even):
+                        best_score, best_even, best_e, best_g, best_time, best_cost = score, even, e, g, after, cost
+            if best_e < 0:
+                break
+            # Take it: the new replica, its expert re-levelled over its GPUs as priced.
+            m = _replicas_of(out_e, best_e, n, mine)
+            out_e[n], out_g[n], out_t[n] = best_e, best_g, 0
+            mine[m] = n
+            rows[count, 0], rows[count, 1], rows[count, 3] = best_e, best_g, best_cost
+            rows[count, 2], rows[count, 4], rows[count, 5], rows[count, 6] = (now - best_time) * horizon, now, cold[best_g], step
+            n += 1
+            count += 1
+            now = _refill(load[best_e], mine, m + 1, out_g, out_t, tok, calls, call, other, pieces, new_tok, new_calls,
+                          alpha, call_overhead, beta, True)
+            held[best_g] += 1
+            cold[best_g] += 1
+            spent += best_cost
+            net = (start - now) * horizon - spent
+            if net > best_net:  # this prefix pays best so far: keep it
+                best_net, paid = net, True
+                keep_t[:], keep_tok[:], keep_calls[:] = out_t, tok, calls
+                keep_held[:], keep_cold[:], keep_n, keep_count = held, cold, n, count
+        # Back to the last prefix that paid (all of this run's additions when none did).
+        out_t[:], tok[:], calls[:] = keep_t, keep_tok, keep_calls
+        held[:], cold[:] = keep_held, keep_cold
+        n, count = keep_n, keep_count
+        now = layer_seconds(tok, calls, alpha, call_overhead, beta)
+        if not paid:
             break
-        # Apply: the new replica, then the expert re-levelled over its GPUs as priced.
-        m = 0
-        for q in range(n):
-            if out_e[q] == best_e:
-                mine[m] = q
-                m += 1
-        out_e[n], out_g[n], out_t[n] = best_e, best_g, 0
-        mine[m] = n
-        n += 1
-        for j in range(m + 1):
-            h = out_g[mine[j]]
-            own = out_t[mine[j]]
-            other[j] = tok[h] - own + call * (calls[h] - (own > 0))
-        idx = np.argsort(other[:m + 1])
-        water_fill(load[best_e], other[:m + 1][idx], call, pieces)
-        for j in range(m + 1):
-            r = mine[idx[j]]
-            h = out_g[r]
-            tok[h] += pieces[j] - out_t[r]
-            calls[h] += (pieces[j] > 0) - (out_t[r] > 0)
-            out_t[r] = pieces[j]
-        held[best_g] += 1
-        added[count, 0], added[count, 1], added[count, 2], added[count, 3] = best_e, best_g, best_gain, best_cost
-        added[count, 4], added[count, 5] = now, cold[best_g]
-        cold[best_g] += 1
-        count += 1
-    return out_e[:n].copy(), out_g[:n].copy(), out_t[:n].copy(), added[:count].copy()
+        step += 1
+    return out_e[:n].copy(), out_g[:n].copy(), out_t[:n].copy(), rows[:count].copy()
 
 
 @njit(cache=True)

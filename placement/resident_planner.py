@@ -4,29 +4,34 @@ Balancing is free among resident replicas; a new one costs a cold start (exposed
 forecast d layers ahead started it in time) and the memory it then holds (DESIGN.md, "What a plan
 costs"). So, for one layer and one forecast:
 
-1. Base: every resident replica of the layer (warm, inside its keep-alive) that fits the layer's
-   free slots and budget, the tokens re-levelled over them (`kernels.reshare`, then
-   `resident_kernels.relevel`; whole tokens, a replica may get none). Costs nothing.
-2. Greedy additions (compiled: resident_kernels.grow). Only a replica of an expert on the busiest
-   GPU can lower the layer's (serial) time, so the candidates are each of that GPU's experts with
-   tokens on each other GPU with a free slot, within the budget, the expert's tokens re-levelled
-   over its GPUs. A candidate's gain is (layer time now - layer time with it) x horizon
-   iterations; its cost is `ReplicaCost.cost`: the part of its cold start that prefetching cannot
-   hide on that GPU plus the GB·s it will hold, priced. The best candidate by gain - cost is added
-   while that is positive; when nothing pays, the layer stays where it is. Last, a full re-level
-   (resident_kernels.relevel: local search moving the busiest GPU's tokens to other replicas of
-   its experts) polishes the final shares.
-3. The plan is the replicas that take tokens (and each expert's first replica, so every expert is
-   routable). Resident replicas left out stay warm until keep-alive evicts them and can be used
-   again for free meanwhile: adding needs gain > cost, keeping needs only a token, which is the
-   hysteresis that stops plans from flapping.
+1. Base: each expert's home replica (static EP's block: GPU e * G // E; home replicas always stay
+   in the plan, so static EP's layout is always resident) and every other resident replica of the
+   layer (warm, inside its keep-alive) that fits the layer's free slots and budget; the tokens
+   re-levelled over them (`kernels.reshare`, then `resident_kernels.relevel`: whole tokens, a
+   replica may get none). Costs nothing. Unless that beats static EP's split (every token at
+   home) by a margin of its time on the forecast (5%, or the relative noise of the forecast's
+   counts, 1 / sqrt(tokens per expert), when that is more), the base is static EP's split:
+   forecasts err, and a small predicted gain is a loss about as often as not (decode).
+2. Additions in steps (compiled: resident_kernels.grow). Only a replica of an expert on the
+   busiest GPU can lower the layer's (serial) time, so the candidates are each of that GPU's
+   experts with tokens on each other GPU with a free slot, within the budget, the expert's tokens
+   re-levelled over its GPUs. A replica's cost is `ReplicaCost.cost`: the part of its cold start
+   that prefetching cannot hide on that GPU plus the GB·s it will hold, priced. A step tries a few
+   candidates in a row (several GPUs can tie as the straggler: one replica alone then gains
+   nothing) and keeps the prefix whose gain, (layer time before - after) x horizon iterations,
+   beats its summed cost by the most; when none pays, the layer stays where it is. A last
+   re-level polishes the shares, and a grown plan that does not beat static EP's split by the
+   margin is dropped.
+3. The plan is the replicas that take tokens and the home replicas. Other resident replicas stay
+   warm until keep-alive evicts them and can be used again for free meanwhile: adding needs gain >
+   cost, keeping needs only a token, which is the hysteresis that stops plans from flapping.
 
-Golden example (a call costs 1 token, 2 GPUs, experts 0 and 1 resident on GPU 0, forecast
-[10, 6]; a cold start costs one token's time, nothing hidden, memory free, horizon 1): GPU 0 works
-10 + 1 + 6 + 1 = 18. A replica of expert 0 on GPU 1, its tokens re-levelled, takes 9 of them
-(9 + 1 = 10) and leaves 1 beside expert 1 on GPU 0 (1 + 1 + 6 + 1 = 9): time 10, gain 8 > cost 1,
-added (moving expert 1 instead would give 11). The busiest GPU then holds only expert 0, which is
-on every GPU: stop.
+Golden example (a call costs 1 token, 2 GPUs, static EP resident: experts 0 and 1 at home on GPU 0,
+2 and 3 on GPU 1; forecast [10, 6, 0, 0]; a cold start costs one token's time, nothing hidden,
+memory free, horizon 1): GPU 0 works 10 + 1 + 6 + 1 = 18, GPU 1 nothing. A replica of expert 0
+on GPU 1, its tokens re-levelled, takes 9 of them (9 + 1 = 10) and leaves 1 beside expert 1 on
+GPU 0 (1 + 1 + 6 + 1 = 9): time 10, gain 8 > cost 1, and 10 beats static EP's 18 by more than the
+margin: added. The busiest GPU then holds only expert 0, which is on both GPUs: stop.
 """
 
 from __future__ import annotations
@@ -44,6 +49,14 @@ GB = 1e9
 # between latency and the memory bill (PlannerConfig.gb_s_price, `moeless bench planner --gb-s-price`).
 GB_S_PRICE = 1.0
 GAIN_EPSILON_S = 1e-12  # a gain must beat its cost by more than rounding
+# A plan leaves static EP's split only when the forecast says it saves a fraction of static EP's
+# time (on the forecast) beyond what forecast noise moves: max(MARGIN, NOISE / sqrt(n)), n the mean
+# forecast tokens of the experts with tokens. Routing counts are multinomial: an expert's count
+# varies by about sqrt(count), so a predicted gain below that relative noise is a loss as often as
+# not (decode, ~16 tokens an expert: 25%; a prefill of 300: 6%). PlannerConfig.static_margin.
+MARGIN = 0.05
+NOISE = 1.0
+LOOKAHEAD = 4  # replicas a step may try in a row before one pays (several GPUs can tie as the straggler)
 
 
 @dataclass(frozen=True)
@@ -91,8 +104,9 @@ class ReplicaCost:
 
 @dataclass(frozen=True)
 class Addition:
-    """A replica the planner added: expert, gpu, its gain (seconds x horizon) and cost (seconds),
-    the layer's time before it and the cold loads its GPU already had for the layer."""
+    """A replica the planner added: expert, gpu, its own gain (seconds x horizon) and cost
+    (seconds), the layer's time before it, the cold loads its GPU already had for the layer, and
+    the step it was added in (a step's additions pay together)."""
 
     expert: int
     gpu: int
@@ -100,13 +114,16 @@ class Addition:
     cost_s: float
     before_s: float
     loads_before: int
+    step: int
 
 
 @dataclass(frozen=True)
 class ResidentDecision:
-    """base_s: the layer time on the resident replicas re-levelled; grown_s: after the additions;
-    final_s: the plan's (grown_s, or less when a full re-level of its replicas is faster)."""
+    """Layer times on the forecast: static_s with every token at its expert's home (static EP's
+    split); base_s on the resident replicas re-levelled (or static_s, when that is not below it by
+    the margin); grown_s after the additions; final_s the plan's (grown_s re-levelled)."""
 
+    static_s: float
     base_s: float
     grown_s: float
     final_s: float
@@ -123,78 +140,105 @@ def place_resident(
     resident: LayerPlacement | None,
     cost: ReplicaCost,
     budget: int | None = None,
+    margin: float = MARGIN,
 ) -> tuple[LayerPlacement, np.ndarray, ResidentDecision]:
     """moeless's plan of one layer. load: [E] forecast tokens, free_slots: [G] replicas each GPU
-    can still take, resident: the layer's resident replicas (None: nothing resident, static EP's
-    blocks are the base), budget: most replicas the plan may use (None: the slots).
+    can still take, resident: the layer's resident replicas (None: static EP's blocks), budget:
+    most replicas the plan may use (None: the slots), margin: the least fraction of static EP's
+    time (on the forecast) a plan must save before it leaves static EP's split (more where the
+    forecast tokens are few: see NOISE).
 
-    Returns the placement (the replicas that take tokens), the free slots left [G] and the decision.
+    Returns the placement (the replicas that take tokens, and every home replica), the free slots
+    left [G] and the decision.
     """
     load = np.asarray(load, dtype=np.float64)
     free = np.asarray(free_slots, dtype=np.int64).reshape(-1)
     num_experts, num_gpus = load.shape[0], free.shape[0]
     if load.ndim != 1 or num_experts == 0 or not np.isfinite(load).all() or (load < 0).any():
         raise ValueError(f"a layer's load must be a non-empty [E] vector of finite token counts >= 0, got {load}")
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
     if int(free.sum()) < num_experts:
         raise PlacementError(f"{int(free.sum())} free replica slots cannot hold {num_experts} experts; add GPU memory or GPUs")
     budget = int(free.sum()) if budget is None else min(budget, int(free.sum()))
     if budget < num_experts:
         raise PlacementError(f"a budget of {budget} replicas cannot hold {num_experts} experts; raise the layer memory cap")
-    # 1. The base: resident replicas that fit, re-levelled, in whole tokens.
+    # 1. The base: home replicas and the resident ones that fit, re-levelled, in whole tokens;
+    #    static EP's split (every token at home) unless re-levelling beats it by the margin.
     tokens_in = np.rint(load).astype(np.int64)
-    expert, gpu = _base(load, free, resident, budget, num_experts)
+    expert, gpu, home = _base(load, free, resident, budget, num_experts)
     model, call = cost.model, cost.model.call_tokens
+    active = tokens_in[tokens_in > 0]
+    margin = max(margin, NOISE / np.sqrt(active.mean())) if active.size else margin
+    at_home = np.where(home, tokens_in[expert], 0)
+    static_s = _time(tokens_in, expert, gpu, _shares(at_home, tokens_in[expert]), num_gpus, model)
     tokens = kernels.largest_remainder(tokens_in, expert, kernels.reshare(load, expert, gpu, call, num_gpus))
     base_s = _relevel(tokens_in, expert, gpu, tokens, num_gpus, model)
-    # 2. Greedy additions while the best one's priced gain beats its cost (compiled), then a last re-level.
-    expert, gpu, tokens, rows = resident_kernels.grow(
+    if base_s > (1.0 - margin) * static_s:
+        tokens, base_s = at_home.copy(), static_s
+    # 2. Additions in steps, each step's priced gain beating its cost (compiled), then a last re-level.
+    grown_e, grown_g, grown_t, rows = resident_kernels.grow(
         tokens_in, expert, gpu, tokens, free, budget, call, model.alpha, model.call_overhead, model.beta,
-        model.cold_start, float(cost.prefetch_layers), cost.memory_s, float(cost.horizon), GAIN_EPSILON_S)
-    grown_s = _time(tokens_in, expert, gpu, _shares(tokens, tokens_in[expert]), num_gpus, model)
-    final_s = _relevel(tokens_in, expert, gpu, tokens, num_gpus, model) if rows.shape[0] else grown_s
+        model.cold_start, float(cost.prefetch_layers), cost.memory_s, float(cost.horizon), GAIN_EPSILON_S, LOOKAHEAD)
+    grown_s = _time(tokens_in, grown_e, grown_g, _shares(grown_t, tokens_in[grown_e]), num_gpus, model)
+    final_s = _relevel(tokens_in, grown_e, grown_g, grown_t, num_gpus, model) if rows.shape[0] else grown_s
+    if final_s <= (1.0 - margin) * static_s or not rows.shape[0]:
+        expert, gpu, tokens = grown_e, grown_g, grown_t
+    else:  # the additions leave too little of a gain over static EP to trust the forecast with: none
+        final_s, grown_s, rows = base_s, base_s, rows[:0]
     share = _shares(tokens, tokens_in[expert])
-    added = tuple(Addition(int(e), int(g), float(gain), float(price), float(before), int(n)) for e, g, gain, price, before, n in rows)
-    # 3. The plan: replicas with tokens, and each expert's first replica.
+    added = tuple(Addition(int(e), int(g), float(gain), float(price), float(before), int(n), int(step))
+                  for e, g, gain, price, before, n, step in rows)
+    # 3. The plan: replicas with tokens, and every home replica (static EP's layout stays resident).
+    home = np.arange(expert.shape[0]) < num_experts  # _base put them first; grow appends
     used = share > 0
-    first = np.zeros(expert.shape[0], dtype=bool)
-    first[np.unique(expert, return_index=True)[1]] = True
-    keep = used | (first & ~_has_used(expert, used, num_experts))
-    layer = LayerPlacement(expert[keep], gpu[keep], np.where(used[keep], share[keep], 1.0))
+    keep = used | home | ~_has_used(expert, used | home, num_experts)
+    layer = LayerPlacement(expert[keep], gpu[keep], np.where(used[keep], share[keep], 0.0))
+    layer = _routable(layer, num_experts)
     left = free - np.bincount(layer.gpu, minlength=num_gpus)
-    return layer, left, ResidentDecision(base_s, grown_s, final_s, added)
+    return layer, left, ResidentDecision(static_s, base_s, grown_s, final_s, added)
 
 
 def _base(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, budget: int,
-          num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """Resident replicas (expert [R], gpu [R]) that fit the free slots and the budget.
+          num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Home and resident replicas that fit the free slots and the budget: (expert [R], gpu [R],
+    home [R] bool), the E home replicas first, in expert order.
 
-    Steps: 1. each expert's first resident replica on a GPU with room; 2. an expert left without
-    one goes to static EP's block when nothing is resident, else to the GPU with the most room (a
-    cold load); 3. the other resident replicas, most loaded expert first, while slots and budget last.
+    Steps: 1. each expert's home replica: static EP's block where it is resident (or nothing is),
+    else its first resident replica, else the block (a cold load); the first of those with room,
+    else the GPU with the most room; 2. the other resident replicas, most loaded expert first,
+    while slots and budget last.
     """
     num_gpus = free.shape[0]
     pairs = [] if resident is None else sorted(set(zip(resident.expert.tolist(), resident.gpu.tolist())))
-    kept: set[tuple[int, int]] = set()
-    held = np.zeros(num_gpus, np.int64)
     homes: dict[int, list[int]] = {}
     for e, g in pairs:
         homes.setdefault(e, []).append(g)
+    kept: list[tuple[int, int]] = []
+    held = np.zeros(num_gpus, np.int64)
     for e in range(num_experts):
-        room = [g for g in homes.get(e, []) if held[g] < free[g]]
-        if room:
-            g = room[0]
-        elif resident is None and held[e * num_gpus // num_experts] < free[e * num_gpus // num_experts]:
-            g = e * num_gpus // num_experts
-        else:
-            g = int(np.argmax(free - held))
-        kept.add((e, g))
+        block = e * num_gpus // num_experts
+        warm = homes.get(e, [])
+        order = [block, *warm] if resident is None or block in warm else [*warm, block]
+        room = [g for g in order if held[g] < free[g]]
+        g = room[0] if room else int(np.argmax(free - held))
+        kept.append((e, g))
         held[g] += 1
-    for e, g in sorted((p for p in pairs if p not in kept), key=lambda p: -load[p[0]]):
+    taken = set(kept)
+    for e, g in sorted((p for p in pairs if p not in taken), key=lambda p: -load[p[0]]):
         if held[g] < free[g] and len(kept) < budget:
-            kept.add((e, g))
+            kept.append((e, g))
             held[g] += 1
-    ordered = sorted(kept)
-    return np.array([e for e, _ in ordered], dtype=np.int64), np.array([g for _, g in ordered], dtype=np.int64)
+    expert = np.array([e for e, _ in kept], dtype=np.int64)
+    return expert, np.array([g for _, g in kept], dtype=np.int64), np.arange(len(kept)) < num_experts
+
+
+def _routable(layer: LayerPlacement, num_experts: int) -> LayerPlacement:
+    """Every expert with a share summing to 1: an expert without tokens routes to its first replica."""
+    share = layer.share.copy()
+    for e in np.flatnonzero(np.bincount(layer.expert, weights=share, minlength=num_experts) == 0):
+        share[np.flatnonzero(layer.expert == e)[0]] = 1.0
+    return LayerPlacement(layer.expert, layer.gpu, share)
 
 
 def _relevel(tokens_in: np.ndarray, expert, gpu, tokens, num_gpus, model: LatencyModel) -> float:
