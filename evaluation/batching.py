@@ -3,7 +3,7 @@
 - "continuous": iteration-level continuous batching (controller/iterations.compose_iterations):
   arrived requests join the running batch (up to max_batch); an iteration with newcomers is their
   prefill, otherwise every running request decodes one token.
-- "second": the paper's batching. Requests arriving within the same second (counted from the first
+- "per-second": the paper's batching. Requests arriving within the same second (counted from the first
   arrival) form one batch (a second with more than max_batch arrivals makes several). A batch
   starts when its second has closed and the previous batch has finished: one prefill iteration of
   all its prompts, then decode iterations until its last request is done (finished ones leave).
@@ -19,7 +19,7 @@ import numpy as np
 
 from moeless.controller.iterations import Iteration, RequestLoads, compose_iterations
 
-BATCHING = ("continuous", "second")
+BATCHING = ("continuous", "per-second")
 
 
 def compose(mode: str, requests: Sequence[RequestLoads], arrivals: np.ndarray, step_s: float, max_batch: int,
@@ -28,7 +28,7 @@ def compose(mode: str, requests: Sequence[RequestLoads], arrivals: np.ndarray, s
     requests[i % len(requests)]."""
     if mode == "continuous":
         return compose_iterations(requests, arrivals, step_s, max_batch, max_iterations)
-    if mode == "second":
+    if mode == "per-second":
         return per_second(requests, arrivals, step_s, max_batch, max_iterations)
     raise ValueError(f"unknown batching {mode!r}; use one of {', '.join(BATCHING)}")
 

@@ -12,6 +12,7 @@ DEFAULT_WORKLOAD = "conversation=azure-conv:sharegpt"
 def register(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
     """Add `moeless eval` and `moeless report`."""
     from moeless.evaluation.arrivals import DEFAULT_CV, DEFAULT_RATE, NAMED_TRACES
+    from moeless.evaluation.batching import BATCHING
     from moeless.knobs import add_knob_flags
 
     p = commands.add_parser(
@@ -43,9 +44,9 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
                    help=f"generated process: coefficient of variation of inter-arrival gaps, 1 = Poisson (default {DEFAULT_CV}, "
                         "the Azure conversation trace's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated process (default 0)")
-    p.add_argument("--batching", nargs="+", choices=("continuous", "second"), default=["continuous", "second"],
+    p.add_argument("--batching", nargs="+", choices=BATCHING, default=list(BATCHING),
                    help="batching models, the first one also for ablations and sweeps: iteration-level 'continuous' and the "
-                        "paper's 'second' (requests arriving within each second form one batch) (default both)")
+                        "paper's 'per-second' (requests arriving within each second form one batch) (default both)")
     p.add_argument("--step-ms", type=float, default=50.0, help="wall time of one serving iteration (default 50)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests in a batch (default 32)")
     p.add_argument("--max-iterations", type=int, default=None, help="iterations replayed at most (default 4000, 300 with --quick)")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from moeless.controller.profile import CostProfile, ProfileError
 from moeless.evaluation import runs
+from moeless.evaluation.batching import BATCHING
 from moeless.evaluation.workload import Sizes, WorkloadSpec, prepare, read_arrivals
 from moeless.knobs import Knobs
 
@@ -30,7 +31,7 @@ class EvalConfig:
     knobs: Knobs = Knobs()
     sizes: Sizes = Sizes()
     model: str = "default"
-    batchings: tuple[str, ...] = ("continuous", "second")
+    batchings: tuple[str, ...] = BATCHING
     gpus: int = 8
     tier: str = "host"
     profile: str | None = None

@@ -51,7 +51,7 @@ def test_a_full_second_splits_into_batches_of_max_batch():
     assert [it.batch for it in its] == [2, 2, 1] and all(it.phase == "prefill" for it in its)
 
 
-@pytest.mark.parametrize("mode", ["continuous", "second"])
+@pytest.mark.parametrize("mode", ["continuous", "per-second"])
 def test_every_prefill_and_decode_row_is_served_exactly_once(mode):
     rng = np.random.default_rng(0)
     reqs = [request(i, int(rng.integers(0, 6))) for i in range(30)]

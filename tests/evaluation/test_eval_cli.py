@@ -50,12 +50,12 @@ def test_a_quick_run_writes_every_table_and_plot_with_its_models_named(run_dir):
     doc = json.loads((run_dir / "run.json").read_text())
     w = doc["workloads"][0]
     assert w["requests"] == ROWS and "chat.csv" in w["arrivals"]
-    assert set(w["batchings"]) == {"continuous", "second"}
+    assert set(w["batchings"]) == {"continuous", "per-second"}
     cont = w["batchings"]["continuous"]
     groups = [c["group"] for c in cont["cases"]]
     assert groups.count("ablation") == 8 and groups.count("cv") == len(CV_THRESHOLDS[::2]) and groups.count("distance") == 1
     assert {c["planner"] for c in cont["cases"] if c["group"] == "main"} >= {"moeless", "static", "eplb-window", "oracle", "paper"}
-    assert all(c["group"] == "main" for c in w["batchings"]["second"]["cases"])  # ablations and sweeps: first batching only
+    assert all(c["group"] == "main" for c in w["batchings"]["per-second"]["cases"])  # ablations and sweeps: first batching only
     report = (run_dir / "report.md").read_text()
     for words in ("serial execution", "paper execution", "`resident` billing", "`per-layer` billing", "exposed cold starts",
                   "gate replicas, d=1", "history window", "Against the paper's claims", "-43%", "-22%", "-84%",
