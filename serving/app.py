@@ -91,7 +91,6 @@ class ModelServer:
 
             self.follower = BoardFollower(self.source, name=config.placement_board)
         self.engine = Engine(model, self.executor)
-        self.config = config
         self.scheduler = self.loop = None
         if config.batching == "continuous":
             from moeless.serving.scheduler import Scheduler, SchedulerLoop
