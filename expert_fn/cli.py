@@ -44,12 +44,9 @@ def _bench_invoke(args: argparse.Namespace) -> int:
     from moeless.expert_fn.bench import print_invoke_bench, run_invoke_bench
 
     sizes = dict(tokens=(1, 64, 512), repeats=10) if args.quick else {}
-    hidden, ffn = args.hidden, args.ffn
-    if hidden is None or ffn is None:  # the default model's expert shape (built and cached on first use)
-        from moeless.model.default import default_model
+    from moeless.model.shape import DEFAULT_EXPERT_SHAPE
 
-        ffn_default, hidden_default = default_model().expert_weights(0, 0)["gate"].shape
-        hidden, ffn = hidden or int(hidden_default), ffn or int(ffn_default)
+    hidden, ffn = args.hidden or DEFAULT_EXPERT_SHAPE[0], args.ffn or DEFAULT_EXPERT_SHAPE[1]
     result = run_invoke_bench(hidden=hidden, ffn=ffn, experts_per_call=args.experts_per_call,
                               threads=args.threads, **sizes)
     print_invoke_bench(result)
