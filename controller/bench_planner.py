@@ -72,7 +72,7 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
         def move(x: torch.Tensor) -> torch.Tensor:
             return torch.frombuffer(bytearray(x.numpy().tobytes()), dtype=torch.float32).reshape(x.shape)
 
-        moved = [16, 128, 1024]
+        moved = [16, 64, 256]  # a GPU's tokens per layer here; 1024 tokens (2.4 MB) measured page faults, not copies
         move_s = [_fastest_seconds(lambda x=torch.randn(t, hidden): move(x), repeats) for t in moved]
         beta, _ = _fit(moved, move_s)
         # 3. One replica's load, as the expert host runs it: from disk (tier off) and from host memory.

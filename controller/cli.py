@@ -93,7 +93,7 @@ def plan_command(args: argparse.Namespace) -> int:
     loads = np.atleast_2d(np.load(args.loads))
     num_layers, num_experts = loads.shape
     try:
-        profile = CostProfile.from_json(args.profile) if args.profile else _measured_profile(None, quick=True)
+        profile = CostProfile.from_json(args.profile) if args.profile else _measured_profile(quick=True)
     except ProfileError as err:
         print(f"moeless plan: {err}", file=sys.stderr)
         return 2
@@ -115,16 +115,13 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measured_profile(facts, quick: bool, repeats: int | None = None):
-    """The cost profile measured now at `facts`' expert shape (the default model's when None)."""
+def _measured_profile(quick: bool):
+    """The cost profile measured now at the default model's expert shape (non-expert bytes not
+    measured: a plan does not bill them)."""
     from moeless.controller import bench_planner as bench
-    from moeless.controller.loads import model_facts
+    from moeless.model.shape import DEFAULT_EXPERT_SHAPE
 
-    if facts is None:
-        from moeless.model.default import default_model
-
-        facts = model_facts(default_model())
-    profile, _ = bench.measure_profile(facts.hidden, facts.ffn, facts.non_expert_bytes, repeats or (10 if quick else 60))
+    profile, _ = bench.measure_profile(*DEFAULT_EXPERT_SHAPE, non_expert_bytes=0, repeats=10 if quick else 60)
     return profile
 
 
