@@ -10,6 +10,8 @@ experts on one host, decode-sized and prefill-sized) go over:
 - ray-compiled-graph (with --ray): a Ray actor holding the same runtime behind a compiled graph
   (Ray's shared-memory channels), the other option considered.
 
+The calls are one host's share of one MoE layer with static EP over 2 hosts (E/2 experts, each
+with B * k / E rows): a decode step of B = 4 sequences and a prefill of B = 256 tokens.
 Reported: median round trip per call and its ratio to in-process, over `repeats` calls each.
 """
 
@@ -22,7 +24,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-SHAPES = {"decode": (4, 4), "prefill": (4, 128)}  # (experts, rows per expert) of one host's call
+BATCH_TOKENS = {"decode": 4, "prefill": 256}  # tokens of the layer call one host gets its share of
+
+
+def call_shapes(num_experts: int, top_k: int) -> dict[str, tuple[int, int]]:
+    """(experts, rows per expert) of one host's call: half the experts, B * k / E rows each."""
+    return {name: (max(1, num_experts // 2), max(1, tokens * top_k // num_experts))
+            for name, tokens in BATCH_TOKENS.items()}
 
 
 def _median_s(call: Callable[[], Any], repeats: int) -> float:
@@ -47,13 +55,14 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
     torch.set_num_threads(threads)
     choice = choose_model(model)
     loaded = choice.loader()
-    hidden, store_dir = loaded.spec.hidden_size, export_store(loaded, choice.name)
+    spec, store_dir = loaded.spec, export_store(loaded, choice.name)
+    hidden, shapes = spec.hidden_size, call_shapes(spec.num_experts, spec.top_k)
     del loaded
     calls = {}
-    for name, (experts, rows) in SHAPES.items():
+    for name, (experts, rows) in shapes.items():
         x = torch.randn(experts * rows, hidden)
         calls[name] = (list(range(experts)), [rows] * experts, x, torch.arange(x.shape[0]))
-    times: dict[str, dict[str, float]] = {name: {} for name in SHAPES}
+    times: dict[str, dict[str, float]] = {name: {} for name in shapes}
     # 1. In-process: the runtime alone.
     runtime = ExpertHostRuntime(WeightStore.open(store_dir), capacity_bytes=4 * 10**9, keep_alive_s=3600)
     for name, (experts, counts, x, _) in calls.items():
@@ -75,7 +84,7 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
     if ray_graph:
         for name, seconds in _ray_compiled_graph(store_dir, calls, repeats, threads).items():
             times[name]["ray_compiled_graph"] = seconds
-    return {"model": choice.name, "repeats": repeats, "threads": threads, "shapes": SHAPES,
+    return {"model": choice.name, "repeats": repeats, "threads": threads, "shapes": shapes,
             "load_average_1m": os.getloadavg()[0],
             "median_ms": {n: {k: 1e3 * v for k, v in t.items()} for n, t in times.items()},
             "ratio_to_in_process": {n: {k: v / t["in_process"] for k, v in t.items()} for n, t in times.items()}}

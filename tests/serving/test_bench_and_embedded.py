@@ -68,3 +68,15 @@ def test_bench_load_compares_static_and_continuous_batching_on_the_same_requests
         assert len(row["outcomes"]) == 3
     assert doc["continuous_vs_static"]["3"]["static-8"]["throughput"] > 0
     assert "continuous, N=3: vs static-8" in run.stdout
+
+
+def test_bench_transport_times_every_transport_against_in_process(tmp_path, monkeypatch):
+    from moeless.serving.bench_transport import run_transport_bench
+
+    monkeypatch.setenv("MOELESS_CACHE", str(tmp_path))
+    result = run_transport_bench("tiny:mixtral", repeats=5)
+    assert result["shapes"] == {"decode": (2, 2), "prefill": (2, 128)}  # tiny mixtral: E = 4, k = 2
+    for name in ("decode", "prefill"):
+        assert set(result["median_ms"][name]) == {"in_process", "local", "grpc", "grpc_per_expert"}
+        assert all(ms > 0 for ms in result["median_ms"][name].values())
+        assert result["ratio_to_in_process"][name]["in_process"] == 1.0
