@@ -155,7 +155,8 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
     best = {phase: min(layer_ms[name][phase]["median"] for name in baselines) for phase in layer_ms[next(iter(baselines))]}
     gate_ms = 1e3 * _gate_seconds(moe, capture) / max(len(capture.iterations) * spec.num_layers, 1)
     return {
-        "model": choice.name, "hosts": hosts, "prompts": len(ids), "prompt_tokens": prompt_tokens,
+        "model": choice.name, "experts": spec.num_experts, "top_k": spec.top_k, "expert_ffn": spec.expert_ffn,
+        "hosts": hosts, "prompts": len(ids), "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens, "batch": batch, "threads_per_host": threads, "baseline_threads": list(baselines.values()),
         "load_average_1m": os.getloadavg()[0],  # a busy machine inflates every time below
         "identical_outputs": {name: outputs[name] == reference for name in timed},
@@ -189,7 +190,8 @@ def _gate_seconds(moe, capture) -> float:
 
 def print_report(result: dict[str, Any]) -> None:
     fit = result["latency_model"]
-    print(f"model {result['model']}: {result['prompts']} prompts x {result['max_tokens']} new tokens, batch "
+    print(f"model {result['model']} (E={result['experts']}, k={result['top_k']}, F={result['expert_ffn']}): "
+          f"{result['prompts']} prompts x {result['max_tokens']} new tokens, batch "
           f"{result['batch']}, {result['hosts']} expert hosts x {result['threads_per_host']} thread(s); load average "
           f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores")
     print(f"{'path':34s} {'tokens/s':>9s} {'identical':>9s}   MoE layer ms median (ratio to the faster in-process)")
