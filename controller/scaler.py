@@ -59,7 +59,10 @@ def _cv(count: int, total: float, sumsq: float) -> float:
     if count <= 0 or total <= 0:
         return 0.0
     mean = total / count
-    return float(np.sqrt(max(sumsq / count - mean * mean, 0.0)) / mean)
+    # The greedy loop keeps sumsq incrementally: a variance within rounding of 0 is 0 (its square
+    # root would read as a CV of ~1e-8, above a threshold of 0).
+    var = sumsq / count - mean * mean
+    return 0.0 if var <= 1e-12 * mean * mean else float(np.sqrt(var) / mean)
 
 
 def replica_cv(load: np.ndarray, logcnt: np.ndarray, active_only: bool = False) -> float:

@@ -207,8 +207,29 @@ def _base(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, b
     Steps: 1. each expert's home replica: static EP's block where it is resident (or nothing is),
     else its first resident replica, else the block (a cold load); the first of those with room,
     else the GPU with the most room; 2. the other resident replicas, most loaded expert first,
-    while slots and budget last.
+    while slots and budget last. (Vectorised when everything fits, the usual case.)
     """
+    num_gpus = free.shape[0]
+    block = np.arange(num_experts) * num_gpus // num_experts
+    warm = np.zeros((num_experts, num_gpus), dtype=bool)
+    if resident is not None:
+        warm[resident.expert, resident.gpu] = True
+    at_block = warm[np.arange(num_experts), block] | (resident is None)
+    anchor = np.where(at_block | ~warm.any(axis=1), block, warm.argmax(axis=1))
+    warm[np.arange(num_experts), anchor] = False
+    extra_e, extra_g = np.nonzero(warm)
+    order = np.argsort(-load[extra_e], kind="stable")
+    extra_e, extra_g = extra_e[order], extra_g[order]
+    held = np.bincount(anchor, minlength=num_gpus) + np.bincount(extra_g, minlength=num_gpus)
+    if (held <= free).all() and num_experts + extra_e.shape[0] <= budget:
+        expert = np.concatenate([np.arange(num_experts), extra_e])
+        return expert, np.concatenate([anchor, extra_g]), np.arange(expert.shape[0]) < num_experts
+    return _base_tight(load, free, resident, budget, num_experts)
+
+
+def _base_tight(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, budget: int,
+                num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """_base when slots or the budget are short: the same steps, one replica at a time."""
     num_gpus = free.shape[0]
     pairs = [] if resident is None else sorted(set(zip(resident.expert.tolist(), resident.gpu.tolist())))
     homes: dict[int, list[int]] = {}
@@ -236,8 +257,10 @@ def _base(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, b
 def _routable(layer: LayerPlacement, num_experts: int) -> LayerPlacement:
     """Every expert with a share summing to 1: an expert without tokens routes to its first replica."""
     share = layer.share.copy()
-    for e in np.flatnonzero(np.bincount(layer.expert, weights=share, minlength=num_experts) == 0):
-        share[np.flatnonzero(layer.expert == e)[0]] = 1.0
+    missing = np.bincount(layer.expert, weights=share, minlength=num_experts) == 0
+    if missing.any():
+        experts, first = np.unique(layer.expert, return_index=True)
+        share[first[missing[experts]]] = 1.0
     return LayerPlacement(layer.expert, layer.gpu, share)
 
 
