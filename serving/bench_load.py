@@ -6,8 +6,9 @@
    and, for each client count N, N clients send their requests at once (and each its next one
    as soon as it is answered) through the HTTP API with the load generator (loadgen.py).
 3. Reported per mode and N: tokens/s, requests/s, TTFT and time per output token p50/p99,
-   failures; the ratios continuous / static; whether every mode produced the same texts (greedy
-   decoding must not depend on the batching).
+   failures; the ratios continuous / static; how many texts equal sequential greedy decoding of
+   each prompt alone, in-process (computed first): batching changes which kernels add up each
+   sum (batch sizes, padding), so a near-tie can flip a token whichever way requests are batched.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def run_load_bench(model: str = "default", *, hosts: int = 2, clients: Sequence[
     choice = choose_model(model)
     loaded = choice.loader()
     prompts = _prompts(loaded, max(clients) * requests_per_client, prompt_tokens)
+    reference = _sequential(loaded, prompts, max_tokens)
     store = export_store(loaded, choice.name)
     del loaded
     limits = BatchLimits(max_running=max_running, max_tokens_per_iteration=max_tokens_per_iteration)
@@ -60,7 +62,9 @@ def run_load_bench(model: str = "default", *, hosts: int = 2, clients: Sequence[
                     count = n * requests_per_client
                     print(f"{mode}: {n} clients, {count} requests of {max_tokens} tokens ...", flush=True)
                     outcomes = closed_loop(url, choice.name, prompts[:count], n, max_tokens, timeout_s=timeout_s)
-                    results[mode][str(n)] = {**summarize(outcomes), "outcomes": outcomes_json(outcomes)}
+                    differ = [o.index for o in outcomes if o.error is None and o.text != reference[o.index]]
+                    results[mode][str(n)] = {**summarize(outcomes), "identical_to_sequential": count - len(differ),
+                                             "differ_from_sequential": differ, "outcomes": outcomes_json(outcomes)}
                     texts[mode][n] = {o.index: o.text for o in outcomes if o.error is None}
                     _print_row(mode, n, results[mode][str(n)])
         finally:
@@ -73,6 +77,24 @@ def run_load_bench(model: str = "default", *, hosts: int = 2, clients: Sequence[
         "identical_outputs": all(texts[m][n] == texts[modes[0]][n] for m in modes for n in clients),
         "modes": results, "continuous_vs_static": _ratios(results, clients),
     }
+
+
+def _sequential(model, prompts: Sequence[str], max_tokens: int) -> list[str]:
+    """Greedy completions of each prompt alone, experts in-process: the reference texts."""
+    import torch
+    from tqdm import tqdm
+
+    from moeless.serving.api import GenerationRequest
+    from moeless.serving.engine import Engine
+
+    torch.set_num_threads(1)
+    engine = Engine(model)
+    texts = []
+    for prompt in tqdm(prompts, desc="sequential reference", leave=False):
+        events = [e for step in engine.run([GenerationRequest(model="reference", max_tokens=max_tokens, stream=False,
+                                                                prompt=prompt)]) for e in step[0]]
+        texts.append("".join(e.get("text", "") for e in events))
+    return texts
 
 
 def _prompts(model, count: int, prompt_tokens: int) -> list[str]:
@@ -107,7 +129,8 @@ def _print_row(mode: str, n: int, s: dict) -> None:
 
     print(f"  {mode:12s} N={n:3d}: {s['tokens_per_s']:7.1f} tokens/s, {s['requests_per_s']:5.2f} req/s, TTFT p50/p99 "
           f"{ms(s['ttft_s'], 'p50')}/{ms(s['ttft_s'], 'p99')} s, TPOT p50/p99 {ms(s['tpot_s'], 'p50')}/"
-          f"{ms(s['tpot_s'], 'p99')} s, {s['failed']} failed, wall {s['wall_s']:.1f} s", flush=True)
+          f"{ms(s['tpot_s'], 'p99')} s, {s['failed']} failed, {s['identical_to_sequential']}/{s['requests']} as "
+          f"sequential, wall {s['wall_s']:.1f} s", flush=True)
 
 
 def print_report(result: dict[str, Any]) -> None:

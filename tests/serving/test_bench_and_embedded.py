@@ -65,6 +65,7 @@ def test_bench_load_compares_static_and_continuous_batching_on_the_same_requests
     for mode in doc["modes"].values():
         row = mode["3"]
         assert row["succeeded"] == 3 and row["completion_tokens"] == 12 and row["ttft_s"]["p99"] > 0
+        assert row["identical_to_sequential"] == 3 and row["differ_from_sequential"] == []
         assert len(row["outcomes"]) == 3
     assert doc["continuous_vs_static"]["3"]["static-8"]["throughput"] > 0
     assert "continuous, N=3: vs static-8" in run.stdout
