@@ -17,6 +17,8 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
         for phase in ("all", "prefill", "decode"):
             assert result["moe_layer_ms"][name][phase]["median"] > 0
             assert result["ratio_to_best_in_process"][name][phase] > 0
+            assert 0 < result["moe_layer_ms"][name][phase]["p10"] <= result["moe_layer_ms"][name][phase]["median"]
+            assert result["ratio_to_best_in_process_p10"][name][phase] > 0
     assert min(result["ratio_to_best_in_process"][n]["decode"] for n in paths if n.startswith("in_process")) == 1.0
     for transport in ("local", "grpc"):
         breakdown = result["breakdown_ms_per_layer"][transport]
