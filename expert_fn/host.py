@@ -22,6 +22,8 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from moeless.expert_fn.tiers import add_tier_arguments, tier_config_from_args
+
 log = logging.getLogger("moeless.expert_fn.host")
 
 
@@ -42,6 +44,7 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add("--no-local-channel", action="store_true",
         help="offer no shared-memory channel to clients on this machine (gRPC only)")
     add("--exit-with-parent", action="store_true", help="drain and exit when the parent process is gone")
+    add_tier_arguments(parser)
 
 def serve(args: argparse.Namespace) -> int:
     """Run one host until SIGTERM/SIGINT; returns the exit status."""
@@ -74,9 +77,15 @@ def serve(args: argparse.Namespace) -> int:
     except WeightStoreError as err:
         print(f"expert-host: {err}", file=sys.stderr)
         return 2
+    try:
+        tier = tier_config_from_args(args)
+    except ValueError as err:
+        print(f"expert-host: {err}", file=sys.stderr)
+        return 2
     memory = round(args.memory_gb * 1e9) if args.memory_gb is not None else None
     device, capacity = detect_device(args.gpu, memory)
-    runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s)
+    runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s,
+                                tier=tier)
     # 2. gRPC server and HTTP endpoints.
     # OpenMP's thread count is per thread: without the initializer, handler threads compute on every core.
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,

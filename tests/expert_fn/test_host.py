@@ -104,3 +104,12 @@ def test_metrics_health_and_readiness_over_http(clients, hosts):
     assert urllib.request.urlopen(f"{base}/readyz", timeout=10).read() == b"serving\n"
     with pytest.raises(urllib.error.HTTPError, match="404"):
         urllib.request.urlopen(f"{base}/nope", timeout=10)
+
+
+def test_a_bad_host_tier_flag_is_one_clear_line_and_exit_2(store):
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, "-m", "moeless.expert_fn.host", "--store", str(store.root),
+                          "--host-tier-gb", "-1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("expert-host: host tier capacity must be >= 0")
