@@ -10,6 +10,7 @@ Every knob has one name in each place, one unit and one range, all in KNOBS:
 | keep_alive_s | --keep-alive S | keepAliveSeconds | seconds an idle replica stays resident |
 | layer_memory_cap_gib | --layer-memory-cap GIB | layerMemoryCapGiB | GiB all replicas of one layer may hold (null: 2 x one replica per expert) |
 | cv_threshold | --cv-threshold V | cvThreshold | the paper's V (coefficient of variation) |
+| memory_price | --memory-price P | memoryPrice | seconds of MoE-layer time one GB·s of replica memory is worth (0: memory is free) |
 | scaler | --no-scaler | scaler | on/off (ablation: off = one replica per expert) |
 | placer | --no-placer | placer | on/off (ablation: off = round-robin placement) |
 
@@ -41,6 +42,7 @@ class Knob:
     attr: str
     key: str
     flag: str
+    metavar: str | None  # the flag's value in --help (None: an on/off switch)
     unit: str
     help: str
     parse: Callable[[Any, str], Any]  # (raw value, where) -> value; raises KnobError
@@ -93,21 +95,24 @@ def _switch(value: Any, where: str) -> bool:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("planner", "planner", "--planner", "name", "the planner (moeless, static, eplb-window, paper, ...)", _planner),
-    Knob("predictor", "predictor", "--predictor", "gate|history|off",
+    Knob("planner", "planner", "--planner", "NAME", "name", "the planner (moeless, static, eplb-window, paper, ...)", _planner),
+    Knob("predictor", "predictor", "--predictor", "gate|history|off", "gate|history|off",
          "load forecasts: gate replicas at distance d (history as fallback), a history window only, or none",
          _choice(PREDICTORS)),
-    Knob("distance", "distance", "--distance", "layers", "layers between a forecast's source and its target layer",
+    Knob("distance", "distance", "--distance", "D", "layers", "layers between a forecast's source and its target layer",
          _number(int, low=1)),
-    Knob("keep_alive_s", "keepAliveSeconds", "--keep-alive", "seconds", "how long an idle expert replica stays resident",
+    Knob("keep_alive_s", "keepAliveSeconds", "--keep-alive", "S", "seconds", "how long an idle expert replica stays resident",
          _number(float, low=0.0)),
-    Knob("layer_memory_cap_gib", "layerMemoryCapGiB", "--layer-memory-cap", "GiB",
+    Knob("layer_memory_cap_gib", "layerMemoryCapGiB", "--layer-memory-cap", "GIB", "GiB",
          "memory all replicas of one layer may hold (default: twice one replica per expert)",
          _number(float, low=0.0, low_open=True, nullable=True)),
-    Knob("cv_threshold", "cvThreshold", "--cv-threshold", "ratio", "the paper's CV threshold V (paper planner)",
+    Knob("cv_threshold", "cvThreshold", "--cv-threshold", "V", "ratio", "the paper's CV threshold V (paper planner)",
          _number(float, low=0.0, low_open=True)),
-    Knob("scaler", "scaler", "--no-scaler", "on/off", "ablation: off keeps one replica per expert", _switch),
-    Knob("placer", "placer", "--no-placer", "on/off", "ablation: off places replicas round-robin", _switch),
+    Knob("memory_price", "memoryPrice", "--memory-price", "P", "s per GB·s",
+         "seconds of MoE-layer time one GB·s of replica memory is worth; moeless adds a replica only when its "
+         "gain beats its exposed cold start plus its memory at this price (0: memory is free)", _number(float, low=0.0)),
+    Knob("scaler", "scaler", "--no-scaler", None, "on/off", "ablation: off keeps one replica per expert", _switch),
+    Knob("placer", "placer", "--no-placer", None, "on/off", "ablation: off places replicas round-robin", _switch),
 )
 BY_KEY = {k.key: k for k in KNOBS}
 BY_ATTR = {k.attr: k for k in KNOBS}
@@ -123,6 +128,7 @@ class Knobs:
     keep_alive_s: float = 60.0
     layer_memory_cap_gib: float | None = None
     cv_threshold: float = 0.2
+    memory_price: float = 1.0  # placement.resident_planner.GB_S_PRICE
     scaler: bool = True
     placer: bool = True
 
@@ -173,12 +179,11 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> None:
     defaults = Knobs()
     for knob in KNOBS:
         default = getattr(defaults, knob.attr)
-        if knob.attr in ("scaler", "placer"):
+        if knob.metavar is None:  # an on/off switch: the flag turns it off
             parser.add_argument(knob.flag, dest=f"knob_{knob.attr}", action="store_const", const=False, default=None,
                                 help=f"{knob.help} (config key {knob.key})")
             continue
-        metavar = {"int": "N"}.get(type(default).__name__, knob.unit.split()[0].upper() if knob.unit != "name" else "NAME")
-        parser.add_argument(knob.flag, dest=f"knob_{knob.attr}", default=None, metavar=metavar,
+        parser.add_argument(knob.flag, dest=f"knob_{knob.attr}", default=None, metavar=knob.metavar,
                             type=None if knob.attr in ("planner", "predictor") else _cli_type(knob),
                             help=f"{knob.help}; {knob.unit} (config key {knob.key}; default {default})")
 
