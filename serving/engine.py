@@ -1,8 +1,8 @@
 """Greedy generation over a MoEModel whose routed experts run through an executor.
 
 Two ways to batch. Continuous batching (moeless.serving.scheduler) calls the iteration-level
-primitives: `prefill(prompts)` (newcomers, one left-padded forward, their first tokens and KV)
-and `decode(slots, tokens)` (one token for every running request, its KV in KVSlots).
+primitives: `prefill(prompts)` (newcomers packed into one row, no padding: their first tokens
+and KV) and `decode(slots, tokens)` (one token for every running request, its KV in KVSlots).
 Static batching, kept as the baseline of `moeless bench load`, is `Engine.run(requests)`: one
 left-padded batch decoded to its longest request. Both use position ids from each row's own
 length, so a row computes what it would alone. `run` yields, once per decoding step, a list
@@ -101,14 +101,21 @@ class Engine:
             yield [evs + [error_event(err)] if i in prompts else evs for i, evs in enumerate(events)]
 
     @torch.no_grad()
-    def prefill(self, prompts: Sequence[list[int]]):
-        """One forward over new prompts (left-padded): (each one's first token, the cache).
-        The LM head runs on the last position only."""
-        ids, mask = left_pad(prompts)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        with _LastPositionHead.only():
-            out = self.model.forward(ids, mask, None, use_cache=True, executor=self.executor, position_ids=positions)
-        return out.logits[:, -1].argmax(-1).tolist(), out.past_key_values
+    def prefill(self, prompts: Sequence[list[int]]) -> tuple[list[int], object, list[int]]:
+        """One forward over new prompts packed into one row (no padding: a block-diagonal causal
+        mask keeps each prompt to itself, positions restart at 0 for each): (each prompt's first
+        token, the cache, where each prompt's columns start in it). The LM head runs on each
+        prompt's last position only."""
+        lengths = [len(p) for p in prompts]
+        starts = [0]
+        for length in lengths[:-1]:
+            starts.append(starts[-1] + length)
+        ids = torch.tensor([[t for p in prompts for t in p]])
+        positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        with _LastPositionHead.only([s + n - 1 for s, n in zip(starts, lengths)]):
+            out = self.model.forward(ids, _block_causal_mask(lengths), None, use_cache=True, executor=self.executor,
+                                     position_ids=positions)
+        return out.logits[0].argmax(-1).tolist(), out.past_key_values, starts
 
     @torch.no_grad()
     def decode(self, slots: KVSlots, tokens: Sequence[int]) -> list[int]:
@@ -153,10 +160,20 @@ class Engine:
                 return
 
 
-class _LastPositionHead(nn.Module):
-    """The LM head, computing only the last position while `only()` is on in this thread.
+def _block_causal_mask(lengths: Sequence[int]) -> torch.Tensor:
+    """Additive attention mask [1, 1, S, S] for prompts packed back to back: each position sees
+    the positions of its own prompt up to itself (0), nothing else (the dtype's minimum)."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(seq.numel())
+    allowed = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+    return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
 
-    A prefill needs the logits of each row's last position; the full head costs a [S, V]
+
+class _LastPositionHead(nn.Module):
+    """The LM head, computing only the positions that need logits while `only()` is on in this
+    thread: the last one of a left-padded batch, or the given ones of a packed row.
+
+    A prefill needs the logits of each prompt's last position; the full head costs a [S, V]
     product per row (on the default model 28 M multiply-adds per token, more than the rest of
     the forward). MoEModel.forward takes no logits_to_keep, so the head itself is wrapped.
     """
@@ -168,8 +185,12 @@ class _LastPositionHead(nn.Module):
         self.head = head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, S, H] -> logits [B, S, V], or [B, 1, V] (the last position) under only()."""
-        return self.head(hidden[:, -1:] if getattr(self._local, "on", False) else hidden)
+        """hidden: [B, S, H] -> logits [B, S, V]; under only(): [B, 1, V] (the last position) or
+        [B, P, V] (the P positions given)."""
+        keep = getattr(self._local, "keep", None)
+        if keep is None:
+            return self.head(hidden)
+        return self.head(hidden[:, -1:] if keep == "last" else hidden[:, keep])
 
     @classmethod
     def install(cls, hf: nn.Module) -> None:
@@ -178,9 +199,9 @@ class _LastPositionHead(nn.Module):
 
     @classmethod
     @contextmanager
-    def only(cls):
-        cls._local.on = True
+    def only(cls, positions: list[int] | None = None):
+        cls._local.keep = "last" if positions is None else positions
         try:
             yield
         finally:
-            cls._local.on = False
+            cls._local.keep = None

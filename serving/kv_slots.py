@@ -9,7 +9,7 @@ columns, so where a row sits does not change what it computes.
     slots = KVSlots(num_layers, max_rows)
     cache, mask = slots.decode_inputs()          # for model.forward(ids [rows, 1], mask, cache)
     slots.advance()                              # after the forward: every row is one longer
-    slots.add(rid, prefill_cache, row, length)   # a prefilled request joins (its KV copied in once)
+    slots.add(rid, cache, row, start, length)    # a prefilled request joins (its KV copied in once)
     slots.remove(rid)                            # a finished request leaves (the last row moves in)
 
 Per step the cost is one column written per row and layer; a join copies the newcomer's KV
@@ -49,13 +49,13 @@ class KVSlots:
         """Tokens in rid's cache."""
         return self.end - self.start[self.rids.index(rid)]
 
-    def add(self, rid, cache: Cache, row: int, length: int) -> None:
-        """Copy row `row` of a prefill cache (its last `length` columns: left padding dropped) into
-        a new row that ends at `end`. cache: per layer keys/values [B, kv_heads, S, head_dim]."""
+    def add(self, rid, cache: Cache, row: int, start: int, length: int) -> None:
+        """Copy columns start..start+length of row `row` of a prefill cache into a new row that
+        ends at `end`. cache: per layer keys/values [B, kv_heads, S, head_dim]."""
         if len(self.rids) >= self.max_rows:
             raise RuntimeError(f"all {self.max_rows} rows are in use; remove a request first")
-        keys = [cache.layers[l].keys[row, :, -length:] for l in range(self.num_layers)]
-        values = [cache.layers[l].values[row, :, -length:] for l in range(self.num_layers)]
+        keys = [cache.layers[l].keys[row, :, start:start + length] for l in range(self.num_layers)]
+        values = [cache.layers[l].values[row, :, start:start + length] for l in range(self.num_layers)]
         if not self.keys:
             self._allocate(keys[0], values[0], length)
         self._make_room(left=length)

@@ -5,7 +5,8 @@
 1. admit: waiting requests join, first come first served, while the running requests stay
    under `max_running` and the iteration's tokens (each newcomer's prompt + one per running
    request) under `max_tokens_per_iteration` (`admit`, a pure function);
-2. prefill the newcomers together (one forward): each gets its first token;
+2. prefill the newcomers together (one forward, prompts packed without padding): each gets its
+   first token;
 3. decode every running request (one forward over KVSlots): each gets its next token;
 4. newcomers that go on take a KV row; requests that ended (EOS, max_tokens, cancelled) leave.
 
@@ -164,10 +165,10 @@ class Scheduler:
             rows = [self._running[rid] for rid in self.slots.rids]
         batch = len(rows) + len(newcomers)
         # 2. Prefill the newcomers: their first token.
-        cache = None
+        cache, starts = None, []
         if newcomers:
             try:
-                tokens, cache = self.engine.prefill([r.prompt for r in newcomers])
+                tokens, cache, starts = self.engine.prefill([r.prompt for r in newcomers])
                 for r, token in zip(newcomers, tokens):
                     r.events.append({"batch": batch})
                     self._push(r, token)
@@ -186,9 +187,9 @@ class Scheduler:
                     self._fail(r, err)
         # 4. Newcomers that go on take a row; finished requests leave; events go out.
         with self._lock:
-            for row, r in enumerate(newcomers):
+            for r, start in zip(newcomers, starts):
                 if not r.done:
-                    self.slots.add(r.rid, cache, row, len(r.prompt))
+                    self.slots.add(r.rid, cache, 0, start, len(r.prompt))
                     self._running[r.rid] = r
             for r in rows:
                 if r.done:
