@@ -1,16 +1,19 @@
 """`moeless bench serve`: the cost of going serverless, measured in one run.
 
-1. The same model generates the same real prompts (ShareGPT, held-out split) with the same
-   engine over four executors, batch by batch in turn (so a busy machine slows all alike):
-   experts in-process on 1 torch thread and on as many threads as the expert hosts have
+1. The same model generates real prompts (ShareGPT, held-out split) once, and every MoE-layer
+   call is run on four paths back to back, in turn (the order rotates call by call), on the same
+   input: experts in-process on 1 torch thread and on as many threads as the expert hosts have
    together (the baselines: hosts compute in parallel, so the in-process layer gets the same
    cores), and through expert functions on local expert-host processes over the shared-memory
-   local channel (what `moeless serve` uses) and over gRPC (what a remote host gets). Outputs of
-   every path must equal the 1-thread in-process ones.
-2. Reported: generation tokens/s; MoE time per layer call (mean and median; all calls, prefill
-   and decode apart) and the ratio of medians to the faster in-process baseline; each remote
-   path's layer broken into gate, scatter (plan + pack + send), invoke (of which the slowest
-   host's expert compute; the rest is transfer and call overhead) and gather.
+   local channel (what `moeless serve` uses) and over gRPC (what a remote host gets). Paired
+   within milliseconds, the paths meet the same machine: a shared machine's other jobs slow them
+   alike instead of whichever path ran during a burst. Every expert-function output must equal
+   the 1-thread in-process output bit for bit; the generation goes on with that output.
+2. Reported: MoE time per layer call (mean, median, 10th percentile; prefill and decode apart)
+   and the ratios to the faster in-process baseline; tokens/s each path would give (the
+   generation's time outside the MoE layers plus that path's MoE time); each remote path's layer
+   broken into gate, scatter (plan + pack + send), invoke (of which the slowest host's expert
+   compute; the rest is transfer and call overhead) and gather.
 3. The latency model's constants, fitted on single-expert calls of T tokens over the local
    channel: host compute = alpha * T, and round trip - compute = overhead + 2 * beta * T.
 """
@@ -76,21 +79,30 @@ def generate_batch(engine, chunk: list[list[int]], max_tokens: int) -> list[list
     return rows
 
 
-def generate_interleaved(paths: dict[str, tuple[Any, int]], prompts: list[list[int]], max_tokens: int,
-                         batch: int) -> tuple[dict[str, list[list[int]]], dict[str, float]]:
-    """Each path (name -> (engine, torch threads)) generates every batch, the paths taking turns
-    batch by batch; returns (tokens per prompt, seconds) per path."""
-    from tqdm import tqdm
+class PairedExecutor:
+    """Runs every layer call on each path (name -> (TimedExecutor, torch threads)), the order
+    rotating call by call; returns the first path's output and counts, per path, the calls whose
+    output is not bit-identical to it."""
 
-    outputs = {name: [] for name in paths}
-    seconds = dict.fromkeys(paths, 0.0)
-    for i in tqdm(range(0, len(prompts), batch), desc="batches", leave=False):
-        for name, (engine, threads) in paths.items():
+    def __init__(self, paths: dict[str, tuple[TimedExecutor, int]], threads: int):
+        self.paths, self.threads = paths, threads
+        self.mismatches = dict.fromkeys(paths, 0)
+        self._calls = 0
+
+    def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        names = list(self.paths)
+        shift = self._calls % len(names)
+        self._calls += 1
+        outputs = {}
+        for name in names[shift:] + names[:shift]:
+            executor, threads = self.paths[name]
             torch.set_num_threads(threads)
-            start = time.perf_counter()
-            outputs[name].extend(generate_batch(engine, prompts[i:i + batch], max_tokens))
-            seconds[name] += time.perf_counter() - start
-    return outputs, seconds
+            outputs[name] = executor.run_layer(layer, x, routing)
+        torch.set_num_threads(self.threads)
+        reference = outputs[names[0]]
+        for name, out in outputs.items():
+            self.mismatches[name] += not torch.equal(out, reference)
+        return reference
 
 
 def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
@@ -139,23 +151,31 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         remotes = {t: RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers, spec.num_experts, hosts))
                    for t in TRANSPORTS}
         timed |= {f"expert_functions_{t}": TimedExecutor(remotes[t]) for t in TRANSPORTS}
-        paths = {name: (Engine(moe, executor), baselines.get(name, threads)) for name, executor in timed.items()}
+        paired = PairedExecutor({name: (executor, baselines.get(name, threads)) for name, executor in timed.items()},
+                                threads)
+        engine = Engine(moe, paired)
         # 1. Warm every path (replica loads, channels, allocator), then measure.
-        generate_interleaved(paths, ids[:batch], 2, batch)
+        generate_batch(engine, ids[:batch], 2)
         for executor in timed.values():
             executor.samples = []
         for remote in remotes.values():
             remote.times = LayerTimes()
-        with moe.capture() as capture:  # routing of every path's forwards (for the gate's own time)
-            outputs, seconds = generate_interleaved(paths, ids, max_tokens, batch)
+        paired.mismatches = dict.fromkeys(timed, 0)
+        from tqdm import tqdm
+
+        start, generated = time.perf_counter(), 0
+        with moe.capture() as capture:  # the gate inputs (for the gate's own time)
+            for i in tqdm(range(0, len(ids), batch), desc="batches", leave=False):
+                generated += sum(len(r) for r in generate_batch(engine, ids[i:i + batch], max_tokens))
+        wall = time.perf_counter() - start
         torch.set_num_threads(threads)
         fit = fit_alpha_beta(clients["local"][0], spec.hidden_size)
         for client in (c for cs in clients.values() for c in cs):
             client.close()
     # 2. Figures per path against the faster in-process baseline, per phase.
-    reference = outputs[next(iter(baselines))]
-    generated = sum(len(r) for r in reference)
     layer_ms = {name: executor.summary_ms(batch) for name, executor in timed.items()}
+    moe_s = {name: sum(s for _, s in executor.samples) for name, executor in timed.items()}
+    outside_moe_s = wall - sum(moe_s.values())  # the forward's own time (attention, head, ...)
     phases = list(layer_ms[next(iter(baselines))])
     best = {stat: {phase: min(layer_ms[name][phase][stat] for name in baselines) for phase in phases}
             for stat in ("median", "p10")}
@@ -165,8 +185,11 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         "hosts": hosts, "prompts": len(ids), "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens, "batch": batch, "threads_per_host": threads, "baseline_threads": list(baselines.values()),
         "load_average_1m": os.getloadavg()[0],  # a busy machine inflates every time below
-        "identical_outputs": {name: outputs[name] == reference for name in timed},
-        "tokens_per_s": {name: generated / s for name, s in seconds.items()},
+        "layer_calls": len(next(iter(timed.values())).samples),
+        # bit-identical to the 1-thread in-process layer (2 threads round differently: not expected)
+        "identical_outputs": {name: paired.mismatches[name] == 0 for name in timed},
+        "mismatched_layer_calls": paired.mismatches,
+        "tokens_per_s": {name: generated / (outside_moe_s + s) for name, s in moe_s.items()},
         "moe_layer_ms": layer_ms,
         "ratio_to_best_in_process": {name: {phase: ms[phase]["median"] / best["median"][phase] for phase in phases}
                                      for name, ms in layer_ms.items()},
@@ -202,13 +225,15 @@ def print_report(result: dict[str, Any]) -> None:
           f"{result['prompts']} prompts x {result['max_tokens']} new tokens, batch "
           f"{result['batch']}, {result['hosts']} expert hosts x {result['threads_per_host']} thread(s); load average "
           f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores")
-    print(f"{'path':26s} {'tokens/s':>8s} {'same':>5s}   MoE layer ms: median (ratio to the faster in-process) / "
+    print(f"{result['layer_calls']} MoE-layer calls, each on every path; 'differ': calls whose output is not bit-identical "
+          f"to the 1-thread in-process one (2 threads round differently)")
+    print(f"{'path':26s} {'tokens/s':>8s} {'differ':>6s}   MoE layer ms: median (ratio to the faster in-process) / "
           f"10th percentile (ratio)")
     for name, ms in result["moe_layer_ms"].items():
         ratios, low = result["ratio_to_best_in_process"][name], result["ratio_to_best_in_process_p10"][name]
         cells = "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p10']:.3f} "
                           f"({low[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
-        print(f"{name:26s} {result['tokens_per_s'][name]:8.1f} {str(result['identical_outputs'][name]):>5s}   {cells}")
+        print(f"{name:26s} {result['tokens_per_s'][name]:8.1f} {result['mismatched_layer_calls'][name]:6d}   {cells}")
     for transport, br in result["breakdown_ms_per_layer"].items():
         print(f"breakdown over {transport} (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
     print(f"latency model ({fit['transport']}): alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), "

@@ -38,9 +38,10 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
 
     bench = benches.add_parser(
         "serve", help="tokens/s and MoE-layer time through expert functions vs in-process experts; alpha and beta",
-        description="Generate the same ShareGPT prompts with experts in-process (baseline) and through expert "
-                    "functions on local expert hosts; print tokens/s, per-layer MoE time and its breakdown "
-                    "(gate, scatter, invoke, expert compute, gather) and the latency model's alpha and beta.",
+        description="Generate ShareGPT prompts once, running every MoE layer on each path back to back: experts "
+                    "in-process (baselines) and through expert functions on local expert hosts (shared memory, "
+                    "gRPC); print per-layer MoE time, its breakdown (gate, scatter, invoke, expert compute, "
+                    "gather), tokens/s and the latency model's alpha and beta.",
     )
     bench.add_argument("--model", default="default", help=MODEL_HELP)
     bench.add_argument("--hosts", type=int, default=2, help="expert-host processes (default 2)")

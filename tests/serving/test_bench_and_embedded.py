@@ -11,7 +11,9 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
     monkeypatch.setenv("MOELESS_CACHE", str(tmp_path))
     result = run_bench("tiny:mixtral", hosts=2, prompts=2, prompt_tokens=16, max_tokens=3, batch=2)
     paths = {"in_process_1_threads", "in_process_2_threads", "expert_functions_local", "expert_functions_grpc"}
-    assert set(result["identical_outputs"]) == paths and all(result["identical_outputs"].values())
+    assert set(result["identical_outputs"]) == paths and result["layer_calls"] > 0
+    for name in ("in_process_1_threads", "expert_functions_local", "expert_functions_grpc"):
+        assert result["identical_outputs"][name] and result["mismatched_layer_calls"][name] == 0
     for name in paths:
         assert result["tokens_per_s"][name] > 0
         for phase in ("all", "prefill", "decode"):
