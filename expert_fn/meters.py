@@ -44,6 +44,12 @@ class HostTotals:
     evictions: int = 0
     invocations: int = 0  # Invoke calls (one per layer per call), not per expert
     tokens: int = 0
+    # Cold starts over all layers (ColdMeters): seconds prefetching hid, seconds invocations waited.
+    cold_hidden_s: float = 0.0
+    cold_exposed_s: float = 0.0
+    cold_waits: int = 0
+    prefetched: int = 0
+    prefetch_wasted: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -139,7 +145,11 @@ class Meters:
         return (m.byte_seconds + open_part) / GB
 
     def totals(self) -> HostTotals:
-        t = HostTotals(invocations=self.host_invocations, load_s_sum=self.load_s_sum)
+        layers = self.cold.layers.values()
+        t = HostTotals(invocations=self.host_invocations, load_s_sum=self.load_s_sum,
+                       cold_hidden_s=sum(m.hidden_s for m in layers), cold_exposed_s=sum(m.exposed_s for m in layers),
+                       cold_waits=sum(m.waits for m in layers), prefetched=sum(m.prefetched for m in layers),
+                       prefetch_wasted=self.cold.prefetch_wasted)
         for key, m in self.replicas.items():
             t.gb_s += self.gb_s(key)
             t.bytes_held += m.bytes

@@ -6,6 +6,10 @@ entry) -> device, on a small thread pool, so a pre-warm or prefetch returns at o
 that needs a replica still loading waits for it (a cold start), and a load already running is
 never started twice. Per layer the meters count the cold-start time a prefetch hid and the time
 invocations waited. A sweeper thread evicts replicas idle for longer than keep_alive_s.
+
+An invoke's compute_s is the compute thread's CPU time on a CPU device computing on one torch
+thread (the host's own work: time the thread was preempted by other processes on a shared
+machine is not compute), and wall time otherwise (a GPU's kernels, or several OpenMP threads).
 """
 
 from __future__ import annotations
@@ -132,11 +136,12 @@ class ExpertHostRuntime:
             for (expert, x), w in zip(batches.items(), weights):
                 if x.shape[1] != w["gate"].shape[1]:
                     raise BadRequest(f"expert {expert}: tokens must be [n, H={w['gate'].shape[1]}], got {list(x.shape)}")
-            started = time.perf_counter()
+            clock = _compute_clock(self.device)
+            started = clock()
             xs = [x.to(self.device, torch.float32) for x in batches.values()]
             outs = self._forward(weights, xs, self.store.act)
             result = {e: out.to("cpu", torch.float32) for e, out in zip(batches, outs)} | empty
-            compute_s = time.perf_counter() - started
+            compute_s = clock() - started
         finally:
             with self._lock:
                 for key in pinned:
@@ -253,3 +258,9 @@ class ExpertHostRuntime:
         while not self._stop.wait(period):
             with self._lock:
                 self._dropped(self.table.expire())
+
+
+def _compute_clock(device: str) -> Callable[[], float]:
+    """The clock an invoke's compute is timed on (see the module docstring): the calling thread's
+    CPU time when it alone computes (a CPU device, one torch thread), else wall time."""
+    return time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
