@@ -105,8 +105,12 @@ def prepare(spec: WorkloadSpec, arrivals: arr.Arrivals, model: str, sizes: Sizes
     """Trace the prompts through `model` ("default" or "tiny"; cached by model and predictor), then
     batch the arrivals each way and build every forecast kind at every distance."""
     from moeless.controller.loads import requests_from
+    from moeless.threads import torch_threads
 
-    loads, forecasts, facts, note = requests_from(model, sizes.prompts, sizes.new_tokens, distances, spec.prompts)
+    # One torch thread: the predictor's many tiny gate calls stall at a multi-thread pool's barrier
+    # on a busy machine (moeless.threads), which made tracing 10x slower here.
+    with torch_threads(1):
+        loads, forecasts, facts, note = requests_from(model, sizes.prompts, sizes.new_tokens, distances, spec.prompts)
     per_arrival, per_arrival_forecasts = _per_arrival(loads, forecasts, arrivals)
     first = loads[0]
     top_k = int(round(first.prefill[0].sum() / max(first.prompt_tokens, 1)))
