@@ -1,14 +1,17 @@
 """`moeless bench serve`: the cost of going serverless, measured in one run.
 
 1. The same model generates real prompts (ShareGPT, held-out split) once, and every MoE-layer
-   call is run on four paths back to back, in turn (the order rotates call by call), on the same
-   input: experts in-process on 1 torch thread and on as many threads as the expert hosts have
-   together (the baselines: hosts compute in parallel, so the in-process layer gets the same
-   cores), and through expert functions on local expert-host processes over the shared-memory
-   local channel (what `moeless serve` uses) and over gRPC (what a remote host gets). Paired
-   within milliseconds, the paths meet the same machine: a shared machine's other jobs slow them
-   alike instead of whichever path ran during a burst. Every expert-function output must equal
-   the 1-thread in-process output bit for bit; the generation goes on with that output.
+   call is run on three paths back to back, in turn (the order rotates call by call), on the
+   same input: experts in-process on 1 torch thread (the baseline), and through expert functions
+   on local expert-host processes over the shared-memory local channel (what `moeless serve`
+   uses) and over gRPC (what a remote host gets). Paired within milliseconds, the paths meet the
+   same machine: a shared machine's other jobs slow them alike instead of whichever path ran
+   during a burst. Every expert-function output must equal the in-process output bit for bit;
+   the generation goes on with that output. Hosts compute in parallel, so the in-process layer
+   is also measured on as many threads as the hosts have together (the second baseline), batch
+   by batch right after the paired run of the same batch (in its own pass: OpenMP's waiting
+   worker threads would take a core from the hosts' calls next to it); ratios are to the faster
+   baseline.
 2. Reported: MoE time per layer call (mean, median, 10th percentile; prefill and decode apart)
    and the ratios to the faster in-process baseline; tokens/s each path would give (the
    generation's time outside the MoE layers plus that path's MoE time); each remote path's layer
@@ -151,23 +154,33 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         remotes = {t: RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers, spec.num_experts, hosts))
                    for t in TRANSPORTS}
         timed |= {f"expert_functions_{t}": TimedExecutor(remotes[t]) for t in TRANSPORTS}
-        paired = PairedExecutor({name: (executor, baselines.get(name, threads)) for name, executor in timed.items()},
+        wide_name = f"in_process_{wide}_threads" if wide != threads else None
+        paired = PairedExecutor({name: (executor, threads) for name, executor in timed.items() if name != wide_name},
                                 threads)
-        engine = Engine(moe, paired)
+        engine, wide_engine = Engine(moe, paired), Engine(moe, timed[wide_name]) if wide_name else None
         # 1. Warm every path (replica loads, channels, allocator), then measure.
         generate_batch(engine, ids[:batch], 2)
         for executor in timed.values():
             executor.samples = []
         for remote in remotes.values():
             remote.times = LayerTimes()
-        paired.mismatches = dict.fromkeys(timed, 0)
+        paired.mismatches = dict.fromkeys(paired.paths, 0)
         from tqdm import tqdm
 
-        start, generated = time.perf_counter(), 0
-        with moe.capture() as capture:  # the gate inputs (for the gate's own time)
-            for i in tqdm(range(0, len(ids), batch), desc="batches", leave=False):
-                generated += sum(len(r) for r in generate_batch(engine, ids[i:i + batch], max_tokens))
-        wall = time.perf_counter() - start
+        paired_s, generated, captures = 0.0, 0, []
+        for i in tqdm(range(0, len(ids), batch), desc="batches", leave=False):
+            start = time.perf_counter()
+            with moe.capture() as capture:  # the gate inputs (for the gate's own time)
+                rows = generate_batch(engine, ids[i:i + batch], max_tokens)
+            captures.append(capture)
+            paired_s += time.perf_counter() - start
+            generated += sum(len(r) for r in rows)
+            if wide_engine:  # the same batch on the wide baseline, on its own
+                torch.set_num_threads(wide)
+                wide_rows = generate_batch(wide_engine, ids[i:i + batch], max_tokens)
+                torch.set_num_threads(threads)
+                paired.mismatches.setdefault(wide_name, 0)
+                paired.mismatches[wide_name] += sum(a != b for a, b in zip(rows, wide_rows))
         torch.set_num_threads(threads)
         fit = fit_alpha_beta(clients["local"][0], spec.hidden_size)
         for client in (c for cs in clients.values() for c in cs):
@@ -175,20 +188,22 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
     # 2. Figures per path against the faster in-process baseline, per phase.
     layer_ms = {name: executor.summary_ms(batch) for name, executor in timed.items()}
     moe_s = {name: sum(s for _, s in executor.samples) for name, executor in timed.items()}
-    outside_moe_s = wall - sum(moe_s.values())  # the forward's own time (attention, head, ...)
+    outside_moe_s = paired_s - sum(moe_s[name] for name in paired.paths)  # the forward's own time
     phases = list(layer_ms[next(iter(baselines))])
     best = {stat: {phase: min(layer_ms[name][phase][stat] for name in baselines) for phase in phases}
             for stat in ("median", "p10")}
-    gate_ms = 1e3 * _gate_seconds(moe, capture) / max(len(capture.iterations) * spec.num_layers, 1)
+    iterations = [it for capture in captures for it in capture.iterations]
+    gate_ms = 1e3 * _gate_seconds(moe, iterations) / max(len(iterations) * spec.num_layers, 1)
     return {
         "model": choice.name, "experts": spec.num_experts, "top_k": spec.top_k, "expert_ffn": spec.expert_ffn,
         "hosts": hosts, "prompts": len(ids), "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens, "batch": batch, "threads_per_host": threads, "baseline_threads": list(baselines.values()),
         "load_average_1m": os.getloadavg()[0],  # a busy machine inflates every time below
         "layer_calls": len(next(iter(timed.values())).samples),
-        # bit-identical to the 1-thread in-process layer (2 threads round differently: not expected)
+        # expert functions: layer calls not bit-identical to the in-process ones; the wide baseline
+        # (2 threads round differently): generations that differ from the paired run's
         "identical_outputs": {name: paired.mismatches[name] == 0 for name in timed},
-        "mismatched_layer_calls": paired.mismatches,
+        "mismatches": paired.mismatches,
         "tokens_per_s": {name: generated / (outside_moe_s + s) for name, s in moe_s.items()},
         "moe_layer_ms": layer_ms,
         "ratio_to_best_in_process": {name: {phase: ms[phase]["median"] / best["median"][phase] for phase in phases}
@@ -210,10 +225,10 @@ def _breakdown(t, gate_ms: float) -> dict[str, float]:
             "gather": per_call(t.gather_s)}
 
 
-def _gate_seconds(moe, capture) -> float:
+def _gate_seconds(moe, iterations) -> float:
     start = time.perf_counter()
     with torch.no_grad():
-        for iteration in capture.iterations:
+        for iteration in iterations:
             for layer, record in enumerate(iteration):
                 moe.route(layer, record.gate_input)
     return time.perf_counter() - start
@@ -225,15 +240,15 @@ def print_report(result: dict[str, Any]) -> None:
           f"{result['prompts']} prompts x {result['max_tokens']} new tokens, batch "
           f"{result['batch']}, {result['hosts']} expert hosts x {result['threads_per_host']} thread(s); load average "
           f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores")
-    print(f"{result['layer_calls']} MoE-layer calls, each on every path; 'differ': calls whose output is not bit-identical "
-          f"to the 1-thread in-process one (2 threads round differently)")
+    print(f"{result['layer_calls']} MoE-layer calls; 'differ': calls whose output is not bit-identical to the 1-thread "
+          f"in-process one (for the wide baseline: generations that differ; 2 threads round differently)")
     print(f"{'path':26s} {'tokens/s':>8s} {'differ':>6s}   MoE layer ms: median (ratio to the faster in-process) / "
           f"10th percentile (ratio)")
     for name, ms in result["moe_layer_ms"].items():
         ratios, low = result["ratio_to_best_in_process"][name], result["ratio_to_best_in_process_p10"][name]
         cells = "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p10']:.3f} "
                           f"({low[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
-        print(f"{name:26s} {result['tokens_per_s'][name]:8.1f} {result['mismatched_layer_calls'][name]:6d}   {cells}")
+        print(f"{name:26s} {result['tokens_per_s'][name]:8.1f} {result['mismatches'][name]:6d}   {cells}")
     for transport, br in result["breakdown_ms_per_layer"].items():
         print(f"breakdown over {transport} (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
     print(f"latency model ({fit['transport']}): alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), "

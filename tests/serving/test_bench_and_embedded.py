@@ -13,7 +13,7 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
     paths = {"in_process_1_threads", "in_process_2_threads", "expert_functions_local", "expert_functions_grpc"}
     assert set(result["identical_outputs"]) == paths and result["layer_calls"] > 0
     for name in ("in_process_1_threads", "expert_functions_local", "expert_functions_grpc"):
-        assert result["identical_outputs"][name] and result["mismatched_layer_calls"][name] == 0
+        assert result["identical_outputs"][name] and result["mismatches"][name] == 0
     for name in paths:
         assert result["tokens_per_s"][name] > 0
         for phase in ("all", "prefill", "decode"):
