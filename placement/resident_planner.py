@@ -199,6 +199,27 @@ def place_resident(
     return layer, left, ResidentDecision(static_s, base_s, grown_s, final_s, added)
 
 
+def relevel_layer(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int) -> LayerPlacement:
+    """The layer's replicas with shares re-levelled for the load it actually got: what a serving
+    replica does per MoE layer once the gate has run (microseconds; free, since every replica is
+    resident). load: [E] whole tokens per expert -> the same replicas (expert, gpu), new shares.
+
+    Experts water-filled over their replicas least-loaded GPU first (`kernels.reshare`), whole
+    tokens, then the busiest GPU's experts re-levelled while that shortens the layer
+    (`resident_kernels.relevel`); replicas may get no token; an expert without tokens routes to
+    its first replica. One replica per expert: nothing to re-level, the layer comes back as is.
+    """
+    num_experts = load.shape[0]
+    if layer.num_replicas == num_experts:
+        return layer
+    tokens_in = np.asarray(load, dtype=np.int64)
+    expert, gpu = layer.expert, layer.gpu
+    tokens = kernels.largest_remainder(tokens_in, expert, kernels.reshare(tokens_in.astype(np.float64), expert, gpu,
+                                                                          model.call_tokens, num_gpus))
+    _relevel(tokens_in, expert, gpu, tokens, num_gpus, model)
+    return _routable(LayerPlacement(expert, gpu, _shares(tokens, tokens_in[expert])), num_experts)
+
+
 def _base(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, budget: int,
           num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Home and resident replicas that fit the free slots and the budget: (expert [R], gpu [R],

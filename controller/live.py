@@ -1,0 +1,205 @@
+"""The live planning loop's decisions, as pure functions: one plan for all traffic.
+
+The planning loop (serving/plan_loop.py, a Ray actor) reads what every expert host holds (the
+hosts are the truth of what is resident), merges the serving replicas' reports (controller/
+live_window.py) and, every period, calls `plan_step`:
+
+1. The cluster: every live host's replica memory; a dead host has none (its replicas are planned
+   elsewhere; it re-joins, empty, when it answers again).
+2. The resident set as a Placement (`resident_placement`): every replica loaded on a live host; an
+   expert resident nowhere counts at its static EP home (it is loaded there, below).
+3. The configured planner on the merged forecast against that resident set.
+4. Loads to send (`loads_to_send`): every planned replica a live host neither holds nor is
+   loading (prefetch, off the critical path). Nothing is evicted here: a replica the plan drops
+   stops getting tokens and its host evicts it after keep-alive.
+5. What to publish (`publishable`): the plan's replicas whose load has finished, so no token is
+   routed to a replica that must still load; an expert none of whose planned replicas is loaded
+   keeps them (the host loads on demand: an exposed cold start, counted by the host).
+
+Serving replicas re-level each expert's tokens over the published replicas per layer on the
+actual loads (placement.resident_planner.relevel_layer); outputs never depend on the placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from moeless.controller.planner import STATEFUL_PLANNERS, Planner, PlannerConfig
+from moeless.controller.profile import CostProfile
+from moeless.knobs import KnobError, Knobs
+from moeless.placement.cluster import Cluster, ClusterError
+from moeless.placement.types import LayerPlacement, Placement, PlacementError
+
+FAMILIES = ("moeless", "paper")  # planners with a scaler and a placer to switch off
+GIB = 2**30
+
+
+def live_planner_name(knobs: Knobs) -> str:
+    """The planner the knobs select: `planner`, with its scaler and/or placer off for ablations."""
+    if knobs.scaler and knobs.placer:
+        return knobs.planner
+    if knobs.planner not in FAMILIES:
+        raise KnobError(f"scaler/placer: only the {' and '.join(FAMILIES)} planners have a scaler and a placer to "
+                        f"switch off; planner is {knobs.planner!r}")
+    return knobs.planner + ("" if knobs.scaler else "-no-scaler") + ("" if knobs.placer else "-no-placer")
+
+
+def relevels(planner_name: str) -> bool:
+    """Whether serving replicas re-level shares over the published replicas on each layer's actual
+    loads: moeless's planners plan the resident set and leave the shares to the data plane; the
+    baselines (static EP, EPLB, the paper, the Oracle) keep their own shares."""
+    return planner_name.startswith("moeless")
+
+
+def is_stateful(planner_name: str) -> bool:
+    """Planners that learn from every iteration's loads themselves (EPLB's window): the loop feeds
+    them each reported iteration's actual loads instead of the merged forecast."""
+    return planner_name in STATEFUL_PLANNERS
+
+
+def layer_cap_replicas(knobs: Knobs, num_experts: int, expert_bytes: int) -> int:
+    """Replicas one layer may hold: layerMemoryCapGiB over one replica's bytes (default 2 per expert)."""
+    if knobs.layer_memory_cap_gib is None:
+        return 2 * num_experts
+    cap = int(knobs.layer_memory_cap_gib * GIB // expert_bytes)
+    if cap < num_experts:
+        raise KnobError(f"layerMemoryCapGiB: {knobs.layer_memory_cap_gib} GiB holds {cap} replicas of {expert_bytes} "
+                        f"bytes, fewer than the {num_experts} experts of a layer; raise it to at least "
+                        f"{num_experts * expert_bytes / GIB:.4f}")
+    return cap
+
+
+def planner_config(knobs: Knobs, profile: CostProfile, iteration_s: float,
+                   extra: Mapping[str, Any] | None = None) -> PlannerConfig:
+    """The planners' settings from the knobs, the measured profile (cold starts from the host
+    memory tier) and the measured iteration time; `extra`: other PlannerConfig fields."""
+    config = PlannerConfig(model=profile.latency_model("host"), cv_threshold=knobs.cv_threshold,
+                           prefetch_layers=knobs.distance, keep_alive_s=knobs.keep_alive_s,
+                           gb_s_price=knobs.memory_price, iteration_s=max(iteration_s, 1e-4))
+    return replace(config, **dict(extra or {}))
+
+
+@dataclass(frozen=True)
+class HostView:
+    """What the hosts hold, from their Status replies. resident, loading: [L, E, G] bool (a replica
+    loaded / loading on host g); live: [G] bool (the host answered); memory: [G] replica bytes
+    each host offers (0 for a dead host)."""
+
+    resident: np.ndarray
+    loading: np.ndarray
+    live: np.ndarray
+    memory: np.ndarray
+
+    @staticmethod
+    def from_status(statuses: Sequence[dict | None], num_layers: int, num_experts: int) -> "HostView":
+        """statuses[g]: host g's status() (ExpertHostClient.status) or None when it did not answer."""
+        num_hosts = len(statuses)
+        resident = np.zeros((num_layers, num_experts, num_hosts), dtype=bool)
+        loading = np.zeros_like(resident)
+        live = np.array([s is not None and s.get("health", "serving") == "serving" for s in statuses])
+        memory = np.zeros(num_hosts)
+        for g, status in enumerate(statuses):
+            if not live[g]:
+                continue
+            memory[g] = float(status["memory_bytes"])
+            for r in status["replicas"]:
+                if r["layer"] >= num_layers or r["expert"] >= num_experts:
+                    continue
+                if r["state"] in ("warm", "idle"):
+                    resident[r["layer"], r["expert"], g] = True
+                elif r["state"] == "loading":
+                    loading[r["layer"], r["expert"], g] = True
+        return HostView(resident, loading, live, memory)
+
+    def cluster(self, expert_bytes: int, layer_cap: int | None) -> Cluster:
+        """The live hosts as a Cluster (a dead host: no memory). Raises ClusterError when none is live."""
+        cap = None if layer_cap is None else float(layer_cap * expert_bytes)
+        return Cluster(self.memory, expert_bytes, cap)
+
+
+def resident_placement(resident: np.ndarray) -> Placement:
+    """resident: [L, E, G] bool -> every resident replica (even shares); an expert resident
+    nowhere counts at its static EP home (e * G // E)."""
+    num_layers, num_experts, num_hosts = resident.shape
+    home = np.arange(num_experts) * num_hosts // num_experts
+    layers = []
+    for l in range(num_layers):
+        held = resident[l].copy()
+        missing = ~held.any(axis=1)
+        held[np.flatnonzero(missing), home[missing]] = True
+        expert, gpu = np.nonzero(held)
+        layers.append(LayerPlacement.even(expert, gpu, num_experts))
+    return Placement(tuple(layers), num_experts, num_hosts)
+
+
+def loads_to_send(plan: Placement, view: HostView) -> list[tuple[int, int, int]]:
+    """(layer, expert, host) of every planned replica on a live host that neither holds nor loads it."""
+    out = []
+    for l, lp in enumerate(plan.layers):
+        for e, g in zip(lp.expert.tolist(), lp.gpu.tolist()):
+            if view.live[g] and not view.resident[l, e, g] and not view.loading[l, e, g]:
+                out.append((l, e, g))
+    return out
+
+
+def publishable(plan: Placement, resident: np.ndarray) -> Placement:
+    """The plan's replicas that are loaded (resident: [L, E, G]). An expert none of whose planned
+    replicas is loaded takes the replicas of it that are resident elsewhere (the plan's move has not
+    happened yet), else keeps its planned ones (loaded on demand). Each expert's shares are
+    renormalised over what is kept (even where they sum to zero); serving replicas re-level them
+    on the actual loads anyway."""
+    layers = []
+    for l, lp in enumerate(plan.layers):
+        loaded = resident[l, lp.expert, lp.gpu]
+        has_loaded = np.bincount(lp.expert, weights=loaded, minlength=plan.num_experts) > 0
+        keep = loaded | ~has_loaded[lp.expert]
+        expert, gpu, share = lp.expert[keep], lp.gpu[keep], lp.share[keep]
+        stand_in = ~has_loaded & resident[l].any(axis=1)  # experts resident only off the plan
+        if stand_in.any():
+            moved = np.isin(expert, np.flatnonzero(stand_in))
+            extra_e, extra_g = np.nonzero(resident[l] & stand_in[:, None])
+            expert = np.concatenate([expert[~moved], extra_e])
+            gpu = np.concatenate([gpu[~moved], extra_g])
+            share = np.concatenate([share[~moved], np.zeros(extra_e.shape[0])])
+        total = np.bincount(expert, weights=share, minlength=plan.num_experts)
+        count = np.bincount(expert, minlength=plan.num_experts)
+        share = np.where(total[expert] > 0, share / np.where(total[expert] > 0, total[expert], 1.0), 1.0 / count[expert])
+        layers.append(LayerPlacement(expert, gpu, share))
+    return Placement(tuple(layers), plan.num_experts, plan.num_gpus)
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """One pass of the loop: the plan, the loads to send, the placement to publish."""
+
+    plan: Placement
+    loads: list[tuple[int, int, int]]
+    publish: Placement
+
+
+def plan_step(planner: Planner, forecast: np.ndarray, view: HostView, expert_bytes: int, layer_cap: int | None,
+              known_memory: np.ndarray | None = None) -> StepDecision:
+    """Steps 1-5 of the module docstring for one forecast [L, E]. A planner that places on every
+    host whatever their memory (static EP, EPLB) cannot plan around a dead host: it plans on
+    known_memory [G] (every host's last known memory) instead, and serving replicas move the dead
+    host's replicas to live ones per call (RemoteExecutor's fault evacuation)."""
+    resident = resident_placement(view.resident & view.live[None, None, :])
+    try:
+        plan = planner(forecast, view.cluster(expert_bytes, layer_cap), resident)
+    except (PlacementError, ClusterError):
+        if known_memory is None or view.live.all():
+            raise
+        whole = HostView(view.resident, view.loading, view.live, np.asarray(known_memory, dtype=np.float64))
+        plan = planner(forecast, whole.cluster(expert_bytes, layer_cap), resident)
+    return StepDecision(plan, loads_to_send(plan, view), publishable(plan, view.resident))
+
+
+def same_placement(a: Placement | None, b: Placement, shares: bool = True) -> bool:
+    """Whether two placements have the same replicas (and, with shares, the same shares)."""
+    if a is None or (a.num_layers, a.num_experts, a.num_gpus) != (b.num_layers, b.num_experts, b.num_gpus):
+        return False
+    return all(x.num_replicas == y.num_replicas and np.array_equal(x.expert, y.expert) and np.array_equal(x.gpu, y.gpu)
+               and (not shares or np.allclose(x.share, y.share)) for x, y in zip(a.layers, b.layers))

@@ -1,0 +1,160 @@
+"""The live loop's pure parts: planner naming, what the hosts hold, one planning pass's decisions,
+the report window, the figures, the heartbeat (fake clock), the per-call re-levelling."""
+
+import math
+
+import numpy as np
+import pytest
+
+from moeless.controller.live import (
+    HostView, layer_cap_replicas, live_planner_name, loads_to_send, plan_step, planner_config, publishable,
+    relevels, resident_placement, same_placement,
+)
+from moeless.controller.live_window import Heartbeat, IterationReport, LayerFigures, LiveStats, ReportWindow
+from moeless.controller.planner import get_planner
+from moeless.controller.profile import CostProfile
+from moeless.knobs import KnobError, Knobs
+from moeless.placement.latency_model import LatencyModel
+from moeless.placement.resident_planner import relevel_layer
+from moeless.placement.types import LayerPlacement, Placement
+
+L, E, G = 2, 4, 2
+PROFILE = CostProfile(alpha=1e-6, beta=0.0, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
+                      expert_bytes=1000, non_expert_bytes=10_000, source="test")
+
+
+def status(replicas, memory=1_000_000, health="serving"):
+    """A host's status() with replicas [(layer, expert, state)]."""
+    return {"memory_bytes": memory, "health": health, "meters": {"gb_s": 0.0},
+            "replicas": [{"layer": l, "expert": e, "state": s} for l, e, s in replicas]}
+
+
+def homes(g, state="idle"):
+    return [(l, e, state) for l in range(L) for e in range(E) if e * G // E == g]
+
+
+def test_planner_names_from_knobs():
+    assert live_planner_name(Knobs()) == "moeless"
+    assert live_planner_name(Knobs(scaler=False)) == "moeless-no-scaler"
+    assert live_planner_name(Knobs(planner="paper", scaler=False, placer=False)) == "paper-no-scaler-no-placer"
+    with pytest.raises(KnobError, match="scaler/placer: only the moeless and paper planners"):
+        live_planner_name(Knobs(planner="static", placer=False))
+    assert relevels("moeless-no-placer") and not relevels("eplb-window") and not relevels("paper")
+
+
+def test_layer_cap_from_knobs():
+    assert layer_cap_replicas(Knobs(), E, 1000) == 2 * E
+    assert layer_cap_replicas(Knobs(layer_memory_cap_gib=6000 / 2**30), E, 1000) == 6
+    with pytest.raises(KnobError, match="layerMemoryCapGiB: .* fewer than the 4 experts"):
+        layer_cap_replicas(Knobs(layer_memory_cap_gib=3000 / 2**30), E, 1000)
+
+
+def test_host_view_reads_states_and_dead_hosts():
+    view = HostView.from_status([status(homes(0) + [(1, 3, "loading"), (0, 2, "evicted")]), None], L, E)
+    assert view.live.tolist() == [True, False] and view.memory.tolist() == [1_000_000, 0]
+    assert view.resident[:, :, 0].sum() == 4 and view.resident[1, 0, 0] and not view.resident[0, 2, 0]
+    assert view.loading[1, 3, 0] and not view.resident[:, :, 1].any()
+    draining = HostView.from_status([status(homes(0)), status(homes(1), health="draining")], L, E)
+    assert draining.live.tolist() == [True, False]
+
+
+def test_resident_placement_puts_an_expert_resident_nowhere_at_home():
+    resident = np.zeros((L, E, G), dtype=bool)
+    resident[0, :, 0] = True  # layer 0: every expert on host 0; layer 1: nothing
+    placement = resident_placement(resident)
+    assert placement.layers[0].gpu.tolist() == [0, 0, 0, 0]
+    assert sorted(zip(placement.layers[1].expert.tolist(), placement.layers[1].gpu.tolist())) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+
+
+def test_loads_publishing_and_stand_ins():
+    plan = Placement((LayerPlacement(np.array([0, 0, 1, 2, 3]), np.array([0, 1, 0, 1, 1]), np.array([.5, .5, 1, 1, 1])),
+                      LayerPlacement(np.array([0, 1, 2, 3]), np.array([1, 1, 0, 0]), np.ones(4))), E, G)
+    view = HostView.from_status([status(homes(0) + [(1, 2, "loading")]), status(homes(1))], L, E)
+    # Layer 0: (0, 1) is new -> loaded; layer 1: experts 0, 1 moved to host 1, 2 and 3 to host 0.
+    assert sorted(loads_to_send(plan, view)) == [(0, 0, 1), (1, 0, 1), (1, 1, 1), (1, 3, 0)]
+    dead = HostView(view.resident, view.loading, np.array([True, False]), view.memory)
+    assert sorted(loads_to_send(plan, dead)) == [(1, 3, 0)]
+    published = publishable(plan, view.resident)
+    # Layer 0: the unloaded replica (0, host 1) is left out, expert 0 keeps its loaded one, share 1.
+    lp = published.layers[0]
+    assert sorted(zip(lp.expert.tolist(), lp.gpu.tolist(), lp.share.tolist())) == [(0, 0, 1.0), (1, 0, 1.0), (2, 1, 1.0), (3, 1, 1.0)]
+    # Layer 1: nothing planned is loaded: every expert is served where it is resident (its home).
+    lp = published.layers[1]
+    assert sorted(zip(lp.expert.tolist(), lp.gpu.tolist())) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    nowhere = view.resident.copy()
+    nowhere[1, 3] = False  # expert 3 of layer 1 resident nowhere: its planned replica is kept (loads on demand)
+    assert (3, 0) in set(zip(publishable(plan, nowhere).layers[1].expert.tolist(), publishable(plan, nowhere).layers[1].gpu.tolist()))
+    assert same_placement(published, published) and not same_placement(None, published)
+
+
+def test_plan_step_plans_around_a_dead_host():
+    skewed = np.array([[400.0, 300, 10, 10], [300, 300, 20, 20]])
+    view = HostView.from_status([status(homes(0)), status(homes(1)), None], L, E)  # host 2 is dead
+    planner = get_planner("moeless", planner_config(Knobs(memory_price=0.0), PROFILE, 0.05))
+    decision = plan_step(planner, skewed, view, PROFILE.expert_bytes, 2 * E)
+    for lp in decision.plan.layers:
+        assert 2 not in lp.gpu.tolist() and sorted(set(lp.expert.tolist())) == list(range(E))
+    assert all(g != 2 for _, _, g in decision.loads)
+    assert decision.plan.layers[0].num_replicas > E  # the skew pays for more replicas
+    # Static EP places on every host whatever its memory: it plans on the last known memory, and
+    # serving replicas evacuate the dead host's replicas per call.
+    static = plan_step(get_planner("static", planner.config), skewed, view, PROFILE.expert_bytes, 2 * E,
+                       known_memory=np.full(3, 1e6))
+    assert 2 in static.plan.layers[0].gpu.tolist() and all(g != 2 for _, _, g in static.loads)
+
+
+def report(t, phase="prefill", duration=0.1, load=None, forecast=None, wall=1e-3, replica="a"):
+    actual = np.array(load if load is not None else [[3, 1, 0, 0], [1, 1, 1, 1]])
+    figures = LayerFigures(wall_s=np.full(L, wall), compute_s=np.full(L, 5e-4), host_tokens=np.array([3.0, 2.0]),
+                           host_calls=np.array([2.0, 0.0]), cold_starts=np.array([1.0, 0.0]), model_s=np.full(L, 4e-4),
+                           imbalance=np.array([1.5, 1.0]), cv=np.array([0.5, 0.0]))
+    return IterationReport(replica, t, duration, phase, 4, actual, forecast, float("nan"), 1e-5, figures)
+
+
+def test_window_merges_with_time_weights_and_forgets():
+    window = ReportWindow(window_s=2.0)
+    window.add(report(0.0, duration=0.3, load=[[4, 0, 0, 0], [0, 0, 0, 4]]))
+    window.add(report(1.0, duration=0.1, load=[[0, 4, 0, 0], [0, 0, 0, 4]]))
+    merged = window.merged(1.5, "actual")
+    assert np.allclose(merged[0], [3, 1, 0, 0]) and np.allclose(merged[1], [0, 0, 0, 4])
+    assert window.merged(1.5, "forecast") is None  # no predictor
+    assert math.isclose(window.iteration_s(1.5), 0.2)
+    assert np.allclose(window.merged(2.5, "actual")[0], [0, 4, 0, 0])  # the first ended more than 2 s ago
+    assert window.merged(10.0, "actual") is None and window.iteration_s(10.0, default=0.05) == 0.05
+
+
+def test_stats_sum_per_phase_and_keep_the_last_layer_figures():
+    stats = LiveStats(L)
+    stats.add(report(0.0, "prefill", wall=3e-4))
+    stats.add(report(0.1, "decode", wall=2e-3))
+    stats.add(report(0.2, "decode", wall=2e-3))
+    prefill, decode = stats.phases["prefill"], stats.phases["decode"]
+    assert prefill.calls.tolist() == [1, 0] and decode.calls.tolist() == [2, 0]  # layer 1 made no call
+    assert math.isclose(decode.mean("compute_s"), 5e-4) and decode.per_layer["cold_starts"].tolist() == [2.0, 0.0]
+    assert prefill.buckets.sum() == 1 and decode.buckets[np.searchsorted([2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3], 2e-3)] == 2
+    assert stats.imbalance.tolist() == [1.5, 1.0] and stats.load_max_over_mean.tolist() == [3.0, 1.0]
+    with pytest.raises(ValueError, match="unknown phase"):
+        stats.add(report(0.3, "chunked"))
+    stats.reset()
+    assert stats.phases["decode"].iterations == 0
+
+
+def test_heartbeat_reports_a_stall_on_a_fake_clock():
+    now = [100.0]
+    beat = Heartbeat(lambda: now[0], threshold_s=2.0)
+    now[0] += 1.5
+    assert beat.stalled() is None
+    beat.beat()
+    now[0] += 2.5
+    assert beat.stalled() == "degraded: planning loop stalled for 2.5 s"
+
+
+def test_relevel_golden_example():
+    # Static EP on 2 GPUs (experts 0, 1 on GPU 0; 2, 3 on GPU 1) plus a replica of expert 0 on GPU 1;
+    # a call costs one token's time. Forecast [10, 6, 0, 0]: 9 of expert 0's tokens go to GPU 1.
+    layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
+    out = relevel_layer(np.array([10, 6, 0, 0]), layer, LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0), 2)
+    assert out.expert.tolist() == layer.expert.tolist() and out.gpu.tolist() == layer.gpu.tolist()
+    assert np.allclose(out.share, [0.1, 1, 1, 1, 0.9])  # experts without tokens route to their replica
+    static = Placement.static(1, E, 2).layers[0]
+    assert relevel_layer(np.array([10, 6, 0, 0]), static, LatencyModel(1.0, 0.0, 1.0, 1.0), 2) is static
