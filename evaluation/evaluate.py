@@ -90,7 +90,8 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
     for ablation in config.ablations:
         runs.ablated(config.knobs.planner, "scaler" not in ablation, "placer" not in ablation)
     # 2. Real loads and forecasts of every workload (traced once, cached by model and predictor).
-    traced = sorted({config.knobs.distance, *config.distances})
+    # Always the forecasts at 1..5 (and the knob's d): one cache entry serves every sweep and ablation choice.
+    traced = sorted({config.knobs.distance, *runs.DISTANCES, *config.distances})
     workloads = [prepare(w, a, config.model, config.sizes, traced, config.batchings) for w, a in zip(config.workloads, arrivals)]
     first = next(iter(workloads[0].batchings.values())).iterations[0].load
     num_layers, num_experts = first.shape
