@@ -56,7 +56,15 @@ def test_default_model_logits_through_expert_hosts_equal_reference(default_setup
     executor = RemoteExecutor(clients, PlacementSource(placement))
     ids = torch.tensor([model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)])
     ref = model.forward(ids).logits
-    torch.testing.assert_close(model.forward(ids, executor=executor).logits, ref, rtol=0, atol=1e-5)
+    got = model.forward(ids, executor=executor).logits
+    if not split:  # each expert's tokens in one batch, as in-process: the same bits
+        assert torch.equal(got, ref)
+    else:
+        # Split tokens are computed in other batch sizes; for this model's 48-neuron experts MKL
+        # rounds some row counts differently (chunks of >= scatter.MIN_CHUNK rows do not avoid it,
+        # measured), so the split path equals the reference up to float rounding only.
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
+        assert torch.equal(model.generate(ids, 8, executor=executor), model.generate(ids, 8))
     executor.close()
 
 
