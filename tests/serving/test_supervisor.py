@@ -1,5 +1,5 @@
 """The host supervisor's restart policy on a fake host group and a fake clock (pure logic; the
-real thing, a SIGKILLed host of `moeless serve` coming back, is in test_lifecycle.py)."""
+real thing, a SIGKILLed host of `moeless serve` coming back, is in test_serve_lifecycle.py)."""
 
 import time
 
