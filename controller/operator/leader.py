@@ -55,6 +55,7 @@ class LeaderElector:
         self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
         self.clock, self.duration_s = clock, duration_s
         self._renewed_at: float | None = None
+        self._last_round_failed = False
 
     @property
     def leading(self) -> bool:
@@ -64,6 +65,7 @@ class LeaderElector:
         """One round: read the lease, write it if the rule says we lead. Returns `leading`."""
         now = self.clock()
         api = self.kube.coordination
+        self._last_round_failed = True
         try:
             lease = raw(api.read_namespaced_lease, self.name, self.namespace)
             spec = lease_step(None if lease is None else lease.get("spec"), self.identity, now, self.duration_s)
@@ -78,6 +80,7 @@ class LeaderElector:
                 if not self.leading:
                     log.info("%s leads (lease %s/%s)", self.identity, self.namespace, self.name)
                 self._renewed_at = now
+            self._last_round_failed = False
         except ApiException as err:
             if err.status != 409:  # 409: another candidate wrote first this round
                 log.warning("lease %s/%s: %s", self.namespace, self.name, err.reason)
@@ -88,7 +91,9 @@ class LeaderElector:
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             self.try_once()
-            stop.wait(self.duration_s / 3)
+            # After a failed round (API server restarting, RBAC cache cold) retry every second, so a
+            # short outage does not let the lease lapse, as client-go's retryPeriod does.
+            stop.wait(1.0 if self._last_round_failed else self.duration_s / 3)
 
     def release(self) -> None:
         """On a clean exit, give the lease up so a standby takes over at once."""

@@ -228,6 +228,8 @@ def test_a_stale_write_is_refused_and_the_change_still_lands(kubectl, api, opera
 
 def test_a_standby_operator_takes_over_when_the_leader_stops(kubectl, operators, operator_kubeconfig):
     _, port_a = operators["a"]
+    # The API-server restart before this test may have let a's lease lapse; a takes it back alone.
+    wait_for(lambda: metric(port_a, "moeless_operator_leader") == 1.0, timeout=30, what="a leading")
     operators["b"] = start_operator(operator_kubeconfig, "b", operators["tmp"])
     _, port_b = operators["b"]
     wait_for(lambda: metric(port_b, "moeless_operator_leader") == 0.0, what="b up as a standby")
