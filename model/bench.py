@@ -38,8 +38,11 @@ def timed_greedy(step: StepFn, ids: torch.Tensor, new_tokens: int) -> tuple[floa
     return prefill, time.perf_counter() - start
 
 
-def speed_bench(cfg: "BuildConfig", quick: bool, out: str | None) -> dict:
-    """Prefill and decode tokens/s, one request at a time, of the dense model and the MoE."""
+def speed_bench(cfg: "BuildConfig", quick: bool, out: str | None, threads: int | None = None) -> dict:
+    """Prefill and decode tokens/s, one request at a time, of the dense model and the MoE.
+
+    threads: torch threads for both models (None: torch's default).
+    """
     from tqdm import tqdm
 
     from moeless.model.datasets import sharegpt_prompts
@@ -48,6 +51,8 @@ def speed_bench(cfg: "BuildConfig", quick: bool, out: str | None) -> dict:
     from moeless.model.hf_loader import load_moe_model
 
     n, prompt_tokens, new_tokens = SPEED_RUN[quick]
+    if threads is not None:
+        torch.set_num_threads(threads)
     moe = load_moe_model(build(cfg, progress=True))
     dense, tokenizer = load_dense()
     seqs = encode_prompts(tokenizer, sharegpt_prompts(n, "test", min_chars=400), prompt_tokens)
@@ -71,7 +76,8 @@ def speed_bench(cfg: "BuildConfig", quick: bool, out: str | None) -> dict:
                 p, d = timed_greedy(step, s[None], new_tokens)
                 seconds[name][0] += p
                 seconds[name][1] += d
-    result: dict = {"prompts": n, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "model": candidate_name(cfg)}
+    result: dict = {"prompts": n, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "model": candidate_name(cfg),
+                    "torch_threads": torch.get_num_threads()}
     for name, (prefill, decode) in seconds.items():
         result[name] = {"prefill_tok_s": sum(len(s) for s in seqs) / prefill, "decode_tok_s": n * (new_tokens - 1) / decode}
     for phase in ("prefill_tok_s", "decode_tok_s"):

@@ -60,6 +60,10 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
         "dense SmolLM2 (baseline) and the default MoE model; prints tokens/s and the MoE/dense ratio.",
     )
     _add_model_flags(speed)
+    speed.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="torch threads for both models (default: torch's). 1 on a shared machine: under other "
+                       "processes' load a thread pool's barrier waits slow the MoE's many small matmuls far more "
+                       "than the dense model's few large ones")
     add_bench_flags(speed)
     speed.set_defaults(func=_bench_speed)
 
@@ -157,7 +161,7 @@ def _info(args: argparse.Namespace) -> int:
 def _bench_speed(args: argparse.Namespace) -> int:
     from moeless.model.bench import speed_bench
 
-    speed_bench(_config(args), quick=args.quick, out=args.out)
+    speed_bench(_config(args), quick=args.quick, out=args.out, threads=args.threads)
     return 0
 
 
