@@ -197,6 +197,38 @@ def plan_step(planner: Planner, forecast: np.ndarray, view: HostView, expert_byt
     return StepDecision(plan, loads_to_send(plan, view), publishable(plan, view.resident))
 
 
+def union_placement(plans: Sequence[Placement], cluster: Cluster) -> Placement:
+    """Every replica of any of `plans` (even shares: serving replicas re-level on the actual loads),
+    layer by layer where the union fits the layer cap, else that layer of the first plan; the
+    first plan whole when the union does not fit the hosts' slots."""
+    first = plans[0]
+    cap = cluster.layer_replica_cap()
+    layers = []
+    for l in range(first.num_layers):
+        pairs = sorted({(int(e), int(g)) for p in plans for e, g in zip(p.layers[l].expert, p.layers[l].gpu)})
+        if cap is not None and len(pairs) > cap:
+            layers.append(first.layers[l])
+            continue
+        expert, gpu = (np.array(c, dtype=np.int64) for c in zip(*pairs))
+        layers.append(LayerPlacement.even(expert, gpu, first.num_experts))
+    union = Placement(tuple(layers), first.num_experts, first.num_gpus)
+    held = sum(np.bincount(lp.gpu, minlength=first.num_gpus) for lp in union.layers)
+    return first if (held > cluster.slots()).any() else union
+
+
+def plan_phases(planner: Planner, forecasts: Sequence[np.ndarray], view: HostView, expert_bytes: int,
+                layer_cap: int | None, known_memory: np.ndarray | None = None) -> StepDecision:
+    """One pass for several forecasts [L, E] (one per phase: a prefill's loads and a decode step's
+    differ ~100x, and their mean serves neither): each planned alone, the resident set their union
+    (a replica that pays in one phase is resident; each call re-levels over the union on its own
+    actual loads and leaves a replica without tokens where it does not pay)."""
+    decisions = [plan_step(planner, f, view, expert_bytes, layer_cap, known_memory) for f in forecasts]
+    if len(decisions) == 1:
+        return decisions[0]
+    plan = union_placement([d.plan for d in decisions], view.cluster(expert_bytes, layer_cap))
+    return StepDecision(plan, loads_to_send(plan, view), publishable(plan, view.resident))
+
+
 def same_placement(a: Placement | None, b: Placement, shares: bool = True) -> bool:
     """Whether two placements have the same replicas (and, with shares, the same shares)."""
     if a is None or (a.num_layers, a.num_experts, a.num_gpus) != (b.num_layers, b.num_experts, b.num_gpus):

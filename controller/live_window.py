@@ -90,11 +90,11 @@ class ReportWindow:
             self._reports.popleft()
         return list(self._reports)
 
-    def merged(self, now: float, source: str = "forecast") -> np.ndarray | None:
+    def merged(self, now: float, source: str = "forecast", phase: str | None = None) -> np.ndarray | None:
         """Tokens per expert of a typical iteration: [L, E], the mean of the reports' `source`
         ("forecast" or "actual") weighted by each iteration's duration (so the plan serves the time
-        the layers take, mostly prefills); None without reports (or forecasts)."""
-        reports = [r for r in self.reports(now) if getattr(r, source) is not None]
+        the layers take), over the reports of `phase` (None: all); None without such reports."""
+        reports = [r for r in self.reports(now) if getattr(r, source) is not None and phase in (None, r.phase)]
         if not reports:
             return None
         weights = np.array([max(r.duration_s, 1e-9) for r in reports])

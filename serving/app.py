@@ -54,10 +54,20 @@ class ServeConfig:
     transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else gRPC
     placement_board: str | None = None  # follow placements published under this name (placement_board.py)
     drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)
+    # The live loop (serving/live.py, plan_loop.py): the knobs, the loop actor's name (None: no loop,
+    # the placement stays static), a cost profile (None: the loop measures one on an expert host),
+    # a gate-replica predictor file (None: the cache's for this model), other LoopSettings fields.
+    knobs: Any = None  # moeless.knobs.Knobs
+    plan_loop: str | None = None
+    profile: Any = None  # moeless.controller.profile.CostProfile
+    predictor_file: str | None = None
+    loop: tuple = ()  # (field, value) pairs of LoopSettings, e.g. (("period_s", 0.1),)
 
     def __post_init__(self):
         if self.batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {self.batching!r}")
+        if self.plan_loop and not (self.knobs and self.placement_board):
+            raise ValueError("the live loop (plan_loop) needs knobs and a placement_board to publish on")
 
 
 @serve.deployment
@@ -77,6 +87,11 @@ class ModelServer:
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="decode", initializer=torch.set_num_threads,
                                            initargs=(config.torch_threads,))
         model = config.model_loader()
+        runtime = None
+        if config.plan_loop:  # before drop_experts: a predictor file is checked against the whole model
+            from moeless.serving.forecasting import build_predictor
+
+            runtime = build_predictor(model, config.knobs.predictor, config.knobs.distance, config.predictor_file)
         model.drop_experts()
         spec = model.spec
         self.clients = [ExpertHostClient(a, timeout_s=config.host_timeout_s, transport=config.transport)
@@ -90,6 +105,13 @@ class ModelServer:
             from moeless.serving.placement_board import BoardFollower
 
             self.follower = BoardFollower(self.source, name=config.placement_board)
+        self.live = None
+        if config.plan_loop:
+            from moeless.serving.forecasting import LiveEngine
+            from moeless.serving.live import start_live
+
+            self.live = start_live(config, model, self.executor, runtime, config.profile)
+            self.executor, Engine = self.live.executor, LiveEngine
         self.engine = Engine(model, self.executor)
         self.scheduler = self.loop = None
         if config.batching == "continuous":
@@ -240,10 +262,15 @@ web = FastAPI(title="moeless", description="OpenAI-style completions over server
 @serve.deployment
 @serve.ingress(web)
 class Ingress:
-    def __init__(self, server, model_name: str):
+    def __init__(self, server, model_name: str, plan_loop: str | None = None):
+        from moeless.serving.live_metrics import LoopCollector
+
         self.server = server
         self.model_name = model_name
         self.metrics = _Metrics()
+        self.plan_loop, self._loop_actor, self._loop_state = plan_loop, None, None
+        self.loop_metrics = LoopCollector()
+        self.metrics.registry.register(self.loop_metrics)
 
     @web.get("/v1/models")
     async def models(self) -> dict:
@@ -266,7 +293,32 @@ class Ingress:
             status, word = 503, "no expert host is serving"
         else:  # degraded: some host is down (restarting); the others carry its experts meanwhile
             status, word = 200, "ok" if len(health["live_hosts"]) == health["hosts"] else "degraded"
+        if self.plan_loop:
+            degraded, health["plan_loop"] = await self._loop_health()
+            if degraded and status == 200:
+                word, health["detail"] = "degraded", health["plan_loop"]["state"]
         return JSONResponse({"status": word, **health}, status)
+
+    async def _loop_health(self, method: str = "state") -> tuple[bool, dict]:
+        """What the planning loop says (waiting at most a second: a stalled loop may not answer)."""
+        import ray
+
+        from moeless.serving.live import loop_health
+        from moeless.serving.plan_loop import NAMESPACE
+
+        answered, result = False, None
+        try:
+            if self._loop_actor is None:
+                self._loop_actor = ray.get_actor(self.plan_loop, namespace=NAMESPACE)
+            result = await asyncio.wait_for(getattr(self._loop_actor, method).remote(), timeout=1.0)
+            self._loop_state, answered = result, True
+        except Exception:  # not started yet, gone, or not answering: judged on what it said last
+            pass
+        degraded, detail = loop_health(self._loop_state, None, time.time(), answered)
+        if method == "metrics":
+            age = time.time() - self._loop_state["heartbeat_s"] if self._loop_state else 0.0
+            self.loop_metrics.update(result, age, degraded)
+        return degraded, detail
 
     @web.get("/metrics")
     async def metrics(self):
@@ -276,6 +328,8 @@ class Ingress:
         self.metrics.running.set(stats["running"])
         self.metrics.waiting.set(stats["waiting"])
         self.metrics.refused.set(stats["refused"])
+        if self.plan_loop:
+            await self._loop_health("metrics")
         return PlainTextResponse(generate_latest(self.metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
@@ -348,4 +402,13 @@ def build_app(config: ServeConfig):
         else 4 * config.max_batch
     server = ModelServer.options(num_replicas=config.num_replicas, max_ongoing_requests=ongoing,
                                  ray_actor_options={"num_cpus": config.replica_cpus}).bind(config)
-    return Ingress.options(ray_actor_options={"num_cpus": config.ingress_cpus}).bind(server, config.model_name)
+    return Ingress.options(ray_actor_options={"num_cpus": config.ingress_cpus}).bind(server, config.model_name,
+                                                                                   config.plan_loop)
+
+
+def app_from_args(args: dict):
+    """The application from Ray Serve's args (a RayService's import path `moeless.serving.app:app_from_args`):
+    {"config": the knobs' YAML file, "model", "hosts" (default $MOELESS_EXPERT_HOSTS), "replicas"}."""
+    from moeless.serving.live import config_from_args
+
+    return build_app(config_from_args(args))

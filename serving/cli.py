@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from moeless.benchio import add_bench_flags, write_result
+from moeless.knobs import add_knob_flags, knobs_from_args
 
 MODEL_HELP = "'default' (SmolLM2-135M turned MoE; built and cached on first use), 'tiny:ARCH' (a random test model, e.g. tiny:mixtral) or a model directory"
 
@@ -19,7 +21,8 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     serve.add_argument("--model", default="default", help=MODEL_HELP)
     serve.add_argument("--hosts", type=int, default=2, help="expert-host processes (default 2)")
     serve.add_argument("--replicas", type=int, default=1, help="data-parallel replicas of the non-expert layers (default 1)")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (default 8000; 0 picks a free one)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0 picks a free one)")
+    serve.add_argument("--bind", default="127.0.0.1", help="HTTP address to listen on (default 127.0.0.1; 0.0.0.0 in a pod)")
     serve.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                        help="continuous: a request joins the running batch at the next iteration and leaves when it "
                             "ends (default); static: a batch decodes to its longest request (the old baseline)")
@@ -32,8 +35,12 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     serve.add_argument("--max-batch", type=_positive, default=8, help="static batching: requests decoded as one batch (default 8)")
     serve.add_argument("--drain-s", type=_non_negative_float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds running requests get to finish before they fail with a 503 (default 30)")
-    serve.add_argument("--keep-alive-s", type=float, default=300.0, help="seconds an idle expert replica stays warm (default 300)")
     serve.add_argument("--demo", action="store_true", help="send one short chat request, print the answer and shut down")
+    serve.add_argument("--profile", metavar="JSON", help="the cost profile the planner prices with (`moeless bench "
+                       "planner --out DIR` writes DIR/cost-profile.json; default: measured at start on this machine)")
+    serve.add_argument("--predictor-file", metavar="FILE", help="gate replicas from `moeless predictor train` (default: "
+                       "the cache's file for the model; untrained gate copies when there is none)")
+    add_knob_flags(serve)
     serve.set_defaults(func=_serve)
 
     bench = benches.add_parser(
@@ -68,6 +75,31 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
                                                    "static-8,continuous with --quick)")
     add_bench_flags(load)
     load.set_defaults(func=_bench_load)
+
+    live = benches.add_parser(
+        "live", help="the running system with its planning loop vs static EP and EPLB: replayed trace arrivals over HTTP",
+        description="Replay Azure conversation arrivals (a Poisson process where the trace is missing) with ShareGPT "
+                    "prompts through the HTTP API, once per configuration on the same requests: static EP, EPLB "
+                    "re-planned every 10 iterations, moeless with the gate predictor, moeless with the history window. "
+                    "Print the MoE-layer critical path per phase (slowest host's compute + exposed load waits + "
+                    "transfer), the latency model's prediction of it, TTFT/TPOT p50/p99, tokens/s, GB·s, cold starts.",
+    )
+    live.add_argument("--model", help="default: the default model; tiny:mixtral with --quick (" + MODEL_HELP + ")")
+    live.add_argument("--hosts", type=_positive, default=4, help="expert-host processes (default 4)")
+    live.add_argument("--requests", type=_positive, help="requests replayed per configuration (default 48; 8 with --quick)")
+    live.add_argument("--rate", type=_positive_float, default=1.0, help="mean requests per second the trace is scaled to "
+                                                                         "(default 1.0)")
+    live.add_argument("--max-tokens", type=_positive, help="tokens per request (default 16; 8 with --quick)")
+    live.add_argument("--prompt-tokens", type=_positive, default=64, help="ShareGPT prompts cut to this many tokens (default 64)")
+    live.add_argument("--configs", type=_live_configs, help="configurations, comma-separated (default "
+                                                            "static,eplb,moeless,moeless-history)")
+    live.add_argument("--keep-alive", type=_non_negative_float, default=5.0,
+                      help="seconds an idle replica stays resident (knob keepAliveSeconds; default 5 for a short replay)")
+    live.add_argument("--distance", type=_positive, default=2, help="prediction distance in layers (knob distance; default 2)")
+    live.add_argument("--memory-price", type=_non_negative_float, default=1.0,
+                      help="seconds of layer time one GB·s is worth (knob memoryPrice; default 1)")
+    add_bench_flags(live)
+    live.set_defaults(func=_bench_live)
 
     transport = benches.add_parser(
         "transport", help="one expert call over the shared-memory local channel, gRPC and (--ray) Ray compiled "
@@ -113,6 +145,39 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _live_configs(text: str) -> list[str]:
+    from moeless.serving.bench_live import CONFIGS
+
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown configuration(s) {unknown}; use some of {','.join(CONFIGS)}")
+    return names
+
+
+def _bench_live(args: argparse.Namespace) -> int:
+    from moeless.knobs import Knobs
+    from moeless.serving.bench_live import CONFIGS, print_report, run_live_bench
+
+    knobs = Knobs(keep_alive_s=args.keep_alive, distance=args.distance, memory_price=args.memory_price)
+    result = run_live_bench(args.model or ("tiny:mixtral" if args.quick else "default"), hosts=args.hosts,
+                            requests=args.requests or (8 if args.quick else 48), rate=args.rate,
+                            max_tokens=args.max_tokens or (8 if args.quick else 16), prompt_tokens=args.prompt_tokens,
+                            configs=args.configs or list(CONFIGS), knobs=knobs, repeats=5 if args.quick else 30)
+    print_report(result)
+    path = write_result(args.out, "live", result)
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
 def _counts(text: str) -> list[int]:
     values = [_positive(part) for part in text.split(",") if part]
     if not values:
@@ -156,12 +221,21 @@ def _bench_transport(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from moeless.controller.profile import CostProfile, ProfileError
+    from moeless.knobs import KnobError
     from moeless.serving.embedded import serve_embedded
     from moeless.serving.scheduler import BatchLimits
 
     limits = BatchLimits(args.max_running, args.max_tokens_per_iteration, args.max_waiting)
-    serve_embedded(args.model, hosts=args.hosts, replicas=args.replicas, port=args.port, keep_alive_s=args.keep_alive_s,
-                   batching=args.batching, limits=limits, max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo)
+    try:
+        knobs = knobs_from_args(args)
+        profile = CostProfile.from_json(args.profile) if args.profile else None
+        serve_embedded(args.model, hosts=args.hosts, replicas=args.replicas, port=args.port, bind=args.bind, knobs=knobs,
+                       profile=profile, predictor_file=args.predictor_file, batching=args.batching, limits=limits,
+                       max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo)
+    except (KnobError, ProfileError) as err:
+        print(f"moeless serve: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,9 +2,11 @@
 
 1. Load the model (the default one is built and cached on first use) and export its experts to a
    weight store in the cache directory (reused while the experts are unchanged).
-2. Start the expert hosts as local processes over that store.
-3. Start local Ray (replicas with fractional CPUs) and the Serve app; print the URL. A
-   supervisor restarts a host that dies (with back-off); meanwhile the others serve its experts.
+2. Start the expert hosts as local processes over that store (with MOELESS_EXPERT_HOSTS set:
+   use those hosts instead, started elsewhere, e.g. the Helm chart's pool).
+3. Start local Ray (replicas with fractional CPUs), the Serve app and its planning loop (the
+   knobs: planner, predictor, distance, keep-alive, ...; serving/plan_loop.py); print the URL. A
+   supervisor restarts a local host that dies (with back-off); meanwhile the others serve its experts.
 4. With --demo send one short chat request, print the answer and shut everything down;
    otherwise serve until SIGINT (Ctrl-C) or SIGTERM.
 5. Shutting down: stop admitting (new requests get a 503), let running requests finish for up
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -21,7 +24,7 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -83,32 +86,44 @@ def free_port() -> int:
 
 
 def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1, port: int = 8000,
-                   keep_alive_s: float = 300.0, batching: str = "continuous", limits=None, max_batch: int = 8,
-                   drain_s: float = 30.0, demo: bool = False, demo_question: str = DEMO_QUESTION,
-                   demo_tokens: int = 40) -> str | None:
-    """Run the serving path locally (see the module docstring); returns the demo's answer."""
+                   bind: str = "127.0.0.1", knobs=None, profile=None, predictor_file: str | None = None, batching: str = "continuous",
+                   limits=None, max_batch: int = 8, drain_s: float = 30.0, demo: bool = False,
+                   demo_question: str = DEMO_QUESTION, demo_tokens: int = 40) -> str | None:
+    """Run the serving path locally (see the module docstring); returns the demo's answer.
+    knobs: moeless.knobs.Knobs (default: the defaults); profile: a CostProfile (default: measured
+    at start). Raises KnobError for knobs that do not fit the model (before anything starts)."""
     import httpx
     import ray
     from ray import serve
 
-    from moeless.expert_fn.launcher import launch_local_hosts
+    from moeless.controller.live import layer_cap_replicas, live_planner_name
+    from moeless.knobs import Knobs
     from moeless.serving.app import ServeConfig, build_app
+    from moeless.serving.live import HOSTS_ENV, expert_hosts
     from moeless.serving.placement_board import BOARD_NAME
+    from moeless.serving.plan_loop import LOOP_NAME
     from moeless.serving.scheduler import BatchLimits
     from moeless.serving.shutdown import SIGNAL_NAME, drain_replicas
-    from moeless.serving.supervisor import HostSupervisor
 
+    knobs = knobs or Knobs()
+    remote = expert_hosts(os.environ[HOSTS_ENV]) if os.environ.get(HOSTS_ENV) else None
     stop = _stop_on_signals()
-    # 1. The model and its weight store.
+    # 1. The model (its knobs checked) and its weight store.
     choice = choose_model(model)
     print(f"loading model {choice.name} ...", flush=True)
     loaded = choice.loader()
-    store = export_store(loaded, choice.name)
+    spec = loaded.spec
+    if knobs.distance == Knobs().distance and knobs.distance >= spec.num_layers > 1:  # the default, on a tiny model
+        knobs = replace(knobs, distance=spec.num_layers - 1)
+        print(f"distance: the default reaches past this model's {spec.num_layers} MoE layers; using {knobs.distance}",
+              flush=True)
+    knobs.check_for_model(spec.num_layers)
+    layer_cap_replicas(knobs, spec.num_experts, 3 * spec.expert_ffn * spec.hidden_size * 4)  # float32 replicas
+    live_planner_name(knobs)
+    store = None if remote else export_store(loaded, choice.name)
     del loaded  # the replicas load their own copy (without experts)
-    # 2. Expert hosts, kept running by the supervisor.
-    print(f"starting {hosts} expert hosts over {store} ...", flush=True)
-    with launch_local_hosts(hosts, store, keep_alive_s=keep_alive_s) as group:
-        supervisor = HostSupervisor(group)
+    # 2. Expert hosts: local ones kept running by the supervisor, or the remote ones given.
+    with _hosts(store, hosts, knobs.keep_alive_s, remote) as (addresses, supervisor):
         try:
             # 3. Ray and the app.
             ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
@@ -116,13 +131,16 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
             stop = _stop_on_signals(stop)  # again: Ray's start-up installs handlers of its own
             try:
                 port = port or free_port()
-                serve.start(http_options={"host": "127.0.0.1", "port": port})
-                config = ServeConfig(choice.name, choice.loader, tuple(group.addresses), num_replicas=replicas,
+                serve.start(http_options={"host": bind, "port": port})
+                config = ServeConfig(choice.name, choice.loader, tuple(addresses), num_replicas=replicas,
                                      replica_cpus=0.5, ingress_cpus=0.25, batching=batching,
                                      limits=limits or BatchLimits(), max_batch=max_batch,
-                                     placement_board=BOARD_NAME, drain_signal=SIGNAL_NAME)
+                                     placement_board=BOARD_NAME, drain_signal=SIGNAL_NAME, knobs=knobs,
+                                     plan_loop=LOOP_NAME, profile=profile, predictor_file=predictor_file)
                 serve.run(build_app(config), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"
+                print(f"planning loop: planner {knobs.planner}, predictor {knobs.predictor}, distance {knobs.distance}, "
+                      f"keep-alive {knobs.keep_alive_s:g} s", flush=True)
                 print(f"moeless is serving {choice.name} at {url}  (OpenAI-style: /v1/completions, "
                       f"/v1/chat/completions; /healthz, /metrics)", flush=True)
                 # 4. The demo request, or serve until a stop signal.
@@ -145,8 +163,24 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
                 serve.shutdown()
                 ray.shutdown()
         finally:
-            supervisor.stop()
-            print("stopping the expert hosts ...", flush=True)
+            if supervisor is not None:
+                supervisor.stop()
+                print("stopping the expert hosts ...", flush=True)
+
+
+@contextlib.contextmanager
+def _hosts(store: Path | None, count: int, keep_alive_s: float, remote: tuple[str, ...] | None):
+    """(addresses, supervisor or None): `count` local hosts over `store`, or the remote ones."""
+    if remote:
+        print(f"using {len(remote)} expert hosts from $MOELESS_EXPERT_HOSTS: {', '.join(remote)}", flush=True)
+        yield remote, None
+        return
+    from moeless.expert_fn.launcher import launch_local_hosts
+    from moeless.serving.supervisor import HostSupervisor
+
+    print(f"starting {count} expert hosts over {store} ...", flush=True)
+    with launch_local_hosts(count, store, keep_alive_s=keep_alive_s) as group:
+        yield group.addresses, HostSupervisor(group)
 
 
 def _stop_on_signals(stop: threading.Event | None = None) -> threading.Event:

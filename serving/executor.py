@@ -24,6 +24,7 @@ import torch
 from moeless.expert_fn.errors import ExpertHostUnavailable
 from moeless.expert_fn.packed import Pending
 from moeless.model.interface import Routing
+from moeless.placement.types import LayerPlacement
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.scatter import evacuate, gather, plan_scatter
 
@@ -67,11 +68,26 @@ class LayerTimes:
                 "tokens_moved": self.tokens_moved, "cold_starts": self.cold_starts, "retries": self.retries}
 
 
+# (layer, its placement after fault evacuation, the gate's routing) -> the placement to scatter by
+Relevel = Callable[[int, LayerPlacement, Routing], LayerPlacement]
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """One layer call: the placement it scattered by; per host called, its (experts, rows per
+    expert) and its compute seconds (the host's clock); replicas loaded on demand."""
+
+    placement: LayerPlacement
+    batches: dict[int, tuple[list[int], list[int]]]
+    compute_s: dict[int, float]
+    cold_starts: int
+
+
 class RemoteExecutor:
     """ExpertExecutor over expert hosts; host i of `clients` is GPU i of the placement."""
 
     def __init__(self, clients: Sequence[HostClient], source: PlacementSource, *, probe_after_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, relevel: Relevel | None = None):
         if len(clients) != source.placement.num_gpus:
             raise ValueError(f"the placement spans {source.placement.num_gpus} expert hosts but "
                              f"{len(clients)} clients were given; pass one client per host")
@@ -80,6 +96,8 @@ class RemoteExecutor:
         self.probe_after_s = probe_after_s
         self.clock = clock
         self.times = LayerTimes()
+        self.relevel = relevel  # shares re-levelled per call on the layer's actual loads (the live loop)
+        self.last_call: LayerCall | None = None  # the last layer call's figures (the live loop reports them)
         self._dead: dict[int, float] = {}  # host -> when it was marked dead
         self._lock = threading.Lock()
 
@@ -109,6 +127,8 @@ class RemoteExecutor:
         dead = self.dead_hosts
         if dead:
             placement = evacuate(placement, dead, len(self.clients))
+        if self.relevel is not None:
+            placement = self.relevel(layer, placement, routing)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         # 2. Scatter: each expert's tokens split over its replicas, packed by host.
@@ -149,6 +169,8 @@ class RemoteExecutor:
         t.compute_sum_s += sum(r.compute_s for r in results.values())
         t.cold_starts += sum(r.cold_starts for r in results.values())
         t.tokens_moved += int(routing.idx.numel())
+        self.last_call = LayerCall(placement, {h: (b.experts, b.counts) for h, b in plan.hosts.items()},
+                                   {h: r.compute_s for h, r in results.items()}, sum(r.cold_starts for r in results.values()))
         return out
 
     def _probe_dead(self) -> None:

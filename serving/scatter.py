@@ -92,6 +92,8 @@ def plan_scatter(idx: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
         counts = load[expert]
     else:
         counts = merge_small_chunks(expert, placement.replica_tokens(load), MIN_CHUNK)
+        if not np.array_equal(np.bincount(expert, weights=counts, minlength=num_experts), load):
+            raise ValueError("the placement's shares do not route every token (an expert's shares must sum to 1)")
     # 3. Consecutive chunks per replica; a host's batch lists its experts ascending.
     offset = first.copy()
     segments: dict[int, dict[int, list[tuple[int, int]]]] = {}
@@ -165,8 +167,10 @@ def evacuate(placement: LayerPlacement, dead: set[int], num_hosts: int) -> Layer
     """Move the replicas held by dead hosts onto live ones (fault handling, not planning).
 
     Each moved replica goes to the live host with the fewest replicas of this layer (ties: the
-    lower index), keeping its expert and share, so every expert keeps its full share of tokens.
-    Raises NoLiveHostError when every host is dead.
+    lower index), keeping its expert and share, so every expert keeps its full share of tokens;
+    two replicas of an expert that land on one host become one with both shares (per-call
+    re-levelling assumes one replica per (expert, host)). Raises NoLiveHostError when every host
+    is dead.
     """
     live = [h for h in range(num_hosts) if h not in dead]
     if not live:
@@ -177,4 +181,13 @@ def evacuate(placement: LayerPlacement, dead: set[int], num_hosts: int) -> Layer
         target = min(live, key=lambda h: (held[h], h))
         gpu[r] = target
         held[target] += 1
-    return LayerPlacement(placement.expert, gpu, placement.share)
+    pairs, first, inverse = np.unique(np.stack([placement.expert, gpu]), axis=1, return_index=True, return_inverse=True)
+    if pairs.shape[1] == gpu.shape[0]:
+        return LayerPlacement(placement.expert, gpu, placement.share)
+    keep = np.sort(first)  # the replicas' order kept: the first of each (expert, host)
+    share = np.bincount(inverse.reshape(-1), weights=placement.share, minlength=pairs.shape[1])
+    rank = np.empty(pairs.shape[1], dtype=np.int64)
+    rank[np.argsort(first)] = np.arange(pairs.shape[1])
+    merged = np.empty(pairs.shape[1])
+    merged[rank] = share
+    return LayerPlacement(placement.expert[keep], gpu[keep], merged)

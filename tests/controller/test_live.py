@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from moeless.controller.live import (
-    HostView, layer_cap_replicas, live_planner_name, loads_to_send, plan_step, planner_config, publishable,
-    relevels, resident_placement, same_placement,
+    HostView, layer_cap_replicas, live_planner_name, loads_to_send, plan_phases, plan_step, planner_config, publishable,
+    relevels, resident_placement, same_placement, union_placement,
 )
 from moeless.controller.live_window import Heartbeat, IterationReport, LayerFigures, LiveStats, ReportWindow
 from moeless.controller.planner import get_planner
@@ -103,6 +103,28 @@ def test_plan_step_plans_around_a_dead_host():
     assert 2 in static.plan.layers[0].gpu.tolist() and all(g != 2 for _, _, g in static.loads)
 
 
+def test_plan_phases_keeps_the_union_of_each_phases_plan():
+    """A prefill's skew pays for replicas a decode step's few tokens do not: planned alone, their
+    time-weighted mean would drop them; the union keeps them resident (calls re-level on actual loads)."""
+    prefill = np.array([[400.0, 300, 10, 10], [300, 300, 20, 20]])
+    decode = np.array([[2.0, 1, 1, 0], [1, 1, 1, 1]])
+    view = HostView.from_status([status(homes(0)), status(homes(1))], L, E)
+    planner = get_planner("moeless", planner_config(Knobs(memory_price=0.0), PROFILE, 0.05))
+    alone = plan_step(planner, prefill, view, PROFILE.expert_bytes, 2 * E)
+    small = plan_step(planner, decode, view, PROFILE.expert_bytes, 2 * E)
+    both = plan_phases(planner, [prefill, decode], view, PROFILE.expert_bytes, 2 * E)
+    assert small.plan.layers[0].num_replicas == E < alone.plan.layers[0].num_replicas
+    for l in range(L):
+        pairs = set(zip(both.plan.layers[l].expert.tolist(), both.plan.layers[l].gpu.tolist()))
+        assert pairs == set(zip(alone.plan.layers[l].expert.tolist(), alone.plan.layers[l].gpu.tolist())) | \
+            set(zip(small.plan.layers[l].expert.tolist(), small.plan.layers[l].gpu.tolist()))
+        assert np.allclose(np.bincount(both.plan.layers[l].expert, weights=both.plan.layers[l].share), 1.0)
+    assert sorted(both.loads) == sorted(alone.loads)
+    # A union over the layer cap keeps that layer of the first plan.
+    capped = union_placement([alone.plan, Placement.static(L, E, G)], view.cluster(PROFILE.expert_bytes, E))
+    assert capped.layers[0] is alone.plan.layers[0]
+
+
 def report(t, phase="prefill", duration=0.1, load=None, forecast=None, wall=1e-3, replica="a"):
     actual = np.array(load if load is not None else [[3, 1, 0, 0], [1, 1, 1, 1]])
     figures = LayerFigures(wall_s=np.full(L, wall), compute_s=np.full(L, 5e-4), host_tokens=np.array([3.0, 2.0]),
@@ -118,6 +140,7 @@ def test_window_merges_with_time_weights_and_forgets():
     merged = window.merged(1.5, "actual")
     assert np.allclose(merged[0], [3, 1, 0, 0]) and np.allclose(merged[1], [0, 0, 0, 4])
     assert window.merged(1.5, "forecast") is None  # no predictor
+    assert window.merged(1.5, "actual", "decode") is None and np.allclose(window.merged(1.5, "actual", "prefill"), merged)
     assert math.isclose(window.iteration_s(1.5), 0.2)
     assert np.allclose(window.merged(2.5, "actual")[0], [0, 4, 0, 0])  # the first ended more than 2 s ago
     assert window.merged(10.0, "actual") is None and window.iteration_s(10.0, default=0.05) == 0.05

@@ -7,6 +7,7 @@ but the API server cannot judge them (their CRDs are not installed offline): no 
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 
 import pytest
@@ -87,7 +88,10 @@ def test_template_with_kuberay_and_service_monitors(helm):
     policy = next(d for d in docs if d["kind"] == "ExpertAutoscalingPolicy")
     assert "nonExpert" not in policy["spec"]
     ray = next(d for d in docs if d["kind"] == "RayService")
-    assert yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"][0]["args"]["config"].endswith("config.yaml")
+    app = yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"][0]
+    assert app["args"]["config"].endswith("config.yaml") and app["args"]["hosts"].startswith("dns:///")
+    module, _, builder = app["import_path"].partition(":")  # Ray Serve calls it with the args dict
+    assert builder == "app_from_args" and callable(getattr(importlib.import_module(module), builder))
     for spec in pod_specs(docs):
         assert spec["securityContext"]["runAsNonRoot"] is True
 

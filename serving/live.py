@@ -1,0 +1,123 @@
+"""Wiring of the live loop into the serving app, and the app's configuration from outside.
+
+`start_live` puts a serving replica (ModelServer) on the loop: its RemoteExecutor re-levels shares
+per layer (moeless's planners), a LiveExecutor around it forecasts and reports every forward
+(serving/forecasting.py), a ReportSender carries the reports to the planning loop actor, which
+the first replica creates (serving/plan_loop.py). `loop_health` turns what the ingress last
+heard from the loop into /healthz's words. `config_from_args` builds a ServeConfig from Ray
+Serve's `args` (a RayService's import path, `app.app_from_args`); `expert_hosts` reads
+MOELESS_EXPERT_HOSTS.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from moeless.knobs import KnobError, Knobs
+
+HOSTS_ENV = "MOELESS_EXPERT_HOSTS"
+
+
+@dataclass
+class LiveParts:
+    """A serving replica's part of the loop: its executor, report sender and the loop actor."""
+
+    executor: Any  # forecasting.LiveExecutor
+    sender: Any  # plan_loop.ReportSender
+    loop: Any  # the PlanLoop actor handle
+
+
+def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
+    """Put a ModelServer on the loop. model: the served model (experts dropped); remote: its
+    RemoteExecutor; runtime: the PredictionRuntime (forecasting.build_predictor, None without
+    one); profile: a CostProfile (default: the loop measures one on host 0 at its start)."""
+    import ray
+
+    from moeless.controller.live import live_planner_name, relevels
+    from moeless.serving.forecasting import LiveExecutor, relevel_for
+    from moeless.serving.plan_loop import LoopSettings, ReportSender, plan_loop
+
+    spec, knobs = model.spec, config.knobs
+    knobs.check_for_model(spec.num_layers)
+    non_expert = sum(p.numel() * p.element_size() for p in model.hf.parameters())
+    settings = LoopSettings(hosts=tuple(config.host_addresses), num_layers=spec.num_layers,
+                            num_experts=spec.num_experts, knobs=knobs, profile=profile, board=config.placement_board,
+                            hidden_size=spec.hidden_size, non_expert_bytes=non_expert, replicas=config.num_replicas,
+                            **dict(config.loop))
+    loop = plan_loop(config.plan_loop, settings)
+    profile, _ = ray.get(loop.profile.remote(), timeout=120)  # also surfaces a loop that failed to start
+    latency = profile.latency_model("host")
+    if relevels(live_planner_name(knobs)):
+        remote.relevel = relevel_for(latency, len(remote.clients))
+    sender = ReportSender(loop)
+    executor = LiveExecutor(remote, spec.num_layers, spec.num_experts, replica=uuid.uuid4().hex[:12], sink=sender.offer,
+                            runtime=runtime, distance=knobs.distance, model=latency)
+    return LiveParts(executor, sender, loop)
+
+
+def loop_health(state: dict | None, seen_s: float | None, now_s: float, answered: bool) -> tuple[bool, dict]:
+    """(degraded, the loop's part of /healthz) from the loop's last state the ingress got (None:
+    never), when it got it (seen_s, wall clock) and whether the loop answered just now. A loop
+    whose heartbeat is older than its threshold, or that does not answer for that long, is a stall."""
+    if state is None:
+        return False, {"state": "starting"}
+    age = now_s - state["heartbeat_s"]
+    detail = {"state": "running", "planner": state["planner"], "predictor": state["predictor"],
+              "heartbeat_age_s": round(age, 3), "passes": state["passes"], "publishes": state["publishes"]}
+    if state.get("last_error"):
+        detail["last_error"] = state["last_error"]
+    if age > state["stall_threshold_s"]:
+        detail["state"] = f"degraded: planning loop stalled for {age:.1f} s" + ("" if answered else " (not answering)")
+        return True, detail
+    return False, detail
+
+
+def expert_hosts(value: str) -> tuple[str, ...]:
+    """MOELESS_EXPERT_HOSTS: comma-separated host:port; an entry dns:///NAME:PORT stands for every
+    address NAME resolves to (a headless Service: one per expert-host pod), in sorted order so
+    every serving replica numbers the hosts alike."""
+    hosts: list[str] = []
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry:
+            continue
+        target = entry.removeprefix("dns:///")
+        name, sep, port = target.rpartition(":")
+        if not sep or not name or not port.isdigit():
+            raise KnobError(f"{HOSTS_ENV}: {entry!r} is not host:port (or dns:///name:port)")
+        if entry.startswith("dns:///"):
+            try:
+                found = sorted({info[4][0] for info in socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)})
+            except OSError as err:
+                raise KnobError(f"{HOSTS_ENV}: cannot resolve {name!r} ({err})") from None
+            hosts += [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in found]
+        else:
+            hosts.append(target)
+    if not hosts:
+        raise KnobError(f"{HOSTS_ENV} names no expert host; set it to host:port[,host:port...]")
+    return tuple(hosts)
+
+
+def config_from_args(args: Mapping[str, Any]):
+    """A ServeConfig from Ray Serve's application args: {"config": knobs YAML file (optional),
+    "model": "default" | "tiny:ARCH" | DIR (default "default"), "hosts": "host:port,..." (default:
+    $MOELESS_EXPERT_HOSTS), "replicas": serving replicas (default 1)}; the loop runs as in
+    `moeless serve`. Raises KnobError for a bad value (the message names it)."""
+    from moeless.serving.app import ServeConfig
+    from moeless.serving.embedded import choose_model
+    from moeless.serving.placement_board import BOARD_NAME
+    from moeless.serving.plan_loop import LOOP_NAME
+
+    unknown = sorted(set(args) - {"config", "model", "hosts", "replicas"})
+    if unknown:
+        raise KnobError(f"application args: unknown key {unknown[0]!r}; known: config, model, hosts, replicas")
+    knobs = Knobs.from_yaml(args["config"]) if args.get("config") else Knobs()
+    hosts = args.get("hosts") or os.environ.get(HOSTS_ENV)
+    if not hosts:
+        raise KnobError(f"no expert hosts: pass args.hosts or set {HOSTS_ENV} (host:port[,host:port...])")
+    choice = choose_model(str(args.get("model", "default")))
+    return ServeConfig(choice.name, choice.loader, expert_hosts(str(hosts)), num_replicas=int(args.get("replicas", 1)),
+                       placement_board=BOARD_NAME, knobs=knobs, plan_loop=LOOP_NAME)

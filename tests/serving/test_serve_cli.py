@@ -1,0 +1,69 @@
+"""`moeless serve` refuses bad knobs with one clear line and exit code 2, before anything starts
+(through the real CLI entry point: main(), and once as a subprocess); the knobs reach the app."""
+
+import subprocess
+import sys
+
+import pytest
+
+from moeless.cli import main
+
+
+def one_error_line(capsys, argv: list[str]) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--planner", "fastest"], ["--planner", "fastest"]),
+    (["--predictor", "oracle"], ["--predictor", "must be one of gate, history, off", "oracle"]),
+    (["--keep-alive", "-1"], ["--keep-alive", "must be >= 0", "-1"]),
+    (["--distance", "5", "--model", "tiny:mixtral"], ["distance: 5 layers reaches past the model's 2 MoE layers",
+                                                       "use 1..1"]),
+    (["--no-placer", "--planner", "static"], ["scaler/placer", "planner is 'static'"]),
+])
+def test_bad_knob_is_one_line_exit_2(capsys, argv, words):
+    line = one_error_line(capsys, ["serve", *argv])
+    assert line.startswith("moeless serve: "), line
+    for word in words:
+        assert word in line, (word, line)
+
+
+def test_a_config_key_that_does_not_exist(tmp_path, capsys):
+    config = tmp_path / "knobs.yaml"
+    config.write_text("planner: moeless\nkeepAlive: 30\n")
+    line = one_error_line(capsys, ["serve", "--config", str(config)])
+    assert line.startswith("moeless serve: ") and "keepAlive" in line and "keepAliveSeconds" in line, line
+
+
+def test_bad_expert_hosts_env(monkeypatch, capsys):
+    monkeypatch.setenv("MOELESS_EXPERT_HOSTS", "host-without-port")
+    line = one_error_line(capsys, ["serve", "--model", "tiny:mixtral"])
+    assert "MOELESS_EXPERT_HOSTS" in line and "'host-without-port' is not host:port" in line, line
+
+
+def test_unknown_planner_through_a_subprocess():
+    proc = subprocess.run([sys.executable, "-m", "moeless", "serve", "--planner", "nope"], capture_output=True,
+                          text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "--planner" in lines[0] and "'nope'" in lines[0], proc.stderr
+
+
+def test_app_from_args_reads_the_knobs_file_and_the_hosts(tmp_path, monkeypatch):
+    from moeless.knobs import KnobError
+    from moeless.serving.live import config_from_args
+
+    config = tmp_path / "knobs.yaml"
+    config.write_text("planner: moeless\npredictor: history\ndistance: 1\nkeepAliveSeconds: 7\n")
+    monkeypatch.setenv("MOELESS_EXPERT_HOSTS", "a:1,b:2")
+    serve = config_from_args({"config": str(config), "model": "tiny:mixtral", "replicas": 2})
+    assert serve.host_addresses == ("a:1", "b:2") and serve.num_replicas == 2 and serve.plan_loop
+    assert serve.knobs.predictor == "history" and serve.knobs.keep_alive_s == 7.0
+    assert config_from_args({"hosts": "c:3", "model": "tiny:mixtral"}).host_addresses == ("c:3",)
+    with pytest.raises(KnobError, match="unknown key 'port'"):
+        config_from_args({"port": 1})
+    monkeypatch.delenv("MOELESS_EXPERT_HOSTS")
+    with pytest.raises(KnobError, match="no expert hosts"):
+        config_from_args({"model": "tiny:mixtral"})
