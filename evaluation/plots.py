@@ -39,6 +39,10 @@ def cdf(path: Path, panels: Sequence[tuple[str, dict[str, Sequence[float]]]], xl
             ax.plot(points, [100 * i / (len(points) - 1) for i in range(len(points))], label=label, linewidth=1.2)
         positive = all(v > 0 for points in series.values() for v in points)
         ax.set(title=title, xlabel=xlabel, ylabel="layers and iterations (%)", xscale="log" if positive else "linear")
+        if positive:  # a log axis labels its minor ticks too, which overlap within one decade
+            from matplotlib.ticker import NullFormatter
+
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.legend(loc="lower right")
     return _save(plt, fig, path)
 
