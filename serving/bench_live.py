@@ -4,21 +4,28 @@
    LLM conversation trace (MOELESS_TRACES or ../shared/data/traces; a Poisson process at its rate
    where the file is missing), scaled to `rate` requests per second (this machine's pace), through
    the HTTP API with the load generator (serving/loadgen.py).
-2. One set of expert hosts, one Ray + Serve; per configuration (static EP: no loop; EPLB re-planned
-   every 10 iterations from past loads; moeless with the gate predictor; moeless with the history
-   window only) the hosts go back to static EP's replicas, the app is deployed with the
-   configuration's knobs, warmed, and the same requests replayed.
+2. Every configuration gets expert hosts of its own (starting from static EP's replicas) and its
+   app (its knobs, its planning loop), all deployed and warmed first: static EP (predictor off:
+   home replicas only), EPLB re-planned every 10 iterations from past loads, moeless with the gate
+   predictor, moeless with the history window only. The same requests go to every configuration
+   in chunks of `chunk`, the order rotating per chunk, so the machine's other work weighs on each
+   alike. Every configuration's processes stay up for the whole run (idle while the others
+   replay), so keep-alive must outlast those pauses (default 60 s) or each pays cold starts at
+   each of its chunks.
 3. Measured per MoE-layer call (the serving replica's reports to the planning loop), per phase:
    the critical path = the slowest host's compute + exposed load waits + the transfer. Two cores
    cannot run several hosts without them taking turns, so a host's compute is its compute thread's
    CPU time (expert_fn/runtime.py), not wall time; exposed waits are the hosts' own meters (the
    seconds invocations waited for loads, shared out over the phases by the calls' cold starts);
    the transfer is a packed round trip's wall time minus the host's compute, fitted on an idle
-   host before the run (c0 + 2 beta x tokens, the fastest of repeats) and applied to the tokens the
+   host before the run (c0 + 2 beta x tokens, medians of repeats) and applied to the tokens the
    busiest host received. Beside it: the latency model's prediction of the same calls (alpha x
-   tokens + call overhead per replica, max over hosts, from the cost profile measured in-process
-   before the run, + the same waits and transfer), TTFT and TPOT p50/p99, tokens/s, GB·s and cold
-   starts from the hosts' meters, and how many texts equal static EP's.
+   tokens + call overhead per replica, max over hosts, from the same idle-host calibration, + the
+   same waits and transfer), and the same model calibrated in-run (its compute scaled, a x model +
+   b per call, fitted on static EP's calls: the machine as loaded while serving; out of sample for
+   the other configurations); TTFT and TPOT p50/p99, tokens/s, GB·s (experts: the hosts' meters
+   over the measured part; non-expert: its bytes x the seconds the configuration's replays took),
+   cold starts, and how many texts equal static EP's.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ DEFAULT_CONFIGS = ("static", "eplb", "moeless", "moeless-history")
 
 def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48, rate: float = 1.0,
                    max_tokens: int = 16, prompt_tokens: int = 64, configs: Sequence[str] = DEFAULT_CONFIGS,
-                   knobs: Knobs = Knobs(keep_alive_s=5.0), chunk: int = 8, repeats: int = 10,
+                   knobs: Knobs = Knobs(keep_alive_s=60.0), chunk: int = 8, repeats: int = 10,
                    timeout_s: float = 900.0) -> dict[str, Any]:
     """Measure every configuration on the same requests (see the module docstring); returns the figures."""
     import ray
@@ -98,7 +105,9 @@ def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48
                                  plan_loop=f"bench-live-loop-{name}", profile=costs.profile)
             serve.run(build_app(config), name=name, route_prefix=f"/{name}")
             loops[name] = ray.get_actor(config.plan_loop, namespace=NAMESPACE)
-            replay(f"{base}/{name}", choice.name, prompts[:2], [0.0, 0.0], 4, timeout_s=timeout_s)  # warm
+        for name in configs:  # warm, all at once after the deployments (the first would idle past keep-alive)
+            _reset_hosts(clients[name], spec.num_layers, spec.num_experts)
+            replay(f"{base}/{name}", choice.name, prompts[:2], [0.0, 0.0], 4, timeout_s=timeout_s)
         time.sleep(1.0)
         before = {name: [c.status()["meters"] for c in clients[name]] for name in configs}
         for loop in loops.values():
@@ -106,6 +115,7 @@ def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48
         # 2. The same requests to every configuration, chunk by chunk, the order rotating per chunk, so
         #    the machine's other work weighs on every configuration alike.
         outcomes: dict[str, list] = {name: [] for name in configs}
+        serving_s = {name: 0.0 for name in configs}  # wall seconds of its replays (non-expert memory held)
         chunks = [range(i, min(i + chunk, requests)) for i in range(0, requests, chunk)]
         for r, part in enumerate(chunks):
             order = configs[r % len(configs):] + configs[:r % len(configs)]
@@ -113,8 +123,10 @@ def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48
                   flush=True)
             offsets = arrivals[part.start:part.stop] - arrivals[part.start]
             for name in order:
+                began = time.perf_counter()
                 done = replay(f"{base}/{name}", choice.name, prompts[part.start:part.stop], offsets, max_tokens,
                               timeout_s=timeout_s)
+                serving_s[name] += time.perf_counter() - began
                 outcomes[name] += [dc_replace(o, index=o.index + part.start) for o in done]
         time.sleep(0.5)  # the last reports reach the loops
         # 3. The figures.
@@ -124,15 +136,19 @@ def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48
             after = [c.status()["meters"] for c in clients[name]]
             results[name] = {"label": CONFIGS[name][0], "knobs": knob_sets[name].to_mapping(), **summarize(outcomes[name]),
                              **config_figures(metrics, before[name], after, costs.samples),
+                             "replay_s": serving_s[name], "non_expert_gb_s": non_expert / 1e9 * serving_s[name],
                              "texts": [o.text for o in outcomes[name]], "outcomes": outcomes_json(outcomes[name])}
             _print_row(name, results[name])
             ray.get(loops[name].stop.remote())
             ray.kill(loops[name])
+    in_run = fit_in_run(results["static"]["phases"])
+    add_in_run_model(results, *in_run)
     return {
         "model": choice.name, "experts": spec.num_experts, "top_k": spec.top_k, "layers": spec.num_layers,
         "hosts": hosts, "requests": requests, "rate_per_s": rate, "arrivals": source, "chunk": chunk,
         "max_tokens": max_tokens, "prompt_tokens": prompt_tokens, "knobs": knobs.to_mapping(),
-        "load_average_1m": os.getloadavg()[0], "calibration": costs.as_dict(), "configs": results,
+        "load_average_1m": os.getloadavg()[0], "calibration": costs.as_dict(),
+        "in_run_model": {"a": in_run[0], "b_s": in_run[1], "fitted_on": "static"}, "configs": results,
         "ratios": ratios(results),
         "identical_to_static": {n: sum(a == b for a, b in zip(r["texts"], results["static"]["texts"]))
                                 for n, r in results.items()},
@@ -173,8 +189,31 @@ def config_figures(metrics: dict, before: Sequence[dict], after: Sequence[dict],
             "model_compute_error": float(model.sum() / sums["compute_s"].sum() - 1.0),
             "critical_path_per_layer_s": np.nan_to_num(per_layer).tolist(),
             "forecast_s_per_iteration": p["forecast_s"] / max(p["iterations"], 1),
+            "sums": {"calls": calls.tolist(), "compute_s": sums["compute_s"].tolist(), "model_compute_s": model.tolist(),
+                     "transfer_and_waits_s": float(move.sum() + exposed)},
         }
     return out
+
+
+def fit_in_run(phases: dict) -> tuple[float, float]:
+    """(a, b) with a layer call's measured compute ~ a x the idle-calibrated model's + b seconds,
+    least squares over a configuration's per-layer sums of both phases (static EP's: the machine
+    as loaded during the run; the model's shape stays the calibration's)."""
+    rows = [[m, c] for p in phases.values() for m, c in zip(p["sums"]["model_compute_s"], p["sums"]["calls"])]
+    measured = [y for p in phases.values() for y in p["sums"]["compute_s"]]
+    a, b = np.linalg.lstsq(np.array(rows), np.array(measured), rcond=None)[0]
+    if a <= 0 or b < 0:  # no physical meaning: a scale alone
+        a, b = float(np.dot(np.array(rows)[:, 0], measured) / np.dot(np.array(rows)[:, 0], np.array(rows)[:, 0])), 0.0
+    return float(a), float(b)
+
+
+def add_in_run_model(results: dict, a: float, b: float) -> None:
+    """Each configuration's critical path as the model calibrated in-run (fit_in_run) predicts it."""
+    for r in results.values():
+        for p in r["phases"].values():
+            s, n = p["sums"], p["layer_calls"]
+            predicted = (a * sum(s["model_compute_s"]) + b * sum(s["calls"]) + s["transfer_and_waits_s"]) / n
+            p["model_in_run_s"], p["model_in_run_error"] = predicted, predicted / p["critical_path_s"] - 1.0
 
 
 def ratios(results: dict) -> dict:
@@ -214,9 +253,12 @@ def _print_row(name: str, r: dict) -> None:
         return "-" if d["p50"] is None else f"{d['p50'] * 1e3:.0f}/{d['p99'] * 1e3:.0f}"
 
     cells = "  ".join(f"{phase} {p['critical_path_s'] * 1e6:.0f} us (model {p['model_s'] * 1e6:.0f}, "
-                      f"{p['model_error'] * 100:+.0f}%)" for phase, p in r["phases"].items())
+                      f"{p['model_error'] * 100:+.0f}%" + (f"; in-run {p['model_in_run_error'] * 100:+.0f}%"
+                                                          if "model_in_run_error" in p else "") + ")"
+                      for phase, p in r["phases"].items())
     print(f"  {name:16s} MoE-layer critical path: {cells}; TTFT p50/p99 {ms(r['ttft_s'])} ms, TPOT {ms(r['tpot_s'])} ms, "
-          f"{r['tokens_per_s']:.1f} tokens/s, expert GB·s {r['expert_gb_s']:.3f}, cold starts "
+          f"{r['tokens_per_s']:.1f} tokens/s, expert GB·s {r['expert_gb_s']:.3f} (non-expert "
+          f"{r.get('non_expert_gb_s', 0.0):.1f}), cold starts "
           f"{r['hosts_delta']['cold_starts']}, loads {r['hosts_delta']['loads']}, {r['failed']} failed", flush=True)
 
 
@@ -224,6 +266,9 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"model {result['model']} (L={result['layers']}, E={result['experts']}, k={result['top_k']}), "
           f"{result['hosts']} expert hosts; {result['requests']} requests at {result['rate_per_s']:g}/s "
           f"({result['arrivals']}); load average {result['load_average_1m']:.1f}")
+    fit = result["in_run_model"]
+    print(f"latency model: calibrated on an idle host before the run; in-run: compute x {fit['a']:.2f} + "
+          f"{fit['b_s'] * 1e6:.0f} us per layer call, fitted on static EP's calls")
     for name, r in result["configs"].items():
         _print_row(name, r)
     for name, by_phase in result["ratios"].items():

@@ -85,16 +85,18 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
                     "transfer), the latency model's prediction of it, TTFT/TPOT p50/p99, tokens/s, GB·s, cold starts.",
     )
     live.add_argument("--model", help="default: the default model; tiny:mixtral with --quick (" + MODEL_HELP + ")")
-    live.add_argument("--hosts", type=_positive, default=4, help="expert-host processes (default 4)")
+    live.add_argument("--hosts", type=_positive, help="expert-host processes per configuration (default 4; 2 with --quick)")
     live.add_argument("--requests", type=_positive, help="requests replayed per configuration (default 48; 8 with --quick)")
-    live.add_argument("--rate", type=_positive_float, default=1.0, help="mean requests per second the trace is scaled to "
-                                                                         "(default 1.0)")
+    live.add_argument("--rate", type=_positive_float, help="mean requests per second the trace is scaled to "
+                                                          "(default 1.0; 4.0 with --quick)")
     live.add_argument("--max-tokens", type=_positive, help="tokens per request (default 16; 8 with --quick)")
     live.add_argument("--prompt-tokens", type=_positive, default=64, help="ShareGPT prompts cut to this many tokens (default 64)")
     live.add_argument("--configs", type=_live_configs, help="configurations, comma-separated (default "
-                                                            "static,eplb,moeless,moeless-history)")
-    live.add_argument("--keep-alive", type=_non_negative_float, default=5.0,
-                      help="seconds an idle replica stays resident (knob keepAliveSeconds; default 5 for a short replay)")
+                                                            "static,eplb,moeless,moeless-history; also "
+                                                            "moeless-free-memory)")
+    live.add_argument("--keep-alive", type=_non_negative_float, default=60.0,
+                      help="seconds an idle replica stays resident (knob keepAliveSeconds; default 60: longer than "
+                           "a configuration waits while the others replay)")
     live.add_argument("--distance", type=_positive, default=2, help="prediction distance in layers (knob distance; default 2)")
     live.add_argument("--memory-price", type=_non_negative_float, default=1.0,
                       help="seconds of layer time one GB·s is worth (knob memoryPrice; default 1)")
@@ -164,13 +166,14 @@ def _live_configs(text: str) -> list[str]:
 
 def _bench_live(args: argparse.Namespace) -> int:
     from moeless.knobs import Knobs
-    from moeless.serving.bench_live import CONFIGS, print_report, run_live_bench
+    from moeless.serving.bench_live import DEFAULT_CONFIGS, print_report, run_live_bench
 
     knobs = Knobs(keep_alive_s=args.keep_alive, distance=args.distance, memory_price=args.memory_price)
-    result = run_live_bench(args.model or ("tiny:mixtral" if args.quick else "default"), hosts=args.hosts,
-                            requests=args.requests or (8 if args.quick else 48), rate=args.rate,
-                            max_tokens=args.max_tokens or (8 if args.quick else 16), prompt_tokens=args.prompt_tokens,
-                            configs=args.configs or list(CONFIGS), knobs=knobs, repeats=5 if args.quick else 30)
+    result = run_live_bench(args.model or ("tiny:mixtral" if args.quick else "default"),
+                            hosts=args.hosts or (2 if args.quick else 4), requests=args.requests or (8 if args.quick else 48),
+                            rate=args.rate or (4.0 if args.quick else 1.0), max_tokens=args.max_tokens or (8 if args.quick else 16),
+                            prompt_tokens=args.prompt_tokens, configs=args.configs or list(DEFAULT_CONFIGS), knobs=knobs,
+                            repeats=3 if args.quick else 30)
     print_report(result)
     path = write_result(args.out, "live", result)
     if path:

@@ -46,7 +46,7 @@ class LoopCollector(Collector):
                                   value=s["publishes"])
         yield CounterMetricFamily(f"{PREFIX}_prefetch_loads_sent", "replica loads the loop sent ahead (prefetch)",
                                   value=s["loads_sent"])
-        yield GaugeMetricFamily(f"{PREFIX}_plan_seconds", "wall time of the last planning pass (status, plan, loads, "
+        yield GaugeMetricFamily(f"{PREFIX}_plan_last_seconds", "wall time of the last planning pass (status, plan, loads, "
                                 "publish)", value=s["plan_s"]["last"])
         yield CounterMetricFamily(f"{PREFIX}_plan_seconds", "wall time of all planning passes", value=s["plan_s"]["sum"])
         stats = s["stats"]

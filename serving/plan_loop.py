@@ -85,6 +85,7 @@ class PlanLoop:
         self.started = time.time()
         self._lock = threading.RLock()  # metrics() reads state() under it
         self._actuals: list[np.ndarray] = []  # for stateful planners: every iteration's loads, in order
+        self._planned = False  # the first pass loads the home replicas (the hosts start empty)
         self._held: dict[str, tuple[float, np.ndarray]] = {}  # phase -> (when, its last merged forecast)
         self._planner = None
         self._published = None
@@ -201,6 +202,7 @@ class PlanLoop:
         view = HostView.from_status(statuses, s.num_layers, s.num_experts)
         self._memory = np.where(view.live, view.memory, self._memory)
         with self._lock:
+            joined = self._planned and view.live.tolist() != self.hosts_live  # plan for a host that came or went
             self.hosts_live = view.live.tolist()
             self.resident_replicas = int(view.resident.sum())
             for i, status in enumerate(statuses):
@@ -209,9 +211,13 @@ class PlanLoop:
                     self._gb_s.update(i, status["meters"]["gb_s"])
             now = time.time()
             iteration_s = self.window.iteration_s(now)
-            if self.stateful:  # every iteration's loads, in order: one plan each
+            first, self._planned = not self._planned, True
+            if not (first or joined or self.window.reports(now) or self._actuals):
+                # No traffic: hosts evict idle replicas after keep-alive; re-loading them would churn.
+                groups = []
+            elif self.stateful:  # every iteration's loads, in order: one plan each (first: the homes)
                 pending, self._actuals = self._actuals, []
-                groups = [[a] for a in pending]
+                groups = [[a] for a in pending] or ([[]] if first else [])
             else:  # one forecast per phase: the union of their plans is resident
                 groups = [self._phase_forecasts(now)]
         if not view.live.any():

@@ -89,10 +89,15 @@ def test_metrics_and_healthz_show_the_loop(live):
     for name in ("moeless_moe_layer_seconds_bucket{le=\"+Inf\",phase=\"prefill\"}", "moeless_moe_layer_seconds_count{phase=\"decode\"}",
                  "moeless_layer_load_max_over_mean{layer=\"1\"}", "moeless_layer_load_cv{layer=\"0\"}",
                  "moeless_expert_replicas_resident", "moeless_cold_start_hidden_seconds_total",
-                 "moeless_cold_start_exposed_seconds_total", "moeless_predictor_online_accuracy", "moeless_plan_seconds",
+                 "moeless_cold_start_exposed_seconds_total", "moeless_predictor_online_accuracy", "moeless_plan_seconds_total",
+                 "moeless_plan_last_seconds",
                  "moeless_expert_gb_seconds_total", "moeless_non_expert_gb_seconds_total",
                  "moeless_plan_loop_heartbeat_age_seconds", "moeless_plan_loop_stalled 0.0"):
         assert name in text, name
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = [family.name for family in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names))  # one family per name: Prometheus refuses duplicates
 
 
 def test_host_killed_mid_replay_loses_no_request_and_rejoins(live, tiny_store, reference_text):
