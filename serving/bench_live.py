@@ -4,14 +4,15 @@
    LLM conversation trace (MOELESS_TRACES or ../shared/data/traces; a Poisson process at its rate
    where the file is missing), scaled to `rate` requests per second (this machine's pace), through
    the HTTP API with the load generator (serving/loadgen.py).
-2. Every configuration gets expert hosts of its own (starting from static EP's replicas) and its
-   app (its knobs, its planning loop), all deployed and warmed first: static EP (predictor off:
-   home replicas only), EPLB re-planned every 10 iterations from past loads, moeless with the gate
-   predictor, moeless with the history window only. The same requests go to every configuration
-   in chunks of `chunk`, the order rotating per chunk, so the machine's other work weighs on each
-   alike. Every configuration's processes stay up for the whole run (idle while the others
-   replay), so keep-alive must outlast those pauses (default 60 s) or each pays cold starts at
-   each of its chunks.
+2. One configuration after another, each alone on the machine with expert hosts of its own
+   (starting from static EP's replicas) and its app (its knobs, its planning loop): deployed,
+   warmed, every request replayed, torn down. Configurations: static EP (predictor off: home
+   replicas only), EPLB re-planned every 10 iterations from past loads, moeless with the gate
+   predictor, moeless with the history window only, and static EP again last (the machine's
+   drift over the run: read ratios against it too). Run one after another, not interleaved: a
+   configuration that waited while the others replayed would see its idle replicas evicted by
+   keep-alive and pay cold starts that serving steadily never pays (measured: every replica once
+   or twice per run with 60 s keep-alive and five interleaved configurations).
 3. Measured per MoE-layer call (the serving replica's reports to the planning loop), per phase:
    the critical path = the slowest host's compute + exposed load waits + the transfer. Two cores
    cannot run several hosts without them taking turns, so a host's compute is its compute thread's
@@ -34,7 +35,6 @@ import contextlib
 import os
 import time
 from dataclasses import replace
-from dataclasses import replace as dc_replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -47,6 +47,7 @@ CONFIGS = {
     "eplb": ("EPLB, re-planned every 10 iterations from past loads", dict(planner="eplb-window", predictor="history")),
     "moeless": ("moeless + gate predictor", dict(planner="moeless", predictor="gate")),
     "moeless-history": ("moeless + history window", dict(planner="moeless", predictor="history")),
+    "static-again": ("static EP again, run last (the drift between runs)", dict(planner="static", predictor="off")),
     "moeless-free-memory": ("moeless + gate predictor, memory unpriced (explains; not a claim)",
                             dict(planner="moeless", predictor="gate", memory_price=0.0)),
 }
@@ -55,21 +56,17 @@ DEFAULT_CONFIGS = ("static", "eplb", "moeless", "moeless-history")
 
 def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48, rate: float = 1.0,
                    max_tokens: int = 16, prompt_tokens: int = 64, configs: Sequence[str] = DEFAULT_CONFIGS,
-                   knobs: Knobs = Knobs(keep_alive_s=60.0), chunk: int = 8, repeats: int = 10,
+                   knobs: Knobs = Knobs(keep_alive_s=60.0), repeats: int = 10, again: bool = True,
                    timeout_s: float = 900.0) -> dict[str, Any]:
-    """Measure every configuration on the same requests (see the module docstring); returns the figures."""
+    """Measure every configuration on the same requests (see the module docstring; again: static EP
+    once more at the end); returns the figures."""
     import ray
     from ray import serve
 
     from moeless.controller.iterations import arrival_times
-    from moeless.expert_fn.client import ExpertHostClient
-    from moeless.expert_fn.launcher import launch_local_hosts
-    from moeless.serving.app import ServeConfig, build_app
-    from moeless.serving.calibrate import calibrate_host
     from moeless.serving.embedded import choose_model, export_store, free_port
-    from moeless.serving.plan_loop import NAMESPACE
 
-    configs = ["static", *[c for c in configs if c != "static"]]  # static EP is every ratio's baseline
+    configs = ["static", *[c for c in configs if c not in ("static", "static-again")], *(["static-again"] if again else [])]
     choice = choose_model(model)
     loaded = choice.loader()
     spec = loaded.spec
@@ -83,76 +80,81 @@ def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48
     non_expert = sum(p.numel() * p.element_size() for p in loaded.hf.parameters())
     del loaded
     with contextlib.ExitStack() as stack:
-        # 1. Hosts for every configuration (resident sets of their own), one Ray + Serve, every app deployed.
-        groups = {name: stack.enter_context(launch_local_hosts(hosts, store, keep_alive_s=knobs.keep_alive_s,
-                                                               metrics=False)) for name in configs}
-        clients = {name: [stack.enter_context(ExpertHostClient(a, timeout_s=60)) for a in g.addresses]
-                   for name, g in groups.items()}
-        costs = calibrate_host(clients["static"][0], spec.hidden_size, non_expert, spec.num_experts, repeats)
         ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
         stack.callback(ray.shutdown)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         stack.callback(serve.shutdown)
-        base, loops, knob_sets = f"http://127.0.0.1:{port}", {}, {}
-        for name in configs:
-            label, overrides = CONFIGS[name]
-            print(f"deploying {label} on {hosts} expert hosts of its own ...", flush=True)
-            _reset_hosts(clients[name], spec.num_layers, spec.num_experts)
-            knob_sets[name] = replace(knobs, **overrides)
-            config = ServeConfig(choice.name, choice.loader, tuple(groups[name].addresses), replica_cpus=0.25,
-                                 ingress_cpus=0.1, placement_board=f"bench-live-board-{name}", knobs=knob_sets[name],
-                                 plan_loop=f"bench-live-loop-{name}", profile=costs.profile)
-            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-            loops[name] = ray.get_actor(config.plan_loop, namespace=NAMESPACE)
-        for name in configs:  # warm, all at once after the deployments (the first would idle past keep-alive)
-            _reset_hosts(clients[name], spec.num_layers, spec.num_experts)
-            replay(f"{base}/{name}", choice.name, prompts[:2], [0.0, 0.0], 4, timeout_s=timeout_s)
-        time.sleep(1.0)
-        before = {name: [c.status()["meters"] for c in clients[name]] for name in configs}
-        for loop in loops.values():
-            ray.get(loop.reset_stats.remote())
-        # 2. The same requests to every configuration, chunk by chunk, the order rotating per chunk, so
-        #    the machine's other work weighs on every configuration alike.
-        outcomes: dict[str, list] = {name: [] for name in configs}
-        serving_s = {name: 0.0 for name in configs}  # wall seconds of its replays (non-expert memory held)
-        chunks = [range(i, min(i + chunk, requests)) for i in range(0, requests, chunk)]
-        for r, part in enumerate(chunks):
-            order = configs[r % len(configs):] + configs[:r % len(configs)]
-            print(f"chunk {r + 1}/{len(chunks)}: requests {part.start}..{part.stop - 1}, order {', '.join(order)}",
-                  flush=True)
-            offsets = arrivals[part.start:part.stop] - arrivals[part.start]
-            for name in order:
-                began = time.perf_counter()
-                done = replay(f"{base}/{name}", choice.name, prompts[part.start:part.stop], offsets, max_tokens,
-                              timeout_s=timeout_s)
-                serving_s[name] += time.perf_counter() - began
-                outcomes[name] += [dc_replace(o, index=o.index + part.start) for o in done]
-        time.sleep(0.5)  # the last reports reach the loops
-        # 3. The figures.
-        results = {}
-        for name in configs:
-            metrics = ray.get(loops[name].metrics.remote())
-            after = [c.status()["meters"] for c in clients[name]]
-            results[name] = {"label": CONFIGS[name][0], "knobs": knob_sets[name].to_mapping(), **summarize(outcomes[name]),
-                             **config_figures(metrics, before[name], after, costs.samples),
-                             "replay_s": serving_s[name], "non_expert_gb_s": non_expert / 1e9 * serving_s[name],
-                             "texts": [o.text for o in outcomes[name]], "outcomes": outcomes_json(outcomes[name])}
-            _print_row(name, results[name])
-            ray.get(loops[name].stop.remote())
-            ray.kill(loops[name])
+        run = _Run(choice, spec, store, hosts, non_expert, prompts, arrivals, max_tokens, f"http://127.0.0.1:{port}",
+                   repeats, timeout_s)
+        results = {name: run.config(name, replace(knobs, **CONFIGS[name][1])) for name in configs}
     in_run = fit_in_run(results["static"]["phases"])
     add_in_run_model(results, *in_run)
     return {
         "model": choice.name, "experts": spec.num_experts, "top_k": spec.top_k, "layers": spec.num_layers,
-        "hosts": hosts, "requests": requests, "rate_per_s": rate, "arrivals": source, "chunk": chunk,
+        "hosts": hosts, "requests": requests, "rate_per_s": rate, "arrivals": source,
         "max_tokens": max_tokens, "prompt_tokens": prompt_tokens, "knobs": knobs.to_mapping(),
-        "load_average_1m": os.getloadavg()[0], "calibration": costs.as_dict(),
+        "load_average_1m": os.getloadavg()[0], "calibration": run.costs.as_dict(),
         "in_run_model": {"a": in_run[0], "b_s": in_run[1], "fitted_on": "static"}, "configs": results,
         "ratios": ratios(results),
         "identical_to_static": {n: sum(a == b for a, b in zip(r["texts"], results["static"]["texts"]))
                                 for n, r in results.items()},
     }
+
+
+class _Run:
+    """One configuration after another, each on expert hosts of its own (started from static EP's
+    replicas), alone on the machine: deploy, warm, replay every request, read the figures, tear down."""
+
+    def __init__(self, choice, spec, store, hosts, non_expert, prompts, arrivals, max_tokens, base, repeats, timeout_s):
+        self.choice, self.spec, self.store, self.hosts, self.non_expert = choice, spec, store, hosts, non_expert
+        self.prompts, self.arrivals, self.max_tokens, self.base = prompts, arrivals, max_tokens, base
+        self.repeats, self.timeout_s = repeats, timeout_s
+        self.costs = None
+
+    def config(self, name: str, knobs: Knobs) -> dict:
+        import ray
+        from ray import serve
+
+        from moeless.expert_fn.client import ExpertHostClient
+        from moeless.expert_fn.launcher import launch_local_hosts
+        from moeless.serving.app import ServeConfig, build_app
+        from moeless.serving.calibrate import calibrate_host
+        from moeless.serving.plan_loop import NAMESPACE
+
+        spec, label = self.spec, CONFIGS[name][0]
+        with launch_local_hosts(self.hosts, self.store, keep_alive_s=knobs.keep_alive_s, metrics=False) as group, \
+                contextlib.ExitStack() as stack:
+            clients = [stack.enter_context(ExpertHostClient(a, timeout_s=60)) for a in group.addresses]
+            if self.costs is None:  # the cost profile, once, on an idle host
+                self.costs = calibrate_host(clients[0], spec.hidden_size, self.non_expert, spec.num_experts, self.repeats)
+            print(f"{label}: {self.hosts} expert hosts, deploying ...", flush=True)
+            _reset_hosts(clients, spec.num_layers, spec.num_experts)
+            config = ServeConfig(self.choice.name, self.choice.loader, tuple(group.addresses), replica_cpus=0.25,
+                                 ingress_cpus=0.1, placement_board=f"bench-live-board-{name}", knobs=knobs,
+                                 plan_loop=f"bench-live-loop-{name}", profile=self.costs.profile)
+            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+            loop = ray.get_actor(config.plan_loop, namespace=NAMESPACE)
+            url = f"{self.base}/{name}"
+            replay(url, self.choice.name, self.prompts[:2], [0.0, 0.0], 4, timeout_s=self.timeout_s)  # warm
+            time.sleep(1.0)
+            before = [c.status()["meters"] for c in clients]
+            ray.get(loop.reset_stats.remote())
+            began = time.perf_counter()
+            outcomes = replay(url, self.choice.name, self.prompts, self.arrivals, self.max_tokens, timeout_s=self.timeout_s)
+            replay_s = time.perf_counter() - began
+            time.sleep(0.5)  # the last reports reach the loop
+            metrics = ray.get(loop.metrics.remote())
+            after = [c.status()["meters"] for c in clients]
+            result = {"label": label, "knobs": knobs.to_mapping(), **summarize(outcomes),
+                      **config_figures(metrics, before, after, self.costs.samples),
+                      "replay_s": replay_s, "non_expert_gb_s": self.non_expert / 1e9 * replay_s,
+                      "texts": [o.text for o in outcomes], "outcomes": outcomes_json(outcomes)}
+            _print_row(name, result)
+            ray.get(loop.stop.remote())
+            ray.kill(loop)
+            serve.delete(name)
+        return result
 
 
 def config_figures(metrics: dict, before: Sequence[dict], after: Sequence[dict], fit: dict) -> dict:
