@@ -1,6 +1,7 @@
 """`moeless serve` refuses bad knobs with one clear line and exit code 2, before anything starts
 (through the real CLI entry point: main(), and once as a subprocess); the knobs reach the app."""
 
+import os
 import subprocess
 import sys
 
@@ -67,3 +68,19 @@ def test_app_from_args_reads_the_knobs_file_and_the_hosts(tmp_path, monkeypatch)
     monkeypatch.delenv("MOELESS_EXPERT_HOSTS")
     with pytest.raises(KnobError, match="no expert hosts"):
         config_from_args({"model": "tiny:mixtral"})
+
+
+def test_serve_uses_the_expert_hosts_named_in_the_environment(hosts, tmp_path):
+    """With MOELESS_EXPERT_HOSTS set (the Helm chart's Deployment), `moeless serve` starts no hosts of
+    its own: the demo request is answered by the hosts given, which see the calls."""
+    from moeless.expert_fn.client import ExpertHostClient
+
+    env = dict(os.environ, MOELESS_CACHE=str(tmp_path), MOELESS_EXPERT_HOSTS=",".join(hosts.addresses))
+    proc = subprocess.run([sys.executable, "-m", "moeless", "serve", "--model", "tiny:mixtral", "--port", "0", "--demo",
+                           "--predictor", "history"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"using 3 expert hosts from $MOELESS_EXPERT_HOSTS: {', '.join(hosts.addresses)}" in proc.stdout
+    assert "starting" not in proc.stdout and "\nassistant: " in proc.stdout
+    for address in hosts.addresses:
+        with ExpertHostClient(address) as client:
+            assert client.status()["meters"]["invocations"] > 0, address
