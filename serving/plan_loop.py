@@ -35,7 +35,9 @@ class LoopSettings:
     """What the loop plans for: the hosts (index = the placement's GPU id), the model's shape,
     the knobs, the cost profile (None: measured on host 0 at start, serving/calibrate.py), the
     board to publish on; period_s: seconds between passes (a pass plans when reports came in or
-    loads are pending, else only refreshes what the hosts hold every idle_s); window_s: the reports
+    loads are pending, else only refreshes what the hosts hold every idle_s; without traffic in the
+    window it sends no loads, so keep-alive can evict idle replicas, except on the first pass and
+    when a host comes or goes); window_s: the reports
     a forecast merges; stall_s: a heartbeat older than this is a stall; status_timeout_s: a host
     slower than this to answer Status counts as down for the pass; replicas: serving replicas
     (non-expert memory); planner_extra: other PlannerConfig fields."""
