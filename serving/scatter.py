@@ -85,7 +85,6 @@ def plan_scatter(idx: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
     np.put_along_axis(rank, np.argsort(choice, axis=1), np.arange(k)[None, :], axis=1)
     dest = (np.arange(tokens)[:, None] * k + rank).reshape(-1)[order]
     load = np.bincount(flat_idx, minlength=num_experts)
-    first = np.concatenate([[0], np.cumsum(load)[:-1]])  # where each expert's rows start in `order`
     # 2. Whole token counts per replica from each replica's share; chunks of >= MIN_CHUNK rows.
     expert, gpu = placement.expert, placement.gpu
     if placement.num_replicas == num_experts:  # one replica per expert: its chunk is the expert's rows
@@ -94,19 +93,17 @@ def plan_scatter(idx: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
         counts = merge_small_chunks(expert, placement.replica_tokens(load), MIN_CHUNK)
         if not np.array_equal(np.bincount(expert, weights=counts, minlength=num_experts), load):
             raise ValueError("the placement's shares do not route every token (an expert's shares must sum to 1)")
-    # 3. Consecutive chunks per replica; a host's batch lists its experts ascending.
-    offset = first.copy()
-    segments: dict[int, dict[int, list[tuple[int, int]]]] = {}
-    for r in np.flatnonzero(counts):
-        e, n = int(expert[r]), int(counts[r])
-        segments.setdefault(int(gpu[r]), {}).setdefault(e, []).append((int(offset[e]), n))
-        offset[e] += n
+    # 3. Consecutive chunks per replica, an expert's replicas in index order: the host of every
+    #    row of `order` (expert-major), so a host's rows, taken in order, list its experts ascending.
+    by_expert = np.argsort(expert, kind="stable")
+    host_of_row = np.repeat(gpu[by_expert], counts[by_expert])
     hosts = {}
-    for h, by_expert in sorted(segments.items()):
-        experts = sorted(by_expert)
-        positions = np.concatenate([np.arange(a, a + n) for e in experts for a, n in by_expert[e]])
+    for h in np.flatnonzero(np.bincount(host_of_row)).tolist():  # bincount, not unique: faster on tiny arrays
+        positions = np.flatnonzero(host_of_row == h)
         flat = order[positions]
-        hosts[h] = HostBatch(experts, [sum(n for _, n in by_expert[e]) for e in experts], torch.from_numpy(flat // k),
+        rows_per_expert = np.bincount(flat_idx[flat], minlength=num_experts)
+        experts = np.flatnonzero(rows_per_expert)
+        hosts[h] = HostBatch(experts.tolist(), rows_per_expert[experts].tolist(), torch.from_numpy(flat // k),
                              torch.from_numpy(dest[positions]), torch.from_numpy(flat))
     return ScatterPlan(tokens, k, hosts)
 
