@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable
 
 from moeless.benchio import add_bench_flags, write_result
 from moeless.knobs import add_knob_flags, knobs_from_args
@@ -71,7 +72,7 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     load.add_argument("--requests-per-client", type=_positive, default=1, help="requests each client sends in turn (default 1)")
     load.add_argument("--max-tokens", type=_positive, help="tokens per request (default 16; 8 with --quick)")
     load.add_argument("--prompt-tokens", type=_positive, default=64, help="ShareGPT prompts cut to this many tokens (default 64)")
-    load.add_argument("--modes", type=_modes, help="batching modes, comma-separated (default static-8,static-wide,continuous; "
+    load.add_argument("--modes", type=_names_of(_load_modes, "mode(s)"), help="batching modes, comma-separated (default static-8,static-wide,continuous; "
                                                    "static-8,continuous with --quick)")
     add_bench_flags(load)
     load.set_defaults(func=_bench_load)
@@ -91,7 +92,7 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
                                                           "(default 1.0; 4.0 with --quick)")
     live.add_argument("--max-tokens", type=_positive, help="tokens per request (default 16; 8 with --quick)")
     live.add_argument("--prompt-tokens", type=_positive, default=64, help="ShareGPT prompts cut to this many tokens (default 64)")
-    live.add_argument("--configs", type=_live_configs, help="configurations, comma-separated (default "
+    live.add_argument("--configs", type=_names_of(_live_configs, "configuration(s)"), help="configurations, comma-separated (default "
                                                             "static,eplb,moeless,moeless-history, then static again; also "
                                                             "moeless-free-memory)")
     live.add_argument("--keep-alive", type=_non_negative_float, default=60.0,
@@ -153,14 +154,26 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _live_configs(text: str) -> list[str]:
-    from moeless.serving.bench_live import CONFIGS
+def _names_of(known: Callable[[], list[str]], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of names out of known() (imported when parsed)."""
+    def parse(text: str) -> list[str]:
+        choices = known()
+        names = [n for n in text.split(",") if n]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; use some of {','.join(choices)}")
+        return names
+    return parse
 
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown configuration(s) {unknown}; use some of {','.join(CONFIGS)}")
-    return names
+
+def _live_configs() -> list[str]:
+    from moeless.serving.bench_live import CONFIGS
+    return list(CONFIGS)
+
+
+def _load_modes() -> list[str]:
+    from moeless.serving.bench_load import MODES
+    return list(MODES)
 
 
 def _bench_live(args: argparse.Namespace) -> int:
@@ -187,14 +200,6 @@ def _counts(text: str) -> list[int]:
     return values
 
 
-def _modes(text: str) -> list[str]:
-    from moeless.serving.bench_load import MODES
-
-    modes = [m for m in text.split(",") if m]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; use some of {','.join(MODES)}")
-    return modes
 
 
 def _bench_load(args: argparse.Namespace) -> int:
