@@ -52,6 +52,7 @@ CONFIGS = {
                             dict(planner="moeless", predictor="gate", memory_price=0.0)),
 }
 DEFAULT_CONFIGS = ("static", "eplb", "moeless", "moeless-history")
+QUICK_CONFIGS = ("static", "moeless")  # --quick: two deployments keep it under a minute
 
 
 def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48, rate: float = 1.0,

@@ -93,8 +93,8 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     live.add_argument("--max-tokens", type=_positive, help="tokens per request (default 16; 8 with --quick)")
     live.add_argument("--prompt-tokens", type=_positive, default=64, help="ShareGPT prompts cut to this many tokens (default 64)")
     live.add_argument("--configs", type=_names_of(_live_configs, "configuration(s)"), help="configurations, comma-separated (default "
-                                                            "static,eplb,moeless,moeless-history, then static again; also "
-                                                            "moeless-free-memory)")
+                                                            "static,eplb,moeless,moeless-history, then static again; "
+                                                            "static,moeless with --quick; also moeless-free-memory)")
     live.add_argument("--keep-alive", type=_non_negative_float, default=60.0,
                       help="seconds an idle replica stays resident (knob keepAliveSeconds; default 60, the knob's)")
     live.add_argument("--distance", type=_positive, default=2, help="prediction distance in layers (knob distance; default 2)")
@@ -178,13 +178,13 @@ def _load_modes() -> list[str]:
 
 def _bench_live(args: argparse.Namespace) -> int:
     from moeless.knobs import Knobs
-    from moeless.serving.bench_live import DEFAULT_CONFIGS, print_report, run_live_bench
+    from moeless.serving.bench_live import DEFAULT_CONFIGS, QUICK_CONFIGS, print_report, run_live_bench
 
     knobs = Knobs(keep_alive_s=args.keep_alive, distance=args.distance, memory_price=args.memory_price)
     result = run_live_bench(args.model or ("tiny:mixtral" if args.quick else "default"),
                             hosts=args.hosts or (2 if args.quick else 4), requests=args.requests or (8 if args.quick else 48),
                             rate=args.rate or (4.0 if args.quick else 1.0), max_tokens=args.max_tokens or (8 if args.quick else 16),
-                            prompt_tokens=args.prompt_tokens, configs=args.configs or list(DEFAULT_CONFIGS), knobs=knobs,
+                            prompt_tokens=args.prompt_tokens, configs=args.configs or list(QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS), knobs=knobs,
                             repeats=3 if args.quick else 30, again=not args.quick)
     print_report(result)
     path = write_result(args.out, "live", result)
