@@ -167,10 +167,11 @@ class RemoteExecutor:
         t.gather_s += done - invoked
         t.compute_s += max((r.compute_s for r in results.values()), default=0.0)
         t.compute_sum_s += sum(r.compute_s for r in results.values())
-        t.cold_starts += sum(r.cold_starts for r in results.values())
+        cold_starts = sum(r.cold_starts for r in results.values())
+        t.cold_starts += cold_starts
         t.tokens_moved += int(routing.idx.numel())
         self.last_call = LayerCall(placement, {h: (b.experts, b.counts) for h, b in plan.hosts.items()},
-                                   {h: r.compute_s for h, r in results.items()}, sum(r.cold_starts for r in results.values()))
+                                   {h: r.compute_s for h, r in results.items()}, cold_starts)
         return out
 
     def _probe_dead(self) -> None:
