@@ -32,6 +32,7 @@ from moeless.serving.engine import error_event
 from moeless.serving.scheduler import BatchLimits
 
 BATCHING = ("continuous", "static")
+INGRESS_SPARE = 16  # ingress requests beyond the servers' capacity: health and metrics probes
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,8 @@ class ModelServer:
         batching = {"running": 0, "waiting": 0, "iterations": 0, "refused": 0}
         if self.scheduler:
             batching = {**self.scheduler.counts(), "iterations": self.scheduler.stats.iterations,
-                        "refused": self.scheduler.stats.refused}
+                        "refused": self.scheduler.stats.refused, "busy_s": self.scheduler.stats.busy_s,
+                        "decode_tokens": self.scheduler.stats.decode_tokens}
         return {**self.executor.times.as_dict(), "dead_hosts": sorted(self.executor.dead_hosts),
                 "placement_version": self.source.version, "local_channels": sum(c.uses_local_channel for c in self.clients),
                 **batching}
@@ -402,8 +404,12 @@ def build_app(config: ServeConfig):
         else 4 * config.max_batch
     server = ModelServer.options(num_replicas=config.num_replicas, max_ongoing_requests=ongoing,
                                  ray_actor_options={"num_cpus": config.replica_cpus}).bind(config)
-    return Ingress.options(ray_actor_options={"num_cpus": config.ingress_cpus}).bind(server, config.model_name,
-                                                                                   config.plan_loop)
+    # The ingress holds each streamed request until its last token: it must admit every request the
+    # servers can take (Ray Serve's default of 5 ongoing would cap the running batch at 5), plus
+    # room for /healthz and /metrics.
+    return Ingress.options(max_ongoing_requests=config.num_replicas * ongoing + INGRESS_SPARE,
+                           ray_actor_options={"num_cpus": config.ingress_cpus}).bind(server, config.model_name,
+                                                                                     config.plan_loop)
 
 
 def app_from_args(args: dict):

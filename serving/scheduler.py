@@ -187,9 +187,9 @@ class Scheduler:
                     self._fail(r, err)
         # 4. Newcomers that go on take a row; finished requests leave; events go out.
         with self._lock:
-            for r, start in zip(newcomers, starts):
+            for r, column in zip(newcomers, starts):
                 if not r.done:
-                    self.slots.add(r.rid, cache, 0, start, len(r.prompt))
+                    self.slots.add(r.rid, cache, 0, column, len(r.prompt))
                     self._running[r.rid] = r
             for r in rows:
                 if r.done:

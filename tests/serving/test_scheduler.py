@@ -84,7 +84,9 @@ def test_greedy_outputs_under_continuous_batching_equal_sequential_ones(arch):
     scheduler.slots = KVSlots(scheduler.slots.num_layers, 3, min_capacity=8)
     arrivals = {0: [("hello", 9), ("The cat sat on the mat", 4)], 1: [("a", 14)],
                 3: [("xyz " * 5, 3), ("Once upon", 11)], 9: [("Q", 1)], 10: [("late one", 6), ("b" * 30, 5)]}
+    started = time.perf_counter()
     clients, seen = _run(scheduler, arrivals)
+    assert 0 < scheduler.stats.busy_s <= time.perf_counter() - started  # wall time of the steps only
     requests = [r for step in sorted(arrivals) for r in arrivals[step]]
     for (prompt, n), client in zip(requests, clients):
         assert client.events[-1]["finish"] == "length" and client.events[-1]["completion_tokens"] == n
