@@ -4,7 +4,9 @@
    alpha and the call overhead from a least-squares fit of `expert_forward` time over 1..256
    tokens; beta from serialising and copying a [T, H] float32 batch; one replica's load from disk
    (read, sha256, parse, copy: the expert host's path with its host tier off) and from the host
-   memory tier (the copy alone); expert and non-expert bytes. Each time is the fastest of its repeats.
+   memory tier (the copy alone); expert and non-expert bytes; the serving replica's re-level of one
+   layer's shares on its actual loads (moeless's data plane, `measure_relevel_s`). Each time is the
+   fastest of its repeats.
 2. Planning time per layer for several (E, G): moeless, moeless-fill and the paper beside EPLB.
 
 Part 2, the replay of every planner through the digital twin, is controller/bench_quality.py.
@@ -43,10 +45,27 @@ def _fit(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
     return max(float(slope), 0.0), max(float(intercept), 0.0)
 
 
+def measure_relevel_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
+    """Seconds of one `relevel_layer` (what a serving replica runs per MoE-layer call when moeless
+    split an expert): static EP's E home replicas plus one more replica of each of the G busiest
+    experts, on the next GPU, under a skewed load of 64 tokens per expert. The fastest of repeats."""
+    from moeless.placement.resident_planner import relevel_layer
+    from moeless.placement.types import LayerPlacement
+
+    rng = np.random.default_rng(0)
+    load = rng.multinomial(64 * num_experts, rng.dirichlet(np.full(num_experts, 0.3)))
+    home = np.arange(num_experts) * num_gpus // num_experts
+    hot = np.argsort(-load, kind="stable")[:num_gpus] if num_gpus > 1 else np.zeros(0, dtype=np.int64)
+    layer = LayerPlacement.even(np.concatenate([np.arange(num_experts), hot]),
+                                np.concatenate([home, (home[hot] + 1) % num_gpus]), num_experts)
+    return _fastest_seconds(lambda: relevel_layer(load, layer, model, num_gpus), repeats)
+
+
 def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int = 50, threads: int = 1,
-                    source: str = "") -> tuple[CostProfile, dict]:
+                    source: str = "", *, num_experts: int, num_gpus: int) -> tuple[CostProfile, dict]:
     """Measure the cost profile on this machine for experts of shape H=hidden, F=ffn (float32),
-    torch on `threads` threads. Returns (profile, the raw timings)."""
+    torch on `threads` threads, layers of num_experts experts over num_gpus GPUs (the re-level).
+    Returns (profile, the raw timings)."""
     import torch
 
     from moeless.expert_fn.tiers import DeviceCopier, HostTier, TierConfig
@@ -84,10 +103,13 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
             disk = _fastest_seconds(lambda: copier.to_device(off.get((0, 0))[0]), loads)
             host = _fastest_seconds(lambda: copier.to_device(tier.get((0, 0))[0]), loads)
             expert_bytes = store.expert_bytes(0, 0)
+        # 4. The data plane's re-level of one layer's shares.
+        relevel = measure_relevel_s(num_experts, num_gpus, LatencyModel(alpha=alpha, beta=beta, cold_start=host,
+                                                                        call_overhead=call), repeats)
     finally:
         torch.set_num_threads(saved_threads)
     profile = CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
-                          expert_bytes=expert_bytes, non_expert_bytes=non_expert_bytes,
+                          expert_bytes=expert_bytes, non_expert_bytes=non_expert_bytes, relevel_s=relevel,
                           source=source or f"this machine's CPU, torch on {threads} thread(s), H={hidden} F={ffn} float32")
     facts = {"expert_shape": {"H": hidden, "F": ffn, "dtype": "float32"}, "torch_threads": threads,
              "ffn_tokens": token_counts, "ffn_seconds": ffn_s, "move_tokens": moved, "move_seconds": move_s}

@@ -93,7 +93,7 @@ def plan_command(args: argparse.Namespace) -> int:
     loads = np.atleast_2d(np.load(args.loads))
     num_layers, num_experts = loads.shape
     try:
-        profile = CostProfile.from_json(args.profile) if args.profile else _measured_profile(quick=True)
+        profile = CostProfile.from_json(args.profile) if args.profile else _measured_profile(num_experts, args.gpus)
     except ProfileError as err:
         print(f"moeless plan: {err}", file=sys.stderr)
         return 2
@@ -115,13 +115,14 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measured_profile(quick: bool):
-    """The cost profile measured now at the default model's expert shape (non-expert bytes not
-    measured: a plan does not bill them)."""
+def _measured_profile(num_experts: int, num_gpus: int):
+    """The cost profile measured now (a few repeats) at the default model's expert shape
+    (non-expert bytes not measured: a plan does not bill them)."""
     from moeless.controller import bench_planner as bench
     from moeless.model.shape import DEFAULT_EXPERT_SHAPE
 
-    profile, _ = bench.measure_profile(*DEFAULT_EXPERT_SHAPE, non_expert_bytes=0, repeats=10 if quick else 60)
+    profile, _ = bench.measure_profile(*DEFAULT_EXPERT_SHAPE, non_expert_bytes=0, repeats=10, num_experts=num_experts,
+                                       num_gpus=num_gpus)
     return profile
 
 
@@ -144,13 +145,16 @@ def bench_planner(args: argparse.Namespace) -> int:
         if args.profile:
             profile, facts = CostProfile.from_json(args.profile), {"from": args.profile}
         else:
-            shape = data[2] if data else None
-            if shape is None:
+            if data:
+                shape, num_experts = data[2], data[0][0].prefill.shape[1]
+            else:
                 from moeless.controller.loads import model_facts
                 from moeless.model.default import default_model
 
-                shape = model_facts(default_model())
-            profile, facts = bench.measure_profile(shape.hidden, shape.ffn, shape.non_expert_bytes, 20 if quick else 60)
+                model = default_model()
+                shape, num_experts = model_facts(model), model.spec.num_experts
+            profile, facts = bench.measure_profile(shape.hidden, shape.ffn, shape.non_expert_bytes, 20 if quick else 60,
+                                                   num_experts=num_experts, num_gpus=args.gpus)
     except ProfileError as err:
         return _fail(str(err))
     print_profile(profile)

@@ -47,13 +47,6 @@ def live_planner_name(knobs: Knobs) -> str:
     return knobs.planner + ("" if knobs.scaler else "-no-scaler") + ("" if knobs.placer else "-no-placer")
 
 
-def relevels(planner_name: str) -> bool:
-    """Whether serving replicas re-level shares over the published replicas on each layer's actual
-    loads: moeless's planners plan the resident set and leave the shares to the data plane; the
-    baselines (static EP, EPLB, the paper, the Oracle) keep their own shares."""
-    return planner_name.startswith("moeless")
-
-
 def is_stateful(planner_name: str) -> bool:
     """Planners that learn from every iteration's loads themselves (EPLB's window): the loop feeds
     them each reported iteration's actual loads instead of the merged forecast."""

@@ -100,6 +100,18 @@ class Planner:
     def __call__(self, forecast: np.ndarray, cluster: Cluster, previous: Placement | None = None) -> Placement:
         return self.plan_fn(check_forecast(forecast), cluster, previous, self.config)
 
+    @property
+    def relevels(self) -> bool:
+        """Whether the data plane re-levels this planner's shares on each layer's actual loads."""
+        return relevels(self.name)
+
+
+def relevels(planner_name: str) -> bool:
+    """Whether serving replicas re-level shares over the published replicas on each layer's actual
+    loads: moeless's planners plan the resident set and leave the shares to the data plane; the
+    baselines (static EP, EPLB, the paper, the Oracle) keep their own shares."""
+    return planner_name.startswith("moeless")
+
 
 def check_forecast(forecast: np.ndarray) -> np.ndarray:
     """forecast: [L, E] non-negative finite token counts, as float64."""

@@ -7,7 +7,10 @@ required; a missing or bad one is one clear error naming the file and the field.
     {"alpha": s/token, "beta": s/token, "call_overhead": s/call,
      "load_s": {"disk": s, "host": s},   # one replica's load: from the weight store (read, sha256,
                                          # copy) and from the host memory tier (a copy)
-     "expert_bytes": bytes, "non_expert_bytes": bytes, "source": "where and how it was measured"}
+     "expert_bytes": bytes, "non_expert_bytes": bytes,
+     "relevel_s": s,                     # a serving replica re-levelling one layer's shares over its
+                                         # replicas on the actual loads (moeless's data plane)
+     "source": "where and how it was measured"}
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ FIELDS = {
     "load_s": "one replica's load time per tier, {\"disk\": s, \"host\": s}",
     "expert_bytes": "bytes one replica holds",
     "non_expert_bytes": "bytes of the non-expert weights (embeddings, attention, norms, gates, head)",
+    "relevel_s": "seconds a serving replica takes to re-level one layer's shares over its replicas on the actual loads",
     "source": "where and how the profile was measured",
 }
 
@@ -45,6 +49,7 @@ class CostProfile:
     load_s: dict[str, float]
     expert_bytes: int
     non_expert_bytes: int
+    relevel_s: float
     source: str
 
     def latency_model(self, tier: str = "host") -> LatencyModel:
@@ -68,7 +73,7 @@ class CostProfile:
             if name not in doc:
                 raise ProfileError(f"{where}: cost profile lacks {name!r} ({meaning}); re-measure it with "
                                    "`moeless bench planner --out DIR` or add the field")
-        for name in ("alpha", "beta", "call_overhead", "expert_bytes", "non_expert_bytes"):
+        for name in ("alpha", "beta", "call_overhead", "expert_bytes", "non_expert_bytes", "relevel_s"):
             _check_number(doc[name], f"{where}: {name}")
         loads = doc["load_s"]
         if not isinstance(loads, dict) or set(TIERS) - set(loads):
@@ -77,7 +82,7 @@ class CostProfile:
             _check_number(loads[tier], f"{where}: load_s.{tier}")
         return CostProfile(float(doc["alpha"]), float(doc["beta"]), float(doc["call_overhead"]),
                            {t: float(loads[t]) for t in TIERS}, int(doc["expert_bytes"]), int(doc["non_expert_bytes"]),
-                           str(doc["source"]))
+                           float(doc["relevel_s"]), str(doc["source"]))
 
     @staticmethod
     def from_json(path: str | Path) -> "CostProfile":

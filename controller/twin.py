@@ -15,7 +15,9 @@ The model, per iteration (DESIGN.md, "What a plan costs" and "The paper's model"
 2. Plan. The planner gets the forecast [L, E] and what is resident (a Placement of every
    resident replica) and returns the plan; its replicas that are not resident are cold loads.
 3. Time, layer by layer: `serial` and `paper` layer times on the actual loads (the Oracle's on its
-   lossy loads). Layer t's cold loads are issued when layer max(t - d, 0) starts (a forecast made
+   lossy loads). moeless's planners leave the shares to the data plane, as `moeless serve` runs
+   them: a layer with a split expert is re-levelled over the plan's replicas on its actual loads
+   (`relevel_layer`) and pays the profile's relevel_s for it; the baselines keep their shares. Layer t's cold loads are issued when layer max(t - d, 0) starts (a forecast made
    d layers ahead); each GPU loads one replica after another (load_s each); layer t waits for the
    last of its loads: exposed_t = max(0, done - start_t). Its cold-start time is the most any GPU
    loads for it (n x load_s); hidden = cold - exposed. Layer t + 1 starts when layer t ends
@@ -36,6 +38,7 @@ from moeless.controller.iterations import Iteration
 from moeless.controller.planner import Planner
 from moeless.controller.profile import CostProfile
 from moeless.placement.cluster import Cluster
+from moeless.placement.resident_planner import relevel_layer
 from moeless.placement.types import LayerPlacement, Placement
 
 GB = 1e9
@@ -183,8 +186,11 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
             rec.loads[i, l] = int(per_gpu.sum())
             rec.cold_s[i, l] = float(per_gpu.max()) * load_s
             rec.exposed_s[i, l] = max(done - start, 0.0)
-            rec.serial_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "serial")
-            rec.paper_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "paper")
+            dispatch = 0.0
+            if planner.relevels and lp.num_replicas > num_experts:
+                lp, dispatch = relevel_layer(np.rint(actual[l]).astype(np.int64), lp, model, num_gpus), profile.relevel_s
+            rec.serial_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "serial") + dispatch
+            rec.paper_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "paper") + dispatch
             start += rec.serial_s[i, l] + rec.exposed_s[i, l]
             rec.planned[i, l] = lp.num_replicas
             rec.gb_s_per_layer[i, l] = (rec.serial_s[i, l] + rec.exposed_s[i, l]) * lp.num_replicas * bytes_gb

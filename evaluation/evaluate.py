@@ -97,7 +97,7 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
     num_layers, num_experts = first.shape
     config.knobs.check_for_model(num_layers)
     if profile is None:
-        profile = _measure(workloads[0].facts, config.quick)
+        profile = _measure(workloads[0].facts, config.quick, num_experts, config.gpus)
     cluster, cap = _cluster(config, profile, num_layers, num_experts)
     planner_config = PlannerConfig(model=profile.latency_model(config.tier), cv_threshold=config.knobs.cv_threshold,
                                    horizon=HORIZON, keep_alive_s=config.knobs.keep_alive_s, gb_s_price=GB_S_PRICE,
@@ -142,11 +142,12 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
     return doc
 
 
-def _measure(facts, quick: bool) -> CostProfile:
+def _measure(facts, quick: bool, num_experts: int, num_gpus: int) -> CostProfile:
     """The cost profile measured now on this machine at the model's expert shape (as `moeless bench planner`)."""
     from moeless.controller.bench_planner import measure_profile
 
-    return measure_profile(facts.hidden, facts.ffn, facts.non_expert_bytes, 10 if quick else 60)[0]
+    return measure_profile(facts.hidden, facts.ffn, facts.non_expert_bytes, 10 if quick else 60, num_experts=num_experts,
+                           num_gpus=num_gpus)[0]
 
 
 def _cluster(config: EvalConfig, profile: CostProfile, num_layers: int, num_experts: int):

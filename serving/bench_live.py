@@ -128,7 +128,8 @@ class _Run:
                 contextlib.ExitStack() as stack:
             clients = [stack.enter_context(ExpertHostClient(a, timeout_s=60)) for a in group.addresses]
             if self.costs is None:  # the cost profile, once, on an idle host
-                self.costs = calibrate_host(clients[0], spec.hidden_size, self.non_expert, spec.num_experts, self.repeats)
+                self.costs = calibrate_host(clients[0], spec.hidden_size, self.non_expert, spec.num_experts, self.hosts,
+                                            self.repeats)
             print(f"{label}: {self.hosts} expert hosts, deploying ...", flush=True)
             _reset_hosts(clients, spec.num_layers, spec.num_experts)
             config = ServeConfig(self.choice.name, self.choice.loader, tuple(group.addresses), replica_cpus=0.25,

@@ -9,7 +9,8 @@ medians of `repeats` calls per shape (the typical call, not the luckiest):
     transfer = c0 + 2 beta x T
 
 and one replica's load is timed from disk (a first load: read, sha256, copy) and from the host
-memory tier (a reload after eviction). `profile` is the CostProfile planners price with; host_s +
+memory tier (a reload after eviction); the re-level of one layer's shares is timed in this
+process (the serving replica's data plane). `profile` is the CostProfile planners price with; host_s +
 c0 (a host call's fixed cost, which the per-replica planners do not model) is kept beside it for
 predicting a call's critical path.
 """
@@ -22,7 +23,9 @@ from typing import Sequence
 
 import numpy as np
 
+from moeless.controller.bench_planner import measure_relevel_s
 from moeless.controller.profile import CostProfile
+from moeless.placement.latency_model import LatencyModel
 
 CALL_EXPERTS = (1, 2, 4, 8)
 CALL_TOKENS = (1, 4, 16, 64)
@@ -51,10 +54,11 @@ def fit_costs(shapes: Sequence[tuple[int, int]], compute_s: Sequence[float], tra
             "c0": max(float(c0), 0.0), "beta": max(float(slope), 0.0) / 2}
 
 
-def calibrate_host(client, hidden: int, non_expert_bytes: int, num_experts: int, repeats: int = 10,
+def calibrate_host(client, hidden: int, non_expert_bytes: int, num_experts: int, num_hosts: int, repeats: int = 10,
                    layer: int = 0) -> HostCosts:
     """Measure `client`'s host (see the module docstring) on calls of up to num_experts (a layer's)
-    experts; it keeps the replicas of `layer` it loads."""
+    experts, and this process's re-level of a layer over num_hosts hosts; the host keeps the
+    replicas of `layer` it loads."""
     import torch
 
     sizes = [m for m in CALL_EXPERTS if m <= num_experts] or [num_experts]
@@ -77,8 +81,10 @@ def calibrate_host(client, hidden: int, non_expert_bytes: int, num_experts: int,
     fit = fit_costs(shapes, compute, transfer)
     loads = _load_seconds(client, layer, experts[-1])
     replica = next(r for r in client.status()["replicas"] if (r["layer"], r["expert"]) == (layer, experts[0]))
+    model = LatencyModel(alpha=fit["alpha"], beta=fit["beta"], cold_start=loads["host"], call_overhead=fit["call_overhead"])
     profile = CostProfile(alpha=fit["alpha"], beta=fit["beta"], call_overhead=fit["call_overhead"], load_s=loads,
                           expert_bytes=int(replica["bytes"]), non_expert_bytes=int(non_expert_bytes),
+                          relevel_s=measure_relevel_s(num_experts, num_hosts, model, repeats),
                           source=f"expert host {client.address}: packed calls, medians of {repeats}, compute on the host's "
                                  "clock")
     return HostCosts(profile, fit["host_s"] + fit["c0"], {"shapes": shapes, "compute_s": compute, "transfer_s": transfer,

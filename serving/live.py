@@ -37,7 +37,8 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     one); profile: a CostProfile (default: the loop measures one on host 0 at its start)."""
     import ray
 
-    from moeless.controller.live import live_planner_name, relevels
+    from moeless.controller.live import live_planner_name
+    from moeless.controller.planner import relevels
     from moeless.serving.forecasting import LiveExecutor, relevel_for
     from moeless.serving.plan_loop import LoopSettings, ReportSender, plan_loop
 

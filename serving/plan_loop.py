@@ -75,7 +75,8 @@ class PlanLoop:
             from moeless.serving.calibrate import calibrate_host
 
             with ExpertHostClient(settings.hosts[0], timeout_s=60) as client:
-                costs = calibrate_host(client, settings.hidden_size, settings.non_expert_bytes, settings.num_experts)
+                costs = calibrate_host(client, settings.hidden_size, settings.non_expert_bytes, settings.num_experts,
+                                       len(settings.hosts))
             settings, self.host_call_s = replace(settings, profile=costs.profile), costs.host_call_s
         self.s = settings
         self.name = live_planner_name(settings.knobs)
@@ -188,7 +189,8 @@ class PlanLoop:
                 self.heartbeat.beat()
 
     def _pass(self) -> None:
-        from moeless.controller.live import HostView, plan_phases, plan_step, relevels, same_placement
+        from moeless.controller.live import HostView, plan_phases, plan_step, same_placement
+        from moeless.controller.planner import relevels
         from moeless.controller.planner import get_planner
         from moeless.serving.placement_board import publish_placement
 

@@ -92,7 +92,7 @@ def test_loads_from_a_saved_trace_file(tmp_path: Path):
 
 
 PROFILE = {"alpha": 7.5e-6, "beta": 2.9e-6, "call_overhead": 8.7e-5, "load_s": {"disk": 1.2e-3, "host": 1e-4},
-           "expert_bytes": 1_327_104, "non_expert_bytes": 10**8, "source": "a test"}
+           "expert_bytes": 1_327_104, "non_expert_bytes": 10**8, "relevel_s": 2e-5, "source": "a test"}
 
 
 def test_plan_command_prints_every_layer_and_gpu(tmp_path: Path, capsys):

@@ -8,10 +8,10 @@ import pytest
 
 from moeless.controller.live import (
     HostView, layer_cap_replicas, live_planner_name, loads_to_send, plan_phases, plan_step, planner_config, publishable,
-    relevels, resident_placement, same_placement, union_placement,
+    resident_placement, same_placement, union_placement,
 )
 from moeless.controller.live_window import Heartbeat, IterationReport, LayerFigures, LiveStats, ReportWindow
-from moeless.controller.planner import get_planner
+from moeless.controller.planner import get_planner, relevels
 from moeless.controller.profile import CostProfile
 from moeless.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
@@ -20,7 +20,7 @@ from moeless.placement.types import LayerPlacement, Placement
 
 L, E, G = 2, 4, 2
 PROFILE = CostProfile(alpha=1e-6, beta=0.0, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
-                      expert_bytes=1000, non_expert_bytes=10_000, source="test")
+                      expert_bytes=1000, non_expert_bytes=10_000, relevel_s=1e-5, source="test")
 
 
 def status(replicas, memory=1_000_000, health="serving"):

@@ -15,7 +15,7 @@ from moeless.placement.cluster import Cluster
 from moeless.placement.types import LayerPlacement, Placement
 
 PROFILE = CostProfile(alpha=1e-6, beta=0.0, call_overhead=0.0, load_s={"disk": 1e-3, "host": 1e-4},
-                      expert_bytes=10**9, non_expert_bytes=2 * 10**9, source="a test")
+                      expert_bytes=10**9, non_expert_bytes=2 * 10**9, relevel_s=0.0, source="a test")
 L, E, G = 3, 4, 2
 
 
@@ -105,6 +105,28 @@ def test_perfectly_predicted_uniform_loads_give_every_lossless_planner_the_same_
     oracle = replay(get_planner("oracle", config), skewed, np.stack([i.load for i in skewed]), cluster(), PROFILE)
     ours = replay(get_planner("moeless", config), skewed, np.stack([i.load for i in skewed]), cluster(), PROFILE)
     assert oracle.layer_time().mean() <= ours.layer_time().mean()
+
+
+def split_expert_zero(forecast, cluster, previous, config):
+    """A test planner: static EP plus a replica of expert 0 on GPU 1, shares fixed at 0.9 / 0.1."""
+    layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([0.9, 1, 1, 1, 0.1]))
+    return Placement(tuple(layer for _ in range(forecast.shape[0])), forecast.shape[1], cluster.num_gpus)
+
+
+def test_moeless_shares_are_relevelled_on_the_actual_loads_and_pay_the_relevel_others_keep_theirs():
+    from moeless.controller.planner import Planner
+
+    its = iterations([np.array([[20, 4, 4, 4]] * L)], phase="prefill")
+    profile = CostProfile(**{**vars(PROFILE), "relevel_s": 3e-6})
+    config = PlannerConfig(model=profile.latency_model())
+    times = {}
+    for name in ("fixed-shares", "moeless-fixed-shares"):
+        planner = Planner(name, split_expert_zero, config)
+        times[name] = replay(planner, its, np.stack([i.load for i in its]), cluster(), profile).serial_s[0]
+    # Fixed shares: GPU 0 runs 0.9 x 20 + 4 = 22 tokens. Re-levelled: 8 of expert 0's tokens on GPU 1,
+    # 16 tokens a GPU, plus the re-level itself.
+    assert times["fixed-shares"].tolist() == pytest.approx([22e-6] * L)
+    assert times["moeless-fixed-shares"].tolist() == pytest.approx([16e-6 + 3e-6] * L)
 
 
 def test_replay_checks_its_inputs():

@@ -20,7 +20,7 @@ from moeless.knobs import Knobs
 from moeless.placement.cluster import Cluster
 
 PROFILE = CostProfile(alpha=2e-6, beta=3e-8, call_overhead=4e-5, load_s={"disk": 1e-3, "host": 1e-4},
-                      expert_bytes=2 * 10**6, non_expert_bytes=5 * 10**7, source="a test profile")
+                      expert_bytes=2 * 10**6, non_expert_bytes=5 * 10**7, relevel_s=2e-5, source="a test profile")
 KINDS = ("perfect", "previous", "predictor", "history")
 LOSSLESS = ("moeless", "paper", "static", "eplb-window", "eplb")
 

@@ -32,7 +32,7 @@ LOOP, BOARD = "test-live-loop", "test-live-board"
 # A cost profile where expert compute dominates the call overhead (as on a GPU for large batches), so
 # the planner adds replicas for the tiny model's skew and placements change during the replay.
 PROFILE = CostProfile(alpha=2e-5, beta=1e-8, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
-                      expert_bytes=9216, non_expert_bytes=100_000, source="test: compute-bound")
+                      expert_bytes=9216, non_expert_bytes=100_000, relevel_s=1e-5, source="test: compute-bound")
 
 
 @pytest.fixture(scope="module")
