@@ -6,8 +6,9 @@ input [T, H], the routing known):
 1. records layer l's actual load (tokens per expert) and, if a forecast of layer l was begun d
    layers earlier, collects it and scores it (PredictionRuntime.report: online accuracy; under
    its floor the runtime serves the history window instead);
-2. begins the forecast of layer l + d from x on the runtime's worker thread (off the critical
-   path; the time begin and collect add to the forward is measured and reported);
+2. begins the forecast of layer l + d from x (the runtime's worker thread on a GPU, off the
+   critical path; inline on a CPU, where the thread costs more than the forecast); the time begin
+   and collect add to the forward is measured and reported;
 3. runs the layer on the hosts (the RemoteExecutor re-levels each expert's tokens over the
    published replicas on the actual loads when the planner asks for it, `relevel_for`);
 4. at the iteration's last layer hands an IterationReport (phase, tokens, forecast [L, E],

@@ -1,5 +1,5 @@
-"""The prediction runtime: forecasts come from a worker thread; under the accuracy floor it serves
-the history fallback and says so in its metrics, and it recovers."""
+"""The prediction runtime: forecasts come from a worker thread (inline for CPU tensors by default);
+under the accuracy floor it serves the history fallback and says so in its metrics, and it recovers."""
 
 import threading
 
@@ -54,9 +54,23 @@ def test_forecasts_match_direct_prediction_and_run_off_the_calling_thread(sliced
     direct = primary.predict(0, 1, trace.hidden[0], trace.trajectory[:1].numpy())
     np.testing.assert_array_equal(served.topk, direct.topk)
     fake = SwitchablePredictor()
-    with PredictionRuntime(fake, HistoryPredictor(L, E, K)) as runtime:
+    with PredictionRuntime(fake, HistoryPredictor(L, E, K), threaded=True) as runtime:
         run_iteration(runtime)
     assert fake.threads and threading.current_thread().name not in fake.threads
+
+
+def test_cpu_forecasts_run_inline_by_default_and_a_failure_surfaces_at_forecast():
+    fake = SwitchablePredictor()
+    with PredictionRuntime(fake, HistoryPredictor(L, E, K)) as runtime:
+        fake.good = True
+        np.testing.assert_allclose(run_iteration(runtime).load, UNIFORM)
+    assert fake.threads == {threading.current_thread().name}
+    broken = SwitchablePredictor()
+    broken.predict = lambda *args: 1 / 0
+    with PredictionRuntime(broken, HistoryPredictor(L, E, K)) as runtime:
+        runtime.begin(0, 1, torch.zeros(10, 8), np.zeros((1, E)))
+        with pytest.raises(ZeroDivisionError):
+            runtime.forecast(1)
 
 
 def test_falls_back_to_history_under_the_floor_and_recovers():
