@@ -169,33 +169,34 @@ def _block_causal_mask(lengths: Sequence[int]) -> torch.Tensor:
     return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
 
 
-class _LastPositionHead(nn.Module):
+class _LastPositionHead:
     """The LM head, computing only the positions that need logits while `only()` is on in this
     thread: the last one of a left-padded batch, or the given ones of a packed row.
 
     A prefill needs the logits of each prompt's last position; the full head costs a [S, V]
     product per row (on the default model 28 M multiply-adds per token, more than the rest of
-    the forward). MoEModel.forward takes no logits_to_keep, so the head itself is wrapped.
+    the forward). MoEModel.forward takes no logits_to_keep, so a forward pre-hook on the head
+    cuts its input: the model's modules and state_dict stay as they were (the predictor's
+    model_hash reads them).
     """
 
     _local = threading.local()
 
-    def __init__(self, head: nn.Module):
-        super().__init__()
-        self.head = head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, S, H] -> logits [B, S, V]; under only(): [B, 1, V] (the last position) or
-        [B, P, V] (the P positions given)."""
-        keep = getattr(self._local, "keep", None)
-        if keep is None:
-            return self.head(hidden)
-        return self.head(hidden[:, -1:] if keep == "last" else hidden[:, keep])
-
     @classmethod
     def install(cls, hf: nn.Module) -> None:
-        if not isinstance(hf.lm_head, cls):
-            hf.lm_head = cls(hf.lm_head)
+        head = hf.lm_head
+        if not getattr(head, "_moeless_positions_hook", False):
+            head.register_forward_pre_hook(cls._cut)
+            head._moeless_positions_hook = True
+
+    @classmethod
+    def _cut(cls, head: nn.Module, args: tuple) -> tuple | None:
+        """hidden [B, S, H] -> under only(): [B, 1, H] (the last position) or [B, P, H] (the P given)."""
+        keep = getattr(cls._local, "keep", None)
+        if keep is None:
+            return None
+        hidden = args[0]
+        return (hidden[:, -1:] if keep == "last" else hidden[:, keep], *args[1:])
 
     @classmethod
     @contextmanager

@@ -188,3 +188,14 @@ def test_a_failing_step_fails_its_requests_instead_of_hanging_them(model):
     loop.stop()
     assert client.events[-1]["error"]["status"] == 500 and "a bug outside any forward" in client.events[-1]["error"]["message"]
     assert len(scheduler.slots) == 0
+
+
+def test_an_engine_leaves_the_models_fingerprint_as_it_was():
+    # the predictor file is found by model_hash; the LM head's position cut must not change it
+    from moeless.predictor.fingerprint import model_hash
+
+    model = tiny_model("mixtral", 0)
+    before = model_hash(model)
+    Engine(model)
+    Engine(model)  # installed once
+    assert model_hash(model) == before and len(model.hf.lm_head._forward_pre_hooks) == 1
