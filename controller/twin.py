@@ -17,8 +17,9 @@ The model, per iteration (DESIGN.md, "What a plan costs" and "The paper's model"
 3. Time, layer by layer: `serial` and `paper` layer times on the actual loads (the Oracle's on its
    lossy loads). moeless's planners leave the shares to the data plane, as `moeless serve` runs
    them: a layer with a split expert is re-levelled over the plan's replicas on its actual loads
-   (`relevel_layer`) and pays the profile's relevel_s for it; the baselines keep their shares. Layer t's cold loads are issued when layer max(t - d, 0) starts (a forecast made
-   d layers ahead); each GPU loads one replica after another (load_s each); layer t waits for the
+   (`relevel_layer`) and pays the profile's relevel_s for it; the baselines keep their shares.
+   Layer t's cold loads are issued when layer max(t - d, 0) starts (a forecast made d layers
+   ahead); each GPU loads one replica after another (load_s each); layer t waits for the
    last of its loads: exposed_t = max(0, done - start_t). Its cold-start time is the most any GPU
    loads for it (n x load_s); hidden = cold - exposed. Layer t + 1 starts when layer t ends
    (serial time + exposed).

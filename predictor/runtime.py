@@ -6,11 +6,11 @@ on its own CUDA stream, so it overlaps the layer's kernels; when layer l + d is 
 to a thread costs more than the forecast (measured on 2 cores, 30 layers, gate replicas: 6.1 ms
 an iteration through the thread against 1.1 ms inline at 4 tokens, 32 against 6.6 at 256), so
 CPU tensors are forecast inline in `begin` (`threaded=None`, the default); the time is the
-caller's to measure and report (serving/forecasting.py: forecast_s). After the layer runs, `report` scores the
-primary predictor's forecast against the actual load (load accuracy). When the mean over the
-last `window` reports falls under `floor`, the runtime serves the fallback (history) forecasts
-and says so in its metrics; the primary keeps running in the shadow and takes over again once
-its accuracy is back above `floor + margin`.
+caller's to measure and report (serving/forecasting.py: forecast_s). After the layer runs,
+`report` scores the primary predictor's forecast against the actual load (load accuracy). When
+the mean over the last `window` reports falls under `floor`, the runtime serves the fallback
+(history) forecasts and says so in its metrics; the primary keeps running in the shadow and
+takes over again once its accuracy is back above `floor + margin`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class PredictionRuntime:
-    """Asynchronous forecasts from `primary`, falling back to `fallback` under an accuracy floor."""
+    """Forecasts from `primary` (a worker thread for CUDA tensors, inline for CPU ones), falling back
+    to `fallback` under an accuracy floor."""
 
     def __init__(self, primary: Predictor, fallback: Predictor, floor: float = 0.7, window: int = 32, margin: float = 0.05,
                  threaded: bool | None = None):

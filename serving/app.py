@@ -23,12 +23,13 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from ray import serve
 
 from moeless.placement.types import Placement
 from moeless.serving import api
 from moeless.serving.engine import error_event
+from moeless.serving.ingress_metrics import IngressMetrics
 from moeless.serving.scheduler import BatchLimits
 
 BATCHING = ("continuous", "static")
@@ -222,30 +223,6 @@ class ModelServer:
                 **batching}
 
 
-class _Metrics:
-    """The ingress' Prometheus metrics (own registry, so several apps in one process do not clash)."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        self.requests = Counter("moeless_http_requests", "HTTP requests by route and status", ["route", "status"],
-                                registry=self.registry)
-        self.tokens = Counter("moeless_generated_tokens", "completion tokens generated", registry=self.registry)
-        self.latency = Histogram("moeless_request_seconds", "request latency (whole response)", ["route"],
-                                 registry=self.registry)
-        self.dead_hosts = Gauge("moeless_dead_expert_hosts", "expert hosts the serving path marked dead",
-                                registry=self.registry)
-        self.batch = Histogram("moeless_batch_size", "requests decoded together, per request",
-                               buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
-        self.retries = Gauge("moeless_layer_retries", "MoE layers re-run after a host failure (one replica)",
-                             registry=self.registry)
-        self.running = Gauge("moeless_running_requests", "requests in the running batch (one replica)",
-                             registry=self.registry)
-        self.waiting = Gauge("moeless_waiting_requests", "requests queued for the running batch (one replica)",
-                             registry=self.registry)
-        self.refused = Gauge("moeless_refused_requests", "requests refused with 429 because the queue was full "
-                             "(one replica)", registry=self.registry)
-
-
 # Helpers of the ingress sit above it: serve.ingress ships the class by value with what it references.
 def _as_api_error(event: dict) -> api.ApiError:
     e = event["error"]
@@ -269,7 +246,7 @@ class Ingress:
 
         self.server = server
         self.model_name = model_name
-        self.metrics = _Metrics()
+        self.metrics = IngressMetrics()
         self.plan_loop, self._loop_actor, self._loop_state = plan_loop, None, None
         self.loop_metrics = LoopCollector()
         self.metrics.registry.register(self.loop_metrics)

@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory):
     trace = azure_trace(root / "chat.csv")
     out = root / "run"
     code = main(["eval", "--quick", "--workload", f"chat={trace}:sharegpt", "--requests", str(ROWS), "--out", str(out),
-                 "--markdown", str(root / "docs" / "evaluation.md")])
+                 "--markdown", str(root / "docs" / "evaluation.md"), "--memory-price", "0.5"])
     assert code == 0
     return out
 
@@ -48,6 +48,7 @@ def digest(folder) -> dict[str, str]:
 
 def test_a_quick_run_writes_every_table_and_plot_with_its_models_named(run_dir):
     doc = json.loads((run_dir / "run.json").read_text())
+    assert doc["knobs"]["memoryPrice"] == doc["planner"]["gb_s_price"] == 0.5  # the knob prices the plans
     w = doc["workloads"][0]
     assert w["requests"] == ROWS and "chat.csv" in w["arrivals"]
     assert set(w["batchings"]) == {"continuous", "per-second"}

@@ -1,0 +1,29 @@
+"""The HTTP ingress' Prometheus metrics (serving/app.py's Ingress serves them at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class IngressMetrics:
+    """The ingress' Prometheus metrics (own registry, so several apps in one process do not clash)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("moeless_http_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=self.registry)
+        self.tokens = Counter("moeless_generated_tokens", "completion tokens generated", registry=self.registry)
+        self.latency = Histogram("moeless_request_seconds", "request latency (whole response)", ["route"],
+                                 registry=self.registry)
+        self.dead_hosts = Gauge("moeless_dead_expert_hosts", "expert hosts the serving path marked dead",
+                                registry=self.registry)
+        self.batch = Histogram("moeless_batch_size", "requests decoded together, per request",
+                               buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
+        self.retries = Gauge("moeless_layer_retries", "MoE layers re-run after a host failure (one replica)",
+                             registry=self.registry)
+        self.running = Gauge("moeless_running_requests", "requests in the running batch (one replica)",
+                             registry=self.registry)
+        self.waiting = Gauge("moeless_waiting_requests", "requests queued for the running batch (one replica)",
+                             registry=self.registry)
+        self.refused = Gauge("moeless_refused_requests", "requests refused with 429 because the queue was full "
+                             "(one replica)", registry=self.registry)
