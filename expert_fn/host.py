@@ -112,7 +112,10 @@ def serve(args: argparse.Namespace) -> int:
         if args.exit_with_parent and os.getppid() != parent:  # orphans are re-parented at once
             log.warning("parent process %d is gone; stopping", parent)
             break
-    # 4. Drain: refuse new calls, let those in flight finish.
+    # 4. Drain: refuse new calls, let those in flight finish. A second SIGTERM (a supervisor's, after
+    #    its first) changes nothing now: ignored, also through interpreter shutdown, where Python
+    #    puts its own handlers back to the default and the signal would kill the host (exit -15).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     runtime.health = "draining"
     log.info("draining (up to %.1f s)", args.drain_s)
     stopped = server.stop(grace=args.drain_s)
