@@ -3,8 +3,8 @@
 While layer l computes, `begin(l, d, ...)` hands the forecast of layer l + d to a worker thread
 on its own CUDA stream, so it overlaps the layer's kernels; when layer l + d is planned,
 `forecast(l + d)` collects it. On a CPU there is no idle unit to overlap with, and the hand-over
-to a thread costs more than the forecast (measured on 2 cores, 30 layers, gate replicas: 6.1 ms
-an iteration through the thread against 1.1 ms inline at 4 tokens, 32 against 6.6 at 256), so
+to a thread costs more than the forecast (a one-off timing on 2 cores, 30 layers, gate replicas:
+6.1 ms an iteration through the thread against 1.1 ms inline at 4 tokens, 32 against 6.6 at 256), so
 CPU tensors are forecast inline in `begin` (`threaded=None`, the default); the time is the
 caller's to measure and report (serving/forecasting.py: forecast_s). After the layer runs,
 `report` scores the primary predictor's forecast against the actual load (load accuracy). When
