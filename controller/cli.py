@@ -14,7 +14,6 @@ KEEP_ALIVE_S = 1.0  # the bench's keep-alive: shorter than its replay, so evicti
 
 def register(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
     """Add `moeless plan` and `moeless bench planner`."""
-    from moeless.placement.resident_planner import GB_S_PRICE
 
     plan = commands.add_parser(
         "plan",
@@ -60,8 +59,9 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
                    help="memory cap per layer, in multiples of one replica per expert (the paper's M_cap; default 2)")
     p.add_argument("--keep-alive", type=float, default=KEEP_ALIVE_S,
                    help=f"seconds an unused replica stays resident (default {KEEP_ALIVE_S})")
-    p.add_argument("--gb-s-price", type=float, default=GB_S_PRICE,
-                   help=f"seconds of layer time one GB·s of replica memory is worth to moeless (default {GB_S_PRICE})")
+    p.add_argument("--gb-s-price", type=float, default=None,
+                   help="seconds of layer time one GB·s of replica memory is worth to moeless (default: memory-neutral, "
+                        "1 / the deployment's GB: its non-expert weights and L x E expert replicas)")
     p.add_argument("--horizon", type=float, default=None,
                    help="iterations over which moeless counts a new replica's gain (default 30)")
     p.add_argument("--tier", choices=("host", "disk"), default="host",
@@ -133,7 +133,7 @@ def bench_planner(args: argparse.Namespace) -> int:
 
     quick = args.quick
     distances = sorted(set(args.distances or ([1] if quick else [1, 2, 3])))
-    if min(distances) < 1 or args.keep_alive < 0 or args.gb_s_price < 0:
+    if min(distances) < 1 or args.keep_alive < 0 or (args.gb_s_price is not None and args.gb_s_price < 0):
         return _fail("--distances must be >= 1, --keep-alive and --gb-s-price >= 0")
     data = None
     if not args.skip_quality:
@@ -198,21 +198,23 @@ def _quality(args: argparse.Namespace, data, distances: list[int], profile) -> d
     cluster = Cluster.uniform(args.gpus, -(-num_layers * cap // args.gpus), expert_bytes=profile.expert_bytes,
                               layer_cap_replicas=cap)
     horizon = HORIZON if args.horizon is None else args.horizon
+    price = profile.memory_neutral_price(num_layers, num_experts) if args.gb_s_price is None else args.gb_s_price
     config = PlannerConfig(model=profile.latency_model(args.tier), cv_threshold=args.cv_threshold, horizon=horizon,
-                           keep_alive_s=args.keep_alive, gb_s_price=args.gb_s_price, iteration_s=args.step_ms / 1e3)
+                           keep_alive_s=args.keep_alive, gb_s_price=price, iteration_s=args.step_ms / 1e3)
     settings = TwinSettings(keep_alive_s=args.keep_alive, tier=args.tier)
     runs = q.plan_runs(distances, kinds, ablations=not args.no_ablations)
     print(f"\nplan quality: {loads_note}; {arrivals_note}")
     print(f"  {len(iterations)} iterations ({sum(i.phase == 'prefill' for i in iterations)} prefill), L={num_layers} "
           f"E={num_experts} G={args.gpus}, cap {cap} replicas/layer, keep-alive {args.keep_alive} s, cold starts from "
-          f"{args.tier} ({profile.load_s[args.tier] * 1e3:.3f} ms), GB·s price {args.gb_s_price} s, horizon {horizon}")
+          f"{args.tier} ({profile.load_s[args.tier] * 1e3:.3f} ms), GB·s price {price:.3g} s"
+          + (" (memory-neutral)" if args.gb_s_price is None else "") + f", horizon {horizon}")
     with tqdm(total=len(iterations) * len(runs), desc="replaying planners") as bar:
         records = q.run_all(runs, iterations, per_kind, cluster, profile, config, settings, bar)
     accuracy = {f"d={d}": _load_accuracy(per_kind[("predictor", d)], iterations) for d in distances if "predictor" in kinds}
     return {"loads": loads_note, "arrivals": arrivals_note, "summary": q.summarise(records),
             "predictor_load_accuracy": accuracy,
             "config": {"gpus": args.gpus, "layer_cap": cap, "cv_threshold": args.cv_threshold, "horizon": horizon,
-                       "distances": distances, "keep_alive_s": args.keep_alive, "gb_s_price": args.gb_s_price,
+                       "distances": distances, "keep_alive_s": args.keep_alive, "gb_s_price": price,
                        "tier": args.tier, "max_batch": args.max_batch, "step_ms": args.step_ms, "rate_scale": args.rate_scale,
                        "iterations": len(iterations), "prefill_iterations": int(np.sum([i.phase == "prefill" for i in iterations]))}}
 

@@ -65,13 +65,23 @@ def layer_cap_replicas(knobs: Knobs, num_experts: int, expert_bytes: int) -> int
     return cap
 
 
-def planner_config(knobs: Knobs, profile: CostProfile, iteration_s: float,
-                   extra: Mapping[str, Any] | None = None) -> PlannerConfig:
+def memory_price(knobs: Knobs, profile: CostProfile, num_layers: int, num_experts: int, serving_replicas: int = 1) -> float:
+    """The memoryPrice knob, or when unset the deployment's memory-neutral price
+    (CostProfile.memory_neutral_price: 1 / its GB)."""
+    if knobs.memory_price is not None:
+        return knobs.memory_price
+    return profile.memory_neutral_price(num_layers, num_experts, serving_replicas)
+
+
+def planner_config(knobs: Knobs, profile: CostProfile, iteration_s: float, extra: Mapping[str, Any] | None = None, *,
+                   num_layers: int, num_experts: int, serving_replicas: int = 1) -> PlannerConfig:
     """The planners' settings from the knobs, the measured profile (cold starts from the host
-    memory tier) and the measured iteration time; `extra`: other PlannerConfig fields."""
+    memory tier), the measured iteration time and the deployment's shape (its memory prices
+    replicas when memoryPrice is unset); `extra`: other PlannerConfig fields."""
     config = PlannerConfig(model=profile.latency_model("host"), cv_threshold=knobs.cv_threshold,
                            prefetch_layers=knobs.distance, keep_alive_s=knobs.keep_alive_s,
-                           gb_s_price=knobs.memory_price, iteration_s=max(iteration_s, 1e-4))
+                           gb_s_price=memory_price(knobs, profile, num_layers, num_experts, serving_replicas),
+                           iteration_s=max(iteration_s, 1e-4))
     return replace(config, **dict(extra or {}))
 
 

@@ -3,9 +3,9 @@
 Each ModelServer sends one IterationReport per forward pass (fire and forget). The planning loop
 keeps them in a ReportWindow (the last window_s seconds of every replica: the forecast it plans
 with, merged with time weights) and adds them to LiveStats (per phase and layer: MoE-layer times,
-the slowest host's compute, the tokens it received, cold starts, the latency model's prediction;
-what /metrics and `moeless bench live` read). Heartbeat says whether the loop still runs.
-Time is injected (clock()), so all of it is tested on a fake clock.
+the slowest host's compute, the tokens it received, cold starts, the latency model's prediction,
+calibrated and refitted online; what /metrics and `moeless bench live` read). Heartbeat says
+whether the loop still runs. Time is injected (clock()), so all of it is tested on a fake clock.
 """
 
 from __future__ import annotations
@@ -120,13 +120,14 @@ class PhaseStats:
     calls: np.ndarray = field(init=False)
 
     FIELDS = ("wall_s", "compute_s", "host_tokens", "host_calls", "cold_starts", "model_s")
+    SUMS = (*FIELDS, "model_online_s")
 
     def __post_init__(self) -> None:
         self.buckets = np.zeros(len(TIME_BUCKETS) + 1, dtype=np.int64)  # the last: +Inf
-        self.per_layer = {name: np.zeros(self.num_layers) for name in self.FIELDS}
+        self.per_layer = {name: np.zeros(self.num_layers) for name in self.SUMS}
         self.calls = np.zeros(self.num_layers, dtype=np.int64)
 
-    def add(self, report: IterationReport) -> None:
+    def add(self, report: IterationReport, model_online_s: np.ndarray | None = None) -> None:
         self.iterations += 1
         self.forward_s += report.duration_s
         self.forecast_s += report.forecast_s
@@ -134,6 +135,8 @@ class PhaseStats:
         self.calls += ran
         for name in self.FIELDS:
             self.per_layer[name] += np.where(ran, getattr(report.layers, name), 0.0)
+        online = report.layers.model_s if model_online_s is None else model_online_s
+        self.per_layer["model_online_s"] += np.where(ran, online, 0.0)
         self.buckets += np.bincount(np.searchsorted(TIME_BUCKETS, report.layers.wall_s[ran]),
                                     minlength=len(TIME_BUCKETS) + 1)
 
@@ -145,7 +148,7 @@ class PhaseStats:
     def as_dict(self) -> dict:
         return {"iterations": self.iterations, "layer_calls": int(self.calls.sum()), "forward_s": self.forward_s,
                 "forecast_s": self.forecast_s, "calls_per_layer": self.calls.tolist(),
-                **{f"sum_{name}": self.per_layer[name].tolist() for name in self.FIELDS},
+                **{f"sum_{name}": self.per_layer[name].tolist() for name in self.SUMS},
                 **{f"mean_{name}": self.mean(name) for name in self.FIELDS},
                 "time_buckets": list(TIME_BUCKETS), "bucket_counts": self.buckets.tolist()}
 
@@ -166,10 +169,12 @@ class LiveStats:
         self.accuracy = float("nan")
         self.replicas: set[str] = set()
 
-    def add(self, report: IterationReport) -> None:
+    def add(self, report: IterationReport, model_online_s: np.ndarray | None = None) -> None:
+        """model_online_s [L]: each call's compute as the refitted latency model predicted it before
+        the report came (controller/cost_fit.py); None: the calibrated model's (layers.model_s)."""
         if report.phase not in self.phases:
             raise ValueError(f"unknown phase {report.phase!r}; use one of {PHASES}")
-        self.phases[report.phase].add(report)
+        self.phases[report.phase].add(report, model_online_s)
         ran = report.layers.host_calls > 0
         self.imbalance = np.where(ran, report.layers.imbalance, self.imbalance)
         self.cv = np.where(ran, report.layers.cv, self.cv)

@@ -32,7 +32,7 @@ from moeless.placement.oracle import oracle_load
 from moeless.placement.placer import place_jsq_warm, place_round_robin
 from moeless.placement.fill_placer import HORIZON, place_fill
 from moeless.placement.priced_placer import place_priced
-from moeless.placement.resident_planner import GB_S_PRICE, MARGIN, ReplicaCost, place_resident
+from moeless.placement.resident_planner import MARGIN, ReplicaCost, place_resident
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
 
@@ -49,7 +49,9 @@ class PlannerConfig:
              new plan's cold starts); fill_placer.HORIZON = 30, about 1.5 s of serving;
     prefetch_layers: d, layers a forecast looks ahead (a load started then hides d layer times);
     keep_alive_s: how long an unused replica stays resident (memory a new replica holds at least);
-    gb_s_price: seconds of layer time one GB·s of replica memory is worth (resident_planner.GB_S_PRICE);
+    gb_s_price: seconds of layer time one GB·s of replica memory is worth (0: memory is free; the
+                benches and the live loop set it: knob memoryPrice, by default
+                CostProfile.memory_neutral_price);
     iteration_s: seconds one serving iteration takes (memory held over the horizon);
     static_margin: the fraction of static EP's time (on the forecast) moeless must save before it
                    leaves static EP's split (resident_planner.MARGIN);
@@ -68,7 +70,7 @@ class PlannerConfig:
     horizon: float = HORIZON
     prefetch_layers: int = 1
     keep_alive_s: float = 60.0
-    gb_s_price: float = GB_S_PRICE
+    gb_s_price: float = 0.0
     iteration_s: float = 0.05
     static_margin: float = MARGIN
     eplb_replicas: int | None = None

@@ -58,6 +58,18 @@ class CostProfile:
             raise ProfileError(f"no load time for tier {tier!r}; the profile has {sorted(self.load_s)}")
         return LatencyModel(alpha=self.alpha, beta=self.beta, cold_start=self.load_s[tier], call_overhead=self.call_overhead)
 
+    def memory_neutral_price(self, num_layers: int, num_experts: int, serving_replicas: int = 1) -> float:
+        """The memory price (seconds of layer time per GB·s) at which a replica pays exactly when it
+        saves the deployment as many GB·s as it holds: 1 / the deployment's GB. A deployment holds
+        all its memory (the non-expert weights in each serving replica, static EP's L x E expert
+        replicas) while a layer waits for its slowest host, so t seconds of layer time saved are t x
+        its GB of GB·s off the bill. At this price moeless scales only where the user's GB·s bill
+        does not grow; a lower price buys latency with memory."""
+        held = self.non_expert_bytes * serving_replicas + num_layers * num_experts * self.expert_bytes
+        if held <= 0:
+            raise ProfileError("memory_neutral_price: the profile holds no memory (expert_bytes and non_expert_bytes are 0)")
+        return 1e9 / held
+
     def to_json(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

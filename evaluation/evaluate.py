@@ -78,6 +78,7 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
     """Run the evaluation into directory `out` and return the run document (also RUN_DIR/run.json)."""
     from tqdm import tqdm
 
+    from moeless.controller.live import memory_price
     from moeless.controller.planner import PlannerConfig
     from moeless.controller.twin import TwinSettings
     from moeless.placement.fill_placer import HORIZON
@@ -98,8 +99,9 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
     if profile is None:
         profile = _measure(workloads[0].facts, config.quick, num_experts, config.gpus)
     cluster, cap = _cluster(config, profile, num_layers, num_experts)
+    price = memory_price(config.knobs, profile, num_layers, num_experts)
     planner_config = PlannerConfig(model=profile.latency_model(config.tier), cv_threshold=config.knobs.cv_threshold,
-                                   horizon=HORIZON, keep_alive_s=config.knobs.keep_alive_s, gb_s_price=config.knobs.memory_price,
+                                   horizon=HORIZON, keep_alive_s=config.knobs.keep_alive_s, gb_s_price=price,
                                    iteration_s=config.sizes.step_s)
     settings = TwinSettings(keep_alive_s=config.knobs.keep_alive_s, tier=config.tier)
     # 3. Every case through the twin; ablations and sweeps under the first batching only.
@@ -131,7 +133,7 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
         "cluster": {"gpus": config.gpus, "layer_cap_replicas": cap, "slots_per_gpu": int(cluster.slots()[0]),
                     "expert_bytes": profile.expert_bytes, "tier": config.tier, "cold_start_s": profile.load_s[config.tier]},
         "knobs": config.knobs.to_mapping(),
-        "planner": {"horizon": HORIZON, "gb_s_price": config.knobs.memory_price, "iteration_s": config.sizes.step_s},
+        "planner": {"horizon": HORIZON, "gb_s_price": planner_config.gb_s_price, "iteration_s": config.sizes.step_s},
         "sizes": asdict(config.sizes), "batchings": list(config.batchings),
         "ablations": [list(a) for a in config.ablations], "distances": list(config.distances),
         "cv_thresholds": list(config.cv_thresholds),

@@ -159,7 +159,7 @@ def _markdown(doc: dict, claims: t.Table, sections: list[str], notes: str | None
         f"beta {p['beta'] * 1e9:.2f} ns/token, load {p['load_s']['disk'] * 1e3:.3f} ms from disk / "
         f"{p['load_s']['host'] * 1e3:.3f} ms from host memory, non-expert weights {p['non_expert_bytes'] / 1e6:.1f} MB.",
         "- Knobs: " + ", ".join(f"{key} {value}" for key, value in k.items()) + f"; planner horizon {doc['planner']['horizon']} "
-        f"iterations, GB·s price {doc['planner']['gb_s_price']} s; one iteration {doc['planner']['iteration_s'] * 1e3:g} ms.",
+        f"iterations, GB·s price {doc['planner']['gb_s_price']:.3g} s; one iteration {doc['planner']['iteration_s'] * 1e3:g} ms.",
         "- Models named in every table. Execution: `serial` (a GPU runs its replicas one after another on whole tokens, "
         "each call paying the call overhead) and `paper` (the paper's formula: replicas in parallel, fractional "
         "splits). Billing: `resident` (memory held from load to eviction) and `per-layer` (the paper's C). Cold starts: "

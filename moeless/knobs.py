@@ -10,7 +10,7 @@ Every knob has one name in each place, one unit and one range, all in KNOBS:
 | keep_alive_s | --keep-alive S | keepAliveSeconds | seconds an idle replica stays resident |
 | layer_memory_cap_gib | --layer-memory-cap GIB | layerMemoryCapGiB | GiB all replicas of one layer may hold (null: 2 x one replica per expert) |
 | cv_threshold | --cv-threshold V | cvThreshold | the paper's V (coefficient of variation) |
-| memory_price | --memory-price P | memoryPrice | seconds of MoE-layer time one GB·s of replica memory is worth (0: memory is free) |
+| memory_price | --memory-price P | memoryPrice | seconds of MoE-layer time one GB·s of replica memory is worth (0: memory is free; null: memory-neutral, 1 / the deployment's GB) |
 | scaler | --no-scaler | scaler | on/off (ablation: off = one replica per expert) |
 | placer | --no-placer | placer | on/off (ablation: off = round-robin placement) |
 
@@ -110,7 +110,9 @@ KNOBS: tuple[Knob, ...] = (
          _number(float, low=0.0, low_open=True)),
     Knob("memory_price", "memoryPrice", "--memory-price", "P", "s per GB·s",
          "seconds of MoE-layer time one GB·s of replica memory is worth; moeless adds a replica only when its "
-         "gain beats its exposed cold start plus its memory at this price (0: memory is free)", _number(float, low=0.0)),
+         "gain beats its exposed cold start plus its memory at this price (0: memory is free; default: "
+         "memory-neutral, 1 / the deployment's GB, so scaling never grows the GB·s bill)",
+         _number(float, low=0.0, nullable=True)),
     Knob("scaler", "scaler", "--no-scaler", None, "on/off", "ablation: off keeps one replica per expert", _switch),
     Knob("placer", "placer", "--no-placer", None, "on/off", "ablation: off places replicas round-robin", _switch),
 )
@@ -128,7 +130,7 @@ class Knobs:
     keep_alive_s: float = 60.0
     layer_memory_cap_gib: float | None = None
     cv_threshold: float = 0.2
-    memory_price: float = 1.0  # placement.resident_planner.GB_S_PRICE
+    memory_price: float | None = None  # None: CostProfile.memory_neutral_price
     scaler: bool = True
     placer: bool = True
 
@@ -185,12 +187,13 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> None:
             continue
         parser.add_argument(knob.flag, dest=f"knob_{knob.attr}", default=None, metavar=knob.metavar,
                             type=None if knob.attr in ("planner", "predictor") else _cli_type(knob),
-                            help=f"{knob.help}; {knob.unit} (config key {knob.key}; default {default})")
+                            help=f"{knob.help}; {knob.unit} (config key {knob.key}; default "
+                                 f"{'unset' if default is None else default})")
 
 
 def _cli_type(knob: Knob) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
-        if knob.attr == "layer_memory_cap_gib" and text.lower() in ("none", "null"):
+        if knob.attr in ("layer_memory_cap_gib", "memory_price") and text.lower() in ("none", "null"):
             return None
         try:
             return int(text) if knob.attr == "distance" else float(text)

@@ -45,9 +45,6 @@ from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import LayerPlacement, PlacementError
 
 GB = 1e9
-# Seconds of MoE-layer time one GB·s of replica memory is worth, by default: the trade a user makes
-# between latency and the memory bill (PlannerConfig.gb_s_price, `moeless bench planner --gb-s-price`).
-GB_S_PRICE = 1.0
 GAIN_EPSILON_S = 1e-12  # a gain must beat its cost by more than rounding
 # A plan leaves static EP's split only when the forecast says it saves a fraction of static EP's
 # time (on the forecast) beyond what forecast noise moves: max(MARGIN, NOISE / sqrt(n)), n the mean

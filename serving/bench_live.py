@@ -9,10 +9,13 @@
    warmed, every request replayed, torn down. Configurations: static EP (predictor off: home
    replicas only), EPLB re-planned every 10 iterations from past loads, moeless with the gate
    predictor, moeless with the history window only, and static EP again last (the machine's
-   drift over the run: read ratios against it too). Run one after another, not interleaved: a
-   configuration that waited while the others replayed would see its idle replicas evicted by
-   keep-alive and pay cold starts that serving steadily never pays (measured: every replica once
-   or twice per run with 60 s keep-alive and five interleaved configurations).
+   drift over the run: read ratios against it too). With `mirror`, every configuration runs
+   twice, in order and then in reverse (static, A, B, B~2, A~2, static~2): a drift linear in
+   time then cancels in each configuration's mean over its two runs, which the ratios use. Run
+   one after another, not interleaved: a configuration that waited while the others replayed
+   would see its idle replicas evicted by keep-alive and pay cold starts that serving steadily
+   never pays (measured: every replica once or twice per run with 60 s keep-alive and five
+   interleaved configurations).
 3. Measured per MoE-layer call (the serving replica's reports to the planning loop), per phase:
    the critical path = the slowest host's compute + exposed load waits + the transfer. Two cores
    cannot run several hosts without them taking turns, so a host's compute is its compute thread's
@@ -22,9 +25,11 @@
    host before the run (c0 + 2 beta x tokens, medians of repeats) and applied to the tokens the
    busiest host received. Beside it: the latency model's prediction of the same calls (alpha x
    tokens + call overhead per replica, max over hosts, from the same idle-host calibration, + the
-   same waits and transfer), and the same model calibrated in-run (its compute scaled, a x model +
-   b per call, fitted on static EP's calls: the machine as loaded while serving; out of sample for
-   the other configurations); TTFT and TPOT p50/p99, tokens/s, GB·s (experts: the hosts' meters
+   same waits and transfer); the same model refitted online by the planning loop as the calls
+   came (controller/cost_fit.py: each call predicted from the calls before it, the model the
+   running system plans with; its error is the one to read); and, to explain, the model fitted
+   in hindsight on static EP's calls (compute a x model + b per call; out of sample for the other
+   configurations); TTFT and TPOT p50/p99, tokens/s, GB·s (experts: the hosts' meters
    over the measured part; non-expert: its bytes x the seconds the configuration's replays took),
    cold starts, and how many texts equal static EP's.
 """
@@ -39,6 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moeless.controller.cost_fit import fit_scale
 from moeless.knobs import Knobs
 from moeless.serving.loadgen import outcomes_json, replay, summarize
 
@@ -52,22 +58,26 @@ CONFIGS = {
                             dict(planner="moeless", predictor="gate", memory_price=0.0)),
 }
 DEFAULT_CONFIGS = ("static", "eplb", "moeless", "moeless-history")
+SECOND = "~2"  # the key of a configuration's second run when mirrored
 QUICK_CONFIGS = ("static", "moeless")  # --quick: two deployments keep it under a minute
 
 
 def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48, rate: float = 1.0,
                    max_tokens: int = 16, prompt_tokens: int = 64, configs: Sequence[str] = DEFAULT_CONFIGS,
                    knobs: Knobs = Knobs(keep_alive_s=60.0), repeats: int = 10, again: bool = True,
-                   timeout_s: float = 900.0) -> dict[str, Any]:
+                   mirror: bool = False, timeout_s: float = 900.0) -> dict[str, Any]:
     """Measure every configuration on the same requests (see the module docstring; again: static EP
-    once more at the end); returns the figures."""
+    once more at the end; mirror: every configuration twice, in order then reversed, instead);
+    returns the figures."""
     import ray
     from ray import serve
 
     from moeless.controller.iterations import arrival_times
     from moeless.serving.embedded import choose_model, export_store, free_port
 
-    configs = ["static", *[c for c in configs if c not in ("static", "static-again")], *(["static-again"] if again else [])]
+    configs = ["static", *[c for c in configs if c not in ("static", "static-again")]]
+    runs = [*configs, *[f"{c}{SECOND}" for c in reversed(configs)]] if mirror else \
+        [*configs, *(["static-again"] if again else [])]
     choice = choose_model(model)
     loaded = choice.loader()
     spec = loaded.spec
@@ -88,16 +98,16 @@ def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48
         stack.callback(serve.shutdown)
         run = _Run(choice, spec, store, hosts, non_expert, prompts, arrivals, max_tokens, f"http://127.0.0.1:{port}",
                    repeats, timeout_s)
-        results = {name: run.config(name, replace(knobs, **CONFIGS[name][1])) for name in configs}
+        results = {key: run.config(key, replace(knobs, **CONFIGS[config_name(key)][1])) for key in runs}
     in_run = fit_in_run(results["static"]["phases"])
     add_in_run_model(results, *in_run)
     return {
         "model": choice.name, "experts": spec.num_experts, "top_k": spec.top_k, "layers": spec.num_layers,
         "hosts": hosts, "requests": requests, "rate_per_s": rate, "arrivals": source,
-        "max_tokens": max_tokens, "prompt_tokens": prompt_tokens, "knobs": knobs.to_mapping(),
+        "max_tokens": max_tokens, "prompt_tokens": prompt_tokens, "knobs": knobs.to_mapping(), "order": runs,
         "load_average_1m": os.getloadavg()[0], "calibration": run.costs.as_dict(),
         "in_run_model": {"a": in_run[0], "b_s": in_run[1], "fitted_on": "static"}, "configs": results,
-        "ratios": ratios(results),
+        "ratios": ratios(results), "ratios_bracketed": ratios(results, ("static", "static-again")),
         "identical_to_static": {n: sum(a == b for a, b in zip(r["texts"], results["static"]["texts"]))
                                 for n, r in results.items()},
     }
@@ -113,7 +123,8 @@ class _Run:
         self.repeats, self.timeout_s = repeats, timeout_s
         self.costs = None
 
-    def config(self, name: str, knobs: Knobs) -> dict:
+    def config(self, key: str, knobs: Knobs) -> dict:
+        """One run of a configuration (key: its name, or NAME~2 for its mirrored second run)."""
         import ray
         from ray import serve
 
@@ -123,7 +134,8 @@ class _Run:
         from moeless.serving.calibrate import calibrate_host
         from moeless.serving.plan_loop import NAMESPACE
 
-        spec, label = self.spec, CONFIGS[name][0]
+        spec, label = self.spec, CONFIGS[config_name(key)][0] + (", second run" if key.endswith(SECOND) else "")
+        name = key.replace(SECOND, "-2")  # the app's name and route
         with launch_local_hosts(self.hosts, self.store, keep_alive_s=knobs.keep_alive_s, metrics=False) as group, \
                 contextlib.ExitStack() as stack:
             clients = [stack.enter_context(ExpertHostClient(a, timeout_s=60)) for a in group.addresses]
@@ -152,7 +164,7 @@ class _Run:
                       **config_figures(metrics, before, after, self.costs.samples),
                       "replay_s": replay_s, "non_expert_gb_s": self.non_expert / 1e9 * replay_s,
                       "texts": [o.text for o in outcomes], "outcomes": outcomes_json(outcomes)}
-            _print_row(name, result)
+            _print_row(key, result)
             ray.get(loop.stop.remote())
             ray.kill(loop)
             serve.delete(name)
@@ -170,7 +182,8 @@ def config_figures(metrics: dict, before: Sequence[dict], after: Sequence[dict],
     out: dict[str, Any] = {"hosts_delta": delta, "expert_gb_s": delta["gb_s"],
                            "resident_replicas_end": metrics["resident_replicas"],
                            "planner": {k: metrics[k] for k in ("passes", "plans", "publishes", "loads_sent", "errors")},
-                           "plan_s_mean": metrics["plan_s"]["sum"] / max(metrics["plans"], 1), "phases": {}}
+                           "plan_s_mean": metrics["plan_s"]["sum"] / max(metrics["plans"], 1),
+                           "latency_fit_end": metrics["latency_fit"], "phases": {}}
     for phase, p in phases.items():
         calls = np.asarray(p["calls_per_layer"], dtype=np.float64)
         if calls.sum() == 0:
@@ -180,17 +193,20 @@ def config_figures(metrics: dict, before: Sequence[dict], after: Sequence[dict],
         sums = {k: np.asarray(p[f"sum_{k}"]) for k in ("compute_s", "host_tokens", "model_s", "wall_s")}
         move = fit["c0"] * calls + 2 * fit["beta"] * sums["host_tokens"]  # per layer [L]
         model = sums["model_s"] + fit["host_s"] * calls  # + a host call's fixed compute
+        online = np.asarray(p["sum_model_online_s"])  # refitted in-run, each call predicted before it was seen
         with np.errstate(invalid="ignore", divide="ignore"):
             per_layer = (sums["compute_s"] + move) / calls + exposed / calls.sum()
         n = calls.sum()
         measured = float((sums["compute_s"].sum() + move.sum() + exposed) / n)
         predicted = float((model.sum() + move.sum() + exposed) / n)
+        predicted_online = float((online.sum() + move.sum() + exposed) / n)
         out["phases"][phase] = {
             "iterations": p["iterations"], "layer_calls": int(n), "critical_path_s": measured,
             "compute_s": float(sums["compute_s"].sum() / n), "transfer_s": float(move.sum() / n),
             "exposed_wait_s": exposed / n, "host_tokens": float(sums["host_tokens"].sum() / n),
             "wall_s": float(sums["wall_s"].sum() / n), "model_s": predicted, "model_error": predicted / measured - 1.0,
             "model_compute_error": float(model.sum() / sums["compute_s"].sum() - 1.0),
+            "model_online_s": predicted_online, "model_online_error": predicted_online / measured - 1.0,
             "critical_path_per_layer_s": np.nan_to_num(per_layer).tolist(),
             "forecast_s_per_iteration": p["forecast_s"] / max(p["iterations"], 1),
             "sums": {"calls": calls.tolist(), "compute_s": sums["compute_s"].tolist(), "model_compute_s": model.tolist(),
@@ -202,13 +218,12 @@ def config_figures(metrics: dict, before: Sequence[dict], after: Sequence[dict],
 def fit_in_run(phases: dict) -> tuple[float, float]:
     """(a, b) with a layer call's measured compute ~ a x the idle-calibrated model's + b seconds,
     least squares over a configuration's per-layer sums of both phases (static EP's: the machine
-    as loaded during the run; the model's shape stays the calibration's)."""
-    rows = [[m, c] for p in phases.values() for m, c in zip(p["sums"]["model_compute_s"], p["sums"]["calls"])]
-    measured = [y for p in phases.values() for y in p["sums"]["compute_s"]]
-    a, b = np.linalg.lstsq(np.array(rows), np.array(measured), rcond=None)[0]
-    if a <= 0 or b < 0:  # no physical meaning: a scale alone
-        a, b = float(np.dot(np.array(rows)[:, 0], measured) / np.dot(np.array(rows)[:, 0], np.array(rows)[:, 0])), 0.0
-    return float(a), float(b)
+    as loaded during the run; the model's shape stays the calibration's). Hindsight, unlike the
+    loop's causal refit (model_online_*): it explains, it is not a claim."""
+    def column(key):
+        return [v for p in phases.values() for v in p["sums"][key]]
+
+    return fit_scale(np.array(column("model_compute_s")), np.array(column("calls")), np.array(column("compute_s")))
 
 
 def add_in_run_model(results: dict, a: float, b: float) -> None:
@@ -220,13 +235,25 @@ def add_in_run_model(results: dict, a: float, b: float) -> None:
             p["model_in_run_s"], p["model_in_run_error"] = predicted, predicted / p["critical_path_s"] - 1.0
 
 
-def ratios(results: dict) -> dict:
-    """Each configuration's mean critical path per phase over static EP's (the first config's)."""
-    if "static" not in results:
+def config_name(key: str) -> str:
+    """The configuration a run's key names ("moeless~2": moeless's second, mirrored run)."""
+    return key.removesuffix(SECOND)
+
+
+def ratios(results: dict, bases: Sequence[str] = ("static",)) -> dict:
+    """Each configuration's mean critical path per phase (over its runs: NAME, and NAME~2 when
+    mirrored) over the mean of the `bases`' runs (static EP; with "static-again" too, the bracket
+    of the run, which halves a linear drift)."""
+    paths: dict[str, dict[str, list[float]]] = {}
+    for key, r in results.items():
+        for phase, p in r["phases"].items():
+            paths.setdefault(config_name(key), {}).setdefault(phase, []).append(p["critical_path_s"])
+    if not all(b in paths for b in bases):
         return {}
-    base = results["static"]["phases"]
-    return {name: {phase: r["phases"][phase]["critical_path_s"] / base[phase]["critical_path_s"]
-                   for phase in base if phase in r["phases"]} for name, r in results.items()}
+    base = {phase: np.mean([v for b in bases for v in paths[b][phase]]) for phase in paths[bases[0]]
+            if all(phase in paths[b] for b in bases)}
+    return {name: {phase: float(np.mean(v)) / base[phase] for phase, v in by_phase.items() if phase in base}
+            for name, by_phase in paths.items()}
 
 
 def _fit_distance(knobs: Knobs, num_layers: int) -> Knobs:
@@ -257,7 +284,8 @@ def _print_row(name: str, r: dict) -> None:
         return "-" if d["p50"] is None else f"{d['p50'] * 1e3:.0f}/{d['p99'] * 1e3:.0f}"
 
     cells = "  ".join(f"{phase} {p['critical_path_s'] * 1e6:.0f} us (model {p['model_s'] * 1e6:.0f}, "
-                      f"{p['model_error'] * 100:+.0f}%" + (f"; in-run {p['model_in_run_error'] * 100:+.0f}%"
+                      f"{p['model_error'] * 100:+.0f}%; online {p['model_online_error'] * 100:+.0f}%"
+                      + (f"; in-run {p['model_in_run_error'] * 100:+.0f}%"
                                                           if "model_in_run_error" in p else "") + ")"
                       for phase, p in r["phases"].items())
     print(f"  {name:16s} MoE-layer critical path: {cells}; TTFT p50/p99 {ms(r['ttft_s'])} ms, TPOT {ms(r['tpot_s'])} ms, "
@@ -271,10 +299,17 @@ def print_report(result: dict[str, Any]) -> None:
           f"{result['hosts']} expert hosts; {result['requests']} requests at {result['rate_per_s']:g}/s "
           f"({result['arrivals']}); load average {result['load_average_1m']:.1f}")
     fit = result["in_run_model"]
-    print(f"latency model: calibrated on an idle host before the run; in-run: compute x {fit['a']:.2f} + "
+    print(f"latency model: calibrated on an idle host before the run; online: refitted by the planning loop as "
+          f"calls come, each predicted before it was seen; in-run (hindsight): compute x {fit['a']:.2f} + "
           f"{fit['b_s'] * 1e6:.0f} us per layer call, fitted on static EP's calls")
     for name, r in result["configs"].items():
         _print_row(name, r)
+    bracketed = result.get("ratios_bracketed") or {}
+    mirrored = any(key.endswith(SECOND) for key in result["configs"])
     for name, by_phase in result["ratios"].items():
-        print(f"  {name:16s} critical path / static EP's: " + ", ".join(f"{p} {v:.2f}" for p, v in by_phase.items())
-              + f"; texts identical to static EP's: {result['identical_to_static'][name]}/{result['requests']}")
+        same = [n for key, n in result["identical_to_static"].items() if config_name(key) == name]
+        print(f"  {name:16s} critical path / static EP's" + (" (means of two runs each)" if mirrored else "") + ": "
+              + ", ".join(f"{p} {v:.2f}" for p, v in by_phase.items())
+              + ("; / the mean of both static EP runs: " + ", ".join(f"{p} {v:.2f}" for p, v in bracketed[name].items())
+                 if name in bracketed else "")
+              + f"; texts identical to static EP's: {sum(same)}/{result['requests'] * len(same)}")

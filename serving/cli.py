@@ -98,8 +98,12 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     live.add_argument("--keep-alive", type=_non_negative_float, default=60.0,
                       help="seconds an idle replica stays resident (knob keepAliveSeconds; default 60, the knob's)")
     live.add_argument("--distance", type=_positive, default=2, help="prediction distance in layers (knob distance; default 2)")
-    live.add_argument("--memory-price", type=_non_negative_float, default=1.0,
-                      help="seconds of layer time one GB·s is worth (knob memoryPrice; default 1)")
+    live.add_argument("--mirror", action="store_true",
+                      help="run every configuration twice, in order and then reversed, so a drift of the machine "
+                           "linear in time cancels in each configuration's mean (doubles the time)")
+    live.add_argument("--memory-price", type=_non_negative_float, default=None,
+                      help="seconds of layer time one GB·s is worth (knob memoryPrice; default: the knob's, "
+                           "memory-neutral: 1 / the deployment's GB)")
     add_bench_flags(live)
     live.set_defaults(func=_bench_live)
 
@@ -185,7 +189,7 @@ def _bench_live(args: argparse.Namespace) -> int:
                             hosts=args.hosts or (2 if args.quick else 4), requests=args.requests or (8 if args.quick else 48),
                             rate=args.rate or (4.0 if args.quick else 1.0), max_tokens=args.max_tokens or (8 if args.quick else 16),
                             prompt_tokens=args.prompt_tokens, configs=args.configs or list(QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS), knobs=knobs,
-                            repeats=3 if args.quick else 30, again=not args.quick)
+                            repeats=3 if args.quick else 30, again=not args.quick, mirror=args.mirror)
     print_report(result)
     path = write_result(args.out, "live", result)
     if path:

@@ -99,9 +99,9 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
     from moeless.controller.live import layer_cap_replicas, live_planner_name
     from moeless.knobs import Knobs
     from moeless.serving.app import ServeConfig, build_app
-    from moeless.serving.live import HOSTS_ENV, expert_hosts
+    from moeless.serving.expert_hosts import HOSTS_ENV, expert_hosts
     from moeless.serving.placement_board import BOARD_NAME
-    from moeless.serving.plan_loop import LOOP_NAME
+    from moeless.serving.plan_loop import LOOP_NAME, NAMESPACE
     from moeless.serving.scheduler import BatchLimits
     from moeless.serving.shutdown import SIGNAL_NAME, drain_replicas
 
@@ -139,8 +139,10 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
                                      plan_loop=LOOP_NAME, profile=profile, predictor_file=predictor_file)
                 serve.run(build_app(config), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"
+                price = ray.get(ray.get_actor(LOOP_NAME, namespace=NAMESPACE).state.remote())["memory_price"]
                 print(f"planning loop: planner {knobs.planner}, predictor {knobs.predictor}, distance {knobs.distance}, "
-                      f"keep-alive {knobs.keep_alive_s:g} s", flush=True)
+                      f"keep-alive {knobs.keep_alive_s:g} s, memory price {price:.3g} s per GB·s"
+                      + (" (memory-neutral)" if knobs.memory_price is None else ""), flush=True)
                 print(f"moeless is serving {choice.name} at {url}  (OpenAI-style: /v1/completions, "
                       f"/v1/chat/completions; /healthz, /metrics)", flush=True)
                 # 4. The demo request, or serve until a stop signal.

@@ -5,22 +5,18 @@ per layer (moeless's planners), a LiveExecutor around it forecasts and reports e
 (serving/forecasting.py), a ReportSender carries the reports to the planning loop actor, which
 the first replica creates (serving/plan_loop.py). `loop_health` turns what the ingress last
 heard from the loop into /healthz's words. `config_from_args` builds a ServeConfig from Ray
-Serve's `args` (a RayService's import path, `app.app_from_args`); `expert_hosts` reads
-MOELESS_EXPERT_HOSTS.
+Serve's `args` (a RayService's import path, `app.app_from_args`), its hosts read by
+serving/expert_hosts.py.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from moeless.knobs import KnobError, Knobs
-
-HOSTS_ENV = "MOELESS_EXPERT_HOSTS"
-
 
 @dataclass
 class LiveParts:
@@ -77,31 +73,6 @@ def loop_health(state: dict | None, seen_s: float | None, now_s: float, answered
     return False, detail
 
 
-def expert_hosts(value: str) -> tuple[str, ...]:
-    """MOELESS_EXPERT_HOSTS: comma-separated host:port; an entry dns:///NAME:PORT stands for every
-    address NAME resolves to (a headless Service: one per expert-host pod), in sorted order so
-    every serving replica numbers the hosts alike."""
-    hosts: list[str] = []
-    for entry in (e.strip() for e in value.split(",")):
-        if not entry:
-            continue
-        target = entry.removeprefix("dns:///")
-        name, sep, port = target.rpartition(":")
-        if not sep or not name or not port.isdigit():
-            raise KnobError(f"{HOSTS_ENV}: {entry!r} is not host:port (or dns:///name:port)")
-        if entry.startswith("dns:///"):
-            try:
-                found = sorted({info[4][0] for info in socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)})
-            except OSError as err:
-                raise KnobError(f"{HOSTS_ENV}: cannot resolve {name!r} ({err})") from None
-            hosts += [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in found]
-        else:
-            hosts.append(target)
-    if not hosts:
-        raise KnobError(f"{HOSTS_ENV} names no expert host; set it to host:port[,host:port...]")
-    return tuple(hosts)
-
-
 def config_from_args(args: Mapping[str, Any]):
     """A ServeConfig from Ray Serve's application args: {"config": knobs YAML file (optional),
     "model": "default" | "tiny:ARCH" | DIR (default "default"), "hosts": "host:port,..." (default:
@@ -109,6 +80,7 @@ def config_from_args(args: Mapping[str, Any]):
     `moeless serve`. Raises KnobError for a bad value (the message names it)."""
     from moeless.serving.app import ServeConfig
     from moeless.serving.embedded import choose_model
+    from moeless.serving.expert_hosts import HOSTS_ENV, expert_hosts
     from moeless.serving.placement_board import BOARD_NAME
     from moeless.serving.plan_loop import LOOP_NAME
 

@@ -2,9 +2,9 @@
 
 From the planning loop's figures (every serving replica's reports, the hosts' meters): MoE-layer
 time per phase (histogram), per-layer load max/mean, host imbalance and CV, replicas resident,
-cold starts (hidden and exposed seconds, from the hosts), the predictor's online accuracy, plan
-time, GB·s (experts: the hosts' meters; non-expert: its bytes x serving replicas x seconds), the
-time forecasting added to forwards, and the loop's heartbeat age as the ingress sees it (so a
+cold starts (hidden and exposed seconds, from the hosts), the predictor's online accuracy, the
+latency model's refit and error, plan time, GB·s (experts: the hosts' meters; non-expert: its
+bytes x serving replicas x seconds), the time forecasting added to forwards, and the loop's heartbeat age as the ingress sees it (so a
 loop that stopped answering still shows, its age growing).
 """
 
@@ -84,6 +84,21 @@ class LoopCollector(Collector):
         accuracy = stats["accuracy"]
         yield GaugeMetricFamily(f"{PREFIX}_predictor_online_accuracy", "the predictor's load accuracy over its recent "
                                 "forecasts (NaN: none)", value=accuracy if accuracy is not None else math.nan)
+        yield GaugeMetricFamily(f"{PREFIX}_memory_price", "seconds of MoE-layer time one GB·s of replica memory is "
+                                "worth to the planner (knob memoryPrice; unset: memory-neutral)", value=s["memory_price"])
+        fit = s["latency_fit"]
+        yield GaugeMetricFamily(f"{PREFIX}_latency_model_scale", "the latency model refitted on the running machine: "
+                                "measured compute / the calibrated model's (a)", value=fit["a"])
+        yield GaugeMetricFamily(f"{PREFIX}_latency_model_call_seconds", "the refitted model's fixed compute per host "
+                                "call (b)", value=fit["b_s"])
+        error = GaugeMetricFamily(f"{PREFIX}_latency_model_error_ratio", "the latency model's predicted expert compute "
+                                  "over the measured, minus 1 (calibrated: as calibrated at start; online: refitted, "
+                                  "each call predicted before it was seen)", labels=["phase", "model"])
+        for phase, p in stats["phases"].items():
+            measured = sum(p["sum_compute_s"])
+            for model, key in (("calibrated", "sum_model_s"), ("online", "sum_model_online_s")):
+                error.add_metric([phase, model], sum(p[key]) / measured - 1.0 if measured > 0 else math.nan)
+        yield error
         yield CounterMetricFamily(f"{PREFIX}_expert_gb_seconds", "GB·s of expert replica memory (hosts' meters)",
                                   value=s["expert_gb_s"])
         yield CounterMetricFamily(f"{PREFIX}_non_expert_gb_seconds", "GB·s of non-expert weights (bytes x serving "

@@ -1,8 +1,10 @@
 """The planning loop: one plan for the traffic of every serving replica (a named Ray actor).
 
     serving replicas --IterationReport (fire and forget, ReportSender)--> PlanLoop
+    PlanLoop, on each report: the latency model refitted to the calls' measured compute (cost_fit)
     PlanLoop, every period_s:  hosts' Status (what is resident) + the merged reports
-        --> the planner (controller/live.py: plan_step) --> Load RPCs (prefetch) to the hosts
+        --> the planner, with the refitted model (controller/live.py: plan_step)
+        --> Load RPCs (prefetch) to the hosts
         --> the loaded replicas of the plan on the placement board --> every serving replica
 
 The decisions are pure functions (controller/live.py); this module only does the talking: Status
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
+from moeless.controller.cost_fit import OnlineCostFit
 from moeless.controller.live_window import PHASES, Heartbeat, IterationReport, LiveStats, ReportWindow
 from moeless.controller.profile import CostProfile
 from moeless.knobs import Knobs
@@ -64,7 +67,7 @@ class PlanLoop:
     """The loop (a thread) and what callers ask of it (other threads of the actor)."""
 
     def __init__(self, settings: LoopSettings):
-        from moeless.controller.live import is_stateful, layer_cap_replicas, live_planner_name
+        from moeless.controller.live import is_stateful, layer_cap_replicas, live_planner_name, memory_price
         from moeless.expert_fn.client import ExpertHostClient
 
         self.clients = [ExpertHostClient(a, timeout_s=settings.status_timeout_s) for a in settings.hosts]
@@ -82,6 +85,9 @@ class PlanLoop:
         self.name = live_planner_name(settings.knobs)
         self.stateful = is_stateful(self.name)
         self.layer_cap = layer_cap_replicas(settings.knobs, settings.num_experts, settings.profile.expert_bytes)
+        self.memory_price = memory_price(settings.knobs, settings.profile, settings.num_layers, settings.num_experts,
+                                         settings.replicas)
+        self.fit = OnlineCostFit(self.host_call_s)
         self.window = ReportWindow(settings.window_s)
         self.stats = LiveStats(settings.num_layers)
         self.heartbeat = Heartbeat(time.time, settings.stall_s)
@@ -112,7 +118,9 @@ class PlanLoop:
     def report(self, report: IterationReport) -> None:
         with self._lock:
             self.window.add(report)
-            self.stats.add(report)
+            ran = report.layers.host_calls > 0
+            self.stats.add(report, self.fit.predict(report.layers.model_s, ran))  # before the fit sees it
+            self.fit.add(report.ended_s, report.layers.model_s, ran, report.layers.compute_s)
             self.counts["reports"] += 1
             self._fresh = True
             if self.stateful:
@@ -121,7 +129,8 @@ class PlanLoop:
     def state(self) -> dict:
         """The loop's state for /healthz: heartbeat (wall clock), its age, a stall line or None."""
         with self._lock:
-            return {"planner": self.name, "predictor": self.s.knobs.predictor, "heartbeat_s": self.heartbeat.last,
+            return {"planner": self.name, "predictor": self.s.knobs.predictor, "memory_price": self.memory_price,
+                    "heartbeat_s": self.heartbeat.last,
                     "heartbeat_age_s": self.heartbeat.age(), "stalled": self.heartbeat.stalled(),
                     "stall_threshold_s": self.s.stall_s, "last_error": self.last_error, **self.counts,
                     "hosts_live": list(self.hosts_live)}
@@ -132,6 +141,7 @@ class PlanLoop:
             meters = [m for m in self.host_meters if m]
             return {
                 **self.state(), "stats": self.stats.as_dict(), "plan_s": dict(self.plan_s),
+                "latency_fit": self.fit.as_dict(),
                 "resident_replicas": self.resident_replicas,
                 "cold_hidden_s": sum(m.get("cold_hidden_s", 0.0) for m in meters),
                 "cold_exposed_s": sum(m.get("cold_exposed_s", 0.0) for m in meters),
@@ -280,7 +290,10 @@ class PlanLoop:
 
         from moeless.controller.live import planner_config
 
-        config = planner_config(self.s.knobs, self.s.profile, iteration_s, self.s.planner_extra)
+        with self._lock:
+            profile = self.fit.scaled(self.s.profile)
+        config = planner_config(self.s.knobs, profile, iteration_s, self.s.planner_extra, num_layers=self.s.num_layers,
+                                num_experts=self.s.num_experts, serving_replicas=self.s.replicas)
         if self._planner is None:
             self._planner = get_planner(self.name, config)
         elif not self.stateful:

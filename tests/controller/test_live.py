@@ -2,17 +2,19 @@
 the report window, the figures, the heartbeat (fake clock), the per-call re-levelling."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from moeless.controller.live import (
-    HostView, layer_cap_replicas, live_planner_name, loads_to_send, plan_phases, plan_step, planner_config, publishable,
+    HostView, layer_cap_replicas, live_planner_name, loads_to_send, memory_price, plan_phases, plan_step, planner_config,
+    publishable,
     resident_placement, same_placement, union_placement,
 )
 from moeless.controller.live_window import Heartbeat, IterationReport, LayerFigures, LiveStats, ReportWindow
 from moeless.controller.planner import get_planner, relevels
-from moeless.controller.profile import CostProfile
+from moeless.controller.profile import CostProfile, ProfileError
 from moeless.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.resident_planner import relevel_layer
@@ -90,7 +92,7 @@ def test_loads_publishing_and_stand_ins():
 def test_plan_step_plans_around_a_dead_host():
     skewed = np.array([[400.0, 300, 10, 10], [300, 300, 20, 20]])
     view = HostView.from_status([status(homes(0)), status(homes(1)), None], L, E)  # host 2 is dead
-    planner = get_planner("moeless", planner_config(Knobs(memory_price=0.0), PROFILE, 0.05))
+    planner = get_planner("moeless", planner_config(Knobs(memory_price=0.0), PROFILE, 0.05, num_layers=L, num_experts=E))
     decision = plan_step(planner, skewed, view, PROFILE.expert_bytes, 2 * E)
     for lp in decision.plan.layers:
         assert 2 not in lp.gpu.tolist() and sorted(set(lp.expert.tolist())) == list(range(E))
@@ -109,7 +111,7 @@ def test_plan_phases_keeps_the_union_of_each_phases_plan():
     prefill = np.array([[400.0, 300, 10, 10], [300, 300, 20, 20]])
     decode = np.array([[2.0, 1, 1, 0], [1, 1, 1, 1]])
     view = HostView.from_status([status(homes(0)), status(homes(1))], L, E)
-    planner = get_planner("moeless", planner_config(Knobs(memory_price=0.0), PROFILE, 0.05))
+    planner = get_planner("moeless", planner_config(Knobs(memory_price=0.0), PROFILE, 0.05, num_layers=L, num_experts=E))
     alone = plan_step(planner, prefill, view, PROFILE.expert_bytes, 2 * E)
     small = plan_step(planner, decode, view, PROFILE.expert_bytes, 2 * E)
     both = plan_phases(planner, [prefill, decode], view, PROFILE.expert_bytes, 2 * E)
@@ -123,6 +125,31 @@ def test_plan_phases_keeps_the_union_of_each_phases_plan():
     # A union over the layer cap keeps that layer of the first plan.
     capped = union_placement([alone.plan, Placement.static(L, E, G)], view.cluster(PROFILE.expert_bytes, E))
     assert capped.layers[0] is alone.plan.layers[0]
+
+
+def test_the_memory_neutral_price_is_one_over_the_deployments_gb():
+    # PROFILE's deployment: 10_000 non-expert bytes per serving replica + L x E replicas of 1000 bytes.
+    assert PROFILE.memory_neutral_price(L, E) == pytest.approx(1e9 / 18_000)
+    assert PROFILE.memory_neutral_price(L, E, serving_replicas=2) == pytest.approx(1e9 / 28_000)
+    assert memory_price(Knobs(memory_price=0.5), PROFILE, L, E) == 0.5  # set: the knob's
+    assert planner_config(Knobs(), PROFILE, 0.05, num_layers=L, num_experts=E).gb_s_price == pytest.approx(1e9 / 18_000)
+    with pytest.raises(ProfileError, match="holds no memory"):
+        replace(PROFILE, expert_bytes=0, non_expert_bytes=0).memory_neutral_price(L, E)
+
+
+def test_at_the_memory_neutral_price_a_replica_is_added_only_where_it_saves_more_gb_s_than_it_holds():
+    prefill = np.array([[400.0, 300, 10, 10], [300, 300, 20, 20]])
+    view = HostView.from_status([status(homes(0)), status(homes(1))], L, E)
+
+    def replicas(non_expert_bytes):
+        profile = replace(PROFILE, non_expert_bytes=non_expert_bytes)
+        planner = get_planner("moeless", planner_config(Knobs(), profile, 0.05, num_layers=L, num_experts=E))
+        return plan_step(planner, prefill, view, profile.expert_bytes, 2 * E).plan.layers[0].num_replicas
+
+    # The same ~0.3 ms a layer saved: 18 kB held meanwhile is far less than a replica's 1 kB for its
+    # 61.5 s of life; 1 TB held is far more.
+    assert replicas(10_000) == E
+    assert replicas(10**12) > E
 
 
 def report(t, phase="prefill", duration=0.1, load=None, forecast=None, wall=1e-3, replica="a"):

@@ -52,6 +52,14 @@ def test_bad_yaml_and_missing_file_are_one_clear_line(tmp_path):
         Knobs.from_yaml(tmp_path / "missing.yaml")
 
 
+def test_memory_price_is_memory_neutral_unless_set(tmp_path):
+    assert Knobs().memory_price is None and Knobs.from_mapping({"memoryPrice": None}).memory_price is None
+    assert _parse(["--memory-price", "null"]).memory_price is None
+    assert _parse(["--memory-price", "0.03"]).memory_price == 0.03
+    with pytest.raises(KnobError, match="memoryPrice: must be >= 0.0"):
+        Knobs.from_mapping({"memoryPrice": -1})
+
+
 def test_negative_keep_alive_flag_names_the_flag():
     with pytest.raises(KnobError, match="--keep-alive: must be >= 0.0"):
         _parse(["--keep-alive", "-2"])

@@ -80,6 +80,9 @@ def test_replayed_trace_with_changing_placements_equals_the_reference(live, tiny
     assert len(metrics["stats"]["replicas"]) == 2  # both ModelServers' iterations were planned for
     decode = metrics["stats"]["phases"]["decode"]
     assert decode["iterations"] > 0 and decode["layer_calls"] > 0 and np.isfinite(metrics["stats"]["accuracy"])
+    fit = metrics["latency_fit"]  # the latency model was refitted on the calls served
+    assert fit["fitted"] and fit["calls"] >= decode["layer_calls"] and fit["a"] > 0 and fit["b_s"] >= 0
+    assert sum(decode["sum_model_online_s"]) > 0 and sum(decode["sum_model_online_s"]) != sum(decode["sum_model_s"])
 
 
 def test_metrics_and_healthz_show_the_loop(live):
@@ -92,7 +95,8 @@ def test_metrics_and_healthz_show_the_loop(live):
                  "moeless_layer_load_max_over_mean{layer=\"1\"}", "moeless_layer_load_cv{layer=\"0\"}",
                  "moeless_expert_replicas_resident", "moeless_cold_start_hidden_seconds_total",
                  "moeless_cold_start_exposed_seconds_total", "moeless_predictor_online_accuracy", "moeless_plan_seconds_total",
-                 "moeless_plan_last_seconds",
+                 "moeless_plan_last_seconds", "moeless_memory_price 0.0", "moeless_latency_model_scale", "moeless_latency_model_call_seconds",
+                 "moeless_latency_model_error_ratio{model=\"online\",phase=\"decode\"}",
                  "moeless_expert_gb_seconds_total", "moeless_non_expert_gb_seconds_total",
                  "moeless_plan_loop_heartbeat_age_seconds", "moeless_plan_loop_stalled 0.0"):
         assert name in text, name

@@ -81,6 +81,7 @@ def test_serve_uses_the_expert_hosts_named_in_the_environment(hosts, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"using 3 expert hosts from $MOELESS_EXPERT_HOSTS: {', '.join(hosts.addresses)}" in proc.stdout
     assert "starting" not in proc.stdout and "\nassistant: " in proc.stdout
+    assert "s per GB·s (memory-neutral)" in proc.stdout  # the price the loop resolved, said at start
     for address in hosts.addresses:
         with ExpertHostClient(address) as client:
             assert client.status()["meters"]["invocations"] > 0, address
