@@ -2,7 +2,7 @@
 
 The cost profile is calibrated once, on an idle host. Under traffic the same calls take longer:
 the hosts share cores with the serving replicas, caches are colder, and how much longer drifts
-with the load (`moeless bench live` measured the idle calibration 37-47% short). So the planning
+with the load (`moeless bench live` measured the idle calibration 30-50% short). So the planning
 loop refits, from the layer calls the serving replicas report, with old calls forgotten:
 
     compute_s[call] ~ a * model_s[call] + b
