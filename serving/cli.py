@@ -93,7 +93,8 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     live.add_argument("--max-tokens", type=_positive, help="tokens per request (default 16; 8 with --quick)")
     live.add_argument("--prompt-tokens", type=_positive, default=64, help="ShareGPT prompts cut to this many tokens (default 64)")
     live.add_argument("--configs", type=_names_of(_live_configs, "configuration(s)"), help="configurations, comma-separated (default "
-                                                            "static,eplb,moeless,moeless-history, then static again; "
+                                                            "static,eplb,moeless,moeless-history, then static again "
+                                                            "(with --mirror: each twice instead); "
                                                             "static,moeless with --quick; also moeless-free-memory)")
     live.add_argument("--keep-alive", type=_non_negative_float, default=60.0,
                       help="seconds an idle replica stays resident (knob keepAliveSeconds; default 60, the knob's)")
