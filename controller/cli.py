@@ -87,7 +87,7 @@ def plan_command(args: argparse.Namespace) -> int:
     import numpy as np
 
     from moeless.controller.planner import PlannerConfig, get_planner
-    from moeless.controller.profile import CostProfile, ProfileError
+    from moeless.twin.profile import CostProfile, ProfileError
     from moeless.placement.cluster import Cluster
 
     loads = np.atleast_2d(np.load(args.loads))
@@ -118,7 +118,7 @@ def plan_command(args: argparse.Namespace) -> int:
 def _measured_profile(num_experts: int, num_gpus: int):
     """The cost profile measured now (a few repeats) at the default model's expert shape
     (non-expert bytes not measured: a plan does not bill them)."""
-    from moeless.controller import bench_planner as bench
+    from moeless.twin import bench_planner as bench
     from moeless.model.shape import DEFAULT_EXPERT_SHAPE
 
     profile, _ = bench.measure_profile(*DEFAULT_EXPERT_SHAPE, non_expert_bytes=0, repeats=10, num_experts=num_experts,
@@ -127,9 +127,9 @@ def _measured_profile(num_experts: int, num_gpus: int):
 
 
 def bench_planner(args: argparse.Namespace) -> int:
-    from moeless.controller import bench_planner as bench
-    from moeless.controller.profile import CostProfile, ProfileError
-    from moeless.controller.report_planner import print_profile, print_quality, print_timing
+    from moeless.twin import bench_planner as bench
+    from moeless.twin.profile import CostProfile, ProfileError
+    from moeless.twin.report_planner import print_profile, print_quality, print_timing
 
     quick = args.quick
     distances = sorted(set(args.distances or ([1] if quick else [1, 2, 3])))
@@ -137,7 +137,7 @@ def bench_planner(args: argparse.Namespace) -> int:
         return _fail("--distances must be >= 1, --keep-alive and --gb-s-price >= 0")
     data = None
     if not args.skip_quality:
-        from moeless.controller.loads import requests_from
+        from moeless.twin.loads import requests_from
 
         source = args.loads or ("tiny" if quick else "default")
         data = requests_from(source, args.requests or (6 if quick else 48), args.new_tokens or (8 if quick else 32), distances)
@@ -148,7 +148,7 @@ def bench_planner(args: argparse.Namespace) -> int:
             if data:
                 shape, num_experts = data[2], data[0][0].prefill.shape[1]
             else:
-                from moeless.controller.loads import model_facts
+                from moeless.twin.loads import model_facts
                 from moeless.model.default import default_model
 
                 model = default_model()
@@ -177,11 +177,11 @@ def _quality(args: argparse.Namespace, data, distances: list[int], profile) -> d
     import numpy as np
     from tqdm import tqdm
 
-    from moeless.controller import bench_quality as q
-    from moeless.controller.forecasts import iteration_forecasts
-    from moeless.controller.iterations import arrival_times, compose_iterations
+    from moeless.twin import bench_quality as q
+    from moeless.twin.forecasts import iteration_forecasts
+    from moeless.twin.iterations import arrival_times, compose_iterations
     from moeless.controller.planner import PlannerConfig
-    from moeless.controller.twin import TwinSettings
+    from moeless.twin.twin import TwinSettings
     from moeless.placement.cluster import Cluster
     from moeless.placement.fill_placer import HORIZON
 

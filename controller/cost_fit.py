@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from moeless.controller.profile import CostProfile
+from moeless.twin.profile import CostProfile
 
 HALF_LIFE_S = 30.0
 MIN_CALLS = 60  # two iterations of the default model's 30 layers

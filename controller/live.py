@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from moeless.controller.planner import STATEFUL_PLANNERS, Planner, PlannerConfig
-from moeless.controller.profile import CostProfile
+from moeless.twin.profile import CostProfile
 from moeless.knobs import KnobError, Knobs
 from moeless.placement.cluster import Cluster, ClusterError
 from moeless.placement.types import LayerPlacement, Placement, PlacementError

@@ -1,7 +1,7 @@
 """moeless.evaluation: the paper's evaluation as one command (`moeless eval`) and its report (`moeless report`).
 
 Real prompts and real arrival traces become serving iterations; the model's real routing and the
-gate-replica predictor's forecasts feed every planner; the digital twin (controller/twin.py) prices
+gate-replica predictor's forecasts feed every planner; the digital twin (twin/twin.py) prices
 the plans with a measured cost profile under both execution and both billing models. A run
 directory holds everything measured (run.json); the report is a pure function of it.
 """

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeless.controller.iterations import AZURE_CONV_FILE, AZURE_CONV_RATE, traces_dir
+from moeless.twin.iterations import AZURE_CONV_FILE, AZURE_CONV_RATE, traces_dir
 
 DEFAULT_RATE = AZURE_CONV_RATE
 DEFAULT_CV = 1.1  # the Azure conversation trace's inter-arrival CV, measured: 1.09

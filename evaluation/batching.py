@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from moeless.controller.iterations import Iteration, RequestLoads, compose_iterations
+from moeless.twin.iterations import Iteration, RequestLoads, compose_iterations
 
 BATCHING = ("continuous", "per-second")
 

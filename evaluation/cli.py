@@ -162,7 +162,7 @@ def report_command(args: argparse.Namespace) -> int:
 
 def _errors() -> tuple[type[Exception], ...]:
     """The errors of bad input: each is one line saying what was wrong and what to do."""
-    from moeless.controller.profile import ProfileError
+    from moeless.twin.profile import ProfileError
     from moeless.evaluation.arrivals import TraceError
     from moeless.evaluation.report import RunDirError
     from moeless.evaluation.runs import CaseError

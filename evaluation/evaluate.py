@@ -12,7 +12,7 @@ import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moeless.controller.profile import CostProfile, ProfileError
+from moeless.twin.profile import CostProfile, ProfileError
 from moeless.evaluation import runs
 from moeless.evaluation.batching import BATCHING
 from moeless.evaluation.workload import Sizes, WorkloadSpec, prepare, read_arrivals
@@ -62,7 +62,7 @@ class EvalConfig:
 
 
 def read_profile(path: str) -> CostProfile:
-    """A cost profile JSON (controller/profile.py), or a benchmark's JSON holding one under "cost_profile"."""
+    """A cost profile JSON (twin/profile.py), or a benchmark's JSON holding one under "cost_profile"."""
     try:
         doc = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -80,7 +80,7 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
 
     from moeless.controller.live import memory_price
     from moeless.controller.planner import PlannerConfig
-    from moeless.controller.twin import TwinSettings
+    from moeless.twin.twin import TwinSettings
     from moeless.placement.fill_placer import HORIZON
 
     out = Path(out)
@@ -145,7 +145,7 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
 
 def _measure(facts, quick: bool, num_experts: int, num_gpus: int) -> CostProfile:
     """The cost profile measured now on this machine at the model's expert shape (as `moeless bench planner`)."""
-    from moeless.controller.bench_planner import measure_profile
+    from moeless.twin.bench_planner import measure_profile
 
     return measure_profile(facts.hidden, facts.ffn, facts.non_expert_bytes, 10 if quick else 60, num_experts=num_experts,
                            num_gpus=num_gpus)[0]

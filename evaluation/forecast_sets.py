@@ -13,8 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from moeless.controller.forecasts import RequestForecasts, iteration_forecasts
-from moeless.controller.iterations import Iteration
+from moeless.twin.forecasts import RequestForecasts, iteration_forecasts
+from moeless.twin.iterations import Iteration
 
 KINDS = ("perfect", "previous", "predictor", "history")
 HISTORY_WINDOW = 16  # iterations; predictor/history.py's default window

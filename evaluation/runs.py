@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 from typing import Sequence
 
-from moeless.controller.bench_quality import Run, run_all
+from moeless.twin.bench_quality import Run, run_all
 from moeless.controller.planner import PlannerConfig
-from moeless.controller.twin import TwinSettings
+from moeless.twin.twin import TwinSettings
 from moeless.evaluation.figures import figures
 from moeless.knobs import Knobs
 

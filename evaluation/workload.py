@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from moeless.controller.iterations import Iteration
+from moeless.twin.iterations import Iteration
 from moeless.evaluation import arrivals as arr
 from moeless.evaluation.batching import compose
 from moeless.evaluation.forecast_sets import accuracy, forecast_set
@@ -104,7 +104,7 @@ def prepare(spec: WorkloadSpec, arrivals: arr.Arrivals, model: str, sizes: Sizes
             batchings: Sequence[str]) -> Workload:
     """Trace the prompts through `model` ("default" or "tiny"; cached by model and predictor), then
     batch the arrivals each way and build every forecast kind at every distance."""
-    from moeless.controller.loads import requests_from
+    from moeless.twin.loads import requests_from
     from moeless.threads import torch_threads
 
     # One torch thread: the predictor's many tiny gate calls stall at a multi-thread pool's barrier

@@ -61,7 +61,7 @@ class ServeConfig:
     # a gate-replica predictor file (None: the cache's for this model), other LoopSettings fields.
     knobs: Any = None  # moeless.knobs.Knobs
     plan_loop: str | None = None
-    profile: Any = None  # moeless.controller.profile.CostProfile
+    profile: Any = None  # moeless.twin.profile.CostProfile
     predictor_file: str | None = None
     loop: tuple = ()  # (field, value) pairs of LoopSettings, e.g. (("period_s", 0.1),)
 

@@ -72,7 +72,7 @@ def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48
     import ray
     from ray import serve
 
-    from moeless.controller.iterations import arrival_times
+    from moeless.twin.iterations import arrival_times
     from moeless.serving.embedded import choose_model, export_store, free_port
 
     configs = ["static", *[c for c in configs if c not in ("static", "static-again")]]

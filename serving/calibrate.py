@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from moeless.controller.bench_planner import measure_relevel_s
-from moeless.controller.profile import CostProfile
+from moeless.twin.bench_planner import measure_relevel_s
+from moeless.twin.profile import CostProfile
 from moeless.placement.latency_model import LatencyModel
 
 CALL_EXPERTS = (1, 2, 4, 8)

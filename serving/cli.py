@@ -233,7 +233,7 @@ def _bench_transport(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from moeless.controller.profile import CostProfile, ProfileError
+    from moeless.twin.profile import CostProfile, ProfileError
     from moeless.knobs import KnobError
     from moeless.serving.embedded import serve_embedded
     from moeless.serving.scheduler import BatchLimits

@@ -25,7 +25,7 @@ import ray
 
 from moeless.controller.cost_fit import OnlineCostFit
 from moeless.controller.live_window import PHASES, Heartbeat, IterationReport, LiveStats, ReportWindow
-from moeless.controller.profile import CostProfile
+from moeless.twin.profile import CostProfile
 from moeless.knobs import Knobs
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeless.controller.cost_fit import OnlineCostFit, fit_scale, solve_scale
-from moeless.controller.profile import CostProfile
+from moeless.twin.profile import CostProfile
 
 US = 1e-6
 

@@ -14,7 +14,7 @@ from moeless.controller.live import (
 )
 from moeless.controller.live_window import Heartbeat, IterationReport, LayerFigures, LiveStats, ReportWindow
 from moeless.controller.planner import get_planner, relevels
-from moeless.controller.profile import CostProfile, ProfileError
+from moeless.twin.profile import CostProfile, ProfileError
 from moeless.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.resident_planner import relevel_layer

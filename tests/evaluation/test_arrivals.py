@@ -9,7 +9,7 @@ from datetime import datetime
 import numpy as np
 import pytest
 
-from moeless.controller.iterations import traces_dir
+from moeless.twin.iterations import traces_dir
 from moeless.evaluation import arrivals as arr
 
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n" \

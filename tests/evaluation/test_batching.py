@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from moeless.controller.iterations import Iteration
+from moeless.twin.iterations import Iteration
 from moeless.evaluation import arrivals as arr
 from moeless.evaluation.batching import compose, per_second
 from moeless.evaluation.forecast_sets import history_forecasts

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeless.controller.bench_quality import Run, run_all
-from moeless.controller.iterations import Iteration
+from moeless.twin.bench_quality import Run, run_all
+from moeless.twin.iterations import Iteration
 from moeless.controller.planner import PlannerConfig
-from moeless.controller.profile import CostProfile
-from moeless.controller.twin import TwinSettings
+from moeless.twin.profile import CostProfile
+from moeless.twin.twin import TwinSettings
 from moeless.evaluation.runs import execute, plan_cases
 from moeless.knobs import Knobs
 from moeless.placement.cluster import Cluster

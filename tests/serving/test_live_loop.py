@@ -15,8 +15,8 @@ import pytest
 import ray
 import torch
 
-from moeless.controller.iterations import arrival_times
-from moeless.controller.profile import CostProfile
+from moeless.twin.iterations import arrival_times
+from moeless.twin.profile import CostProfile
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.knobs import Knobs

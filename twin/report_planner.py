@@ -9,7 +9,7 @@ issue's targets, checked on the predictor's rows.
 
 from __future__ import annotations
 
-from moeless.controller.profile import CostProfile
+from moeless.twin.profile import CostProfile
 
 TARGETS = {"prefill": 0.80, "decode": 1.00, "memory": 1.5}  # moeless / static EP, with the predictor's forecast
 

@@ -1,7 +1,7 @@
 """`moeless bench planner`, part 2: every planner replayed through the digital twin, every cost counted.
 
 In: iterations (real per-request loads batched by request arrivals), the forecasts of each kind
-(controller/forecasts.py), a cluster, the measured cost profile and the twin's settings. For every
+(twin/forecasts.py), a cluster, the measured cost profile and the twin's settings. For every
 prefetch distance d the runs are: static EP; the Oracle (lossy bound); EPLB re-planned every 10
 iterations from the last 10 iterations' loads (DeepSeek's usage; it sees no forecast); and, with
 each forecast kind (perfect, the previous iteration's loads, the predictor at d), EPLB re-planned
@@ -18,10 +18,10 @@ from typing import Sequence
 
 import numpy as np
 
-from moeless.controller.iterations import Iteration
+from moeless.twin.iterations import Iteration
 from moeless.controller.planner import PlannerConfig, get_planner
-from moeless.controller.profile import CostProfile
-from moeless.controller.twin import TwinRecord, TwinSettings, replay
+from moeless.twin.profile import CostProfile
+from moeless.twin.twin import TwinRecord, TwinSettings, replay
 from moeless.placement.cluster import Cluster
 
 FORECAST_PLANNERS = ("eplb", "paper", "moeless-fill", "moeless")  # replayed with every forecast kind

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeless.controller.iterations import AZURE_CONV_RATE, arrival_times, compose_iterations
+from moeless.twin.iterations import AZURE_CONV_RATE, arrival_times, compose_iterations
 
 
 @dataclass
@@ -79,7 +79,7 @@ def test_bench_planner_command_end_to_end(tmp_path: Path, capsys):
 
 
 def test_loads_from_a_saved_trace_file(tmp_path: Path):
-    from moeless.controller.loads import requests_from
+    from moeless.twin.loads import requests_from
     from moeless.model.traces import RequestLoads, save_request_loads
 
     saved = [RequestLoads(np.full((2, 4), i), np.ones((i, 2, 4), dtype=np.int64), prompt_tokens=4) for i in range(3)]

@@ -35,9 +35,9 @@ from typing import Sequence
 
 import numpy as np
 
-from moeless.controller.iterations import Iteration
+from moeless.twin.iterations import Iteration
 from moeless.controller.planner import Planner
-from moeless.controller.profile import CostProfile
+from moeless.twin.profile import CostProfile
 from moeless.placement.cluster import Cluster
 from moeless.placement.resident_planner import relevel_layer
 from moeless.placement.types import LayerPlacement, Placement

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from moeless.controller.iterations import Iteration
+from moeless.twin.iterations import Iteration
 from moeless.controller.planner import PlannerConfig, get_planner
-from moeless.controller.profile import CostProfile, ProfileError
-from moeless.controller.twin import TwinSettings, replay
+from moeless.twin.profile import CostProfile, ProfileError
+from moeless.twin.twin import TwinSettings, replay
 from moeless.placement.cluster import Cluster
 from moeless.placement.types import LayerPlacement, Placement
 

@@ -1,6 +1,6 @@
 """`moeless bench planner`, part 1: the cost profile measured here, and planning time.
 
-1. Cost profile (controller/profile.py) at the expert shape of the model whose loads are replayed:
+1. Cost profile (twin/profile.py) at the expert shape of the model whose loads are replayed:
    alpha and the call overhead from a least-squares fit of `expert_forward` time over 1..256
    tokens; beta from serialising and copying a [T, H] float32 batch; one replica's load from disk
    (read, sha256, parse, copy: the expert host's path with its host tier off) and from the host
@@ -9,7 +9,7 @@
    fastest of its repeats.
 2. Planning time per layer for several (E, G): moeless, moeless-fill and the paper beside EPLB.
 
-Part 2, the replay of every planner through the digital twin, is controller/bench_quality.py.
+Part 2, the replay of every planner through the digital twin, is twin/bench_quality.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from moeless.controller.planner import Planner, PlannerConfig, get_planner
-from moeless.controller.profile import CostProfile
+from moeless.twin.profile import CostProfile
 from moeless.placement.cluster import Cluster
 from moeless.placement.latency_model import LatencyModel
 

@@ -44,7 +44,7 @@ def requests_from(source: str, requests: int, new_tokens: int, distances: Sequen
     """(per-request loads, their forecasts or None, the model's facts, a line saying where they came from).
 
     dataset: the default model's prompts, "sharegpt" (its test split) or "humaneval" (code)."""
-    from moeless.controller import forecasts as fc
+    from moeless.twin import forecasts as fc
     from moeless.paths import cache_dir
 
     if requests <= 0 or new_tokens < 0:

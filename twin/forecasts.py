@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from moeless.controller.iterations import Iteration, per_iteration
+from moeless.twin.iterations import Iteration, per_iteration
 from moeless.model.traces import RequestLoads, _prompt_ids, load_request_loads
 
 KINDS = ("perfect", "previous", "predictor")

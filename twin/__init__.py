@@ -1,0 +1,1 @@
+"""moeless.twin: the digital twin: serving iterations replayed through any planner on a modelled cluster, every cost counted."""
