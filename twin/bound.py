@@ -1,0 +1,39 @@
+"""The lossless bound: the least MoE-layer time any plan that keeps every token on its gate's
+expert can reach under the serial execution model (DESIGN.md, "What a plan costs").
+
+Per layer with loads W [E] (tokens per expert) on G GPUs, costs alpha (s/token of expert
+compute), c (s per replica call with tokens) and beta (s/token moved one way):
+1. Work: every token is computed once and every expert with tokens is called at least once, so
+   the busiest GPU does at least the average: (alpha * sum W + c * #{e: W_e > 0}) / G.
+2. The busiest expert: split over at most G GPUs, some GPU holds at least W_max / G of its tokens
+   and pays its call: c + alpha * W_max / G (0 when the layer has no token).
+3. Transfer: some GPU receives at least sum W / G tokens, moved in and out: 2 beta sum W / G.
+bound = max(1, 2) + 3. The serial model (placement/kernels.serial_time) charges the busiest GPU's
+work plus 2 beta times the most tokens any GPU receives, each at least its term above, so no
+plan beats the bound; re-levels and exposed cold starts only add. The Oracle re-routes tokens
+(lossy), so its time may fall below the bound of the real loads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeless.twin.profile import CostProfile
+
+
+def lossless_bound(loads: np.ndarray, num_gpus: int, alpha: float, call_overhead: float, beta: float) -> np.ndarray:
+    """Seconds per layer: loads [..., E] tokens per expert -> [...] (see the module docstring)."""
+    if num_gpus <= 0:
+        raise ValueError(f"num_gpus must be positive, got {num_gpus}")
+    w = np.asarray(loads, dtype=np.float64)
+    total = w.sum(axis=-1)
+    calls = (w > 0).sum(axis=-1)
+    busiest = w.max(axis=-1, initial=0.0)
+    spread = (alpha * total + call_overhead * calls) / num_gpus  # 1.
+    hottest = np.where(busiest > 0, call_overhead + alpha * busiest / num_gpus, 0.0)  # 2.
+    return np.maximum(spread, hottest) + 2.0 * beta * total / num_gpus  # 3.
+
+
+def profile_bound(loads: np.ndarray, num_gpus: int, profile: CostProfile) -> np.ndarray:
+    """lossless_bound with the cost profile's alpha, call_overhead and beta: loads [..., E] -> [...]."""
+    return lossless_bound(loads, num_gpus, profile.alpha, profile.call_overhead, profile.beta)
