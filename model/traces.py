@@ -1,4 +1,5 @@
-"""Real routing traces for benchmarks: tokens per expert of every request, prefill and decode.
+"""Real routing traces for benchmarks: tokens per expert of every request, prefill and decode
+(`token_picks`: each token's expert ids, for the twin's routing file, twin/routing.py).
 
 Each request (one prompt) is a prefill over the prompt, then greedy decode steps, each feeding
 one generated token. Requests run in batches for speed, but each request's loads count only its
@@ -65,6 +66,22 @@ def request_loads(
     (stop_at_eos); an EOS token is not fed back, so it has no decode row. Prompts of similar
     length run together, left-padded, batch_size at a time (padding is masked out of the loads).
     """
+    E = model.spec.num_experts
+    picks = token_picks(model, prompts, max_new_tokens, max_prompt_tokens, stop_at_eos, batch_size, progress)
+    return [RequestLoads(prefill=_counts(p, E).sum(0), decode=_counts(d, E), prompt_tokens=len(p)) for p, d in picks]
+
+
+def token_picks(
+    model: MoEModel,
+    prompts: Sequence[str | Sequence[int] | torch.Tensor],
+    max_new_tokens: int,
+    max_prompt_tokens: int = 512,
+    stop_at_eos: bool = True,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per prompt, in order, the expert ids each token was routed to: (prompt [P, L, k], decode
+    [S, L, k], row s = the decode step feeding generated token s); generation as request_loads."""
     from tqdm import tqdm
 
     if max_new_tokens < 0 or batch_size < 1:
@@ -72,19 +89,23 @@ def request_loads(
     eos = getattr(model.tokenizer, "eos_token_id", None) if stop_at_eos else None
     seqs = [_prompt_ids(model, p, max_prompt_tokens) for p in prompts]
     order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
-    result: dict[int, RequestLoads] = {}
+    result: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     with tqdm(total=len(seqs), desc="routing traces", disable=not progress) as bar:
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
-            for i, loads in zip(chunk, _batch_loads(model, [seqs[i] for i in chunk], max_new_tokens, eos)):
-                result[i] = loads
+            for i, picks in zip(chunk, _batch_picks(model, [seqs[i] for i in chunk], max_new_tokens, eos)):
+                result[i] = picks
             bar.update(len(chunk))
     return [result[i] for i in range(len(seqs))]
 
 
-def _batch_loads(model: MoEModel, seqs: list[list[int]], max_new_tokens: int, eos: int | None) -> list[RequestLoads]:
-    """Loads of one batch of prompts, generated together."""
-    num_experts = model.spec.num_experts
+def _counts(picks: np.ndarray, num_experts: int) -> np.ndarray:
+    """[T, L, k] expert ids -> [T, L, E] tokens per expert."""
+    return F.one_hot(torch.as_tensor(picks), num_experts).sum(2).numpy().astype(np.int64)
+
+
+def _batch_picks(model: MoEModel, seqs: list[list[int]], max_new_tokens: int, eos: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Expert ids of one batch of prompts, generated together: per prompt (prompt [P, L, k], decode [S, L, k])."""
     # 1. Left-pad to ids, mask: [B, S].
     ids, mask = left_pad(seqs)
     # 2. Generate one extra token, so that the last of max_new_tokens is fed back too.
@@ -92,23 +113,20 @@ def _batch_loads(model: MoEModel, seqs: list[list[int]], max_new_tokens: int, eo
     with model.capture() as capture:
         out = model.generate(ids.to(device), max_new_tokens + 1, attention_mask=mask.to(device), eos_token_id=eos)
 
-    # 3. Per call, each unpadded token's picks per layer and expert: [T, L, E] (T runs row by row).
-    def token_counts(call: int) -> torch.Tensor:
-        return torch.stack([F.one_hot(r.idx, num_experts).sum(1) for r in capture.iterations[call]], dim=1).cpu()
+    # 3. Per call, each unpadded token's picks per layer: [T, L, k] (T runs row by row).
+    def picks(call: int) -> torch.Tensor:
+        return torch.stack([r.idx for r in capture.iterations[call]], dim=1).cpu()
 
-    prefill = torch.split(token_counts(0), [len(s) for s in seqs])
+    prefill = torch.split(picks(0), [len(s) for s in seqs])
     calls = range(1, len(capture.iterations))
-    no_calls = torch.zeros((0, len(seqs), model.spec.num_layers, num_experts), dtype=torch.long)
-    decode = torch.stack([token_counts(c) for c in calls]) if calls else no_calls  # [calls - 1, B, L, E]
+    k = prefill[0].shape[-1]
+    no_calls = torch.zeros((0, len(seqs), model.spec.num_layers, k), dtype=torch.long)
+    decode = torch.stack([picks(c) for c in calls]) if calls else no_calls  # [calls, B, L, k]
     result = []
-    for b, s in enumerate(seqs):
+    for b in range(len(seqs)):
         generated = out[b, ids.shape[1]:].tolist()
         steps = generated.index(eos) if eos in generated else max_new_tokens
-        result.append(RequestLoads(
-            prefill=prefill[b].sum(0).numpy().astype(np.int64),
-            decode=decode[:steps, b].numpy().astype(np.int64),
-            prompt_tokens=len(s),
-        ))
+        result.append((prefill[b].numpy().astype(np.int64), decode[:steps, b].numpy().astype(np.int64)))
     return result
 
 

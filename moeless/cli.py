@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "moeless.expert_fn.cli",
     "moeless.serving.cli",
     "moeless.evaluation.cli",
+    "moeless.twin.trace_cli",
 )
 
 
