@@ -1,0 +1,37 @@
+"""The chunked-prefill scheduler: a golden example by hand, loads from routing, load scaling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeless.twin.chunked import Step, scale_to_load, schedule, step_loads
+from moeless.twin.routing import Routing, cumulative_counts
+
+
+def test_golden_schedule():
+    # Budget 6 tokens, 2 slots, 0.1 s per iteration. Request 0: prompt 5, output 2 (one decode);
+    # request 1: prompt 3, output 1 (none); request 2 arrives at 0.25: prompt 2, output 3 (two decodes).
+    steps = schedule(np.array([0.0, 0.0, 0.25]), np.array([5, 3, 2]), np.array([2, 1, 3]), 6, 2, 0.1)
+    assert [(s.phase, s.chunks) for s in steps] == [
+        ("prefill", ((0, 0, 5), (1, 0, 1))),  # admission: r0's whole prompt, r1's first token
+        ("prefill", ((0, 5, 1), (1, 1, 2))),  # r0 decodes first, then r1's last chunk
+        ("prefill", ((2, 0, 2),)),  # idle until r2 arrives
+        ("decode", ((2, 2, 1),)),
+        ("decode", ((2, 3, 1),)),
+    ]
+    assert [s.time_s for s in steps] == pytest.approx([0.0, 0.1, 0.25, 0.35, 0.45])
+    # max_seqs bounds the running requests; token_s stretches the clock.
+    one = schedule(np.zeros(2), np.array([2, 2]), np.array([2, 1]), 8, 1, 0.1, token_s=0.05)
+    assert [s.chunks for s in one] == [((0, 0, 2),), ((0, 2, 1),), ((1, 0, 2),)]
+    assert [s.time_s for s in one] == pytest.approx([0.0, 0.2, 0.35])
+
+
+def test_loads_from_routing_and_scaling():
+    topk = np.array([[[0]], [[1]], [[2]]])  # one routed request, 3 tokens, L = 1, k = 1, E = 3
+    cums = cumulative_counts(Routing(topk, np.array([3]), np.array([3]), 3, "test"))
+    its = step_loads([Step(0.0, "prefill", ((0, 0, 2), (1, 2, 2)))], cums)  # request 1 replays request 0, cycling
+    assert its[0].load.tolist() == [[2, 1, 1]] and its[0].batch == 2
+    # 11 arrivals over 10 s at 100 tokens each: 110 tokens/s offered; capacity 1000 / 0.1 = 10,000 tokens/s.
+    scaled = scale_to_load(np.linspace(0, 10, 11), np.full(11, 60), np.full(11, 40), 0.5, 1000, 0.1)
+    assert scaled[-1] == pytest.approx(10 * 100 / 5000) and scaled[0] == 0
