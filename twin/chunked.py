@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from moeless.twin.iterations import Iteration
-from moeless.twin.routing import token_loads
+from moeless.twin.routing import Routing, cumulative_counts, token_loads
 
 
 @dataclass(frozen=True)
@@ -78,12 +78,27 @@ def schedule(arrivals: np.ndarray, prompt_lens: np.ndarray, output_lens: np.ndar
     return out
 
 
-def step_loads(steps: Sequence[Step], cums: Sequence[np.ndarray]) -> list[Iteration]:
-    """Iterations with their loads: request r replays routing request r mod R, its token t the
-    routed token t mod T (cums: cumulative_counts of the routing, [T + 1, L, E] each)."""
+def split_counts(routing: Routing) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per routing request, cumulative counts of its prompt tokens [P + 1, L, E] and of its decode
+    tokens [S + 1, L, E] (its prompt's when it has no decode token)."""
+    out = []
+    for cum, prompt in zip(cumulative_counts(routing), routing.prompt_tokens):
+        p = int(prompt) if 0 < prompt < len(cum) - 1 else len(cum) - 1
+        out.append((cum[:p + 1], cum[p:] - cum[p] if p < len(cum) - 1 else cum))
+    return out
+
+
+def step_loads(steps: Sequence[Step], prompt_lens: np.ndarray, counts: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Iteration]:
+    """Iterations with their loads [L, E]. Request r replays routing request r mod R (counts from
+    split_counts): its prompt token t the routed prompt token t mod P, its decode step s the
+    routed decode token s mod S (a request longer than the recorded one cycles)."""
     out = []
     for s in steps:
-        load = sum(token_loads(cums[r % len(cums)], first, n) for r, first, n in s.chunks)
+        load = 0
+        for r, first, n in s.chunks:
+            prompt, decode = counts[r % len(counts)]
+            p = int(prompt_lens[r])
+            load = load + (token_loads(prompt, first, n) if first < p else token_loads(decode, first - p, n))
         out.append(Iteration(s.phase, np.asarray(load, np.int64), len(s.chunks), (), s.time_s))
     return out
 

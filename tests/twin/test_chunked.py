@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moeless.twin.chunked import Step, scale_to_load, schedule, step_loads
-from moeless.twin.routing import Routing, cumulative_counts
+from moeless.twin.chunked import Step, scale_to_load, schedule, split_counts, step_loads
+from moeless.twin.routing import Routing
 
 
 def test_golden_schedule():
@@ -28,10 +28,13 @@ def test_golden_schedule():
 
 
 def test_loads_from_routing_and_scaling():
-    topk = np.array([[[0]], [[1]], [[2]]])  # one routed request, 3 tokens, L = 1, k = 1, E = 3
-    cums = cumulative_counts(Routing(topk, np.array([3]), np.array([3]), 3, "test"))
-    its = step_loads([Step(0.0, "prefill", ((0, 0, 2), (1, 2, 2)))], cums)  # request 1 replays request 0, cycling
-    assert its[0].load.tolist() == [[2, 1, 1]] and its[0].batch == 2
+    # One routed request: prompt tokens to experts 0, 1, 2, then decode tokens to 3, 3 (L = 1, k = 1, E = 4).
+    counts = split_counts(Routing(np.array([0, 1, 2, 3, 3]).reshape(5, 1, 1), np.array([5]), np.array([3]), 4, "test"))
+    # Workload requests of prompt 4 and 2 tokens both replay it: prompt tokens cycle over 0, 1, 2; decodes over 3, 3.
+    steps = [Step(0.0, "prefill", ((0, 0, 4), (1, 1, 1))), Step(0.1, "decode", ((0, 4, 1), (1, 2, 1)))]
+    its = step_loads(steps, np.array([4, 2]), counts)
+    assert its[0].load.tolist() == [[2, 2, 1, 0]] and its[0].batch == 2
+    assert its[1].load.tolist() == [[0, 0, 0, 2]] and its[1].phase == "decode"
     # 11 arrivals over 10 s at 100 tokens each: 110 tokens/s offered; capacity 1000 / 0.1 = 10,000 tokens/s.
     scaled = scale_to_load(np.linspace(0, 10, 11), np.full(11, 60), np.full(11, 40), 0.5, 1000, 0.1)
     assert scaled[-1] == pytest.approx(10 * 100 / 5000) and scaled[0] == 0
