@@ -1,0 +1,247 @@
+"""Cost profiles by roofline: the twin's CostProfile for a model geometry on a GPU, from datasheets.
+
+Public API (what `moeless eval --geometry/--gpu` and reports use):
+
+    from moeless.twin.geometry import load_geometry        # name, "default" or a config.json path
+    from moeless.twin.gpus import gpu_spec, parse_gpu_arg  # "H100", "A6000x8"
+    from moeless.twin.roofline import roofline_profile, resolve_profile, efficiency, load_efficiency
+
+    geometry = load_geometry("mixtral-8x7b")
+    gpu, count = parse_gpu_arg("H100x8")
+    profile = roofline_profile(geometry, gpu, count)                 # a CostProfile (source says "roofline")
+    profile = roofline_profile(geometry, gpu, count, compute=0.5)    # any Efficiency field overridden
+    profile = resolve_profile("cost-profile.json", geometry, gpu, count)  # a real profile file wins
+
+A profile's fields (seconds, bytes), for H hidden, F expert FFN, b bytes per weight, B = 3*H*F*b:
+  1. alpha          = 6*H*F / (peak FLOP/s * compute)         three GEMMs of 2*H*F FLOPs per token
+  2. call_overhead  = B / (memory bw * memory) + launch_s      one read of the expert's weights
+  3. beta           = H*b / (all-to-all bw(count) * link)      one token's hidden state, one way (0 on 1 GPU)
+  4. load_s.host    = B / (PCIe bw * pcie)                     host memory tier -> device
+  5. load_s.disk    = B / disk_bw + B / hash_bw + B / host_copy_bw + load_s.host
+                      the expert host's path: read, sha256, parse into host memory, copy to the device
+  6. expert_bytes = B, non_expert_bytes = the geometry's non-expert parameters * b
+  7. relevel_s      = the serving replica's CPU re-level per layer: not a GPU quantity, an Efficiency field
+Efficiency factors (`Efficiency`, below) are the fractions of datasheet peaks that real kernels
+reach, each with its reason; override them by keyword, `efficiency(**kw)` or a JSON file.
+
+The same formulas with this CPU's measured peaks (`measure_cpu_peaks`, `cpu_roofline_profile`)
+predict the profile `moeless bench planner` measures here; `compare_profiles` gives the ratios
+(docs/planner.md, "Profiles by roofline").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Callable
+
+from moeless.twin.geometry import Geometry
+from moeless.twin.gpus import GpuSpec
+from moeless.twin.profile import CostProfile
+
+# Efficiency factors: what fraction of a datasheet peak the expert host's kernels reach.
+COMPUTE_EFF = 0.6  # grouped/batched bf16 expert GEMMs at hundreds of tokens reach ~50-70% of dense peak
+MEMORY_EFF = 0.8  # a streaming weight read reaches ~80-90% of HBM/GDDR peak (STREAM-like)
+LINK_EFF = 0.7  # NCCL all-to-all bus bandwidth at MB-size messages: ~70-80% of NVLink/PCIe peak
+PCIE_EFF = 0.8  # pinned host->device copies: ~25 of 32 GB/s (Gen4), ~50 of 64 (Gen5)
+LAUNCH_S = 5e-6  # a replica call: ~3 GEMMs + an activation, ~1-2 us of kernel launch each
+DISK_BW = 2e9  # a datacenter NVMe SSD's sequential read (2-7 GB/s): the slow end
+HASH_BW = 1.5e9  # sha256 on one x86 core with SHA extensions (the weight store verifies every read)
+HOST_COPY_BW = 10e9  # one core's memcpy: parsing the file into (pinned) host memory
+RELEVEL_S = 30e-6  # serving replica's re-level of one layer on its CPU (`bench planner` measures ~tens of us)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Efficiency factors (fractions of peak) and the fixed costs the datasheets do not give."""
+
+    compute: float = COMPUTE_EFF
+    memory: float = MEMORY_EFF
+    link: float = LINK_EFF
+    pcie: float = PCIE_EFF
+    launch_s: float = LAUNCH_S
+    disk_bw: float = DISK_BW
+    hash_bw: float = HASH_BW
+    host_copy_bw: float = HOST_COPY_BW
+    relevel_s: float = RELEVEL_S
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"efficiency {f.name} must be a number >= 0, got {value!r}")
+        for name in ("compute", "memory", "link", "pcie", "disk_bw", "hash_bw", "host_copy_bw"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"efficiency {name} must be > 0, got {getattr(self, name)!r}")
+
+
+def efficiency(base: Efficiency | None = None, **overrides: float) -> Efficiency:
+    """`base` (default: the named constants) with fields overridden; unknown names are an error."""
+    known = [f.name for f in fields(Efficiency)]
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise ValueError(f"unknown efficiency field(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return replace(base or Efficiency(), **{k: float(v) for k, v in overrides.items()})
+
+
+def load_efficiency(path: str | Path) -> Efficiency:
+    """Efficiency factors from a JSON object of overrides ({"compute": 0.5, ...})."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: cannot read efficiency overrides ({err})") from err
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: efficiency overrides are a JSON object of field: number")
+    return efficiency(**doc)
+
+
+def parse_efficiency_args(items: list[str]) -> dict[str, float]:
+    """["compute=0.5", "link=0.6"] (a CLI's --efficiency KEY=VALUE ...) -> overrides for `efficiency`."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"--efficiency: expected KEY=NUMBER, got {item!r}")
+    efficiency(**out)  # names checked now, with the known ones listed
+    return out
+
+
+def roofline_profile(geometry: Geometry, gpu: GpuSpec, count: int = 1, eff: Efficiency | None = None,
+                     source: str = "", **overrides: float) -> CostProfile:
+    """The CostProfile of `geometry`'s experts on `count` x `gpu` by roofline (module docstring's
+    steps 1-7); `eff` and keyword overrides set the efficiency factors."""
+    e = efficiency(eff, **overrides)
+    h, f, b = geometry.hidden, geometry.expert_ffn, geometry.dtype_bytes
+    expert = geometry.expert_bytes
+    alpha = 6 * h * f / (gpu.peak_flops * e.compute)  # 1.
+    call = expert / (gpu.mem_bw * e.memory) + e.launch_s  # 2.
+    beta = 0.0 if count == 1 else h * b / (gpu.all_to_all_bw(count) * e.link)  # 3.
+    host = expert / (gpu.pcie_bw * e.pcie)  # 4.
+    disk = expert / e.disk_bw + expert / e.hash_bw + expert / e.host_copy_bw + host  # 5.
+    note = source or (f"roofline estimate (not measured): {geometry.name} ({geometry.dtype}) on {count} x {gpu.name}, "
+                      f"datasheet peaks x efficiency {_short(e)}")
+    return CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
+                       expert_bytes=expert, non_expert_bytes=geometry.non_expert_bytes, relevel_s=e.relevel_s, source=note)
+
+
+def resolve_profile(profile_path: str | Path | None, geometry: Geometry, gpu: GpuSpec, count: int = 1,
+                    eff: Efficiency | None = None, **overrides: float) -> CostProfile:
+    """A real profile file when given (it always wins), else the roofline's."""
+    if profile_path:
+        return CostProfile.from_json(profile_path)
+    return roofline_profile(geometry, gpu, count, eff, **overrides)
+
+
+def _short(e: Efficiency) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in asdict(e).items())
+
+
+PROFILE_FIELDS = ("alpha", "call_overhead", "beta", "load_s.host", "load_s.disk", "expert_bytes", "non_expert_bytes")
+
+
+def _field(profile: CostProfile, name: str) -> float:
+    if name.startswith("load_s."):
+        return profile.load_s[name.split(".", 1)[1]]
+    return float(getattr(profile, name))
+
+
+def compare_profiles(predicted: CostProfile, measured: CostProfile) -> dict[str, float]:
+    """predicted / measured per field of PROFILE_FIELDS (nan where the measured one is 0)."""
+    return {n: _field(predicted, n) / _field(measured, n) if _field(measured, n) else float("nan") for n in PROFILE_FIELDS}
+
+
+# ---- This CPU as a roofline device ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CpuPeaks:
+    """This CPU's measured peaks on `threads` torch threads (the bench's setting)."""
+
+    flops: float  # float32 FLOP/s of a cache-resident matmul
+    cache_bw: float  # bytes/s of a copy that fits the L2 cache (bytes copied, not read + written)
+    dram_bw: float  # bytes/s of a 64 MiB copy (main memory)
+    cache_bytes: int  # working sets up to this size move at cache_bw: half the L2
+    op_s: float  # seconds of one torch op's dispatch on a tiny tensor
+    hash_bw: float  # sha256 bytes/s
+    threads: int
+
+    def copy_bw(self, nbytes: int) -> float:
+        """Copy bandwidth for a working set of nbytes: the memory level it lives in (the bench
+        repeats each measurement on the same buffers, so small ones stay in cache)."""
+        return self.cache_bw if nbytes <= self.cache_bytes else self.dram_bw
+
+
+def _fastest(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _l2_bytes() -> int:
+    try:
+        size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        size = 0
+    return int(size) if size and size > 0 else 2 << 20
+
+
+def measure_cpu_peaks(threads: int = 1, repeats: int = 30) -> CpuPeaks:
+    """Measure this CPU in about a second: a 256^3 float32 matmul, a copy of a quarter of the L2
+    and of 64 MiB, a tiny op's dispatch, sha256 of 4 MiB. Each the fastest of `repeats` (as bench
+    planner takes its timings: on this shared 2-core machine a median swings 2-3x)."""
+    import numpy as np
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, c = torch.randn(256, 256), torch.randn(256, 256)
+        flops = 2 * 256**3 / _fastest(lambda: a @ c, repeats)
+        cache_bytes = _l2_bytes() // 2
+
+        def copy_bw(nbytes: int, times: int) -> float:
+            src = np.ones(nbytes // 4, dtype=np.float32)
+            dst = np.empty_like(src)
+            return src.nbytes / _fastest(lambda: np.copyto(dst, src), times)
+
+        cache_bw, dram_bw = copy_bw(cache_bytes // 2, repeats), copy_bw(64 << 20, max(3, repeats // 5))
+        tiny = torch.ones(4)
+        op_s = _fastest(lambda: [tiny + tiny for _ in range(100)], repeats) / 100
+        blob = bytes(4 << 20)
+        hash_bw = len(blob) / _fastest(lambda: hashlib.sha256(blob).digest(), max(3, repeats // 5))
+    finally:
+        torch.set_num_threads(saved)
+    return CpuPeaks(flops, cache_bw, dram_bw, cache_bytes, op_s, hash_bw, threads)
+
+
+CPU_OPS_PER_CALL = 7  # expert_forward: three matmuls, two transposes, silu, a product (each dispatched)
+
+
+def cpu_roofline_profile(peaks: CpuPeaks, geometry: Geometry, num_gpus: int) -> CostProfile:
+    """The roofline's profile of this CPU running `geometry`'s experts as bench planner does.
+
+    The device is the CPU: its measured peaks are what its kernels reach (efficiencies 1); memory
+    moves at the bandwidth of the level the expert's bytes live in (`CpuPeaks.copy_bw`); a call's
+    fixed cost is its ops' dispatch; a "transfer" is bench planner's serialise + copy (two copies:
+    link bw = copy bw / 2); the host tier's load is one copy (PCIe bw = copy bw); the disk tier
+    reads the file from the page cache (a copy), hashes it and parses it (a copy)."""
+    bw = peaks.copy_bw(geometry.expert_bytes)
+    cpu = GpuSpec("CPU", peaks.flops, bw, 0.0, "nvswitch", bw / 2, bw, "measured by moeless.twin.roofline.measure_cpu_peaks")
+    eff = Efficiency(compute=1.0, memory=1.0, link=1.0, pcie=1.0, launch_s=CPU_OPS_PER_CALL * peaks.op_s,
+                     disk_bw=bw, hash_bw=peaks.hash_bw, host_copy_bw=bw, relevel_s=0.0)
+    return roofline_profile(geometry, cpu, max(num_gpus, 2), eff,
+                            source=f"roofline of this CPU ({peaks.threads} thread(s)): {peaks.flops / 1e9:.1f} GFLOP/s, "
+                                   f"copy {peaks.cache_bw / 1e9:.1f} GB/s in cache, {peaks.dram_bw / 1e9:.1f} GB/s "
+                                   f"from memory, op {peaks.op_s * 1e6:.2f} us, sha256 {peaks.hash_bw / 1e9:.2f} GB/s")
