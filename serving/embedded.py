@@ -35,10 +35,12 @@ DEMO_QUESTION = "What is the capital of France?"
 
 @dataclass(frozen=True)
 class ModelChoice:
-    """A served model: the name clients send and a picklable loader () -> MoEModel."""
+    """A served model: the name clients send and a picklable loader () -> MoEModel; first_load is
+    the driver's own load where it differs (the default model's first build shows its progress)."""
 
     name: str
     loader: Callable[[], Any]
+    first_load: Callable[[], Any] | None = None
 
 
 def choose_model(model: str) -> ModelChoice:
@@ -46,7 +48,7 @@ def choose_model(model: str) -> ModelChoice:
     if model == "default":
         from moeless.model.default import default_model
 
-        return ModelChoice("moeless-default", default_model)
+        return ModelChoice("moeless-default", default_model, functools.partial(default_model, progress=True))
     if model.startswith("tiny:"):
         from moeless.model.tiny import tiny_model
 
@@ -96,6 +98,8 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
     import ray
     from ray import serve
 
+    _quiet_ray_logs()  # after importing Serve: the import sets its logger's level
+
     from moeless.controller.live import layer_cap_replicas, live_planner_name
     from moeless.knobs import Knobs
     from moeless.serving.app import ServeConfig, build_app
@@ -111,7 +115,7 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
     # 1. The model (its knobs checked) and its weight store.
     choice = choose_model(model)
     print(f"loading model {choice.name} ...", flush=True)
-    loaded = choice.loader()
+    loaded = (choice.first_load or choice.loader)()
     spec = loaded.spec
     if knobs.distance == Knobs().distance and knobs.distance >= spec.num_layers > 1:  # the default, on a tiny model
         knobs = replace(knobs, distance=spec.num_layers - 1)
@@ -147,7 +151,11 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
                       f"/v1/chat/completions; /healthz, /metrics)", flush=True)
                 # 4. The demo request, or serve until a stop signal.
                 if demo:
-                    return _demo(httpx, url, choice.name, demo_question, demo_tokens)
+                    answer = _demo(httpx, url, choice.name, demo_question, demo_tokens)
+                    _print_loop_summary(spec.num_layers * spec.num_experts)
+                    print(f"next: `moeless serve` keeps serving at {url} (OpenAI-style API; `moeless serve --help` "
+                          "for the knobs); docs/serving.md and docs/evaluation.md say what it does", flush=True)
+                    return answer
                 print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
                       f"'{{\"model\": \"{choice.name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
                       f"\"Hi!\"}}], \"max_tokens\": 20}}'", flush=True)
@@ -162,7 +170,10 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
                 time.sleep(0.5)  # the last responses leave the ingress
                 return None
             finally:
-                serve.shutdown()
+                # Deleting the app (a graceful stop of its replicas) and then stopping Ray is quiet;
+                # serve.shutdown() kills its controller mid-task and Ray prints that task as failed.
+                with contextlib.suppress(Exception):
+                    serve.delete("moeless")
                 ray.shutdown()
         finally:
             if supervisor is not None:
@@ -197,6 +208,30 @@ def _stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
     return stop
+
+
+def _quiet_ray_logs() -> None:
+    """Keep Ray's start-up notes out of a first run: the token-auth note (auth stays on, Ray's default)
+    and Serve's INFO lines (moeless prints its own URL). Warnings and errors still show."""
+    import logging
+
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
+def _print_loop_summary(static_replicas: int) -> None:
+    """One line on what the planning loop did while the demo ran: replicas added (or why none) and GB·s."""
+    import ray
+
+    from moeless.serving.plan_loop import LOOP_NAME, NAMESPACE
+
+    m = ray.get(ray.get_actor(LOOP_NAME, namespace=NAMESPACE).metrics.remote())
+    added = max(0, int(m["resident_replicas"]) - static_replicas)
+    did = (f"added {added} replicas beyond static EP's {static_replicas}" if added else
+           f"stayed on static EP's {static_replicas} replicas: no extra replica paid for its cold start")
+    print(f"planning loop: {m['passes']} passes over {m['reports']} iteration reports, {did}; "
+          f"{m['cold_starts']} cold starts ({m['cold_exposed_s']:.2f} s exposed); memory held "
+          f"{m['expert_gb_s']:.3g} GB·s experts + {m['non_expert_gb_s']:.3g} GB·s non-expert", flush=True)
 
 
 def _demo(httpx, url: str, model: str, question: str, tokens: int) -> str:
