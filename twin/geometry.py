@@ -210,19 +210,19 @@ def known_geometries() -> list[str]:
 
 
 def load_geometry(name_or_path: str | Path) -> Geometry:
-    """A geometry by name (case-insensitive; a HF repo id's last part works too: "Mixtral-8x7B-v0.1"
-    does not, "mixtral-8x7b" does), "default", or a path to a HF config.json (or its folder)."""
+    """A geometry from a path to a HF config.json (or its folder), else by name (case-insensitive:
+    "Mixtral-8x7B") or "default"."""
     text = str(name_or_path)
-    key = text.lower().rsplit("/", 1)[-1]
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.exists() or path.suffix == ".json":  # a path wins over a name
+        return parse_hf_config(path)
+    key = text.lower()
     if key == "default":
         return default_geometry()
     if key in GEOMETRIES:
         return GEOMETRIES[key]
-    path = Path(text)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix == ".json" or path.exists():
-        return parse_hf_config(path)
     raise GeometryError(f"unknown model {text!r}: give one of {', '.join(known_geometries())} or a HF config.json path")
 
 

@@ -16,7 +16,8 @@ A profile's fields (seconds, bytes), for H hidden, F expert FFN, b bytes per wei
   1. alpha          = 6*H*F / (peak FLOP/s * compute)         three GEMMs of 2*H*F FLOPs per token
   2. call_overhead  = B / (memory bw * memory) + launch_s      one read of the expert's weights
   3. beta           = H*b / (all-to-all bw(count) * link)      one token's hidden state, one way (0 on 1 GPU)
-  4. load_s.host    = B / (PCIe bw * pcie)                     host memory tier -> device
+  4. load_s.host    = B / (PCIe bw * pcie) + launch_s          host memory tier -> device (three tensor copies,
+                                                               launched as a call's kernels are)
   5. load_s.disk    = B / disk_bw + B / hash_bw + B / host_copy_bw + load_s.host
                       the expert host's path: read, sha256, parse into host memory, copy to the device
   6. expert_bytes = B, non_expert_bytes = the geometry's non-expert parameters * b
@@ -125,7 +126,7 @@ def roofline_profile(geometry: Geometry, gpu: GpuSpec, count: int = 1, eff: Effi
     alpha = 6 * h * f / (gpu.peak_flops * e.compute)  # 1.
     call = expert / (gpu.mem_bw * e.memory) + e.launch_s  # 2.
     beta = 0.0 if count == 1 else h * b / (gpu.all_to_all_bw(count) * e.link)  # 3.
-    host = expert / (gpu.pcie_bw * e.pcie)  # 4.
+    host = expert / (gpu.pcie_bw * e.pcie) + e.launch_s  # 4.
     disk = expert / e.disk_bw + expert / e.hash_bw + expert / e.host_copy_bw + host  # 5.
     note = source or (f"roofline estimate (not measured): {geometry.name} ({geometry.dtype}) on {count} x {gpu.name}, "
                       f"datasheet peaks x efficiency {_short(e)}")
