@@ -67,6 +67,16 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     p.add_argument("--tier", choices=("host", "disk"), default="host",
                    help="where cold starts load from: the host memory tier (default) or disk (read + sha256 each time)")
     p.add_argument("--profile", metavar="JSON", help="a cost profile to use instead of measuring one")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where to measure the cost profile: this CPU (default) or cuda:0 (a clear error without CUDA); "
+                        "either way the roofline's prediction is compared with it, field by field")
+    p.add_argument("--geometry", default="default", metavar="NAME|config.json",
+                   help="with --device cuda, the model whose experts are measured (a name such as mixtral-8x7b, or a HF "
+                        "config.json; default: the default model, whose loads are replayed)")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="with --device cuda, the datasheet the roofline uses (default: from the device's name)")
+    p.add_argument("--efficiency", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="roofline efficiency overrides for the comparison (compute, memory, link, pcie, launch_s, ...)")
     p.add_argument("--cv-threshold", type=float, default=0.2, help="the paper's CV threshold V (default 0.2)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests decoding together (default 32)")
     p.add_argument("--step-ms", type=float, default=50.0, help="wall time of one serving iteration (default 50 ms)")
@@ -128,13 +138,29 @@ def _measured_profile(num_experts: int, num_gpus: int):
 
 def bench_planner(args: argparse.Namespace) -> int:
     from moeless.twin import bench_planner as bench
-    from moeless.twin.profile import CostProfile, ProfileError
-    from moeless.twin.report_planner import print_profile, print_quality, print_timing
+    from moeless.twin.profile import CostProfile
+    from moeless.twin.report_planner import print_profile, print_quality, print_roofline, print_timing
 
     quick = args.quick
     distances = sorted(set(args.distances or ([1] if quick else [1, 2, 3])))
     if min(distances) < 1 or args.keep_alive < 0 or (args.gb_s_price is not None and args.gb_s_price < 0):
         return _fail("--distances must be >= 1, --keep-alive and --gb-s-price >= 0")
+    from moeless.twin.bench_cuda import CudaUnavailable, require_cuda
+
+    try:  # arguments checked before the (long) tracing
+        from moeless.twin.roofline import parse_efficiency_args
+
+        parse_efficiency_args(args.efficiency)
+        if args.device == "cuda" and not args.profile:
+            from moeless.twin.geometry import load_geometry
+            from moeless.twin.gpus import gpu_spec
+
+            require_cuda()
+            load_geometry(args.geometry)
+            if args.gpu:
+                gpu_spec(args.gpu)
+    except (ValueError, CudaUnavailable) as err:
+        return _fail(str(err))
     data = None
     if not args.skip_quality:
         from moeless.twin.loads import requests_from
@@ -153,12 +179,13 @@ def bench_planner(args: argparse.Namespace) -> int:
 
                 model = default_model()
                 shape, num_experts = model_facts(model), model.spec.num_experts
-            profile, facts = bench.measure_profile(shape.hidden, shape.ffn, shape.non_expert_bytes, 20 if quick else 60,
-                                                   num_experts=num_experts, num_gpus=args.gpus)
-    except ProfileError as err:
+            profile, facts = _measure(args, shape, num_experts, 20 if quick else 60)
+    except ValueError as err:  # ProfileError, GeometryError, GpuError, a bad --efficiency
         return _fail(str(err))
     print_profile(profile)
     result = {"cost_profile": vars(profile), "profile_facts": facts}
+    if "roofline" in facts:
+        print_roofline(facts["roofline"])
     if not args.skip_timing:
         repeats = args.timing_repeats or (150 if quick else 1000)
         result["planning_time"] = bench.planning_time(TIMING_SIZES, profile.latency_model(), repeats)
@@ -171,6 +198,48 @@ def bench_planner(args: argparse.Namespace) -> int:
         profile.to_json(path.parent / "cost-profile.json")
         print(f"\nwrote {path} and {path.parent / 'cost-profile.json'}")
     return 0
+
+
+def _measure(args: argparse.Namespace, shape, num_experts: int, repeats: int):
+    """(profile, facts) measured on args.device, facts["roofline"] the roofline's prediction of it
+    (twin/roofline.py) and the ratios, field by field (absent where no geometry matches the shape)."""
+    from dataclasses import asdict
+
+    from moeless.twin import roofline as rl
+    from moeless.twin.geometry import default_geometry, load_geometry
+
+    overrides = rl.parse_efficiency_args(args.efficiency)
+    if args.device == "cpu":
+        from moeless.twin import bench_planner as bench
+
+        profile, facts = bench.measure_profile(shape.hidden, shape.ffn, shape.non_expert_bytes, repeats,
+                                               num_experts=num_experts, num_gpus=args.gpus)
+        geometry = default_geometry()
+        if (geometry.hidden, geometry.expert_ffn) == (shape.hidden, shape.ffn):
+            peaks = rl.measure_cpu_peaks(threads=1)
+            predicted = rl.cpu_roofline_profile(peaks, geometry, args.gpus)
+            facts["roofline"] = {"device": "this CPU", "peaks": asdict(peaks), "profile": vars(predicted),
+                                 "ratios": rl.compare_profiles(predicted, profile)}
+        return profile, facts
+    from moeless.twin.bench_cuda import measure_cuda_profile
+    from moeless.twin.gpus import gpu_from_device_name, gpu_spec
+
+    import torch
+
+    geometry = load_geometry(args.geometry)
+    spec = gpu_spec(args.gpu) if args.gpu else gpu_from_device_name(torch.cuda.get_device_name(0))
+    pair = min(2, torch.cuda.device_count())  # beta is measured GPU 0 -> GPU 1: the roofline of a pair
+    guess = rl.roofline_profile(geometry, spec, pair, **overrides) if spec else None
+    profile, facts = measure_cuda_profile(geometry, repeats, num_experts=num_experts, num_gpus=args.gpus,
+                                          roofline_beta=guess.beta if guess else 0.0)
+    if guess is None:
+        print(f"no datasheet for {facts['device']!r}: no roofline comparison (pass --gpu NAME)", file=sys.stderr)
+        return profile, facts
+    ratios = rl.compare_profiles(guess, profile)
+    if not facts["beta_measured"]:
+        ratios["beta"] = float("nan")  # one GPU: beta is the roofline's own
+    facts["roofline"] = {"device": f"{spec.name} datasheet", "profile": vars(guess), "ratios": ratios}
+    return profile, facts
 
 
 def _quality(args: argparse.Namespace, data, distances: list[int], profile) -> dict:

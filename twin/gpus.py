@@ -103,3 +103,9 @@ def parse_gpu_arg(text: str) -> tuple[GpuSpec, int]:
     if count < 1:
         raise GpuError(f"--gpu: the count must be at least 1, got {text!r}")
     return gpu_spec(match.group(1)), count
+
+
+def gpu_from_device_name(device_name: str) -> GpuSpec | None:
+    """The datasheet of a CUDA device by its name ("NVIDIA H100 80GB HBM3" -> H100), None if unknown."""
+    upper = device_name.upper()
+    return next((s for s in GPUS.values() if re.search(rf"\b{s.name.upper()}\b", upper.replace("-", " "))), None)

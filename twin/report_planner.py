@@ -80,3 +80,10 @@ def check_targets(summary: dict, distances: list[int]) -> list[str]:
         lines.append(f"targets, moeless with the predictor at d = {d}: "
                      + "; ".join(f"{text} {'met' if ok else 'NOT met'}" for text, ok in checks))
     return lines
+
+
+def print_roofline(roofline: dict) -> None:
+    """The roofline's prediction of the measured profile: predicted / measured per field."""
+    ratios = roofline["ratios"]
+    cells = ", ".join(f"{name} {'n/a (not measured)' if ratio != ratio else f'{ratio:.2f}'}" for name, ratio in ratios.items())
+    print(f"roofline ({roofline['device']}) / measured: {cells}")
