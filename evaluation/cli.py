@@ -62,6 +62,17 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
                    help="prediction distances swept (default 1 2 3 4 5; 'none' skips)")
     p.add_argument("--sweep-cv", nargs="+", default=None, metavar="V",
                    help="CV thresholds swept with the paper's planner (default 0.2 0.4 0.6 0.8 1.0; 'none' skips)")
+    d = p.add_argument_group("deployments (any of these flags: the paper's models on GPU clusters, docs/deployments.md)")
+    d.add_argument("--geometry", nargs="+", metavar="NAME|config.json",
+                   help="models: a known geometry (mixtral-8x7b, phi-3.5-moe, llama-4-scout, ...) or an HF config.json; "
+                        "replays chunked-prefill batches of GPU size priced by the GPUs' roofline (or --profile)")
+    d.add_argument("--gpu", nargs="+", metavar="NAME[xCOUNT]", help="GPUs, e.g. H100x8 A6000x8 (default H100x8)")
+    d.add_argument("--routing", metavar="FILE|moefied", default=None,
+                   help="per-token routing: a file of `moeless trace import|record`, or 'moefied' (default: the default "
+                        "model rebuilt at each geometry's E and k, labelled 'moefied SmolLM2 routing')")
+    d.add_argument("--max-batched-tokens", type=int, default=None, help="the scheduler's token budget per iteration (default 8192)")
+    d.add_argument("--max-seqs", type=int, default=None, help="the scheduler's running requests at most (default 256)")
+    d.add_argument("--load", type=float, default=None, help="offered tokens / the scheduler's capacity (default 0.8)")
     add_knob_flags(p)
     p.add_argument("--out", metavar="DIR", default="moeless-eval", help="the run directory (default ./moeless-eval)")
     p.add_argument("--markdown", metavar="FILE", help="also write the report's markdown here (links relative to it)")
@@ -135,10 +146,38 @@ def _sweep(values, kind, flag: str, default) -> list:
     return out
 
 
+def _deployment_config(args: argparse.Namespace):
+    """DeploymentConfig from the flags (--quick: small sizes)."""
+    from moeless.evaluation.deployment import DeploymentSizes
+    from moeless.evaluation.deployment_run import DeploymentConfig
+    from moeless.evaluation.workload import WorkloadError, parse_workload
+    from moeless.knobs import knobs_from_args
+
+    base = DeploymentSizes()
+    picked = {"max_batched_tokens": args.max_batched_tokens, "max_seqs": args.max_seqs, "load": args.load,
+              "requests": args.requests or (QUICK["requests"] if args.quick else None),
+              "max_iterations": args.max_iterations or (60 if args.quick else None),
+              "routing_prompts": args.prompt_count or (QUICK["prompt_count"] if args.quick else None),
+              "routing_tokens": args.new_tokens or (QUICK["new_tokens"] if args.quick else None)}
+    bad = [k for k, v in picked.items() if v is not None and v <= 0]
+    if bad:
+        raise WorkloadError(f"--{bad[0].replace('_', '-')} must be positive")
+    sizes = DeploymentSizes(**{k: (v if v is not None else getattr(base, k)) for k, v in picked.items()},
+                            step_s=args.step_ms / 1e3)
+    workloads = tuple(parse_workload(w) for w in (args.workload or [DEFAULT_WORKLOAD]))
+    return DeploymentConfig(tuple(args.geometry or ["default"]), tuple(args.gpu or ["H100x8"]), workloads,
+                            args.routing or "moefied", sizes, knobs_from_args(args), args.profile, args.quick)
+
+
+DEPLOYMENT_FLAGS = ("geometry", "gpu", "routing", "max_batched_tokens", "max_seqs", "load")
+
+
 def eval_command(args: argparse.Namespace) -> int:
     from moeless.evaluation.evaluate import evaluate
     from moeless.evaluation.report import render
 
+    if any(getattr(args, f) is not None for f in DEPLOYMENT_FLAGS):
+        return _deployments(args)
     try:
         config = _config(args)
         evaluate(config, args.out)
@@ -149,11 +188,25 @@ def eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deployments(args: argparse.Namespace) -> int:
+    from moeless.evaluation.deployment_report import render
+    from moeless.evaluation.deployment_run import evaluate_deployments
+
+    try:
+        evaluate_deployments(_deployment_config(args), args.out)
+    except _errors() as err:
+        return _fail("eval", str(err))
+    paths = render(args.out, args.markdown)
+    print(f"wrote {args.out}/run.json and the report: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def report_command(args: argparse.Namespace) -> int:
+    from moeless.evaluation.deployment_report import is_deployments, render as render_deployments
     from moeless.evaluation.report import render
 
     try:
-        paths = render(args.run_dir, args.markdown)
+        paths = (render_deployments if is_deployments(args.run_dir) else render)(args.run_dir, args.markdown)
     except _errors() as err:
         return _fail("report", str(err))
     print(f"rendered {len(paths)} files into {args.run_dir}" + (f" and {args.markdown}" if args.markdown else ""))
@@ -170,5 +223,10 @@ def _errors() -> tuple[type[Exception], ...]:
     from moeless.knobs import KnobError
     from moeless.model.datasets import DatasetError
     from moeless.placement.cluster import ClusterError
+    from moeless.evaluation.deployment import DeploymentError
+    from moeless.twin.geometry import GeometryError
+    from moeless.twin.gpus import GpuError
+    from moeless.twin.routing import RoutingError
 
-    return ProfileError, TraceError, RunDirError, CaseError, WorkloadError, KnobError, DatasetError, ClusterError
+    return (ProfileError, TraceError, RunDirError, CaseError, WorkloadError, KnobError, DatasetError, ClusterError,
+            DeploymentError, GeometryError, GpuError, RoutingError)
