@@ -200,7 +200,7 @@ def _l2_bytes() -> int:
 
 def measure_cpu_peaks(threads: int = 1, repeats: int = 30) -> CpuPeaks:
     """Measure this CPU in about a second: a 256^3 float32 matmul, a copy of a quarter of the L2
-    and of 64 MiB, a tiny op's dispatch, sha256 of 4 MiB. Each the fastest of `repeats` (as bench
+    and of 64 MiB, a tiny op's dispatch, sha256 of 1 MiB. Each the fastest of `repeats` (as bench
     planner takes its timings: on this shared 2-core machine a median swings 2-3x)."""
     import numpy as np
     import torch
@@ -220,8 +220,8 @@ def measure_cpu_peaks(threads: int = 1, repeats: int = 30) -> CpuPeaks:
         cache_bw, dram_bw = copy_bw(cache_bytes // 2, repeats), copy_bw(64 << 20, max(3, repeats // 5))
         tiny = torch.ones(4)
         op_s = _fastest(lambda: [tiny + tiny for _ in range(100)], repeats) / 100
-        blob = bytes(4 << 20)
-        hash_bw = len(blob) / _fastest(lambda: hashlib.sha256(blob).digest(), max(3, repeats // 5))
+        blob = bytes(1 << 20)
+        hash_bw = len(blob) / _fastest(lambda: hashlib.sha256(blob).digest(), repeats)
     finally:
         torch.set_num_threads(saved)
     return CpuPeaks(flops, cache_bw, dram_bw, cache_bytes, op_s, hash_bw, threads)

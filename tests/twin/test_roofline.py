@@ -99,7 +99,7 @@ def test_a_real_profile_file_wins(tmp_path: Path):
 def test_cpu_roofline_predicts_the_measured_profile():
     """The roofline's formulas with this CPU's measured peaks (matmul FLOP/s, copy bandwidth in cache
     and from memory, an op's dispatch, sha256) against `bench planner`'s profile, both on one thread,
-    each timing the fastest of its repeats. Seen here: predicted/measured 0.91-0.98 (alpha), 0.70-0.76
+    each timing the fastest of its repeats (measured again once if a ratio is off). Seen here: predicted/measured 0.91-0.98 (alpha), 0.70-0.76
     (call overhead), 0.72-0.86 (beta), 0.90-1.04 (host load), 0.73-0.85 (disk load). The band, 2.5x
     either way, is wider than that for this shared 2-core machine (other processes' load moves a
     fastest-of-20 by up to ~1.5x), and narrow enough to catch a wrong formula: FLOPs counted for one
@@ -108,9 +108,24 @@ def test_cpu_roofline_predicts_the_measured_profile():
     from moeless.twin.bench_planner import measure_profile
 
     g = default_geometry()
-    peaks = measure_cpu_peaks(threads=1)
-    measured, _ = measure_profile(g.hidden, g.expert_ffn, g.non_expert_bytes, 20, num_experts=g.num_experts, num_gpus=8)
-    ratios = compare_profiles(cpu_roofline_profile(peaks, g, 8), measured)
+    timed = ("alpha", "call_overhead", "beta", "load_s.host", "load_s.disk")
+    for _ in range(2):  # a second measurement where a load spike hit the first (transient, not the model)
+        peaks = measure_cpu_peaks(threads=1)
+        measured, _ = measure_profile(g.hidden, g.expert_ffn, g.non_expert_bytes, 20, num_experts=g.num_experts, num_gpus=8)
+        ratios = compare_profiles(cpu_roofline_profile(peaks, g, 8), measured)
+        if all(1 / 2.5 <= ratios[field] <= 2.5 for field in timed):
+            break
     assert ratios["expert_bytes"] == 1.0 and ratios["non_expert_bytes"] == 1.0
-    for field in ("alpha", "call_overhead", "beta", "load_s.host", "load_s.disk"):
+    for field in timed:
         assert 1 / 2.5 <= ratios[field] <= 2.5, (field, ratios)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error where there is no CUDA")
+def test_bench_planner_on_cuda_without_cuda_is_one_clear_error(capsys):
+    from moeless.cli import main
+    from moeless.twin.bench_cuda import CudaUnavailable, measure_cuda_profile
+
+    assert main(["bench", "planner", "--device", "cuda", "--skip-quality", "--skip-timing"]) == 2
+    assert "--device cuda:" in capsys.readouterr().err
+    with pytest.raises(CudaUnavailable, match="CUDA build of torch"):
+        measure_cuda_profile(load_geometry("mixtral-8x7b"), 3, num_experts=8, num_gpus=8, roofline_beta=0.0)
