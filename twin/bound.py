@@ -12,6 +12,14 @@ bound = max(1, 2) + 3. The serial model (placement/kernels.serial_time) charges 
 work plus 2 beta times the most tokens any GPU receives, each at least its term above, so no
 plan beats the bound; re-levels and exposed cold starts only add. The Oracle re-routes tokens
 (lossy), so its time may fall below the bound of the real loads.
+
+`call_bound` is tighter and still lossless: a plan that splits expert e over r_e replicas pays r_e
+calls (on a GPU, r_e weight reads), so the busiest GPU takes at least
+max((alpha sum W + c sum r_e) / G, max_e c + alpha W_e / r_e), minimised over r_e in 1..G (found
+by bisection on the time T: r_e(T) = ceil(alpha W_e / (T - c)) is the fewest replicas that keep
+expert e under T, and T is feasible when the work they make spread over G is at most T), plus the
+transfer term. Where tokens per expert are near the knee (c / alpha), splitting costs about what it
+saves and call_bound sits well above lossless_bound.
 """
 
 from __future__ import annotations
@@ -37,3 +45,32 @@ def lossless_bound(loads: np.ndarray, num_gpus: int, alpha: float, call_overhead
 def profile_bound(loads: np.ndarray, num_gpus: int, profile: CostProfile) -> np.ndarray:
     """lossless_bound with the cost profile's alpha, call_overhead and beta: loads [..., E] -> [...]."""
     return lossless_bound(loads, num_gpus, profile.alpha, profile.call_overhead, profile.beta)
+
+
+def call_bound(loads: np.ndarray, num_gpus: int, alpha: float, call_overhead: float, beta: float, steps: int = 48) -> np.ndarray:
+    """Seconds per layer with every replica's call paid: loads [..., E] -> [...] (see the module
+    docstring). Bisection keeps lo below the minimum (lo starts at lossless_bound's work terms), so
+    the result is a lower bound within (hi - lo) / 2**steps of the minimum."""
+    w = np.asarray(loads, dtype=np.float64)
+    c, g = call_overhead, num_gpus
+    total, calls, busiest = w.sum(-1), (w > 0).sum(-1), w.max(-1, initial=0.0)
+    lo = np.maximum(alpha * total + c * calls, 0.0) / g
+    lo = np.where(busiest > 0, np.maximum(lo, c + alpha * busiest / g), 0.0)
+    hi = np.maximum(c * (busiest > 0) + alpha * busiest, (alpha * total + c * calls) / g)  # one replica each: feasible
+
+    def feasible(t: np.ndarray) -> np.ndarray:
+        room = np.maximum(t - c, 1e-300)[..., None]
+        r = np.where(w > 0, np.clip(np.ceil(alpha * w / room - 1e-12), 1, g), 0)
+        fits = np.where(w > 0, c + alpha * w / np.maximum(r, 1) <= t[..., None] * (1 + 1e-12), True).all(-1)
+        return fits & ((alpha * total + c * r.sum(-1)) / g <= t * (1 + 1e-12))
+
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        ok = feasible(mid)
+        hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid)
+    return lo + 2.0 * beta * total / g
+
+
+def profile_call_bound(loads: np.ndarray, num_gpus: int, profile: CostProfile) -> np.ndarray:
+    """call_bound with the cost profile's alpha, call_overhead and beta: loads [..., E] -> [...]."""
+    return call_bound(loads, num_gpus, profile.alpha, profile.call_overhead, profile.beta)
