@@ -67,10 +67,10 @@ def tile_layers(iterations: Sequence[Iteration], num_layers: int) -> list[Iterat
 
 def gpu_slots(profile, gpu, count: int, num_layers: int, num_experts: int) -> int:
     """Replica slots per GPU: the weights' share of its memory (MEM_FRACTION) less its 1/G of the
-    non-expert weights (sharded), in experts, at most twice static EP's; an error when static EP
-    does not fit."""
+    non-expert weights (sharded), in experts, at most one replica of every expert; an error when
+    static EP does not fit."""
     free = MEM_FRACTION * gpu.memory - profile.non_expert_bytes / count
-    slots = min(int(free // profile.expert_bytes), -(-2 * num_layers * num_experts // count))
+    slots = min(int(free // profile.expert_bytes), num_layers * num_experts)
     need = -(-num_layers * num_experts // count)
     if slots < need:
         raise DeploymentError(f"{count} x {gpu.name} cannot hold static EP ({need} experts of {profile.expert_bytes / 1e9:.2f} GB "
@@ -98,13 +98,13 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
     from moeless.placement.cluster import Cluster
     from moeless.placement.fill_placer import HORIZON
     from moeless.twin.bench_quality import Run, run_all
-    from moeless.twin.bound import profile_bound
+    from moeless.twin.bound import profile_bound, profile_call_bound
     from moeless.twin.twin import TwinSettings
 
     num_layers, num_experts = iterations[0].load.shape
     d = min(knobs.distance, num_layers - 1)
     slots = gpu_slots(profile, gpu, count, num_layers, num_experts)
-    cluster = Cluster.uniform(count, slots, profile.expert_bytes, 2 * num_experts)
+    cluster = Cluster.uniform(count, slots, profile.expert_bytes, min(num_experts * count, slots * count // num_layers))
     forecasts = forecast_set(iterations, None, [d], top_k)
     neutral = memory_price(replace(knobs, memory_price=None), profile, num_layers, num_experts)
     price = memory_price(knobs, profile, num_layers, num_experts)
@@ -124,7 +124,7 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
         knob_rows.append({"price_factor": factor, "memory_price": neutral * factor, "keep_alive_s": keep,
                           **_phase_figures(rec, None)})
     loads = np.stack([it.load for it in iterations])
-    bound = profile_bound(loads, count, profile)
+    bound = {"bound": profile_bound(loads, count, profile), "call_bound": profile_call_bound(loads, count, profile)}
     return cell_doc(iterations, by_key, bound, knob_rows, profile, top_k, {"slots_per_gpu": slots, "distance": d,
                     "memory_price": price, "neutral_price": neutral, "keep_alive_s": knobs.keep_alive_s})
 
@@ -150,8 +150,8 @@ def _phase_figures(rec, mask) -> dict:
             "resident": float(rec.resident[m].mean())} if m.any() else {"iterations": 0}
 
 
-def cell_doc(iterations, records: dict, bound: np.ndarray, knob_rows: list, profile, top_k: int, facts: dict) -> dict:
-    """The cell's figures: per case and phase (_phase_figures), the bound's mean and p99 per phase,
+def cell_doc(iterations, records: dict, bounds: dict[str, np.ndarray], knob_rows: list, profile, top_k: int, facts: dict) -> dict:
+    """The cell's figures: per case and phase (_phase_figures), each bound's ([I, L]) mean and p99 per phase,
     the knob rows and the recommended knobs, and moeless's gain against batch tokens (binned)."""
     phase = np.array([it.phase for it in iterations])
     tokens = np.array([it.load[0].sum() / top_k for it in iterations])  # tokens of the batch
@@ -160,8 +160,8 @@ def cell_doc(iterations, records: dict, bound: np.ndarray, knob_rows: list, prof
         rec = records[key]
         cases[key] = {"label": label, "planner": planner, "forecast": forecast,
                       "phases": {p: _phase_figures(rec, phase == p) for p in PHASES}, "all": _phase_figures(rec, None)}
-    bounds = {p: ({"mean_s": float(bound[phase == p].mean()), "p99_s": float(np.percentile(bound[phase == p], 99))}
-                  if (phase == p).any() else None) for p in PHASES}
+    bound_figures = {name: {p: ({"mean_s": float(b[phase == p].mean()), "p99_s": float(np.percentile(b[phase == p], 99))}
+                                if (phase == p).any() else None) for p in PHASES} for name, b in bounds.items()}
     static, own = records["static"].layer_time("serial").mean(1), records[OWN_FORECAST].layer_time("serial").mean(1)
     edges = np.geomspace(max(tokens.min(), 1), max(tokens.max(), 2), GAIN_BINS + 1)
     which = np.clip(np.digitize(tokens, edges) - 1, 0, GAIN_BINS - 1)
@@ -170,7 +170,7 @@ def cell_doc(iterations, records: dict, bound: np.ndarray, knob_rows: list, prof
     st = cases["static"]["all"]
     fits = [r for r in knob_rows if r["gb_s_resident"] <= 1.05 * st["gb_s_resident"]] or knob_rows[:1]
     best = min(fits, key=lambda r: r["total_s"])
-    return {"cases": cases, "bound": bounds, "knobs": knob_rows,
+    return {"cases": cases, **bound_figures, "knobs": knob_rows,
             "recommended": {"price_factor": best["price_factor"], "memory_price": best["memory_price"], "keep_alive_s": best["keep_alive_s"]},
             "gain_by_tokens": gain, "knee_tokens_per_call": profile.call_overhead / profile.alpha if profile.alpha else None,
             "mean_batch_tokens": {p: float(tokens[phase == p].mean()) if (phase == p).any() else None for p in PHASES},
