@@ -21,7 +21,8 @@ A profile's fields (seconds, bytes), for H hidden, F expert FFN, b bytes per wei
   5. load_s.disk    = B / disk_bw + B / hash_bw + B / host_copy_bw + load_s.host
                       the expert host's path: read, sha256, parse into host memory, copy to the device
   6. expert_bytes = B, non_expert_bytes = the geometry's non-expert parameters * b
-  7. relevel_s      = the serving replica's CPU re-level per layer: not a GPU quantity, an Efficiency field
+  7. relevel_s      = relevel_fixed_s + relevel_per_expert_s * E: the serving replica's re-level of a
+                      layer on its CPU (not a GPU quantity; measured on this project's CPU)
 Efficiency factors (`Efficiency`, below) are the fractions of datasheet peaks that real kernels
 reach, each with its reason; override them by keyword, `efficiency(**kw)` or a JSON file.
 
@@ -53,7 +54,9 @@ LAUNCH_S = 5e-6  # a replica call: ~3 GEMMs + an activation, ~1-2 us of kernel l
 DISK_BW = 2e9  # a datacenter NVMe SSD's sequential read (2-7 GB/s): the slow end
 HASH_BW = 1.5e9  # sha256 on one x86 core with SHA extensions (the weight store verifies every read)
 HOST_COPY_BW = 10e9  # one core's memcpy: parsing the file into (pinned) host memory
-RELEVEL_S = 30e-6  # serving replica's re-level of one layer on its CPU (`bench planner` measures ~tens of us)
+# The serving replica's re-level of one layer's shares runs on its CPU, not the GPU: measured here
+# (`measure_relevel_s`, this project's CPU, G = 8) 15.7, 19.1, 32.0, 39.9 us at E = 8, 16, 64, 128.
+RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 14e-6, 0.2e-6
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,8 @@ class Efficiency:
     disk_bw: float = DISK_BW
     hash_bw: float = HASH_BW
     host_copy_bw: float = HOST_COPY_BW
-    relevel_s: float = RELEVEL_S
+    relevel_fixed_s: float = RELEVEL_FIXED_S
+    relevel_per_expert_s: float = RELEVEL_PER_EXPERT_S
 
     def __post_init__(self):
         for f in fields(self):
@@ -130,8 +134,9 @@ def roofline_profile(geometry: Geometry, gpu: GpuSpec, count: int = 1, eff: Effi
     disk = expert / e.disk_bw + expert / e.hash_bw + expert / e.host_copy_bw + host  # 5.
     note = source or (f"roofline estimate (not measured): {geometry.name} ({geometry.dtype}) on {count} x {gpu.name}, "
                       f"datasheet peaks x efficiency {_short(e)}")
+    relevel = e.relevel_fixed_s + e.relevel_per_expert_s * geometry.num_experts  # 7.
     return CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
-                       expert_bytes=expert, non_expert_bytes=geometry.non_expert_bytes, relevel_s=e.relevel_s, source=note)
+                       expert_bytes=expert, non_expert_bytes=geometry.non_expert_bytes, relevel_s=relevel, source=note)
 
 
 def resolve_profile(profile_path: str | Path | None, geometry: Geometry, gpu: GpuSpec, count: int = 1,
@@ -241,7 +246,7 @@ def cpu_roofline_profile(peaks: CpuPeaks, geometry: Geometry, num_gpus: int) -> 
     bw = peaks.copy_bw(geometry.expert_bytes)
     cpu = GpuSpec("CPU", peaks.flops, bw, 0.0, "nvswitch", bw / 2, bw, "measured by moeless.twin.roofline.measure_cpu_peaks")
     eff = Efficiency(compute=1.0, memory=1.0, link=1.0, pcie=1.0, launch_s=CPU_OPS_PER_CALL * peaks.op_s,
-                     disk_bw=bw, hash_bw=peaks.hash_bw, host_copy_bw=bw, relevel_s=0.0)
+                     disk_bw=bw, hash_bw=peaks.hash_bw, host_copy_bw=bw)
     return roofline_profile(geometry, cpu, max(num_gpus, 2), eff,
                             source=f"roofline of this CPU ({peaks.threads} thread(s)): {peaks.flops / 1e9:.1f} GFLOP/s, "
                                    f"copy {peaks.cache_bw / 1e9:.1f} GB/s in cache, {peaks.dram_bw / 1e9:.1f} GB/s "
