@@ -153,12 +153,10 @@ def bench_planner(args: argparse.Namespace) -> int:
         parse_efficiency_args(args.efficiency)
         if args.device == "cuda" and not args.profile:
             from moeless.twin.geometry import load_geometry
-            from moeless.twin.gpus import gpu_spec
 
             require_cuda()
             load_geometry(args.geometry)
-            if args.gpu:
-                gpu_spec(args.gpu)
+            _datasheet(args)
     except (ValueError, CudaUnavailable) as err:
         return _fail(str(err))
     data = None
@@ -173,6 +171,10 @@ def bench_planner(args: argparse.Namespace) -> int:
         else:
             if data:
                 shape, num_experts = data[2], data[0][0].prefill.shape[1]
+            elif args.device == "cuda":  # the geometry's experts are measured: no model to build
+                from moeless.twin.geometry import load_geometry
+
+                shape, num_experts = None, load_geometry(args.geometry).num_experts
             else:
                 from moeless.twin.loads import model_facts
                 from moeless.model.default import default_model
@@ -222,24 +224,35 @@ def _measure(args: argparse.Namespace, shape, num_experts: int, repeats: int):
                                  "ratios": rl.compare_profiles(predicted, profile)}
         return profile, facts
     from moeless.twin.bench_cuda import measure_cuda_profile
-    from moeless.twin.gpus import gpu_from_device_name, gpu_spec
 
-    import torch
-
-    geometry = load_geometry(args.geometry)
-    spec = gpu_spec(args.gpu) if args.gpu else gpu_from_device_name(torch.cuda.get_device_name(0))
-    pair = min(2, torch.cuda.device_count())  # beta is measured GPU 0 -> GPU 1: the roofline of a pair
-    guess = rl.roofline_profile(geometry, spec, pair, **overrides) if spec else None
+    geometry, spec = load_geometry(args.geometry), _datasheet(args)
+    stand_in = rl.roofline_profile(geometry, spec, args.gpus, **overrides).beta if spec else 0.0
     profile, facts = measure_cuda_profile(geometry, repeats, num_experts=num_experts, num_gpus=args.gpus,
-                                          roofline_beta=guess.beta if guess else 0.0)
-    if guess is None:
+                                          roofline_beta=stand_in)
+    if spec is None:
         print(f"no datasheet for {facts['device']!r}: no roofline comparison (pass --gpu NAME)", file=sys.stderr)
         return profile, facts
+    guess = rl.roofline_profile(geometry, spec, 2, **overrides)  # beta is measured GPU 0 -> GPU 1: a pair's
     ratios = rl.compare_profiles(guess, profile)
     if not facts["beta_measured"]:
-        ratios["beta"] = float("nan")  # one GPU: beta is the roofline's own
+        ratios["beta"] = None  # one GPU: beta is the roofline's own
     facts["roofline"] = {"device": f"{spec.name} datasheet", "profile": vars(guess), "ratios": ratios}
     return profile, facts
+
+
+def _datasheet(args: argparse.Namespace):
+    """The GpuSpec the roofline compares a CUDA measurement with: --gpu, else the device's name
+    (None if unknown). ValueError where there is neither a datasheet nor a second GPU (no beta)."""
+    import torch
+
+    from moeless.twin.gpus import gpu_from_device_name, gpu_spec, known_gpus
+
+    name = torch.cuda.get_device_name(0)
+    spec = gpu_spec(args.gpu) if args.gpu else gpu_from_device_name(name)
+    if spec is None and torch.cuda.device_count() < 2:
+        raise ValueError(f"no datasheet for {name!r} and one GPU, so no beta (measured or by roofline); pass --gpu NAME "
+                         f"(one of {', '.join(known_gpus())})")
+    return spec
 
 
 def _quality(args: argparse.Namespace, data, distances: list[int], profile) -> dict:

@@ -19,8 +19,6 @@ import tempfile
 import time
 from typing import Callable
 
-import numpy as np
-
 from moeless.twin.geometry import Geometry
 from moeless.twin.profile import CostProfile
 
@@ -61,15 +59,21 @@ def _event_seconds(torch, fn: Callable[[int], object], repeats: int) -> float:
     return best
 
 
+def _sync_all(torch) -> None:
+    """Wait for every visible GPU (a peer copy may run on either side's stream)."""
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
 def _wall_seconds(torch, fn: Callable[[], object], repeats: int) -> float:
-    """Fastest wall time of fn() until the device is idle (host work and copies together)."""
+    """Fastest wall time of fn() until every GPU is idle (host work and copies together)."""
     fn()
-    torch.cuda.synchronize()
+    _sync_all(torch)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync_all(torch)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -77,12 +81,13 @@ def _wall_seconds(torch, fn: Callable[[], object], repeats: int) -> float:
 def measure_cuda_profile(geometry: Geometry, repeats: int, *, num_experts: int, num_gpus: int,
                          roofline_beta: float) -> tuple[CostProfile, dict]:
     """The cost profile of `geometry`'s experts measured on cuda:0 (steps 1-4 of the module
-    docstring). roofline_beta stands in for beta on a one-GPU machine. Returns (profile, facts)."""
+    docstring). roofline_beta (the replayed cluster's, by roofline) stands in for beta on a one-GPU
+    machine. Returns (profile, facts)."""
     torch = require_cuda()
     from moeless.model.experts import expert_forward
     from moeless.model.weight_store import export_experts
     from moeless.placement.latency_model import LatencyModel
-    from moeless.twin.bench_planner import _fit, measure_relevel_s
+    from moeless.twin.bench_planner import fit_line, measure_relevel_s
 
     dev = torch.device("cuda", 0)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(geometry.dtype, torch.bfloat16)
@@ -104,7 +109,7 @@ def measure_cuda_profile(geometry: Geometry, repeats: int, *, num_experts: int, 
         for t in TOKENS:
             x = torch.randn(t, h, generator=gen, device=dev, dtype=dtype)
             ffn_s.append(_event_seconds(torch, lambda i, x=x: expert_forward(copies[i % len(copies)], x), repeats))
-    alpha, call = _fit(TOKENS, ffn_s)
+    alpha, call = fit_line(TOKENS, ffn_s)
     # 2. beta: GPU 0 -> GPU 1, when there is a GPU 1.
     move_s: list[float] = []
     if torch.cuda.device_count() > 1:
@@ -112,7 +117,7 @@ def measure_cuda_profile(geometry: Geometry, repeats: int, *, num_experts: int, 
         for t in MOVED:
             x = torch.randn(t, h, generator=gen, device=dev, dtype=dtype)
             move_s.append(_wall_seconds(torch, lambda x=x: x.to(peer, non_blocking=True), repeats))
-        beta, _ = _fit(MOVED, move_s)
+        beta, _ = fit_line(MOVED, move_s)
     else:
         beta = roofline_beta
     # 3. Loads: pinned host -> device on a copy stream; disk = the store's load, pin, copy.
@@ -131,7 +136,7 @@ def measure_cuda_profile(geometry: Geometry, repeats: int, *, num_experts: int, 
         store = export_experts([(0, 0, {n: w.cpu() for n, w in copies[0].items()})], root, model="bench-cuda",
                                num_layers=1, num_experts=1, act="silu")
         disk = _wall_seconds(torch, lambda: to_device({n: w.pin_memory() for n, w in store.load(0, 0).items()}), loads)
-    del copies
+    copies.clear()  # gives the GPU memory back before the CPU part
     torch.cuda.empty_cache()
     # 4. The serving replica's re-level (CPU work).
     relevel = measure_relevel_s(num_experts, num_gpus, LatencyModel(alpha=alpha, beta=beta, cold_start=host, call_overhead=call))

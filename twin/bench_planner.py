@@ -39,7 +39,7 @@ def _fastest_seconds(fn: Callable[[], object], repeats: int) -> float:
     return float(np.min(times))
 
 
-def _fit(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+def fit_line(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
     """Least-squares seconds = intercept + slope * size: (slope, intercept), both clipped at 0."""
     slope, intercept = np.polyfit(np.asarray(sizes, dtype=np.float64), np.asarray(seconds), 1)
     return max(float(slope), 0.0), max(float(intercept), 0.0)
@@ -85,7 +85,7 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
         token_counts = [1, 4, 16, 64, 256]
         with torch.no_grad():
             ffn_s = [_fastest_seconds(lambda x=torch.randn(t, hidden): expert_forward(weights, x), repeats) for t in token_counts]
-        alpha, call = _fit(token_counts, ffn_s)
+        alpha, call = fit_line(token_counts, ffn_s)
 
         # 2. beta: serialise a [T, H] float32 batch and copy it back into a tensor (one direction).
         def move(x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
 
         moved = [16, 64, 256]  # a GPU's tokens per layer here; 1024 tokens (2.4 MB) measured page faults, not copies
         move_s = [_fastest_seconds(lambda x=torch.randn(t, hidden): move(x), repeats) for t in moved]
-        beta, _ = _fit(moved, move_s)
+        beta, _ = fit_line(moved, move_s)
         # 3. One replica's load, as the expert host runs it: from disk (tier off) and from host memory.
         copier = DeviceCopier("cpu")
         loads = max(5, repeats // 5)

@@ -253,7 +253,7 @@ def geometry_from_config(doc: dict, name: str, source: str) -> Geometry:
     if not isinstance(doc, dict):
         raise GeometryError(f"{source}: a config.json is a JSON object")
     if isinstance(doc.get("text_config"), dict):  # multimodal (Llama 4): the text model serves the experts
-        doc = {**doc["text_config"], "model_type": doc["text_config"].get("model_type", doc.get("model_type", ""))}
+        doc = {**{k: v for k, v in doc.items() if k != "text_config"}, **doc["text_config"]}
     kind = str(doc.get("model_type", ""))
     layers = int(_first(doc, ("num_hidden_layers", "n_layers"), source))
     hidden = int(_first(doc, ("hidden_size", "d_model"), source))
@@ -286,6 +286,7 @@ def geometry_from_config(doc: dict, name: str, source: str) -> Geometry:
         mla = Mla(int(doc["kv_lora_rank"]), int(doc.get("q_lora_rank") or 0), int(doc["qk_nope_head_dim"]),
                   int(doc["qk_rope_head_dim"]), int(doc["v_head_dim"]))
     dtype = str(doc.get("torch_dtype") or doc.get("dtype") or "bfloat16")
+    dtype = "float8" if dtype.startswith("float8") else dtype  # float8_e4m3fn and kin: one byte
     return Geometry(
         name, source, num_layers=layers, moe_layers=len(moe), num_experts=experts,
         top_k=int(_first(doc, ("num_experts_per_tok", "moe_top_k", "top_k"), source)), hidden=hidden,

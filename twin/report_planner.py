@@ -83,7 +83,9 @@ def check_targets(summary: dict, distances: list[int]) -> list[str]:
 
 
 def print_roofline(roofline: dict) -> None:
-    """The roofline's prediction of the measured profile: predicted / measured per field."""
+    """The roofline's prediction of the measured profile: predicted / measured per field (None: the
+    field was not measured, the roofline's value stood in)."""
     ratios = roofline["ratios"]
-    cells = ", ".join(f"{name} {'n/a (not measured)' if ratio != ratio else f'{ratio:.2f}'}" for name, ratio in ratios.items())
+    cells = ", ".join(f"{name} {'n/a (the roofline stood in)' if ratio is None else f'{ratio:.2f}'}"
+                      for name, ratio in ratios.items())
     print(f"roofline ({roofline['device']}) / measured: {cells}")
