@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moeless.evaluation.deployment import CASES, OWN_FORECAST, PHASES
 from moeless.evaluation.deployment_run import FORMAT, RUN_FILE
-from moeless.evaluation.report import RunDirError
+from moeless.evaluation.report import NOTES_FILE, RunDirError
 
 PAPER = {"time": -0.43, "cost": -0.84}  # MoEless vs Megatron-LM EP on 8 x A6000 (the paper's headline)
 BOUND_GAP = 0.10  # acceptance: where the bound is this far below static EP, moeless must reach ...
@@ -84,7 +84,8 @@ def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path
                _write(run_dir / "report.json", json.dumps({"format": "moeless-deployments-report/1", "command": run["command"],
                                                             "rows": table, "acceptance": accept}, indent=1, sort_keys=True) + "\n"),
                _figure(run, run_dir / "gain-by-batch-tokens.png")]
-    body = _markdown(run, table, accept)
+    notes = run_dir / NOTES_FILE
+    body = _markdown(run, table, accept) + (f"\n## Notes\n\n{notes.read_text().strip()}\n" if notes.is_file() else "")
     written.insert(0, _write(run_dir / "report.md", body.replace("](RUN/", "](")))
     if markdown is not None:
         markdown = Path(markdown)
@@ -192,16 +193,41 @@ def _notes(accept: list[dict], cells: list[dict]) -> list[str]:
     out = ["## Acceptance and notes\n",
            "moeless (own forecast) never slower than static EP per (model, GPUs, workload, phase); where the bound is more "
            f"than {100 * BOUND_GAP:.0f}% below static EP, at least {100 * BOUND_SHARE:.0f}% of the bound's gain.\n",
-           "| model | GPUs | workload | phase | moeless vs static | bound vs static | share of bound's gain | never slower | bound test | call bound vs static | share of call bound's gain | tokens per expert (mean) / knee |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| model | GPUs | workload | phase | moeless vs static | bound vs static | share of bound's gain | never slower | bound test | call bound vs static | share of call bound's gain | tokens per expert (mean) / knee | why, where missed |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in accept:
         c = next(c for c in cells if c["model"] == a["model"] and f"{c['count']}x{c['gpu']}" == a["gpu"] and c["workload"] == a["workload"])
         per_call = c["mean_batch_tokens"][a["phase"]] * c["top_k"] / c["experts"]
         share, call_share = ("–" if x is None else f"{100 * x:.0f}%" for x in (a["share"], a["call_share"]))
         out.append(f"| {a['model']} | {a['gpu']} | {a['workload']} | {a['phase']} | {_pct(a['vs_static'])} | {_pct(a['bound_vs_static'])} | "
                    f"{share} | {'yes' if a['never_slower'] else '**no**'} | {a['bound_test']} | {_pct(a['call_bound_vs_static'])} | "
-                   f"{call_share} | {per_call:.0f} / {c['knee_tokens_per_call']:.0f} |")
+                   f"{call_share} | {per_call:.0f} / {c['knee_tokens_per_call']:.0f} | {_why(a, c, per_call)} |")
     return out + [""]
+
+
+def _why(a: dict, c: dict, per_call: float) -> str:
+    """The measured reasons a cell missed, in words (empty when it passed)."""
+    if a["ok"]:
+        return ""
+    why = []
+    if not a["never_slower"]:
+        own = c["cases"][OWN_FORECAST]["phases"][a["phase"]]
+        why.append(f"exposed cold starts {1e3 * own['exposed_s']:.3f} ms per layer (host-to-GPU loads of "
+                   f"{1e3 * c['profile']['load_s']['host']:.1f} ms) and forecast misses")
+    if a["bound_test"] == "missed":
+        if per_call < 2 * c["knee_tokens_per_call"]:
+            why.append(f"tokens per expert {per_call:.0f} within 2x the knee {c['knee_tokens_per_call']:.0f}: a split pays a "
+                       "weight read that the bound does not count")
+        if a["call_bound_vs_static"] > 1 - BOUND_GAP:
+            why.append(f"with every replica's call paid the bound is only {_pct(a['call_bound_vs_static'])}")
+        else:
+            st, bound = c["cases"]["static"]["phases"][a["phase"]], c["bound"][a["phase"]]
+            perfect = c["cases"]["moeless-perfect"]["phases"][a["phase"]]
+            reach = (st["mean_s"] - perfect["mean_s"]) / max(st["mean_s"] - bound["mean_s"], 1e-30)
+            why.append(f"with a perfect forecast moeless reaches {100 * reach:.0f}% of the bound's gain: each new replica's "
+                       f"{1e3 * c['profile']['load_s']['host']:.1f} ms host-to-GPU load must pay back within its keep-alive, and "
+                       "replicas are whole (one expert's weights per call)")
+    return "; ".join(why)
 
 
 def _figure(run: dict, path: Path) -> Path:
