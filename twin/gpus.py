@@ -61,8 +61,7 @@ GPUS: dict[str, GpuSpec] = {s.name.lower(): s for s in (
     # RTX A6000: 154.8 TFLOPS BF16 tensor dense (309.7 sparse), 48 GB GDDR6 at 768 GB/s; NVLink bridge
     # 112.5 GB/s bidirectional between two cards; PCIe Gen4 x16 64 GB/s bidirectional.
     GpuSpec("A6000", 154.8 * TFLOPS, 768 * GB, 48 * GB, "nvlink-pairs", 56.25 * GB, 32 * GB,
-            "https://www.nvidia.com/content/dam/en-zz/Solutions/design-visualization/quadro-product-literature/"
-            "proviz-print-nvidia-rtx-a6000-datasheet-us-nvidia-1454980-r9-web%20(1).pdf"),
+            "https://www.nvidia.com/en-us/design-visualization/rtx-a6000/ (datasheet linked there)"),
     # A100 80GB SXM: 312 TFLOPS BF16 dense (624 sparse), 2,039 GB/s HBM2e; NVLink 600 GB/s
     # bidirectional through NVSwitch (HGX A100); PCIe Gen4 64 GB/s bidirectional.
     GpuSpec("A100", 312 * TFLOPS, 2039 * GB, 80 * GB, "nvswitch", 300 * GB, 32 * GB,
@@ -70,15 +69,15 @@ GPUS: dict[str, GpuSpec] = {s.name.lower(): s for s in (
     # H100 SXM5 80GB: 989.4 TFLOPS BF16 dense (1,979 sparse), 3.35 TB/s HBM3; NVLink 900 GB/s
     # bidirectional (HGX H100, NVSwitch); PCIe Gen5 128 GB/s bidirectional.
     GpuSpec("H100", 989.4 * TFLOPS, 3350 * GB, 80 * GB, "nvswitch", 450 * GB, 64 * GB,
-            "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"),
+            "https://www.nvidia.com/en-us/data-center/h100/ (specifications, H100 SXM)"),
     # H200 SXM 141GB: 989 TFLOPS BF16 dense (1,979 sparse), 4.8 TB/s HBM3e; NVLink 900 GB/s
     # bidirectional; PCIe Gen5 128 GB/s bidirectional.
     GpuSpec("H200", 989.4 * TFLOPS, 4800 * GB, 141 * GB, "nvswitch", 450 * GB, 64 * GB,
-            "https://www.nvidia.com/en-us/data-center/h200/"),
+            "https://www.nvidia.com/en-us/data-center/h200/ (specifications, H200 SXM)"),
     # L40S: 362.05 TFLOPS BF16 dense (733 sparse), 48 GB GDDR6 at 864 GB/s; no NVLink; PCIe Gen4
     # x16 64 GB/s bidirectional.
     GpuSpec("L40S", 362.05 * TFLOPS, 864 * GB, 48 * GB, "pcie", 0.0, 32 * GB,
-            "https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413"),
+            "https://www.nvidia.com/en-us/data-center/l40s/ (datasheet linked there)"),
 )}
 
 
