@@ -109,3 +109,24 @@ def test_unknown_names_and_bad_configs_are_clear_errors(tmp_path: Path):
         load_geometry(tmp_path / "config.json")
     with pytest.raises(GeometryError, match="no such config.json"):
         load_geometry(tmp_path / "missing.json")
+
+
+def test_deepseek_v3_and_llama4_interleaved_layers_from_config(tmp_path: Path):
+    """DeepSeek-V3's keys: q through its low rank, a router bias; Llama 4 Maverick's MoE every other
+    layer (interleave_moe_layer_step 2: layers 1, 3, ...), its dense layers of intermediate_size_mlp."""
+    v3 = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "hidden_size": 8, "intermediate_size": 32,
+          "moe_intermediate_size": 4, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+          "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_attention_heads": 2, "kv_lora_rank": 4, "q_lora_rank": 6,
+          "qk_nope_head_dim": 2, "qk_rope_head_dim": 1, "v_head_dim": 2, "vocab_size": 10, "torch_dtype": "float8_e4m3fn"}
+    (tmp_path / "config.json").write_text(json.dumps(v3))
+    g = load_geometry(tmp_path / "config.json")
+    assert (g.moe_layers, g.shared_ffn, g.router_bias, g.dtype, g.dtype_bytes) == (3, 4, True, "float8", 1)
+    # q: 8*6 + 6 + 6*2*3 = 90; kv: 8*(4+1) + 4 + 4*2*(2+2) = 76; o: 2*2*8 = 32.
+    assert g.non_expert_params == 80 + 80 + 8 + 4 * (90 + 76 + 32 + 16) + 3 * (64 + 8 + 96) + 768
+    maverick = {"model_type": "llama4", "text_config": {
+        "model_type": "llama4_text", "num_hidden_layers": 4, "hidden_size": 8, "intermediate_size": 4,
+        "intermediate_size_mlp": 16, "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 10}}
+    (tmp_path / "config.json").write_text(json.dumps(maverick))
+    g = load_geometry(tmp_path)
+    assert (g.moe_layers, g.shared_experts, g.shared_ffn, g.dense_ffn) == (2, 1, 4, 16)

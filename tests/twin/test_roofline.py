@@ -131,3 +131,12 @@ def test_bench_planner_on_cuda_without_cuda_is_one_clear_error(capsys):
     assert "--device cuda:" in capsys.readouterr().err
     with pytest.raises(CudaUnavailable, match="CUDA build of torch"):
         measure_cuda_profile(load_geometry("mixtral-8x7b"), 3, num_experts=8, num_gpus=8, roofline_beta=0.0)
+
+
+def test_cuda_device_names_to_datasheets():
+    from moeless.twin.gpus import gpu_from_device_name
+
+    names = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA RTX A6000": "A6000", "NVIDIA A100-SXM4-80GB": "A100",
+             "NVIDIA L40S": "L40S", "NVIDIA H200": "H200"}
+    assert {n: gpu_from_device_name(n).name for n in names} == names
+    assert gpu_from_device_name("NVIDIA L40") is None and gpu_from_device_name("Tesla V100-SXM2-16GB") is None
