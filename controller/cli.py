@@ -75,8 +75,9 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
                         "config.json; default: the default model, whose loads are replayed)")
     p.add_argument("--gpu", default=None, metavar="NAME",
                    help="with --device cuda, the datasheet the roofline uses (default: from the device's name)")
-    p.add_argument("--efficiency", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="roofline efficiency overrides for the comparison (compute, memory, link, pcie, launch_s, ...)")
+    p.add_argument("--efficiency", nargs="+", default=[], metavar="KEY=VALUE|FILE.json",
+                   help="roofline efficiency overrides for the comparison (compute, memory, link, pcie, launch_s, ...; "
+                        "a .json file of them)")
     p.add_argument("--cv-threshold", type=float, default=0.2, help="the paper's CV threshold V (default 0.2)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests decoding together (default 32)")
     p.add_argument("--step-ms", type=float, default=50.0, help="wall time of one serving iteration (default 50 ms)")

@@ -106,16 +106,20 @@ def load_efficiency(path: str | Path) -> Efficiency:
 
 
 def parse_efficiency_args(items: list[str]) -> dict[str, float]:
-    """["compute=0.5", "link=0.6"] (a CLI's --efficiency KEY=VALUE ...) -> overrides for `efficiency`."""
-    out = {}
+    """A CLI's --efficiency items -> overrides for `efficiency`: KEY=NUMBER, or a JSON file of them
+    (later items win): ["eff.json", "compute=0.5"]."""
+    out: dict[str, float] = {}
     for item in items:
         key, sep, value = item.partition("=")
+        if not sep and item.endswith(".json"):
+            out.update(asdict(load_efficiency(item)))  # the file's fields over the defaults
+            continue
         try:
             out[key.strip()] = float(value)
         except ValueError:
             sep = ""
         if not sep:
-            raise ValueError(f"--efficiency: expected KEY=NUMBER, got {item!r}")
+            raise ValueError(f"--efficiency: expected KEY=NUMBER or a .json file, got {item!r}")
     efficiency(**out)  # names checked now, with the known ones listed
     return out
 

@@ -82,9 +82,12 @@ def test_efficiency_overrides_by_keyword_cli_and_json(tmp_path: Path):
     assert parse_efficiency_args(["link=0.35", "launch_s=0"]) == {"link": 0.35, "launch_s": 0.0}
     (tmp_path / "eff.json").write_text(json.dumps({"link": 0.35}))
     assert roofline_profile(g, gpu, 8, load_efficiency(tmp_path / "eff.json")).beta == pytest.approx(2 * base.beta)
+    assert parse_efficiency_args([str(tmp_path / "eff.json"), "compute=0.3"])["link"] == 0.35
+    assert roofline_profile(g, gpu, 8, **parse_efficiency_args([str(tmp_path / "eff.json"), "compute=0.3"])).alpha \
+        == pytest.approx(half.alpha)
     with pytest.raises(ValueError, match="unknown efficiency field.*known: compute, memory"):
         efficiency(flops=1.0)
-    with pytest.raises(ValueError, match="KEY=NUMBER"):
+    with pytest.raises(ValueError, match="KEY=NUMBER or a .json file"):
         parse_efficiency_args(["compute"])
     with pytest.raises(ValueError, match="compute must be > 0"):
         efficiency(compute=0)
