@@ -30,3 +30,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $mode := toString .Values.serving.kuberay -}}
 {{- if or (eq $mode "true") (and (eq $mode "auto") (.Capabilities.APIVersions.Has "ray.io/v1/RayService")) -}}true{{- end -}}
 {{- end -}}
+
+{{/* MOELESS_EXPERT_HOSTS of the serving pods: serving.expertHosts, else the policy's pool. */}}
+{{- define "moeless.expertHosts" -}}
+{{- if .Values.serving.expertHosts -}}{{ .Values.serving.expertHosts }}{{- else -}}
+dns:///{{ include "moeless.policyName" . }}-hosts.{{ .Release.Namespace }}.svc:{{ .Values.policy.hosts.grpcPort | default 50051 }}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the serving pods mount a model cache (serving.modelCache: a claim or a node directory). */}}
+{{- define "moeless.modelCache" -}}
+{{- if or .Values.serving.modelCache.persistentVolumeClaim .Values.serving.modelCache.hostPath -}}true{{- end -}}
+{{- end -}}

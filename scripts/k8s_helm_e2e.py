@@ -1,0 +1,546 @@
+"""`helm install` end to end on a real node (docs/kubernetes.md; slow, not in CI): the chart as a user runs it
+brings up the operator, the serving Deployment and the expert-host pool as pods on a kubelet, and every check
+below is made from outside the pods.
+
+    dockerd --bridge=none --iptables=false --ip-masq=false --ip6tables=false &    # Debian's docker.io, no bridge
+    .venv/bin/python scripts/k8s_helm_e2e.py [--ref HEAD] [--keep]
+
+Steps (each check prints PASS or FAIL with its timing; the script exits 1 if any failed, and always stops
+what it started: the release, the kubelet's containers, the control plane):
+1. images: local/pause:3.2; local/moeless-base:<venv hash> (this machine's Python and venv, `docker import`:
+   no registry is reachable) and on top of it local/moeless:<tag> with the sources of git ref --ref (the
+   committed tree, not the working copy);
+2. the default model in this process: its weight store (a hostPath for the hosts), its cache (a hostPath for
+   the serving pod) and the reference answers (greedy, the unmodified model, no expert host);
+3. control plane + kube-scheduler + kubelet on the docker engine (scripts/k8s_node_e2e.py);
+4. `helm install` with the image, hostNetwork and the hostPaths set on the command line;
+5. checks: a chat request through the `openai` client equals the reference; `kubectl apply` of more hosts:
+   the operator scales out, the new host receives calls, no serving pod restarted, `kubectl get eap` moves;
+   `kubectl apply` of an ablation (manifests/examples/ablation-no-scaler.yaml's serving knobs): the operator
+   writes them; an expert-host pod deleted during a burst: every request completes, exactly; scale to zero
+   after the idle delay, and the next request wakes the pool (its latency); `helm uninstall`: no pod, no
+   policy, no container, no process of the pods' user left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "k8s"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from k8s_node_e2e import DOCKER, sh, start_node  # noqa: E402
+from k8s_support import ControlPlane, Kubectl, free_port, helm_binary, k8s_binaries, wait_for  # noqa: E402
+
+NS = "moeless"
+RELEASE = "moeless"  # the policy is named after the release; its pool is StatefulSet moeless-hosts
+MODEL_NAME = "moeless-default"
+SOURCES = ("pyproject.toml", "README.md", "moeless", "model", "predictor", "controller", "placement", "expert_fn",
+           "serving", "twin", "evaluation")
+GRPC_PORT, METRICS_PORT = 51051, 19400  # host i: 51051 + i, 19400 + i on the node's network
+POD_USER = 10001
+QUESTIONS = ("What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
+             "What is 12 times 12?")
+MAX_TOKENS = 16
+T0 = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} {time.monotonic() - T0:7.1f} s] {message}", flush=True)
+
+
+class Checks:
+    """Each check: name, passed, detail, seconds; a failed check does not stop the run unless it must."""
+
+    def __init__(self) -> None:
+        self.results: list[tuple[str, bool, str, float]] = []
+
+    def record(self, name: str, passed: bool, detail: str, seconds: float) -> bool:
+        self.results.append((name, passed, detail, seconds))
+        log(f"{'PASS' if passed else 'FAIL'} {name} ({seconds:.1f} s): {detail}")
+        return passed
+
+    def summary(self) -> str:
+        lines = [f"  {'PASS' if ok else 'FAIL'}  {s:6.1f} s  {name}: {detail}" for name, ok, detail, s in self.results]
+        return "\n".join(lines)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.results) and all(ok for _, ok, _, _ in self.results)
+
+
+# 1. Images ------------------------------------------------------------------------------------------------
+
+def build_images(bin_dir: Path, work: Path, ref: str) -> str:
+    """local/pause:3.2, the base (Python + venv, no sources) and local/moeless:<tag>; returns the tag."""
+    ctx = work / "pause"
+    ctx.mkdir(exist_ok=True)
+    (ctx / "pause").write_bytes((bin_dir / "pause").read_bytes())
+    (ctx / "pause").chmod(0o755)
+    (ctx / "Dockerfile").write_text('FROM scratch\nCOPY pause /pause\nENTRYPOINT ["/pause"]\n')
+    sh(DOCKER, "build", "-q", "-t", "local/pause:3.2", str(ctx))
+    venv = Path(sys.prefix)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    venv_hash = hashlib.sha256("\n".join(sorted(p.name for p in site.iterdir())).encode()).hexdigest()[:12]
+    base = f"local/moeless-base:{venv_hash}"
+    if subprocess.run([DOCKER, "image", "inspect", base], capture_output=True).returncode != 0:
+        log(f"building {base} from this machine's Python and venv (first time: about a minute) ...")
+        python_home = Path(os.path.realpath(venv / "bin" / "python")).parents[1]
+        paths = ["/bin", "/lib", "/lib64", "/sbin", "/usr/bin", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/etc",
+                 str(python_home), str(venv)]
+        changes = [f"ENV PATH={venv}/bin:/usr/bin:/bin", "ENV HOME=/tmp", "USER 10001:10001", "WORKDIR /tmp"]
+        tar = subprocess.Popen(["tar", "-c", "--mode=a+rX", "--exclude=__pycache__", *[p for p in paths if Path(p).exists()]],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        subprocess.run([DOCKER, "import", *[a for c in changes for a in ("--change", c)], "-", base], stdin=tar.stdout,
+                       check=True, capture_output=True)
+        tar.wait()
+    # The sources of `ref` where the venv's editable install looks for them (ROOT).
+    commit = sh("git", "-C", str(ROOT), "rev-parse", ref).stdout.strip()
+    tag = f"{commit[:12]}-{venv_hash[:6]}"
+    image = f"local/moeless:{tag}"
+    if subprocess.run([DOCKER, "image", "inspect", image], capture_output=True).returncode != 0:
+        src = work / "src"
+        src.mkdir(exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", f"--prefix={ROOT.relative_to('/')}/",
+                                  commit, *SOURCES], check=True, capture_output=True).stdout
+        (src / "sources.tar").write_bytes(archive)
+        (src / "Dockerfile").write_text(f"FROM {base}\nADD sources.tar /\n")  # git archive: files a+r, dirs a+rx
+        sh(DOCKER, "build", "-q", "-t", image, str(src))
+    return tag
+
+
+# 2. The model, in this process ----------------------------------------------------------------------------
+
+def reference_answers(model) -> dict[str, str]:
+    """The unmodified default model's greedy answers (no expert host), as tests/serving checks them."""
+    from moeless.serving.api import ChatMessage, GenerationRequest
+    from moeless.serving.engine import Engine
+
+    out = {}
+    for q in QUESTIONS:
+        request = GenerationRequest(MODEL_NAME, MAX_TOKENS, False, messages=(ChatMessage("user", q),))
+        events = [e for step in Engine(model).run([request]) for e in step[0]]
+        out[q] = "".join(e.get("text", "") for e in events)
+    return out
+
+
+# Helpers ----------------------------------------------------------------------------------------------------
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+            return True
+        except OSError:
+            return False
+
+
+def host_metrics(i: int) -> dict[str, float]:
+    """Expert host i's Prometheus counters (on the node's network: port METRICS_PORT + i)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT + i}/metrics", timeout=5).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+            except ValueError:
+                pass
+    return values
+
+
+def calls_of(metrics: dict[str, float]) -> float:
+    """A host's Invoke calls so far (moeless_expert_host_invocations: one per layer per call)."""
+    return metrics.get("moeless_expert_host_invocations_total", 0.0)
+
+
+def pod_ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def strip_for_apply(obj: dict) -> dict:
+    meta = obj["metadata"]
+    keep = {k: meta[k] for k in ("name", "namespace", "labels", "annotations") if k in meta}
+    keep.get("annotations", {}).pop("kubectl.kubernetes.io/last-applied-configuration", None)
+    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": keep, "spec": obj["spec"]}
+
+
+# The run -----------------------------------------------------------------------------------------------------
+
+class Run:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.checks = Checks()
+        self.work = Path(tempfile.mkdtemp(prefix="moeless-helm-"))
+        os.chmod(self.work, 0o755)
+        self.plane: ControlPlane | None = None
+        self.kubectl: Kubectl | None = None
+        self.helm = str(helm_binary())
+        self.installed = False
+        self.port = 0
+
+    def helm_cmd(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        result = subprocess.run([self.helm, *args, "--kubeconfig", str(self.plane.kubeconfig)], capture_output=True,
+                                text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)}: {result.stderr}")
+        return result
+
+    def pods(self, component: str | None = None) -> list[dict]:
+        selector = ["-l", f"app.kubernetes.io/component={component}"] if component else []
+        return self.kubectl.json("get", "pods", "-n", NS, *selector)["items"]
+
+    def eap(self) -> dict:
+        return self.kubectl.json("get", "eap", RELEASE, "-n", NS)
+
+    def get_eap_table(self) -> str:
+        return self.kubectl("get", "eap", "-n", NS, "-o", "wide").stdout
+
+    def chat(self, question: str, timeout: float = 300) -> tuple[str, float]:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=timeout, max_retries=0)
+        start = time.perf_counter()
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": question}],
+                                               max_tokens=MAX_TOKENS, temperature=0)
+        return reply.choices[0].message.content, time.perf_counter() - start
+
+    def serving_pod(self) -> dict:
+        pods = [p for p in self.pods("serving") if not p["metadata"].get("deletionTimestamp")]
+        assert len(pods) == 1, f"{len(pods)} serving pods"
+        return pods[0]
+
+    def serving_identity(self) -> tuple[str, int]:
+        pod = self.serving_pod()
+        restarts = sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or [])
+        return pod["metadata"]["uid"], restarts
+
+    def apply_policy(self, change) -> dict:
+        """kubectl apply of the live policy with `change(spec)` applied, as a user edits and applies it."""
+        doc = strip_for_apply(self.eap())
+        change(doc["spec"])
+        path = self.work / f"policy-{int(time.monotonic() * 1000)}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        self.kubectl("apply", "-f", str(path))
+        return doc
+
+    def wait_hosts(self, count: int, timeout: float = 300) -> None:
+        def ready_hosts():
+            pods = [p for p in self.pods("expert-host") if not p["metadata"].get("deletionTimestamp")]
+            return len(pods) == count and all(pod_ready(p) for p in pods)
+        wait_for(ready_hosts, timeout=timeout, every=1, what=f"{count} expert-host pods Ready")
+
+    # -- steps ---------------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        args = self.args
+        if subprocess.run([DOCKER, "info"], capture_output=True).returncode != 0:
+            print("k8s_helm_e2e: no docker engine; start `dockerd --bridge=none --iptables=false --ip-masq=false "
+                  "--ip6tables=false` first", file=sys.stderr)
+            return 2
+        busy = [p for p in (GRPC_PORT, GRPC_PORT + 1, METRICS_PORT, METRICS_PORT + 1) if not port_free(p)]
+        if busy:
+            print(f"k8s_helm_e2e: ports {busy} are in use on this machine (the pods use the node's network)",
+                  file=sys.stderr)
+            return 2
+        bin_dir = k8s_binaries()
+        start = time.monotonic()
+        tag = build_images(bin_dir, self.work, args.ref)
+        log(f"images: local/pause:3.2, local/moeless:{tag} ({time.monotonic() - start:.0f} s)")
+
+        import torch
+
+        from moeless.model.default import BuildConfig, default_model, model_path
+        from moeless.paths import cache_dir
+        from moeless.serving.embedded import export_store
+
+        torch.set_num_threads(1)
+        model = default_model()
+        store = Path(export_store(model, MODEL_NAME))
+        cache = cache_dir()
+        model_dir = model_path(BuildConfig())  # what the serving pod's default_model() loads
+        for path in (store, model_dir):  # the pods run as user 10001
+            sh("chmod", "-R", "a+rX", str(path))
+        os.chmod(cache, os.stat(cache).st_mode | 0o055)
+        reference = reference_answers(model)
+        log(f"default model ready: store {store}, cache {cache}; reference answers computed in process "
+            f"(e.g. {QUESTIONS[0]!r} -> {reference[QUESTIONS[0]]!r})")
+        del model
+
+        self.plane = ControlPlane(self.work / "k8s", bin_dir).start()
+        start_node(self.plane, bin_dir)
+        self.kubectl = Kubectl(self.plane.kubeconfig)
+        wait_for(lambda: self.kubectl.json("get", "node", "localhost")["metadata"], timeout=60, what="the node")
+        log("control plane and node up")
+
+        self.port = free_port()
+        sets = {
+            "image.repository": "local/moeless", "image.tag": tag, "image.pullPolicy": "Never",
+            "operator.hostNetwork": "true", "operator.metricsPort": str(free_port()), "operator.resyncSeconds": "2",
+            "operator.resources.requests.cpu": "50m",
+            "policy.model.store": str(store), "policy.model.hostPath": str(store),
+            "policy.hosts.minHosts": "1", "policy.hosts.maxHosts": "2", "policy.hosts.gpusPerHost": "0",
+            "policy.hosts.cpu": "100m", "policy.hosts.memoryGiBPerHost": "2", "policy.hosts.hostNetwork": "true",
+            "policy.hosts.grpcPort": str(GRPC_PORT), "policy.hosts.metricsPort": str(METRICS_PORT),
+            "policy.hosts.drainSeconds": "5", "policy.upscaleDelaySeconds": "0", "policy.downscaleDelaySeconds": "30",
+            "policy.serving.keepAliveSeconds": "600",
+            "serving.hostNetwork": "true", "serving.port": str(self.port),
+            "serving.modelCache.hostPath": str(cache),
+            "serving.resources.requests.cpu": "250m", "serving.resources.requests.memory": "1Gi",
+            "serving.resources.limits.memory": "6Gi",
+        }
+        if args.expert_hosts:
+            sets["serving.expertHosts"] = args.expert_hosts
+        # No Service network here (no kube-proxy): the in-cluster client reaches the API server on loopback.
+        api_env = json.dumps([{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                              {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.plane.port)}])
+        command = ["install", RELEASE, str(ROOT / "helm" / "moeless"), "-n", NS, "--create-namespace",
+                   *[a for k, v in sets.items() for a in ("--set", f"{k}={v.replace(',', chr(92) + ',')}")],
+                   "--set-json", f"operator.env={api_env}", "--set-json", f"serving.env={api_env}"]
+        print("helm " + " ".join(command).replace(str(ROOT) + "/", ""), flush=True)
+        start = time.monotonic()
+        self.helm_cmd(*command)
+        self.installed = True
+        log("helm install done; waiting for the operator, the pool and the serving pod")
+        wait_for(lambda: all(pod_ready(p) for p in self.pods("operator")) and self.pods("operator"), timeout=300,
+                 every=1, what="the operator pod Ready")
+        log(f"operator pod Ready ({time.monotonic() - start:.0f} s after helm install)")
+        self.wait_hosts(1)
+        log(f"expert-host pod {RELEASE}-hosts-0 Ready ({time.monotonic() - start:.0f} s)")
+        wait_for(lambda: pod_ready(self.serving_pod()), timeout=600, every=2, what="the serving pod Ready")
+        self.checks.record("helm install: operator, serving Deployment and expert-host pool Ready", True,
+                           f"{len(self.pods())} pods on the kubelet", time.monotonic() - start)
+        print(self.kubectl("get", "pods", "-n", NS, "-o", "wide").stdout, flush=True)
+
+        self.check_chat(reference)
+        self.check_more_hosts(reference)
+        self.check_ablation()
+        self.check_delete_during_burst(reference)
+        self.check_scale_to_zero(reference)
+        if args.keep:
+            print(f"KUBECONFIG={self.plane.kubeconfig}; serving at http://127.0.0.1:{self.port}; Ctrl-C stops everything",
+                  flush=True)
+            while True:
+                time.sleep(3600)
+        self.check_uninstall()
+        return 0
+
+    def check_chat(self, reference: dict[str, str]) -> None:
+        q = QUESTIONS[0]
+        answer, seconds = self.chat(q)
+        self.checks.record("chat request (openai client) equals the unmodified model's answer", answer == reference[q],
+                           f"{answer!r} vs reference {reference[q]!r}", seconds)
+
+    def check_more_hosts(self, reference: dict[str, str]) -> None:
+        start = time.monotonic()
+        before_eap = self.eap().get("status") or {}
+        identity = self.serving_identity()
+        print(self.get_eap_table(), flush=True)
+        self.apply_policy(lambda spec: spec["hosts"].update(minHosts=2))
+        log("kubectl apply: minHosts 1 -> 2")
+        wait_for(lambda: self.kubectl.json("get", "statefulset", f"{RELEASE}-hosts", "-n", NS)["spec"]["replicas"] == 2,
+                 timeout=120, every=1, what="the operator scaling the pool to 2")
+        scaled = time.monotonic() - start
+        self.wait_hosts(2)
+        ready = time.monotonic() - start
+        self.checks.record("kubectl apply (more hosts) followed by the operator", True,
+                           f"StatefulSet at 2 after {scaled:.1f} s, pod {RELEASE}-hosts-1 Ready after {ready:.1f} s",
+                           ready)
+        # The new host must receive calls from the running serving pod (no restart).
+        t = time.monotonic()
+        calls0 = calls_of(host_metrics(1))
+        answers, exact = [], True
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for q in QUESTIONS:
+                answer, _ = self.chat(q)
+                exact &= answer == reference[q]
+                answers.append(answer)
+            if calls_of(host_metrics(1)) > calls0:
+                break
+        calls1 = calls_of(host_metrics(1))
+        same = self.serving_identity() == identity
+        self.checks.record("the new host receives calls without restarting any serving pod",
+                           calls1 > calls0 and same and exact,
+                           f"host 1 calls/tokens {calls0:.0f} -> {calls1:.0f} over {len(answers)} requests (all exact: "
+                           f"{exact}); serving pod uid and restarts unchanged: {same}", time.monotonic() - t)
+        time.sleep(6)  # an operator pass or two (resync 2 s) reads the hosts' meters
+        after = self.eap().get("status") or {}
+        table = self.get_eap_table()
+        print(table, flush=True)
+        moved = {k: (before_eap.get(k), after.get(k)) for k in ("hostsReady", "replicas", "coldStarts")}
+        moved["expertGBSeconds"] = ((before_eap.get("cost") or {}).get("expertGBSeconds"),
+                                    (after.get("cost") or {}).get("expertGBSeconds"))
+        ok = (after.get("hostsReady") == 2 and (after.get("coldStarts") or 0) > (before_eap.get("coldStarts") or 0)
+              and (moved["expertGBSeconds"][1] or 0) > (moved["expertGBSeconds"][0] or 0)
+              and (after.get("replicas") or 0) > 0)
+        self.checks.record("kubectl get eap shows hosts, replicas, cold starts and GB·s moving", ok,
+                           ", ".join(f"{k} {a} -> {b}" for k, (a, b) in moved.items()), 6.0)
+
+    def check_ablation(self) -> None:
+        start = time.monotonic()
+        example = yaml.safe_load((ROOT / "manifests" / "examples" / "ablation-no-scaler.yaml").read_text())
+        generation = self.eap()["metadata"]["generation"]
+        self.apply_policy(lambda spec: spec.setdefault("serving", {}).update(example["spec"]["serving"]))
+        log(f"kubectl apply: the ablation's serving knobs {example['spec']['serving']} on policy {RELEASE}")
+
+        def written():
+            cm = self.kubectl.json("get", "configmap", f"{RELEASE}-serving", "-n", NS)
+            knobs = yaml.safe_load(cm["data"]["config.yaml"]) or {}
+            status = self.eap().get("status") or {}
+            return knobs.get("scaler") is False and status.get("observedGeneration", 0) > generation and knobs
+        try:
+            knobs = wait_for(written, timeout=60, every=1, what="the operator writing the ablation's knobs")
+            ok, detail = True, f"ConfigMap {RELEASE}-serving config.yaml now {knobs}"
+        except AssertionError as err:
+            ok, detail = False, str(err)
+        self.checks.record("kubectl apply (an ablation) followed by the operator", ok, detail, time.monotonic() - start)
+        print(self.get_eap_table(), flush=True)
+
+    def check_delete_during_burst(self, reference: dict[str, str]) -> None:
+        start = time.monotonic()
+        identity = self.serving_identity()
+        burst = [QUESTIONS[i % len(QUESTIONS)] for i in range(8)]
+        victim = f"{RELEASE}-hosts-1"
+        with futures.ThreadPoolExecutor(len(burst)) as pool:
+            jobs = [pool.submit(self.chat, q) for q in burst]
+            time.sleep(2.0)
+            self.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
+            log(f"deleted pod {victim} with {sum(not j.done() for j in jobs)} of {len(burst)} requests in flight")
+            results = []
+            for q, job in zip(burst, jobs):
+                try:
+                    answer, seconds = job.result()
+                    results.append((answer == reference[q], seconds, answer))
+                except Exception as err:  # noqa: BLE001 - a failed request is what this check counts
+                    results.append((False, 0.0, f"{type(err).__name__}: {err}"))
+        exact = sum(ok for ok, _, _ in results)
+        bad = [r[2] for r in results if not r[0]]
+        self.checks.record("expert-host pod deleted during a burst: every request completes, exactly",
+                           exact == len(burst) and self.serving_identity() == identity,
+                           f"{exact}/{len(burst)} exact, slowest {max(s for _, s, _ in results):.1f} s"
+                           + (f"; not exact: {bad[:3]}" if bad else ""), time.monotonic() - start)
+        t = time.monotonic()
+        self.wait_hosts(2)
+        log(f"the StatefulSet restarted {victim}: Ready again after {time.monotonic() - t:.1f} s")
+
+    def check_scale_to_zero(self, reference: dict[str, str]) -> None:
+        delay = 20
+        start = time.monotonic()
+        self.apply_policy(lambda spec: spec.update(scaleToZero={"enabled": True, "delaySeconds": delay}))
+        log(f"kubectl apply: scaleToZero enabled, delaySeconds {delay}; no requests from now on")
+        try:
+            wait_for(lambda: not self.pods("expert-host") and
+                     self.kubectl.json("get", "statefulset", f"{RELEASE}-hosts", "-n", NS)["spec"]["replicas"] == 0,
+                     timeout=delay + 180, every=1, what="the pool at zero")
+            self.checks.record("scale to zero after the idle delay", True,
+                               f"no expert-host pod {time.monotonic() - start:.1f} s after the policy change "
+                               f"(delay {delay} s + the hosts' drain)", time.monotonic() - start)
+        except AssertionError as err:
+            self.checks.record("scale to zero after the idle delay", False, str(err), time.monotonic() - start)
+            return
+        print(self.get_eap_table(), flush=True)
+        q = QUESTIONS[0]
+        try:
+            answer, seconds = self.chat(q, timeout=420)
+            self.checks.record("the next request wakes the pool", answer == reference[q],
+                               f"answered in {seconds:.1f} s (latency from zero hosts), {answer!r}; "
+                               f"expert-host pods now {len(self.pods('expert-host'))}", seconds)
+        except Exception as err:  # noqa: BLE001
+            self.checks.record("the next request wakes the pool", False, f"{type(err).__name__}: {err}; expert-host "
+                               f"pods {len(self.pods('expert-host'))}", time.monotonic() - start)
+
+    def check_uninstall(self) -> None:
+        start = time.monotonic()
+        self.helm_cmd("uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "180s")
+        self.installed = False
+        try:
+            wait_for(lambda: not self.pods() and not self.kubectl.json("get", "eap", "-A")["items"]
+                     and not self.kubectl.json("get", "statefulsets", "-n", NS)["items"], timeout=180, every=1,
+                     what="no pod, no policy, no StatefulSet")
+            containers = sh(DOCKER, "ps", "-q", "--filter", "name=k8s_").stdout.split()
+            procs = subprocess.run(["pgrep", "-u", str(POD_USER)], capture_output=True, text=True).stdout.split()
+            ok = not containers and not procs
+            detail = (f"no pod, no ExpertAutoscalingPolicy, no StatefulSet; running pod containers {len(containers)}, "
+                      f"processes of the pods' user {POD_USER}: {len(procs)}")
+        except AssertionError as err:
+            ok, detail = False, str(err)
+        self.checks.record("helm uninstall leaves no pod, no policy and no process", ok, detail,
+                           time.monotonic() - start)
+
+    def dump(self) -> None:
+        """What a failed run needs: pods, events, the pods' logs."""
+        if self.kubectl is None:
+            return
+        out = self.work / "logs"
+        out.mkdir(exist_ok=True)
+        for p in self.kubectl.json("get", "pods", "-n", NS)["items"] if self.kubectl else []:
+            name = p["metadata"]["name"]
+            (out / f"{name}.log").write_text(self.kubectl("logs", name, "-n", NS, "--tail=200", check=False).stdout)
+        (out / "events.txt").write_text(self.kubectl("get", "events", "-n", NS, check=False).stdout)
+        log(f"pod logs and events in {out}")
+
+    def cleanup(self) -> None:
+        if self.plane is None:
+            return
+        try:
+            if self.installed:
+                self.helm_cmd("uninstall", RELEASE, "-n", NS, "--timeout", "60s", check=False)
+        except Exception as err:  # noqa: BLE001 - go on stopping the rest
+            log(f"cleanup: helm uninstall: {err}")
+        for name in ("kubelet", "scheduler"):
+            self.plane._stop(name)
+        self.plane.stop()
+        ids = sh(DOCKER, "ps", "-aq", "--filter", "name=k8s_").stdout.split()
+        if ids:
+            subprocess.run([DOCKER, "rm", "-f", *ids], capture_output=True)
+        subprocess.run(f"mount | awk '{{print $3}}' | grep '^{self.work}/' | sort -r | xargs -r -n1 umount", shell=True)
+        log("stopped: kubelet, scheduler, control plane, pod containers")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ref", default="HEAD", help="git ref whose sources go into the image (default HEAD)")
+    parser.add_argument("--expert-hosts", default="", help="serving.expertHosts (default: the chart's)")
+    parser.add_argument("--keep", action="store_true", help="leave the cluster running after the checks (Ctrl-C stops it)")
+    args = parser.parse_args()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stop everything on the way out (the finally below)
+        signal.signal(sig, lambda *_: sys.exit(130))
+    run = Run(args)
+    code = 1
+    try:
+        code = run.run()
+    except BaseException as err:  # noqa: BLE001 - report, dump, clean up
+        if not isinstance(err, SystemExit):
+            log(f"ABORTED: {type(err).__name__}: {err}")
+        code = 1 if not isinstance(err, SystemExit) else (err.code or 1)
+    finally:
+        if not run.checks.ok or code:
+            try:
+                run.dump()
+            except Exception as err:  # noqa: BLE001
+                log(f"dump failed: {err}")
+        run.cleanup()
+    print("\nchecks:\n" + run.checks.summary(), flush=True)
+    ok = code == 0 and run.checks.ok
+    print(f"k8s_helm_e2e: {'every check passed' if ok else 'FAILED'} in {time.monotonic() - T0:.0f} s", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
