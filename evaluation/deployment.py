@@ -104,7 +104,9 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
     num_layers, num_experts = iterations[0].load.shape
     d = min(knobs.distance, num_layers - 1)
     slots = gpu_slots(profile, gpu, count, num_layers, num_experts)
-    cluster = Cluster.uniform(count, slots, profile.expert_bytes, min(num_experts * count, slots * count // num_layers))
+    # Replicas per layer: what the slots hold, a multiple of G (EPLB rounds its budget up to one).
+    cap = max(num_experts, min(num_experts * count, slots * count // num_layers) // count * count)
+    cluster = Cluster.uniform(count, slots, profile.expert_bytes, cap)
     forecasts = forecast_set(iterations, None, [d], top_k)
     neutral = memory_price(replace(knobs, memory_price=None), profile, num_layers, num_experts)
     price = memory_price(knobs, profile, num_layers, num_experts)
