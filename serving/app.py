@@ -42,7 +42,7 @@ class ServeConfig:
 
     model_name: str
     model_loader: Callable[[], Any]  # () -> MoEModel, called once per ModelServer replica
-    host_addresses: tuple[str, ...]
+    host_addresses: tuple[str, ...]  # fixed hosts (ignored with `pool`)
     placement: Placement | None = None  # default: static, one replica per expert
     num_replicas: int = 1
     replica_cpus: float = 0.5
@@ -64,6 +64,17 @@ class ServeConfig:
     profile: Any = None  # moeless.twin.profile.CostProfile
     predictor_file: str | None = None
     loop: tuple = ()  # (field, value) pairs of LoopSettings, e.g. (("period_s", 0.1),)
+    # The expert-host pool followed while serving (serving/pool_sources.py: a PoolSource, e.g. the
+    # policy's pods on Kubernetes); None: host_addresses, fixed. Read every pool_period_s.
+    pool: Any = None
+    pool_period_s: float = 1.0
+
+    @property
+    def pool_source(self):
+        """The PoolSource the app follows (host_addresses as a fixed one when `pool` is unset)."""
+        from moeless.serving.pool_sources import StaticSource
+
+        return self.pool if self.pool is not None else StaticSource(tuple(self.host_addresses))
 
     def __post_init__(self):
         if self.batching not in BATCHING:
@@ -96,12 +107,15 @@ class ModelServer:
             runtime = build_predictor(model, config.knobs.predictor, config.knobs.distance, config.predictor_file)
         model.drop_experts()
         spec = model.spec
-        self.clients = [ExpertHostClient(a, timeout_s=config.host_timeout_s, transport=config.transport)
-                        for a in config.host_addresses]
-        self.probes = [ExpertHostClient(a, timeout_s=2.0) for a in config.host_addresses]  # /healthz answers fast
+        from moeless.serving.pool_sources import follow_pool
+
+        self.pool, self.pool_follower = follow_pool(
+            config.pool_source, lambda a: ExpertHostClient(a, timeout_s=config.host_timeout_s, transport=config.transport),
+            config.pool_period_s)
+        self._probes: dict[str, Any] = {}  # address -> a client with a short timeout: /healthz answers fast
         self.source = PlacementSource(config.placement or Placement.static(spec.num_layers, spec.num_experts,
-                                                                             len(self.clients)))
-        self.executor = RemoteExecutor(self.clients, self.source)
+                                                                             self.pool.slots))
+        self.executor = RemoteExecutor(self.pool, self.source)
         self.follower = None
         if config.placement_board:
             from moeless.serving.placement_board import BoardFollower
@@ -201,15 +215,24 @@ class ModelServer:
             yield out
 
     def health(self) -> dict:
-        """Which expert hosts answer now."""
+        """Which expert hosts of the pool answer now (hosts: those in the pool or there but not
+        ready; pool: the slots in use; slots: the pool's size)."""
+        from moeless.expert_fn.client import ExpertHostClient
+
+        addresses = self.pool.addresses()
+        for gone in set(self._probes) - set(addresses.values()):
+            self._probes.pop(gone).close()
         live = []
-        for i, probe in enumerate(self.probes):
+        for slot, address in sorted(addresses.items()):
+            probe = self._probes.setdefault(address, ExpertHostClient(address, timeout_s=2.0))
             try:
                 probe.health()
-                live.append(i)
+                live.append(slot)
             except Exception:  # any failure means "not serving"; the reason is in the host's log
                 pass
-        return {"hosts": len(self.clients), "live_hosts": live, "dead_hosts": sorted(self.executor.dead_hosts),
+        not_ready = sorted(self.pool.not_ready())  # there but not serving: starting, dead, draining
+        return {"hosts": len(addresses) + len(not_ready), "slots": self.pool.slots, "pool": sorted(addresses),
+                "not_ready": not_ready, "live_hosts": live, "dead_hosts": sorted(self.executor.dead_hosts),
                 "draining": self._draining}
 
     def stats(self) -> dict:
@@ -219,7 +242,8 @@ class ModelServer:
                         "refused": self.scheduler.stats.refused, "busy_s": self.scheduler.stats.busy_s,
                         "decode_tokens": self.scheduler.stats.decode_tokens}
         return {**self.executor.times.as_dict(), "dead_hosts": sorted(self.executor.dead_hosts),
-                "placement_version": self.source.version, "local_channels": sum(c.uses_local_channel for c in self.clients),
+                "placement_version": self.source.version, "pool_version": self.pool.version,
+                "local_channels": sum(c.uses_local_channel for c in self.pool.clients().values()),
                 **batching}
 
 

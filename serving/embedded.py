@@ -3,7 +3,8 @@
 1. Load the model (the default one is built and cached on first use) and export its experts to a
    weight store in the cache directory (reused while the experts are unchanged).
 2. Start the expert hosts as local processes over that store (with MOELESS_EXPERT_HOSTS set:
-   use those hosts instead, started elsewhere, e.g. the Helm chart's pool).
+   use those hosts instead, started elsewhere, e.g. the Helm chart's pool). Serving follows the
+   pool (serving/pool_sources.py): the local hosts' supervisor publishes them to a pool file.
 3. Start local Ray (replicas with fractional CPUs), the Serve app and its planning loop (the
    knobs: planner, predictor, distance, keep-alive, ...; serving/plan_loop.py); print the URL. A
    supervisor restarts a local host that dies (with back-off); meanwhile the others serve its experts.
@@ -103,14 +104,15 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
     from moeless.controller.live import layer_cap_replicas, live_planner_name
     from moeless.knobs import Knobs
     from moeless.serving.app import ServeConfig, build_app
-    from moeless.serving.expert_hosts import HOSTS_ENV, expert_hosts
+    from moeless.serving.expert_hosts import HOSTS_ENV
     from moeless.serving.placement_board import BOARD_NAME
     from moeless.serving.plan_loop import LOOP_NAME, NAMESPACE
+    from moeless.serving.pool_sources import pool_source
     from moeless.serving.scheduler import BatchLimits
     from moeless.serving.shutdown import SIGNAL_NAME, drain_replicas
 
     knobs = knobs or Knobs()
-    remote = expert_hosts(os.environ[HOSTS_ENV]) if os.environ.get(HOSTS_ENV) else None
+    remote = pool_source(os.environ[HOSTS_ENV]) if os.environ.get(HOSTS_ENV) else None
     stop = _stop_on_signals()
     # 1. The model (its knobs checked) and its weight store.
     choice = choose_model(model)
@@ -127,7 +129,7 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
     store = None if remote else export_store(loaded, choice.name)
     del loaded  # the replicas load their own copy (without experts)
     # 2. Expert hosts: local ones kept running by the supervisor, or the remote ones given.
-    with _hosts(store, hosts, knobs.keep_alive_s, remote) as (addresses, supervisor):
+    with _hosts(store, hosts, knobs.keep_alive_s, remote) as (pool, supervisor):
         try:
             # 3. Ray and the app.
             ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
@@ -136,7 +138,7 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
             try:
                 port = port or free_port()
                 serve.start(http_options={"host": bind, "port": port})
-                config = ServeConfig(choice.name, choice.loader, tuple(addresses), num_replicas=replicas,
+                config = ServeConfig(choice.name, choice.loader, (), pool=pool, num_replicas=replicas,
                                      replica_cpus=0.5, ingress_cpus=0.25, batching=batching,
                                      limits=limits or BatchLimits(), max_batch=max_batch,
                                      placement_board=BOARD_NAME, drain_signal=SIGNAL_NAME, knobs=knobs,
@@ -182,18 +184,27 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
 
 
 @contextlib.contextmanager
-def _hosts(store: Path | None, count: int, keep_alive_s: float, remote: tuple[str, ...] | None):
-    """(addresses, supervisor or None): `count` local hosts over `store`, or the remote ones."""
+def _hosts(store: Path | None, count: int, keep_alive_s: float, remote):
+    """(the PoolSource serving follows, supervisor or None): `count` local hosts over `store`, published
+    by their supervisor to a pool file, or the remote pool given (a PoolSource)."""
     if remote:
-        print(f"using {len(remote)} expert hosts from $MOELESS_EXPERT_HOSTS: {', '.join(remote)}", flush=True)
+        fixed = getattr(remote, "addresses", None)
+        print(f"using {len(fixed)} expert hosts from $MOELESS_EXPERT_HOSTS: {', '.join(fixed)}" if fixed else
+              f"following the expert-host pool of $MOELESS_EXPERT_HOSTS ({remote.slots} slots): {remote}", flush=True)
         yield remote, None
         return
+    import tempfile
+
     from moeless.expert_fn.launcher import launch_local_hosts
+    from moeless.serving.pool_sources import FileSource, write_members
     from moeless.serving.supervisor import HostSupervisor
 
     print(f"starting {count} expert hosts over {store} ...", flush=True)
-    with launch_local_hosts(count, store, keep_alive_s=keep_alive_s) as group:
-        yield group.addresses, HostSupervisor(group)
+    with launch_local_hosts(count, store, keep_alive_s=keep_alive_s) as group, \
+            tempfile.TemporaryDirectory(prefix="moeless-pool-") as tmp:
+        path = str(Path(tmp, "pool.json"))
+        supervisor = HostSupervisor(group, publish=functools.partial(write_members, path, count))
+        yield FileSource(path, count), supervisor
 
 
 def _stop_on_signals(stop: threading.Event | None = None) -> threading.Event:

@@ -5,6 +5,11 @@ tokens to the hosts that hold the experts' replicas, one packed call per host, a
 parallel (each client's submit returns at once: shared memory for hosts on this machine, a gRPC
 future otherwise), then gather and combine with the gate weights (moeless.serving.scatter).
 
+The hosts are a HostPool (serving/host_pool.py): slot i is GPU i of the placement; a slot with no
+ready host in it (scaled in, draining, not started yet) is treated like a dead host, and a host
+that joins the pool is called from the next layer on. Each layer call takes the pool's clients
+once, so a call in flight when the pool changes completes on the hosts it started with.
+
 Faults: an ExpertHostUnavailable marks that host dead and the layer is re-run with the dead
 hosts' replicas moved to live hosts (they load there on demand, a cold start). A dead host is
 probed again every `probe_after_s` and rejoins once it answers (after a restart). When no host
@@ -24,6 +29,7 @@ import torch
 from moeless.expert_fn.errors import ExpertHostUnavailable
 from moeless.expert_fn.packed import Pending
 from moeless.model.interface import Routing
+from moeless.serving.host_pool import HostPool
 from moeless.placement.types import LayerPlacement
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.scatter import evacuate, gather, plan_scatter
@@ -84,22 +90,29 @@ class LayerCall:
 
 
 class RemoteExecutor:
-    """ExpertExecutor over expert hosts; host i of `clients` is GPU i of the placement."""
+    """ExpertExecutor over expert hosts: a HostPool, or a fixed list (client i is GPU i of the placement)."""
 
-    def __init__(self, clients: Sequence[HostClient], source: PlacementSource, *, probe_after_s: float = 1.0,
+    def __init__(self, clients: Sequence[HostClient] | HostPool, source: PlacementSource, *, probe_after_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, relevel: Relevel | None = None):
-        if len(clients) != source.placement.num_gpus:
-            raise ValueError(f"the placement spans {source.placement.num_gpus} expert hosts but "
-                             f"{len(clients)} clients were given; pass one client per host")
-        self.clients = list(clients)
+        self.pool = clients if isinstance(clients, HostPool) else HostPool.fixed(list(clients))
+        if self.pool.slots != source.placement.num_gpus:
+            raise ValueError(f"the placement spans {source.placement.num_gpus} expert hosts but the pool has "
+                             f"{self.pool.slots} slots; pass one client per host (a pool: one slot per host)")
+        self.num_hosts = self.pool.slots
         self.source = source
         self.probe_after_s = probe_after_s
         self.clock = clock
         self.times = LayerTimes()
         self.relevel = relevel  # shares re-levelled per call on the layer's actual loads (the live loop)
         self.last_call: LayerCall | None = None  # the last layer call's figures (the live loop reports them)
-        self._dead: dict[int, float] = {}  # host -> when it was marked dead
+        self._dead: dict[int, tuple[float, HostClient]] = {}  # slot -> (when marked dead, the client that failed)
         self._lock = threading.Lock()
+
+    @property
+    def clients(self) -> list[HostClient | None]:
+        """Per slot, the client of its ready host now (None: the slot is empty)."""
+        now = self.pool.clients()
+        return [now.get(i) for i in range(self.num_hosts)]
 
     @property
     def dead_hosts(self) -> set[int]:
@@ -110,23 +123,24 @@ class RemoteExecutor:
         """x: [T, H] -> [T, H], sum_j weight[t, j] * expert(layer, idx[t, j])(x[t]), on the hosts."""
         self._probe_dead()
         while True:  # each failure marks more live hosts dead; evacuate raises once none is left
+            clients = self.pool.clients()  # this call's hosts, whatever the pool does meanwhile
             try:
-                return self._run_once(layer, x, routing)
+                return self._run_once(layer, x, routing, clients)
             except _HostsDown as down:
                 with self._lock:
-                    self._dead.update({h: self.clock() for h in down.hosts})
+                    self._dead.update({h: (self.clock(), clients[h]) for h in down.hosts})
                 self.times.retries += 1
 
     def close(self) -> None:
         """Nothing of its own to release (the clients belong to the caller)."""
 
-    def _run_once(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        # 1. The placement of this iteration, with dead hosts' replicas moved to live ones.
+    def _run_once(self, layer: int, x: torch.Tensor, routing: Routing, clients: dict[int, HostClient]) -> torch.Tensor:
+        # 1. The placement of this iteration, with the replicas of dead hosts and empty slots moved to live ones.
         start = time.perf_counter()
         placement = self.source.layer(layer)
-        dead = self.dead_hosts
+        dead = self.dead_hosts | (set(range(self.num_hosts)) - set(clients))
         if dead:
-            placement = evacuate(placement, dead, len(self.clients))
+            placement = evacuate(placement, dead, self.num_hosts)
         if self.relevel is not None:
             placement = self.relevel(layer, placement, routing)
         if x.shape[0] == 0:
@@ -140,7 +154,7 @@ class RemoteExecutor:
         try:
             for h, batch in plan.hosts.items():
                 try:
-                    pending[h] = self.clients[h].submit(layer, batch.experts, batch.counts, x32, batch.rows)
+                    pending[h] = clients[h].submit(layer, batch.experts, batch.counts, x32, batch.rows)
                 except ExpertHostUnavailable:
                     down.append(h)
         finally:
@@ -175,18 +189,23 @@ class RemoteExecutor:
         return out
 
     def _probe_dead(self) -> None:
-        """Ask hosts dead for at least probe_after_s whether they are back (a restart)."""
+        """Ask hosts dead for at least probe_after_s whether they are back (a restart). A dead
+        slot that the pool emptied or gave a new client (a new address) is no longer watched."""
         now = self.clock()
         with self._lock:
-            dead = sorted(self._dead.items())
-        for host, since in dead:
+            dead = sorted(self._dead.items(), key=lambda item: item[0])
+        for host, (since, client) in dead:
+            if self.pool.client(host) is not client:
+                with self._lock:
+                    self._dead.pop(host, None)
+                continue
             if now - since < self.probe_after_s:
                 continue
             try:
-                self.clients[host].status()
+                client.status()
             except ExpertHostUnavailable:
                 with self._lock:
-                    self._dead[host] = now
+                    self._dead[host] = (now, client)
                 continue
             with self._lock:
                 self._dead.pop(host, None)

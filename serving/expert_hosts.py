@@ -8,7 +8,8 @@ DNS names each one (NAME-hosts-i.NAME-hosts.<namespace>.svc..., served for rever
 Such a pod is used by that name, in ordinal order: host i is pod i, as the operator counts them,
 and a pod that restarts with a new address is found again when gRPC re-resolves its name. Where
 an address has no such name (no reverse record, or one outside NAME), the addresses are used,
-sorted, so every serving replica still numbers the hosts alike.
+sorted, so every serving replica still numbers the hosts alike. Either list is fixed once read;
+a pool followed while serving (hosts joining and leaving) is `k8s://...` (serving/pool_sources.py).
 """
 
 from __future__ import annotations

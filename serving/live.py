@@ -6,7 +6,7 @@ per layer (moeless's planners), a LiveExecutor around it forecasts and reports e
 the first replica creates (serving/plan_loop.py). `loop_health` turns what the ingress last
 heard from the loop into /healthz's words. `config_from_args` builds a ServeConfig from Ray
 Serve's `args` (a RayService's import path, `app.app_from_args`), its hosts read by
-serving/expert_hosts.py.
+serving/pool_sources.py (a fixed list, or a pool followed while serving).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     spec, knobs = model.spec, config.knobs
     knobs.check_for_model(spec.num_layers)
     non_expert = sum(p.numel() * p.element_size() for p in model.hf.parameters())
-    settings = LoopSettings(hosts=tuple(config.host_addresses), num_layers=spec.num_layers,
+    settings = LoopSettings(hosts=tuple(config.host_addresses), pool=config.pool_source, num_layers=spec.num_layers,
                             num_experts=spec.num_experts, knobs=knobs, profile=profile, board=config.placement_board,
                             hidden_size=spec.hidden_size, non_expert_bytes=non_expert, replicas=config.num_replicas,
                             **dict(config.loop))
@@ -75,13 +75,15 @@ def loop_health(state: dict | None, seen_s: float | None, now_s: float, answered
 
 def config_from_args(args: Mapping[str, Any]):
     """A ServeConfig from Ray Serve's application args: {"config": knobs YAML file (optional),
-    "model": "default" | "tiny:ARCH" | DIR (default "default"), "hosts": "host:port,..." (default:
-    $MOELESS_EXPERT_HOSTS), "replicas": serving replicas (default 1)}; the loop runs as in
+    "model": "default" | "tiny:ARCH" | DIR (default "default"), "hosts": "host:port,..." or a pool
+    such as "k8s://NS/POLICY:PORT?slots=N" (default: $MOELESS_EXPERT_HOSTS; serving/pool_sources.py),
+    "replicas": serving replicas (default 1)}; the loop runs as in
     `moeless serve`. Raises KnobError for a bad value (the message names it)."""
     from moeless.serving.app import ServeConfig
     from moeless.serving.embedded import choose_model
-    from moeless.serving.expert_hosts import HOSTS_ENV, expert_hosts
+    from moeless.serving.expert_hosts import HOSTS_ENV
     from moeless.serving.placement_board import BOARD_NAME
+    from moeless.serving.pool_sources import StaticSource, pool_source
     from moeless.serving.plan_loop import LOOP_NAME
 
     unknown = sorted(set(args) - {"config", "model", "hosts", "replicas"})
@@ -92,5 +94,8 @@ def config_from_args(args: Mapping[str, Any]):
     if not hosts:
         raise KnobError(f"no expert hosts: pass args.hosts or set {HOSTS_ENV} (host:port[,host:port...])")
     choice = choose_model(str(args.get("model", "default")))
-    return ServeConfig(choice.name, choice.loader, expert_hosts(str(hosts)), num_replicas=int(args.get("replicas", 1)),
-                       placement_board=BOARD_NAME, knobs=knobs, plan_loop=LOOP_NAME)
+    source = pool_source(str(hosts))
+    fixed = isinstance(source, StaticSource)
+    return ServeConfig(choice.name, choice.loader, source.addresses if fixed else (), pool=None if fixed else source,
+                       num_replicas=int(args.get("replicas", 1)), placement_board=BOARD_NAME, knobs=knobs,
+                       plan_loop=LOOP_NAME)

@@ -7,6 +7,10 @@
         --> Load RPCs (prefetch) to the hosts
         --> the loaded replicas of the plan on the placement board --> every serving replica
 
+The hosts are the serving replicas' pool (serving/pool_sources.py), followed the same way: a slot
+with no ready host (scaled in, draining, not started) counts as down, so every pass plans over the
+ready hosts only, and a host that joins is planned for on the next pass.
+
 The decisions are pure functions (controller/live.py); this module only does the talking: Status
 and Load RPCs to the hosts, publishing on the board, a heartbeat (/healthz reports a loop whose
 heartbeat is older than stall_s), and the figures /metrics and `moeless bench live` read.
@@ -20,6 +24,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
 import numpy as np
 import ray
 
@@ -35,7 +41,8 @@ LOOP_NAME = "moeless-plan-loop"
 
 @dataclass(frozen=True)
 class LoopSettings:
-    """What the loop plans for: the hosts (index = the placement's GPU id), the model's shape,
+    """What the loop plans for: the hosts (index = the placement's GPU id; `pool`, a PoolSource,
+    when the pool is followed, read every pool_period_s), the model's shape,
     the knobs, the cost profile (None: measured on host 0 at start, serving/calibrate.py), the
     board to publish on; period_s: seconds between passes (a pass plans when reports came in or
     loads are pending, else only refreshes what the hosts hold every idle_s; without traffic in the
@@ -60,6 +67,9 @@ class LoopSettings:
     stall_s: float = 3.0
     status_timeout_s: float = 1.0
     planner_extra: dict = field(default_factory=dict)
+    pool: Any = None  # a PoolSource (serving/pool_sources.py); None: `hosts`, fixed
+    pool_period_s: float = 1.0
+    first_host_wait_s: float = 60.0  # measuring the profile needs a ready host: how long to wait for one
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -69,17 +79,21 @@ class PlanLoop:
     def __init__(self, settings: LoopSettings):
         from moeless.controller.live import is_stateful, layer_cap_replicas, live_planner_name, memory_price
         from moeless.expert_fn.client import ExpertHostClient
+        from moeless.serving.pool_sources import StaticSource, follow_pool
 
-        self.clients = [ExpertHostClient(a, timeout_s=settings.status_timeout_s) for a in settings.hosts]
+        self.pool, self.follower = follow_pool(settings.pool or StaticSource(tuple(settings.hosts)),
+                                               lambda a: ExpertHostClient(a, timeout_s=settings.status_timeout_s),
+                                               settings.pool_period_s)
+        num_hosts = self.pool.slots
         self.host_call_s = 0.0  # a host call's fixed cost, when the profile was measured here
         if settings.profile is None:
             from dataclasses import replace
 
             from moeless.serving.calibrate import calibrate_host
 
-            with ExpertHostClient(settings.hosts[0], timeout_s=60) as client:
+            with ExpertHostClient(self._first_host(settings.first_host_wait_s), timeout_s=60) as client:
                 costs = calibrate_host(client, settings.hidden_size, settings.non_expert_bytes, settings.num_experts,
-                                       len(settings.hosts))
+                                       num_hosts)
             settings, self.host_call_s = replace(settings, profile=costs.profile), costs.host_call_s
         self.s = settings
         self.name = live_planner_name(settings.knobs)
@@ -101,14 +115,14 @@ class PlanLoop:
         self._fresh = False  # reports came in since the last planning pass
         self._pending_loads = False  # the last pass sent loads (publish them once loaded)
         self._refreshed = 0.0  # when the hosts were last read
-        self._memory = np.zeros(len(settings.hosts))  # each host's last known replica memory
+        self._memory = np.zeros(num_hosts)  # each host's last known replica memory
         self.counts = {"passes": 0, "plans": 0, "publishes": 0, "loads_sent": 0, "errors": 0, "reports": 0}
         self.plan_s = {"last": 0.0, "sum": 0.0}
         self.last_error = ""
-        self.hosts_live: list[bool] = [True] * len(settings.hosts)
-        self.host_meters: list[dict] = [{} for _ in settings.hosts]
+        self.hosts_live: list[bool] = [True] * num_hosts
+        self.host_meters: list[dict] = [{} for _ in range(num_hosts)]
         self.resident_replicas = 0
-        self._gb_s = _Accumulated(len(settings.hosts))
+        self._gb_s = _Accumulated(num_hosts)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="plan-loop", daemon=True)
         self._thread.start()
@@ -175,8 +189,19 @@ class PlanLoop:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        for client in self.clients:
-            client.close()
+        self.follower.close()
+        self.pool.close()
+
+    def _first_host(self, wait_s: float) -> str:
+        """The address of the lowest ready slot, waiting up to wait_s for one (a pool at zero)."""
+        deadline = time.monotonic() + wait_s
+        while not (addresses := self.pool.addresses()):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"no expert host became ready within {wait_s:g} s to measure the cost profile "
+                                   "on; start one (or pass a profile)")
+            time.sleep(self.follower.period_s)
+            self.follower.sync()
+        return addresses[min(addresses)]
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -212,7 +237,7 @@ class PlanLoop:
             return
         self._refreshed = time.monotonic()
         # 1. What the hosts hold (the truth of what is resident), their meters.
-        statuses = [self._status(i) for i in range(len(self.clients))]
+        statuses = [self._status(i) for i in range(self.pool.slots)]  # an empty slot: None, planned around
         view = HostView.from_status(statuses, s.num_layers, s.num_experts)
         self._memory = np.where(view.live, view.memory, self._memory)
         with self._lock:
@@ -251,8 +276,11 @@ class PlanLoop:
             return
         # 3. Prefetch what the plan needs; 4. publish what is loaded.
         for layer, expert, host in decision.loads:
+            client = self.pool.client(host)
             try:
-                self.clients[host].load(layer, expert, wait=False)
+                if client is None:
+                    raise RuntimeError("it left the pool")
+                client.load(layer, expert, wait=False)
             except Exception as err:  # the host went away meanwhile: planned around next pass
                 log.warning("load of (layer %d, expert %d) on host %d failed: %s", layer, expert, host, err)
         self._pending_loads = bool(decision.loads)
@@ -301,8 +329,11 @@ class PlanLoop:
         return self._planner
 
     def _status(self, i: int) -> dict | None:
+        client = self.pool.client(i)
+        if client is None:  # no ready host in this slot
+            return None
         try:
-            return self.clients[i].status()
+            return client.status()
         except Exception:  # unreachable, draining, too slow: planned around for this pass
             return None
 

@@ -2,9 +2,13 @@
 
 A supervisor thread checks the local host processes every `check_s`; a dead one is restarted
 on its address after a delay that doubles with each failure in a row (0.5 s, 1 s, 2 s ... up
-to `max_delay_s`), and the count resets once a host has stayed up for `stable_s`. The serving
-path needs no notice: RemoteExecutor marks the host dead on its first failed call, moves its
-replicas to live hosts meanwhile (/healthz says "degraded"), probes it again and lets it re-join.
+to `max_delay_s`), and the count resets once a host has stayed up for `stable_s`.
+
+It publishes the pool's members (`publish`, e.g. pool_sources.write_members to the file every
+serving replica and the planning loop follow; serving/host_pool.py): a dead host leaves the pool
+at once, so no new call goes to it and the planning loop plans without it, and it re-joins once
+restarted, at its address then. (A call that reached it before that fails over as well:
+RemoteExecutor marks it dead and moves its replicas to live hosts meanwhile.)
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import logging
 import threading
 import time
 from typing import Callable
+
+from moeless.serving.host_pool import Member
 
 log = logging.getLogger(__name__)
 
@@ -23,17 +29,22 @@ def backoff_delay(failures: int, base_s: float = 0.5, max_delay_s: float = 30.0)
 
 
 class HostSupervisor:
-    """Keeps the hosts of a LocalHostGroup running (restarts: `restarts` per host)."""
+    """Keeps the hosts of a LocalHostGroup running (restarts: `restarts` per host) and publishes
+    which of them take calls (`publish(members)`, called when that changes)."""
 
     def __init__(self, group, check_s: float = 0.2, base_s: float = 0.5, max_delay_s: float = 30.0,
-                 stable_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+                 stable_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 publish: Callable[[list[Member]], None] | None = None):
         self.group = group
+        self.publish = publish
+        self._published: list[Member] | None = None
         self.check_s, self.base_s, self.max_delay_s, self.stable_s = check_s, base_s, max_delay_s, stable_s
         self.clock = clock
         self.restarts = [0] * len(group)
         self._failures = [0] * len(group)  # restarts in a row without a stable run
         self._up_since = [clock()] * len(group)
         self._due: dict[int, float] = {}  # host -> when to restart it
+        self._publish()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="host-supervisor", daemon=True)
         self._thread.start()
@@ -47,6 +58,23 @@ class HostSupervisor:
         while not self._stop.wait(self.check_s):
             for i in range(len(self.group)):
                 self._check(i)
+            self._publish()
+
+    def members(self) -> list[Member]:
+        """Every local host, ready while its process runs."""
+        return [Member(i, address, self.group.alive(i)) for i, address in enumerate(self.group.addresses)]
+
+    def _publish(self) -> None:
+        if self.publish is None:
+            return
+        members = self.members()
+        if members != self._published:
+            try:
+                self.publish(members)
+            except OSError as err:  # e.g. a full disk: retried on the next check
+                log.error("publishing the expert-host pool failed: %s", err)
+                return
+            self._published = members
 
     def _check(self, i: int) -> None:
         now = self.clock()

@@ -67,3 +67,27 @@ def test_a_dead_host_is_restarted_after_a_growing_delay_that_resets_once_stable(
     clock.now += 100
     _settle()
     assert not group.up[0]  # a stopped supervisor restarts nothing (shutdown)
+
+
+def test_the_supervisor_publishes_a_dead_host_leaving_and_rejoining_the_pool(tmp_path):
+    """A dead host leaves the pool at once (no new calls), and re-joins once restarted; published to
+    the pool file the serving replicas follow (pool_sources.FileSource)."""
+    from moeless.serving.host_pool import Member
+    from moeless.serving.pool_sources import FileSource, write_members
+
+    group, clock = FakeGroup(2), FakeClock()
+    group.addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+    path = tmp_path / "pool.json"
+    supervisor = HostSupervisor(group, check_s=0.005, base_s=1.0, clock=clock,
+                                publish=lambda members: write_members(path, 2, members))
+    source = FileSource.open(str(path))
+    try:
+        assert source.members() == [Member(0, "127.0.0.1:1"), Member(1, "127.0.0.1:2")]
+        group.up[1] = False
+        _settle()
+        assert source.members()[1] == Member(1, "127.0.0.1:2", ready=False)
+        clock.now += 1.01
+        _settle()
+        assert group.restarted == [1] and source.members()[1].ready
+    finally:
+        supervisor.stop()

@@ -1,0 +1,135 @@
+"""Serving follows the expert-host pool through a real API server, calling real expert-host processes.
+
+Pods labelled as the policy's StatefulSet pods are created in the API server (no node: a test
+marks one Ready through the status subresource, at the address of a real expert host serving a
+tiny model's experts); a RemoteExecutor over a HostPool that follows KubePodSource runs forwards
+the whole time. A pod that joins is called without restarting anything; a pod recreated at a new
+address (a restarted StatefulSet pod) is reached there; a pod that starts terminating gets no new
+call, while forwards running across every change equal the unmodified model's outputs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from kubernetes import client, config
+
+from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.model.tiny import tiny_model
+from moeless.model.weight_store import export_experts
+from moeless.serving.executor import RemoteExecutor
+from moeless.serving.placement_source import PlacementSource
+from moeless.serving.pool_sources import KubePodSource, follow_pool
+
+from k8s_support import wait_for
+
+pytestmark = pytest.mark.k8s
+NS, POLICY, SLOTS = "pool", "tiny", 3
+FINALIZER = "moeless.io/test-drain"  # holds a deleted pod in Terminating, as a draining host's grace period does
+
+
+@pytest.fixture(scope="module")
+def core(cluster, kubectl):
+    kubectl("create", "namespace", NS)
+    return client.CoreV1Api(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
+
+
+@pytest.fixture(scope="module")
+def model_and_hosts(tmp_path_factory):
+    """The tiny model and three real expert hosts over its exported experts (A, B, C)."""
+    model = tiny_model("mixtral", 0)
+    spec = model.spec
+    root = tmp_path_factory.mktemp("tiny-store")
+    export_experts(model.iter_experts(), root, model="tiny-mixtral", num_layers=spec.num_layers,
+                   num_experts=spec.num_experts, act=spec.act)
+    with launch_local_hosts(3, root, keep_alive_s=600.0, metrics=False) as group:
+        yield model, group.addresses
+
+
+def create_pod(core, ordinal: int, address: str) -> None:
+    """Pod POLICY-hosts-ORDINAL declaring `address`'s port as its grpc port, Ready at 127.0.0.1."""
+    name, port = f"{POLICY}-hosts-{ordinal}", int(address.rpartition(":")[2])
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "finalizers": [FINALIZER],
+                        "labels": {"moeless.io/policy": POLICY, "app.kubernetes.io/component": "expert-host"}},
+           "spec": {"containers": [{"name": "expert-host", "image": "moeless:test",
+                                    "ports": [{"name": "grpc", "containerPort": port}]}]}}
+    wait_for(lambda: _try(core.create_namespaced_pod, NS, pod), what="pod creation (default service account)")
+    core.patch_namespaced_pod_status(name, NS, {"status": {
+        "phase": "Running", "podIP": "127.0.0.1",
+        "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2024-01-01T00:00:00Z"}]}})
+
+
+def delete_pods(core, *names: str) -> None:
+    """Delete pods and let them go (their finalizer removed); wait until they are gone."""
+    for name in names:
+        core.delete_namespaced_pod(name, NS)
+        core.patch_namespaced_pod(name, NS, {"metadata": {"finalizers": None}})
+    wait_for(lambda: not {p.metadata.name for p in core.list_namespaced_pod(NS).items} & set(names), what="pods gone")
+
+
+def _try(call, *args) -> bool:
+    try:
+        call(*args)
+        return True
+    except client.ApiException as err:
+        if err.status == 403:  # the namespace's default service account is not there yet
+            return False
+        raise
+
+
+def invocations(address: str) -> int:
+    with ExpertHostClient(address, timeout_s=10) as c:
+        return c.status()["meters"]["invocations"]
+
+
+def test_a_running_executor_follows_pods_joining_restarting_and_draining(cluster, core, model_and_hosts):
+    model, (a, b, c) = model_and_hosts
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    reference = model.forward(ids).logits
+    model.drop_experts()
+    spec = model.spec
+    create_pod(core, 0, a)
+    source = KubePodSource(NS, POLICY, port=1, slots=SLOTS, kubeconfig=str(cluster.kubeconfig))
+    pool, follower = follow_pool(source, lambda address: ExpertHostClient(address, timeout_s=30), period_s=0.1,
+                                 retire_s=5.0)
+    executor = RemoteExecutor(pool, PlacementSource.static(spec.num_layers, spec.num_experts, SLOTS))
+    outputs, stop = [], threading.Event()
+
+    def serve() -> None:  # forwards the whole time, across every change of the pool
+        while not stop.is_set():
+            outputs.append(model.forward(ids, executor=executor).logits)
+
+    runner = threading.Thread(target=serve)
+    try:
+        assert pool.addresses() == {0: a}
+        runner.start()
+        wait_for(lambda: len(outputs) >= 2, what="forwards on pod 0 alone")
+        # 1. Scale-out: pod 1 (host B) becomes Ready and is called, nothing restarted.
+        create_pod(core, 1, b)
+        wait_for(lambda: invocations(b) > 0, what="host B called after its pod joined")
+        # 2. Pod 1 restarted at a new address (host C): C is called, B no more.
+        delete_pods(core, f"{POLICY}-hosts-1")
+        create_pod(core, 1, c)
+        wait_for(lambda: pool.addresses() == {0: a, 1: c}, what="pod 1 re-resolved")
+        seen_b = invocations(b)
+        wait_for(lambda: invocations(c) > 0, what="host C called at pod 1's new address")
+        # 3. Scale-in: pod 1 starts terminating (draining): no new call reaches it.
+        core.delete_namespaced_pod(f"{POLICY}-hosts-1", NS)
+        wait_for(lambda: pool.addresses() == {0: a}, what="pod 1 out of the pool")
+        done, seen_c = len(outputs), invocations(c)
+        wait_for(lambda: len(outputs) >= done + 3, what="forwards after the scale-in")
+        assert invocations(c) <= seen_c + 1  # at most the one layer call in flight when the pod left
+        assert invocations(b) == seen_b
+    finally:
+        stop.set()
+        runner.join(30)
+        follower.close()
+        pool.close()
+        delete_pods(core, *(p.metadata.name for p in core.list_namespaced_pod(NS).items))
+    assert len(outputs) >= 8 and executor.dead_hosts == set()
+    for logits in outputs:  # every forward, whatever the pool did meanwhile, equals the unmodified model's
+        torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
