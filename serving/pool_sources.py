@@ -15,7 +15,7 @@ where it is (podIP, new after a restart), whether it takes calls (its Ready cond
 follows the host's /readyz, 503 while starting and while draining) and whether it is going away
 (deletionTimestamp, set when scale-in or a delete begins, before the host drains). DNS says none
 of the last two and is cached; the ConfigMap is written once per operator pass and only lists what
-is resident. The serving pod needs `get`/`list` on pods in the namespace. N = the policy's
+is resident. The serving pod needs `list` on pods in the namespace. N = the policy's
 `hosts.maxHosts`: pods with a higher ordinal are not used (a warning) until serving restarts.
 """
 

@@ -5,11 +5,13 @@ marks one Ready through the status subresource, at the address of a real expert 
 tiny model's experts); a RemoteExecutor over a HostPool that follows KubePodSource runs forwards
 the whole time. A pod that joins is called without restarting anything; a pod recreated at a new
 address (a restarted StatefulSet pod) is reached there; a pod that starts terminating gets no new
-call, while forwards running across every change equal the unmodified model's outputs.
+call, while forwards running across every change equal the unmodified model's outputs. The source
+reads the pods with a service account that may only list pods: the RBAC a serving pod needs.
 """
 
 from __future__ import annotations
 
+import base64
 import threading
 
 import pytest
@@ -24,7 +26,7 @@ from moeless.serving.executor import RemoteExecutor
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.pool_sources import KubePodSource, follow_pool
 
-from k8s_support import wait_for
+from k8s_support import kubeconfig, wait_for
 
 pytestmark = pytest.mark.k8s
 NS, POLICY, SLOTS = "pool", "tiny", 3
@@ -47,6 +49,29 @@ def model_and_hosts(tmp_path_factory):
                    num_experts=spec.num_experts, act=spec.act)
     with launch_local_hosts(3, root, keep_alive_s=600.0, metrics=False) as group:
         yield model, group.addresses
+
+
+@pytest.fixture(scope="module")
+def reader_kubeconfig(cluster, core, tmp_path_factory):
+    """A kubeconfig of service account pool-reader, bound to a Role that may only list pods."""
+    rbac = client.RbacAuthorizationV1Api(core.api_client)
+    core.create_namespaced_service_account(NS, {"metadata": {"name": "pool-reader"}})
+    rbac.create_namespaced_role(NS, {"metadata": {"name": "pool-reader"},
+                                     "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]})
+    rbac.create_namespaced_role_binding(NS, {
+        "metadata": {"name": "pool-reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pool-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "pool-reader", "namespace": NS}]})
+
+    def token():
+        for secret in core.list_namespaced_secret(NS).items:
+            if (secret.metadata.annotations or {}).get("kubernetes.io/service-account.name") == "pool-reader":
+                return base64.b64decode(secret.data["token"]).decode()
+
+    path = tmp_path_factory.mktemp("pool-reader") / "kubeconfig"
+    path.write_text(kubeconfig(cluster.server, cluster.run_dir / "certs" / "apiserver.crt",
+                               wait_for(token, what="pool-reader's token"), namespace=NS))
+    return path
 
 
 def create_pod(core, ordinal: int, address: str) -> None:
@@ -86,14 +111,14 @@ def invocations(address: str) -> int:
         return c.status()["meters"]["invocations"]
 
 
-def test_a_running_executor_follows_pods_joining_restarting_and_draining(cluster, core, model_and_hosts):
+def test_a_running_executor_follows_pods_joining_restarting_and_draining(reader_kubeconfig, core, model_and_hosts):
     model, (a, b, c) = model_and_hosts
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     reference = model.forward(ids).logits
     model.drop_experts()
     spec = model.spec
     create_pod(core, 0, a)
-    source = KubePodSource(NS, POLICY, port=1, slots=SLOTS, kubeconfig=str(cluster.kubeconfig))
+    source = KubePodSource(NS, POLICY, port=1, slots=SLOTS, kubeconfig=str(reader_kubeconfig))
     pool, follower = follow_pool(source, lambda address: ExpertHostClient(address, timeout_s=30), period_s=0.1,
                                  retire_s=5.0)
     executor = RemoteExecutor(pool, PlacementSource.static(spec.num_layers, spec.num_experts, SLOTS))
