@@ -152,6 +152,12 @@ def _phase_figures(rec, mask) -> dict:
             "resident": float(rec.resident[m].mean())} if m.any() else {"iterations": 0}
 
 
+def recommend(knob_rows: list[dict]) -> dict:
+    """The knob row with the least total MoE-layer time (its GB·s is reported beside it: on GPUs
+    rented whole, memory inside their HBM is already paid for)."""
+    return min(knob_rows, key=lambda r: r["total_s"])
+
+
 def cell_doc(iterations, records: dict, bounds: dict[str, np.ndarray], knob_rows: list, profile, top_k: int, facts: dict) -> dict:
     """The cell's figures: per case and phase (_phase_figures), each bound's ([I, L]) mean and p99 per phase,
     the knob rows and the recommended knobs, and moeless's gain against batch tokens (binned)."""
@@ -169,9 +175,7 @@ def cell_doc(iterations, records: dict, bounds: dict[str, np.ndarray], knob_rows
     which = np.clip(np.digitize(tokens, edges) - 1, 0, GAIN_BINS - 1)
     gain = [{"tokens": float(np.sqrt(edges[b] * edges[b + 1])), "iterations": int((which == b).sum()),
              "gain": float(1 - own[which == b].sum() / static[which == b].sum())} for b in range(GAIN_BINS) if (which == b).any()]
-    st = cases["static"]["all"]
-    fits = [r for r in knob_rows if r["gb_s_resident"] <= 1.05 * st["gb_s_resident"]] or knob_rows[:1]
-    best = min(fits, key=lambda r: r["total_s"])
+    best = recommend(knob_rows)
     return {"cases": cases, **bound_figures, "knobs": knob_rows,
             "recommended": {"price_factor": best["price_factor"], "memory_price": best["memory_price"], "keep_alive_s": best["keep_alive_s"]},
             "gain_by_tokens": gain, "knee_tokens_per_call": profile.call_overhead / profile.alpha if profile.alpha else None,
