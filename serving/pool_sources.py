@@ -124,7 +124,7 @@ def pod_member(pod: dict, port: int, host_network: bool = False) -> Member | Non
     return Member(int(ordinal), f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}", ready)
 
 
-_clients: dict[str | None, object] = {}
+_api_clients: dict[str | None, object] = {}
 
 
 def _api_client(kubeconfig: str | None):
@@ -132,13 +132,13 @@ def _api_client(kubeconfig: str | None):
     from kubernetes import client, config
 
     path = kubeconfig or os.environ.get("KUBECONFIG")
-    if path not in _clients:
+    if path not in _api_clients:
         if path:
-            _clients[path] = config.new_client_from_config(config_file=path)
+            _api_clients[path] = config.new_client_from_config(config_file=path)
         else:
             config.load_incluster_config()
-            _clients[path] = client.ApiClient()
-    return _clients[path]
+            _api_clients[path] = client.ApiClient()
+    return _api_clients[path]
 
 
 def pool_source(value: str) -> PoolSource:

@@ -168,3 +168,13 @@ def test_pool_source_parses_each_form(tmp_path):
     write_members(path, 4, [Member(0, "a:1"), Member(3, "d:1", ready=False)])
     source = pool_source(f"file://{path}")
     assert source == FileSource(str(path), 4) and source.members() == [Member(0, "a:1"), Member(3, "d:1", False)]
+
+
+def test_app_args_and_serve_config_take_a_pool():
+    from moeless.serving.live import config_from_args
+
+    config = config_from_args({"hosts": "k8s://moeless/smollm:50051?slots=4", "model": "tiny:mixtral"})
+    assert config.pool == KubePodSource("moeless", "smollm", 50051, 4) and config.host_addresses == ()
+    assert config.pool_source.slots == 4
+    fixed = config_from_args({"hosts": "a:1,b:2", "model": "tiny:mixtral"})
+    assert fixed.pool is None and fixed.pool_source == StaticSource(("a:1", "b:2"))
