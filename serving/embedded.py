@@ -241,7 +241,8 @@ def _print_loop_summary(static_replicas: int) -> None:
     did = (f"added {added} replicas beyond static EP's {static_replicas}" if added else
            f"stayed on static EP's {static_replicas} replicas: no extra replica paid for its cold start")
     print(f"planning loop: {m['passes']} passes over {m['reports']} iteration reports, {did}; "
-          f"{m['cold_starts']} cold starts ({m['cold_exposed_s']:.2f} s exposed); memory held "
+          f"{m['cold_starts']} replica loads from the store, the static replicas' first ones included "
+          f"({m['cold_exposed_s']:.2f} s on the critical path); memory held "
           f"{m['expert_gb_s']:.3g} GB·s experts + {m['non_expert_gb_s']:.3g} GB·s non-expert", flush=True)
 
 
