@@ -45,14 +45,16 @@ sys.path.insert(0, str(ROOT / "tests" / "k8s"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from k8s_node_e2e import DOCKER, sh, start_node  # noqa: E402
-from k8s_support import ControlPlane, Kubectl, free_port, helm_binary, k8s_binaries, wait_for  # noqa: E402
+from k8s_support import ControlPlane, Kubectl, helm_binary, k8s_binaries, wait_for  # noqa: E402
 
 NS = "moeless"
 RELEASE = "moeless"  # the policy is named after the release; its pool is StatefulSet moeless-hosts
 MODEL_NAME = "moeless-default"
 SOURCES = ("pyproject.toml", "README.md", "moeless", "model", "predictor", "controller", "placement", "expert_fn",
            "serving", "twin", "evaluation")
-GRPC_PORT, METRICS_PORT = 51051, 19400  # host i: 51051 + i, 19400 + i on the node's network
+# On the node's network: host i on GRPC_PORT + i and METRICS_PORT + i. Below Linux's ephemeral range (32768-60999): a
+# port there may be taken for a moment by any outgoing connection on the machine (a restarted host then fails to bind).
+GRPC_PORT, METRICS_PORT, SERVING_PORT, OPERATOR_PORT = 31051, 19400, 18000, 18080
 POD_USER = 10001
 QUESTIONS = ("What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
              "What is 12 times 12?")
@@ -109,15 +111,21 @@ def build_images(bin_dir: Path, work: Path, ref: str) -> str:
         subprocess.run([DOCKER, "import", *[a for c in changes for a in ("--change", c)], "-", base], stdin=tar.stdout,
                        check=True, capture_output=True)
         tar.wait()
-    # The sources of `ref` where the venv's editable install looks for them (ROOT).
-    commit = sh("git", "-C", str(ROOT), "rev-parse", ref).stdout.strip()
-    tag = f"{commit[:12]}-{venv_hash[:6]}"
+    # The sources of `ref` (or the working tree) where the venv's editable install looks for them (ROOT).
+    if ref == "worktree":
+        archive = subprocess.run(["tar", "-c", "--mode=a+rX", "--sort=name", "--mtime=@0", "--owner=0", "--group=0",
+                                  "--exclude=__pycache__", "-C", "/", *(str((ROOT / p).relative_to("/")) for p in SOURCES)],
+                                 check=True, capture_output=True).stdout
+        tag = f"worktree-{hashlib.sha256(archive).hexdigest()[:12]}-{venv_hash[:6]}"
+    else:
+        commit = sh("git", "-C", str(ROOT), "rev-parse", ref).stdout.strip()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", f"--prefix={ROOT.relative_to('/')}/",
+                                  commit, *SOURCES], check=True, capture_output=True).stdout
+        tag = f"{commit[:12]}-{venv_hash[:6]}"
     image = f"local/moeless:{tag}"
     if subprocess.run([DOCKER, "image", "inspect", image], capture_output=True).returncode != 0:
         src = work / "src"
         src.mkdir(exist_ok=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", f"--prefix={ROOT.relative_to('/')}/",
-                                  commit, *SOURCES], check=True, capture_output=True).stdout
         (src / "sources.tar").write_bytes(archive)
         (src / "Dockerfile").write_text(f"FROM {base}\nADD sources.tar /\n")  # git archive: files a+r, dirs a+rx
         sh(DOCKER, "build", "-q", "-t", image, str(src))
@@ -143,6 +151,7 @@ def reference_answers(model) -> dict[str, str]:
 
 def port_free(port: int) -> bool:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no obstacle
         try:
             s.bind(("0.0.0.0", port))
             return True
@@ -193,6 +202,7 @@ class Run:
         self.helm = str(helm_binary())
         self.installed = False
         self.port = 0
+        self.last_request = time.monotonic()
 
     def helm_cmd(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
         result = subprocess.run([self.helm, *args, "--kubeconfig", str(self.plane.kubeconfig)], capture_output=True,
@@ -253,7 +263,8 @@ class Run:
             print("k8s_helm_e2e: no docker engine; start `dockerd --bridge=none --iptables=false --ip-masq=false "
                   "--ip6tables=false` first", file=sys.stderr)
             return 2
-        busy = [p for p in (GRPC_PORT, GRPC_PORT + 1, METRICS_PORT, METRICS_PORT + 1) if not port_free(p)]
+        busy = [p for p in (GRPC_PORT, GRPC_PORT + 1, METRICS_PORT, METRICS_PORT + 1, SERVING_PORT, OPERATOR_PORT)
+                if not port_free(p)]
         if busy:
             print(f"k8s_helm_e2e: ports {busy} are in use on this machine (the pods use the node's network)",
                   file=sys.stderr)
@@ -288,22 +299,24 @@ class Run:
         wait_for(lambda: self.kubectl.json("get", "node", "localhost")["metadata"], timeout=60, what="the node")
         log("control plane and node up")
 
-        self.port = free_port()
+        self.port = SERVING_PORT
         sets = {
             "image.repository": "local/moeless", "image.tag": tag, "image.pullPolicy": "Never",
-            "operator.hostNetwork": "true", "operator.metricsPort": str(free_port()), "operator.resyncSeconds": "2",
+            "operator.hostNetwork": "true", "operator.metricsPort": str(OPERATOR_PORT), "operator.resyncSeconds": "2",
             "operator.resources.requests.cpu": "50m",
             "policy.model.store": str(store), "policy.model.hostPath": str(store),
             "policy.hosts.minHosts": "1", "policy.hosts.maxHosts": "2", "policy.hosts.gpusPerHost": "0",
-            "policy.hosts.cpu": "100m", "policy.hosts.memoryGiBPerHost": "2", "policy.hosts.hostNetwork": "true",
+            "policy.hosts.cpu": "700m", "policy.hosts.memoryGiBPerHost": "2", "policy.hosts.hostNetwork": "true",
             "policy.hosts.grpcPort": str(GRPC_PORT), "policy.hosts.metricsPort": str(METRICS_PORT),
             "policy.hosts.drainSeconds": "5", "policy.upscaleDelaySeconds": "0", "policy.downscaleDelaySeconds": "30",
             "policy.serving.keepAliveSeconds": "600",
             "serving.hostNetwork": "true", "serving.port": str(self.port),
             "serving.modelCache.hostPath": str(cache),
-            "serving.resources.requests.cpu": "250m", "serving.resources.requests.memory": "1Gi",
+            "serving.resources.requests.cpu": "500m", "serving.resources.requests.memory": "1Gi",
             "serving.resources.limits.memory": "6Gi",
         }
+        if args.planner:
+            sets["policy.serving.planner"] = args.planner
         if args.expert_hosts:
             sets["serving.expertHosts"] = args.expert_hosts
         # No Service network here (no kube-proxy): the in-cluster client reaches the API server on loopback.
@@ -323,8 +336,10 @@ class Run:
         self.wait_hosts(1)
         log(f"expert-host pod {RELEASE}-hosts-0 Ready ({time.monotonic() - start:.0f} s)")
         wait_for(lambda: pod_ready(self.serving_pod()), timeout=600, every=2, what="the serving pod Ready")
+        wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=5).status == 200,
+                 timeout=300, every=2, what="the serving app's /healthz: 200 (its expert hosts live)")
         self.checks.record("helm install: operator, serving Deployment and expert-host pool Ready", True,
-                           f"{len(self.pods())} pods on the kubelet", time.monotonic() - start)
+                           f"{len(self.pods())} pods on the kubelet, serving /healthz 200", time.monotonic() - start)
         print(self.kubectl("get", "pods", "-n", NS, "-o", "wide").stdout, flush=True)
 
         self.check_chat(reference)
@@ -416,12 +431,16 @@ class Run:
         start = time.monotonic()
         identity = self.serving_identity()
         burst = [QUESTIONS[i % len(QUESTIONS)] for i in range(8)]
-        victim = f"{RELEASE}-hosts-1"
+        before = [calls_of(host_metrics(i)) for i in (0, 1)]
         with futures.ThreadPoolExecutor(len(burst)) as pool:
             jobs = [pool.submit(self.chat, q) for q in burst]
             time.sleep(2.0)
+            during = [calls_of(host_metrics(i)) - b for i, b in zip((0, 1), before)]
+            i = 1 if during[1] > 0 else 0  # a host that is serving this burst (host 1 if both are)
+            victim = f"{RELEASE}-hosts-{i}"
             self.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
-            log(f"deleted pod {victim} with {sum(not j.done() for j in jobs)} of {len(burst)} requests in flight")
+            log(f"deleted pod {victim} (it had taken {during[i]:.0f} layer calls of this burst; host calls "
+                f"{during}) with {sum(not j.done() for j in jobs)} of {len(burst)} requests in flight")
             results = []
             for q, job in zip(burst, jobs):
                 try:
@@ -431,8 +450,10 @@ class Run:
                     results.append((False, 0.0, f"{type(err).__name__}: {err}"))
         exact = sum(ok for ok, _, _ in results)
         bad = [r[2] for r in results if not r[0]]
+        self.last_request = time.monotonic()
         self.checks.record("expert-host pod deleted during a burst: every request completes, exactly",
-                           exact == len(burst) and self.serving_identity() == identity,
+                           exact == len(burst) and self.serving_identity() == identity and during[i] > 0,
+                           f"{victim} deleted while serving the burst ({during[i]:.0f} layer calls); "
                            f"{exact}/{len(burst)} exact, slowest {max(s for _, s, _ in results):.1f} s"
                            + (f"; not exact: {bad[:3]}" if bad else ""), time.monotonic() - start)
         t = time.monotonic()
@@ -440,17 +461,19 @@ class Run:
         log(f"the StatefulSet restarted {victim}: Ready again after {time.monotonic() - t:.1f} s")
 
     def check_scale_to_zero(self, reference: dict[str, str]) -> None:
-        delay = 20
-        start = time.monotonic()
+        delay = 30
+        answer, _ = self.chat(QUESTIONS[1])  # the last request: the idle delay counts from here
+        self.last_request = start = time.monotonic()
         self.apply_policy(lambda spec: spec.update(scaleToZero={"enabled": True, "delaySeconds": delay}))
         log(f"kubectl apply: scaleToZero enabled, delaySeconds {delay}; no requests from now on")
         try:
             wait_for(lambda: not self.pods("expert-host") and
                      self.kubectl.json("get", "statefulset", f"{RELEASE}-hosts", "-n", NS)["spec"]["replicas"] == 0,
                      timeout=delay + 180, every=1, what="the pool at zero")
-            self.checks.record("scale to zero after the idle delay", True,
-                               f"no expert-host pod {time.monotonic() - start:.1f} s after the policy change "
-                               f"(delay {delay} s + the hosts' drain)", time.monotonic() - start)
+            idle = time.monotonic() - self.last_request
+            self.checks.record("scale to zero after the idle delay", idle >= delay,
+                               f"no expert-host pod {idle:.1f} s after the last request, {time.monotonic() - start:.1f} s "
+                               f"after the policy change (delay {delay} s, then the hosts drain)", time.monotonic() - start)
         except AssertionError as err:
             self.checks.record("scale to zero after the idle delay", False, str(err), time.monotonic() - start)
             return
@@ -515,7 +538,10 @@ class Run:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ref", default="HEAD", help="git ref whose sources go into the image (default HEAD)")
+    parser.add_argument("--ref", default="HEAD", help="git ref whose sources go into the image (default HEAD; "
+                        "'worktree': the working tree as it is)")
+    parser.add_argument("--planner", default="", help="policy.serving.planner (default: the chart's, i.e. moeless's "
+                        "default planner)")
     parser.add_argument("--expert-hosts", default="", help="serving.expertHosts (default: the chart's)")
     parser.add_argument("--keep", action="store_true", help="leave the cluster running after the checks (Ctrl-C stops it)")
     args = parser.parse_args()

@@ -62,7 +62,15 @@ def test_lint(helm, sets):
 def test_template_default_is_a_deployment_and_a_gpu_pool_policy(helm):
     docs = render(helm)
     assert kinds(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Deployment", "ExpertAutoscalingPolicy",
-                           "Role", "RoleBinding", "Service", "Service", "ServiceAccount"]
+                           "Role", "Role", "RoleBinding", "RoleBinding", "Service", "Service", "ServiceAccount",
+                           "ServiceAccount"]
+    # Serving follows the pool through the API server: it may read pods in its namespace, nothing more.
+    serving = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "t-moeless-serving")
+    env = {e["name"]: e.get("value") for e in serving["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MOELESS_EXPERT_HOSTS"] == f"k8s://{NS}/t:50051?slots=8"
+    assert serving["spec"]["template"]["spec"]["serviceAccountName"] == "t-moeless-serving"
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "t-moeless-serving")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]
     for spec in pod_specs(docs):  # non-root, read-only root filesystem everywhere
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert all(c["securityContext"]["readOnlyRootFilesystem"] for c in spec["containers"])
@@ -89,7 +97,7 @@ def test_template_with_kuberay_and_service_monitors(helm):
     assert "nonExpert" not in policy["spec"]
     ray = next(d for d in docs if d["kind"] == "RayService")
     app = yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"][0]
-    assert app["args"]["config"].endswith("config.yaml") and app["args"]["hosts"].startswith("dns:///")
+    assert app["args"]["config"].endswith("config.yaml") and app["args"]["hosts"].startswith("k8s://")
     module, _, builder = app["import_path"].partition(":")  # Ray Serve calls it with the args dict
     assert builder == "app_from_args" and callable(getattr(importlib.import_module(module), builder))
     for spec in pod_specs(docs):

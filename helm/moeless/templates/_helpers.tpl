@@ -31,10 +31,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if or (eq $mode "true") (and (eq $mode "auto") (.Capabilities.APIVersions.Has "ray.io/v1/RayService")) -}}true{{- end -}}
 {{- end -}}
 
-{{/* MOELESS_EXPERT_HOSTS of the serving pods: serving.expertHosts, else the policy's pool. */}}
+{{/* MOELESS_EXPERT_HOSTS of the serving pods: serving.expertHosts, else the policy's pool as its pods in the API
+server (serving follows them while it runs; slots: the pool's maxHosts). */}}
 {{- define "moeless.expertHosts" -}}
 {{- if .Values.serving.expertHosts -}}{{ .Values.serving.expertHosts }}{{- else -}}
-dns:///{{ include "moeless.policyName" . }}-hosts.{{ .Release.Namespace }}.svc:{{ .Values.policy.hosts.grpcPort | default 50051 }}
+{{- $h := .Values.policy.hosts -}}
+k8s://{{ .Release.Namespace }}/{{ include "moeless.policyName" . }}:{{ $h.grpcPort | default 50051 }}?slots={{ $h.maxHosts }}{{ if $h.hostNetwork }}&hostNetwork=true{{ end }}
 {{- end -}}
 {{- end -}}
 
