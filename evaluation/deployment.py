@@ -102,7 +102,10 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
     from moeless.twin.twin import TwinSettings
 
     num_layers, num_experts = iterations[0].load.shape
-    d = min(knobs.distance, num_layers - 1)
+    # The forecasts a trace allows (previous iteration, history window) exist before the iteration
+    # starts, so a layer's cold loads start with its first layer: d = L - 1 for every planner
+    # (measured: at d = 2 Llama-4-Scout's 4.9 ms loads were exposed and moeless was +2% on 8 x H100).
+    d = num_layers - 1
     slots = gpu_slots(profile, gpu, count, num_layers, num_experts)
     # Replicas per layer: what the slots hold, a multiple of G (EPLB rounds its budget up to one).
     cap = max(num_experts, min(num_experts * count, slots * count // num_layers) // count * count)

@@ -130,6 +130,8 @@ def _markdown(run: dict, table: list[dict], accept: list[dict]) -> str:
                                               f"{c['layers']})" for c in cells})) + ". Moefied routing is a stand-in for the "
            "real model's, never the real model's.",
            "- Workloads: " + "; ".join(sorted({f"`{c['workload']}`: {c['arrivals']}; {c['lengths']}" for c in cells})) + ".",
+           "- Prefetch: the forecasts a trace allows exist before an iteration starts, so every planner's cold loads "
+           "for an iteration start with its first layer (distance L - 1).",
            f"- moeless's own forecast here is the history window (no gate replica runs for these models); the bound is "
            "twin/bound.py's lossless bound (DESIGN.md: each expert's call paid once, work spread over the GPUs); the call "
            "bound is twin/bound.py's tighter lossless bound that pays every replica's call (a weight read on a GPU), so "
@@ -214,8 +216,12 @@ def _why(a: dict, c: dict, per_call: float) -> str:
     why = []
     if not a["never_slower"]:
         own = c["cases"][OWN_FORECAST]["phases"][a["phase"]]
-        why.append(f"exposed cold starts {1e3 * own['exposed_s']:.3f} ms per layer (host-to-GPU loads of "
-                   f"{1e3 * c['profile']['load_s']['host']:.1f} ms) and forecast misses")
+        if own["exposed_s"] > 1e-7:
+            why.append(f"exposed cold starts {1e3 * own['exposed_s']:.3f} ms per layer (host-to-GPU loads of "
+                       f"{1e3 * c['profile']['load_s']['host']:.1f} ms) and forecast misses")
+        else:
+            why.append(f"no cold start exposed: the re-level a layer with a split expert pays ({1e6 * c['profile']['relevel_s']:.0f} us) "
+                       "where the split saved nothing")
     if a["bound_test"] == "missed":
         if per_call < 2 * c["knee_tokens_per_call"]:
             why.append(f"tokens per expert {per_call:.0f} within 2x the knee {c['knee_tokens_per_call']:.0f}: a split pays a "

@@ -44,7 +44,7 @@ class DeploymentConfig:
         args += ["--routing", self.routing, "--max-batched-tokens", s.max_batched_tokens, "--max-seqs", s.max_seqs,
                  "--load", f"{s.load:g}", "--requests", s.requests, "--max-iterations", s.max_iterations,
                  "--step-ms", f"{s.step_s * 1e3:g}", "--prompt-count", s.routing_prompts, "--new-tokens", s.routing_tokens,
-                 "--keep-alive", f"{k.keep_alive_s:g}", "--distance", k.distance, "--cv-threshold", f"{k.cv_threshold:g}"]
+                 "--keep-alive", f"{k.keep_alive_s:g}", "--cv-threshold", f"{k.cv_threshold:g}"]
         if k.memory_price is not None:
             args += ["--memory-price", f"{k.memory_price:g}"]
         args += [*(["--profile", self.profile] if self.profile else []), "--out", out]
