@@ -78,7 +78,7 @@ def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path
         run = json.loads((run_dir / RUN_FILE).read_text())
     except (OSError, ValueError) as err:
         raise RunDirError(f"{run_dir}: no readable {RUN_FILE} ({err})") from None
-    table, accept = rows(run), None
+    table = rows(run)
     accept = acceptance(table)
     written = [_write(run_dir / "deployments.csv", _csv(table)),
                _write(run_dir / "report.json", json.dumps({"format": "moeless-deployments-report/1", "command": run["command"],
