@@ -9,7 +9,7 @@ iteration and leaves when it ends), or statically with batching="static" (serve.
 decodes to its longest request; the baseline of `moeless bench load`); either way each request
 streams its events (moeless.serving.engine). The ingress validates requests
 (moeless.serving.api), formats OpenAI-style responses and server-sent events, and serves
-/healthz (ok / degraded while an expert host is down / draining) and /metrics. `drain` stops a
+/healthz (ok / degraded while an expert host is down / draining / waking) and /metrics. `drain` stops a
 replica for shutdown: no new requests (503), running ones finish within a deadline or fail with
 a 503 that says so.
 """
@@ -31,6 +31,7 @@ from moeless.serving import api
 from moeless.serving.engine import error_event
 from moeless.serving.ingress_metrics import IngressMetrics
 from moeless.serving.scheduler import BatchLimits
+from moeless.serving.wake import health_word
 
 BATCHING = ("continuous", "static")
 INGRESS_SPARE = 16  # ingress requests beyond the servers' capacity: health and metrics probes
@@ -108,6 +109,7 @@ class ModelServer:
         model.drop_experts()
         spec = model.spec
         from moeless.serving.pool_sources import follow_pool
+        from moeless.serving.wake import waker_for
 
         self.pool, self.pool_follower = follow_pool(
             config.pool_source, lambda a: ExpertHostClient(a, timeout_s=config.host_timeout_s, transport=config.transport),
@@ -115,7 +117,8 @@ class ModelServer:
         self._probes: dict[str, Any] = {}  # address -> a client with a short timeout: /healthz answers fast
         self.source = PlacementSource(config.placement or Placement.static(spec.num_layers, spec.num_experts,
                                                                              self.pool.slots))
-        self.executor = RemoteExecutor(self.pool, self.source)
+        self.waker = waker_for(config.pool_source)  # a k8s pool at zero is woken by the request that finds it so
+        self.executor = RemoteExecutor(self.pool, self.source, waker=self.waker)
         self.follower = None
         if config.placement_board:
             from moeless.serving.placement_board import BoardFollower
@@ -233,7 +236,7 @@ class ModelServer:
         not_ready = sorted(self.pool.not_ready())  # there but not serving: starting, dead, draining
         return {"hosts": len(addresses) + len(not_ready), "slots": self.pool.slots, "pool": sorted(addresses),
                 "not_ready": not_ready, "live_hosts": live, "dead_hosts": sorted(self.executor.dead_hosts),
-                "draining": self._draining}
+                "draining": self._draining, "waking": bool(self.waker and self.waker.waking)}
 
     def stats(self) -> dict:
         batching = {"running": 0, "waiting": 0, "iterations": 0, "refused": 0}
@@ -244,6 +247,7 @@ class ModelServer:
         return {**self.executor.times.as_dict(), "dead_hosts": sorted(self.executor.dead_hosts),
                 "placement_version": self.source.version, "pool_version": self.pool.version,
                 "local_channels": sum(c.uses_local_channel for c in self.pool.clients().values()),
+                "wake": self.waker.stats() if self.waker else None,
                 **batching}
 
 
@@ -290,12 +294,7 @@ class Ingress:
     @web.get("/healthz")
     async def healthz(self):
         health = await self.server.health.remote()
-        if health["draining"]:
-            status, word = 503, "draining"
-        elif not health["live_hosts"]:
-            status, word = 503, "no expert host is serving"
-        else:  # degraded: some host is down (restarting); the others carry its experts meanwhile
-            status, word = 200, "ok" if len(health["live_hosts"]) == health["hosts"] else "degraded"
+        status, word = health_word(health)
         if self.plan_loop:
             degraded, health["plan_loop"] = await self._loop_health()
             if degraded and status == 200:
@@ -331,6 +330,7 @@ class Ingress:
         self.metrics.running.set(stats["running"])
         self.metrics.waiting.set(stats["waiting"])
         self.metrics.refused.set(stats["refused"])
+        self.metrics.set_wake(stats["wake"])
         if self.plan_loop:
             await self._loop_health("metrics")
         return PlainTextResponse(generate_latest(self.metrics.registry).decode(),

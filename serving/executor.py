@@ -13,7 +13,8 @@ once, so a call in flight when the pool changes completes on the hosts it starte
 Faults: an ExpertHostUnavailable marks that host dead and the layer is re-run with the dead
 hosts' replicas moved to live hosts (they load there on demand, a cold start). A dead host is
 probed again every `probe_after_s` and rejoins once it answers (after a restart). When no host
-is live the layer raises NoLiveHostError, which the HTTP ingress turns into a 503. A
+is live the layer raises NoLiveHostError, which the HTTP ingress turns into a 503 (a pool that can be
+woken, on Kubernetes, is woken first and the call held meanwhile: serving/wake.py). A
 ReplicaLoadError (corrupt weights) is not a host fault: it propagates with the file's name.
 """
 
@@ -33,6 +34,7 @@ from moeless.serving.host_pool import HostPool
 from moeless.placement.types import LayerPlacement
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.scatter import evacuate, gather, plan_scatter
+from moeless.serving.wake import Waker
 
 
 class HostClient(Protocol):
@@ -93,7 +95,7 @@ class RemoteExecutor:
     """ExpertExecutor over expert hosts: a HostPool, or a fixed list (client i is GPU i of the placement)."""
 
     def __init__(self, clients: Sequence[HostClient] | HostPool, source: PlacementSource, *, probe_after_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, relevel: Relevel | None = None):
+                 clock: Callable[[], float] = time.monotonic, relevel: Relevel | None = None, waker: Waker | None = None):
         self.pool = clients if isinstance(clients, HostPool) else HostPool.fixed(list(clients))
         if self.pool.slots != source.placement.num_gpus:
             raise ValueError(f"the placement spans {source.placement.num_gpus} expert hosts but the pool has "
@@ -103,6 +105,7 @@ class RemoteExecutor:
         self.probe_after_s = probe_after_s
         self.clock = clock
         self.times = LayerTimes()
+        self.waker = waker  # holds a call that finds the pool empty while it wakes (serving/wake.py)
         self.relevel = relevel  # shares re-levelled per call on the layer's actual loads (the live loop)
         self.last_call: LayerCall | None = None  # the last layer call's figures (the live loop reports them)
         self._dead: dict[int, tuple[float, HostClient]] = {}  # slot -> (when marked dead, the client that failed)
@@ -121,6 +124,8 @@ class RemoteExecutor:
 
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x: [T, H] -> [T, H], sum_j weight[t, j] * expert(layer, idx[t, j])(x[t]), on the hosts."""
+        if self.waker is not None:
+            self.waker.wait_for_hosts(lambda: bool(self.pool.clients()))
         self._probe_dead()
         while True:  # each failure marks more live hosts dead; evacuate raises once none is left
             clients = self.pool.clients()  # this call's hosts, whatever the pool does meanwhile

@@ -27,3 +27,16 @@ class IngressMetrics:
                              registry=self.registry)
         self.refused = Gauge("moeless_refused_requests", "requests refused with 429 because the queue was full "
                              "(one replica)", registry=self.registry)
+        self.waking = Gauge("moeless_pool_waking", "1 while requests wait for the expert-host pool to wake from zero "
+                            "(one replica)", registry=self.registry)
+        self.wakes = Gauge("moeless_pool_wakes", "wakes of the expert-host pool from zero this replica waited for",
+                           registry=self.registry)
+        self.wake_seconds = Gauge("moeless_pool_wake_seconds", "seconds the last wake took, from the first request "
+                                  "that found the pool empty to a ready host (one replica)", registry=self.registry)
+
+    def set_wake(self, wake: dict | None) -> None:
+        """From the replica's Waker.stats() (None: a pool that is not woken by requests)."""
+        if wake:
+            self.waking.set(float(wake["waking"]))
+            self.wakes.set(wake["wakes"])
+            self.wake_seconds.set(wake["last_wake_s"])
