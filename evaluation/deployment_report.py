@@ -11,12 +11,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from pathlib import Path
 
 from moeless.evaluation.deployment import CASES, OWN_FORECAST, PHASES, recommend
 from moeless.evaluation.deployment_run import FORMAT, RUN_FILE
-from moeless.evaluation.report import NOTES_FILE, RunDirError
+from moeless.evaluation.report import NOTES_FILE, RunDirError, write_markdown, write_text
 
 PAPER = {"time": -0.43, "cost": -0.84}  # MoEless vs Megatron-LM EP on 8 x A6000 (the paper's headline)
 BOUND_GAP = 0.10  # acceptance: where the bound is this far below static EP, moeless must reach ...
@@ -80,24 +79,13 @@ def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path
         raise RunDirError(f"{run_dir}: no readable {RUN_FILE} ({err})") from None
     table = rows(run)
     accept = acceptance(table)
-    written = [_write(run_dir / "deployments.csv", _csv(table)),
-               _write(run_dir / "report.json", json.dumps({"format": "moeless-deployments-report/1", "command": run["command"],
+    written = [write_text(run_dir / "deployments.csv", _csv(table)),
+               write_text(run_dir / "report.json", json.dumps({"format": "moeless-deployments-report/1", "command": run["command"],
                                                             "rows": table, "acceptance": accept}, indent=1, sort_keys=True) + "\n"),
                _figure(run, run_dir / "gain-by-batch-tokens.png")]
     notes = run_dir / NOTES_FILE
     body = _markdown(run, table, accept) + (f"\n## Notes\n\n{notes.read_text().strip()}\n" if notes.is_file() else "")
-    written.insert(0, _write(run_dir / "report.md", body.replace("](RUN/", "](")))
-    if markdown is not None:
-        markdown = Path(markdown)
-        link = Path(os.path.relpath(run_dir.resolve(), markdown.resolve().parent)).as_posix()
-        written.append(_write(markdown, body.replace("](RUN/", f"]({link}/")))
-    return written
-
-
-def _write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
+    return write_markdown(run_dir, body, markdown) + written
 
 
 def _csv(table: list[dict]) -> str:

@@ -50,21 +50,27 @@ def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path
         all_tables += tables
         written += images
     for table in all_tables:
-        written.append(_write(run / "tables" / f"{table.name}.csv", _csv(table)))
+        written.append(write_text(run / "tables" / f"{table.name}.csv", _csv(table)))
     report = {"format": "moeless-eval-report/1", "command": doc["command"],
               "tables": [{k: getattr(table, k) for k in ("name", "title", "caption", "columns", "rows")} for table in all_tables]}
-    written.append(_write(run / "report.json", json.dumps(report, indent=1) + "\n"))
+    written.append(write_text(run / "report.json", json.dumps(report, indent=1) + "\n"))
     notes = run / NOTES_FILE
     body = _markdown(doc, all_tables[0], sections, notes.read_text() if notes.is_file() else None)
-    written.insert(0, _write(run / "report.md", body.replace("](RUN/", "](")))
+    return write_markdown(run, body, markdown) + written
+
+
+def write_markdown(run: Path, body: str, markdown: str | Path | None) -> list[Path]:
+    """RUN/report.md, and a copy at `markdown` (e.g. docs/) whose links still reach the run's files:
+    `body` links them as `RUN/...`."""
+    written = [write_text(run / "report.md", body.replace("](RUN/", "]("))]
     if markdown is not None:
         markdown = Path(markdown)
         link = Path(os.path.relpath(run.resolve(), markdown.resolve().parent)).as_posix()
-        written.append(_write(markdown, body.replace("](RUN/", f"]({link}/")))
+        written.append(write_text(markdown, body.replace("](RUN/", f"]({link}/")))
     return written
 
 
-def _write(path: Path, text: str) -> Path:
+def write_text(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
