@@ -5,8 +5,11 @@ marks one Ready through the status subresource, at the address of a real expert 
 tiny model's experts); a RemoteExecutor over a HostPool that follows KubePodSource runs forwards
 the whole time. A pod that joins is called without restarting anything; a pod recreated at a new
 address (a restarted StatefulSet pod) is reached there; a pod that starts terminating gets no new
-call, while forwards running across every change equal the unmodified model's outputs. The source
-reads the pods with a service account that may only list pods: the RBAC a serving pod needs.
+call, while forwards running across every change equal the unmodified model's outputs. A pool at
+zero is woken by the forward that finds it empty (serving/wake.py): the policy gets the wake
+annotation, the forward is held until a pod is Ready, then completes exactly. Serving talks to the
+API server as a service account that may only list pods and get and patch policies: the RBAC a
+serving pod needs.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from moeless.model.weight_store import export_experts
 from moeless.serving.executor import RemoteExecutor
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.pool_sources import KubePodSource, follow_pool
+from moeless.serving.wake import WAKE_ANNOTATION, KubePolicy, Waker
 
-from k8s_support import kubeconfig, wait_for
+from k8s_support import ROOT, kubeconfig, wait_for
 
 pytestmark = pytest.mark.k8s
 NS, POLICY, SLOTS = "pool", "tiny", 3
@@ -53,11 +57,13 @@ def model_and_hosts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reader_kubeconfig(cluster, core, tmp_path_factory):
-    """A kubeconfig of service account pool-reader, bound to a Role that may only list pods."""
+    """A kubeconfig of service account pool-reader, bound to a Role that may only list pods and get
+    and patch policies (to wake a pool at zero): what a serving pod needs."""
     rbac = client.RbacAuthorizationV1Api(core.api_client)
     core.create_namespaced_service_account(NS, {"metadata": {"name": "pool-reader"}})
-    rbac.create_namespaced_role(NS, {"metadata": {"name": "pool-reader"},
-                                     "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]})
+    rbac.create_namespaced_role(NS, {"metadata": {"name": "pool-reader"}, "rules": [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        {"apiGroups": ["moeless.io"], "resources": ["expertautoscalingpolicies"], "verbs": ["get", "patch"]}]})
     rbac.create_namespaced_role_binding(NS, {
         "metadata": {"name": "pool-reader"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pool-reader"},
@@ -158,3 +164,53 @@ def test_a_running_executor_follows_pods_joining_restarting_and_draining(reader_
     assert len(outputs) >= 8 and executor.dead_hosts == set()
     for logits in outputs:  # every forward, whatever the pool did meanwhile, equals the unmodified model's
         torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def policies(cluster, core, kubectl):
+    """The policy CRD and policy POLICY (no operator: the test plays it)."""
+    kubectl("apply", "-f", str(ROOT / "manifests" / "crd.yaml"))
+    kubectl("wait", "--for=condition=Established", "crd/expertautoscalingpolicies.moeless.io", "--timeout=30s")
+    api = client.CustomObjectsApi(core.api_client)
+    api.create_namespaced_custom_object("moeless.io", "v1alpha1", NS, "expertautoscalingpolicies", {
+        "apiVersion": "moeless.io/v1alpha1", "kind": "ExpertAutoscalingPolicy", "metadata": {"name": POLICY},
+        "spec": {"model": {"store": "/models/store"},
+                 "hosts": {"image": "moeless:test", "minHosts": 0, "maxHosts": SLOTS, "gpusPerHost": 0,
+                           "memoryGiBPerHost": 1}}})
+    return api
+
+
+def test_a_forward_on_a_pool_at_zero_wakes_it_and_completes_exactly(reader_kubeconfig, core, policies,
+                                                                   model_and_hosts):
+    _, (a, _, _) = model_and_hosts
+    model = tiny_model("mixtral", 0)  # the hosts' model, its experts not yet dropped (the other test dropped them)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    reference = model.forward(ids).logits
+    model.drop_experts()
+    spec = model.spec
+    assert not core.list_namespaced_pod(NS).items  # the pool is at zero
+    source = KubePodSource(NS, POLICY, port=1, slots=SLOTS, kubeconfig=str(reader_kubeconfig))
+    pool, follower = follow_pool(source, lambda address: ExpertHostClient(address, timeout_s=30), period_s=0.1)
+    waker = Waker(KubePolicy(NS, POLICY, str(reader_kubeconfig)), timeout_s=60.0, min_interval_s=1.0, poll_s=0.05)
+    executor = RemoteExecutor(pool, PlacementSource.static(spec.num_layers, spec.num_experts, SLOTS), waker=waker)
+    outputs: list = []
+    request = threading.Thread(target=lambda: outputs.append(model.forward(ids, executor=executor).logits))
+
+    def annotation() -> str | None:
+        doc = policies.get_namespaced_custom_object("moeless.io", "v1alpha1", NS, "expertautoscalingpolicies", POLICY)
+        return (doc["metadata"].get("annotations") or {}).get(WAKE_ANNOTATION)
+
+    try:
+        request.start()
+        woken = wait_for(annotation, what="the policy's wake annotation, set by the forward")
+        assert waker.waking and request.is_alive() and not outputs  # held, not failed
+        create_pod(core, 0, a)  # the operator's work: a pod that turns Ready
+        request.join(60)
+        assert not request.is_alive()
+    finally:
+        follower.close()
+        pool.close()
+        delete_pods(core, *(p.metadata.name for p in core.list_namespaced_pod(NS).items))
+    assert annotation() == woken and waker.writes == 1  # one write, though the forward polled many times
+    assert waker.stats()["wakes"] == 1 and waker.last_wake_s > 0 and not waker.waking
+    torch.testing.assert_close(outputs[0], reference, rtol=0, atol=1e-5)
