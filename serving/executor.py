@@ -95,7 +95,8 @@ class RemoteExecutor:
     """ExpertExecutor over expert hosts: a HostPool, or a fixed list (client i is GPU i of the placement)."""
 
     def __init__(self, clients: Sequence[HostClient] | HostPool, source: PlacementSource, *, probe_after_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, relevel: Relevel | None = None, waker: Waker | None = None):
+                 clock: Callable[[], float] = time.monotonic, relevel: Relevel | None = None,
+                 waker: Waker | None = None):
         self.pool = clients if isinstance(clients, HostPool) else HostPool.fixed(list(clients))
         if self.pool.slots != source.placement.num_gpus:
             raise ValueError(f"the placement spans {source.placement.num_gpus} expert hosts but the pool has "

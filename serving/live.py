@@ -37,6 +37,7 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     from moeless.controller.planner import relevels
     from moeless.serving.forecasting import LiveExecutor, relevel_for
     from moeless.serving.plan_loop import LoopSettings, ReportSender, plan_loop
+    from moeless.serving.wake import wake_timeout_s
 
     spec, knobs = model.spec, config.knobs
     knobs.check_for_model(spec.num_layers)
@@ -46,7 +47,9 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
                             hidden_size=spec.hidden_size, non_expert_bytes=non_expert, replicas=config.num_replicas,
                             **dict(config.loop))
     loop = plan_loop(config.plan_loop, settings)
-    profile, _ = ray.get(loop.profile.remote(), timeout=120)  # also surfaces a loop that failed to start
+    # Also surfaces a loop that failed to start; one measuring the profile may first wake a pool at zero.
+    waited = max(settings.first_host_wait_s, wake_timeout_s()) if profile is None else 0.0
+    profile, _ = ray.get(loop.profile.remote(), timeout=120 + waited)
     latency = profile.latency_model("host")
     if relevels(live_planner_name(knobs)):
         remote.relevel = relevel_for(latency, len(remote.clients))

@@ -23,7 +23,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -69,7 +69,7 @@ class LoopSettings:
     planner_extra: dict = field(default_factory=dict)
     pool: Any = None  # a PoolSource (serving/pool_sources.py); None: `hosts`, fixed
     pool_period_s: float = 1.0
-    first_host_wait_s: float = 60.0  # measuring the profile needs a ready host: how long to wait for one
+    first_host_wait_s: float = 60.0  # measuring the profile needs a ready host: how long to wait for one (_first_host)
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -87,8 +87,6 @@ class PlanLoop:
         num_hosts = self.pool.slots
         self.host_call_s = 0.0  # a host call's fixed cost, when the profile was measured here
         if settings.profile is None:
-            from dataclasses import replace
-
             from moeless.serving.calibrate import calibrate_host
 
             with ExpertHostClient(self._first_host(settings.first_host_wait_s), timeout_s=60) as client:
@@ -193,14 +191,20 @@ class PlanLoop:
         self.pool.close()
 
     def _first_host(self, wait_s: float) -> str:
-        """The address of the lowest ready slot, waiting up to wait_s for one (a pool at zero)."""
+        """The lowest ready slot's address, waiting up to wait_s for one; a pool at zero on Kubernetes is
+        woken for it (serving/wake.py): serving replicas wait for the profile, so no request can wake it."""
+        from moeless.serving.wake import waker_for
+
+        waker = waker_for(self.follower.source)
+        if waker is not None:
+            waker.timeout_s = max(waker.timeout_s, wait_s)
+            waker.wait_for_hosts(lambda: bool(self.pool.addresses()))
         deadline = time.monotonic() + wait_s
         while not (addresses := self.pool.addresses()):
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"no expert host became ready within {wait_s:g} s to measure the cost profile "
                                    "on; start one (or pass a profile)")
             time.sleep(self.follower.period_s)
-            self.follower.sync()
         return addresses[min(addresses)]
 
     # --- the loop ----------------------------------------------------------------------------
@@ -314,8 +318,6 @@ class PlanLoop:
     def _planner_for(self, iteration_s: float, get_planner):
         """The configured planner (made once: stateful ones keep their history), its config following
         the measured iteration time."""
-        from dataclasses import replace
-
         from moeless.controller.live import planner_config
 
         with self._lock:

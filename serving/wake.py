@@ -167,6 +167,11 @@ def waker_for(source) -> Waker | None:
 
     if not isinstance(source, KubePodSource):
         return None
+    return Waker(KubePolicy(source.namespace, source.policy, source.kubeconfig), wake_timeout_s())
+
+
+def wake_timeout_s() -> float:
+    """MOELESS_WAKE_TIMEOUT_S (default 180); KnobError names a bad value."""
     raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
     try:
         timeout_s = float(raw)
@@ -174,7 +179,7 @@ def waker_for(source) -> Waker | None:
         timeout_s = -1.0
     if not timeout_s > 0:
         raise KnobError(f"{TIMEOUT_ENV}: {raw!r} is not a positive number of seconds")
-    return Waker(KubePolicy(source.namespace, source.policy, source.kubeconfig), timeout_s)
+    return timeout_s
 
 
 def health_word(health: dict) -> tuple[int, str]:

@@ -214,3 +214,44 @@ def test_a_forward_on_a_pool_at_zero_wakes_it_and_completes_exactly(reader_kubec
     assert annotation() == woken and waker.writes == 1  # one write, though the forward polled many times
     assert waker.stats()["wakes"] == 1 and waker.last_wake_s > 0 and not waker.waking
     torch.testing.assert_close(outputs[0], reference, rtol=0, atol=1e-5)
+
+
+def test_a_planning_loop_started_on_a_pool_at_zero_wakes_it_to_measure_the_profile(reader_kubeconfig, core, policies,
+                                                                                  model_and_hosts):
+    from moeless.knobs import Knobs
+    from moeless.serving.plan_loop import LoopSettings, PlanLoop
+
+    _, (a, _, _) = model_and_hosts
+    spec = tiny_model("mixtral", 0).spec
+    doc = policies.get_namespaced_custom_object("moeless.io", "v1alpha1", NS, "expertautoscalingpolicies", POLICY)
+    before = (doc["metadata"].get("annotations") or {}).get(WAKE_ANNOTATION)
+    if before:  # the operator's part: the last wake taken (else it is pending, and another write would not help)
+        policies.patch_namespaced_custom_object_status("moeless.io", "v1alpha1", NS, "expertautoscalingpolicies",
+                                                       POLICY, {"status": {"wokenBy": before}})
+    assert not core.list_namespaced_pod(NS).items  # the pool is at zero
+    pool = KubePodSource(NS, POLICY, port=1, slots=SLOTS, kubeconfig=str(reader_kubeconfig))
+    settings = LoopSettings(hosts=(), pool=pool,
+                            num_layers=spec.num_layers, num_experts=spec.num_experts, hidden_size=spec.hidden_size,
+                            knobs=Knobs(predictor="off", distance=1), profile=None, board="unused", period_s=0.05,
+                            pool_period_s=0.1, first_host_wait_s=60.0)
+    loops: list = []
+    starting = threading.Thread(target=lambda: loops.append(PlanLoop.__ray_metadata__.modified_class(settings)))
+
+    def woken_anew() -> bool:
+        doc = policies.get_namespaced_custom_object("moeless.io", "v1alpha1", NS, "expertautoscalingpolicies", POLICY)
+        return (doc["metadata"].get("annotations") or {}).get(WAKE_ANNOTATION) not in (None, before)
+
+    try:
+        starting.start()
+        wait_for(woken_anew, what="the wake annotation, set by the loop that needs a host to measure on")
+        assert starting.is_alive() and not loops  # waiting, not failed
+        create_pod(core, 0, a)
+        starting.join(60)
+        assert loops, "the loop did not start"
+        profile, host_call_s = loops[0].profile()
+        assert profile.source.startswith(f"expert host {a}") and host_call_s > 0
+        wait_for(lambda: loops[0].state()["hosts_live"][0] and loops[0].state()["passes"] > 0, what="a pass")
+    finally:
+        if loops:
+            loops[0].stop()
+        delete_pods(core, *(p.metadata.name for p in core.list_namespaced_pod(NS).items))

@@ -52,3 +52,24 @@ def test_the_loop_plans_over_ready_hosts_and_follows_hosts_joining_and_leaving(t
         assert loop.state()["errors"] == 0
     finally:
         loop.stop()
+
+
+def test_a_loop_started_on_a_pool_at_zero_runs_and_plans_once_a_host_appears(tiny_store, hosts, tmp_path):
+    model, _ = tiny_store
+    a = hosts.addresses[0]
+    path = tmp_path / "pool.json"
+    write_members(path, 3, [])  # scaled to zero
+    settings = LoopSettings(hosts=(), pool=FileSource.open(str(path)), num_layers=model.spec.num_layers,
+                            num_experts=model.spec.num_experts, knobs=Knobs(predictor="off", distance=1),
+                            profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05)
+    loop = PlanLoop.__ray_metadata__.modified_class(settings)  # with a profile it needs no host to start
+    try:
+        _wait(lambda: loop.state()["passes"] >= 3, "passes at zero")
+        state = loop.state()
+        assert state["hosts_live"] == [False] * 3 and state["loads_sent"] == 0 and not state["stalled"]
+        write_members(path, 3, [Member(0, a)])  # woken
+        _wait(lambda: loop.state()["hosts_live"] == [True, False, False] and loop.state()["loads_sent"] > 0,
+              "host 0 planned for")
+        assert loop.state()["errors"] == 0
+    finally:
+        loop.stop()
