@@ -126,7 +126,7 @@ class RemoteExecutor:
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x: [T, H] -> [T, H], sum_j weight[t, j] * expert(layer, idx[t, j])(x[t]), on the hosts."""
         if self.waker is not None:
-            self.waker.wait_for_hosts(lambda: bool(self.pool.clients()))
+            self.waker.wait_for_hosts(lambda: bool(self.pool.clients()), lambda: bool(self.pool.not_ready()))
         self._probe_dead()
         while True:  # each failure marks more live hosts dead; evacuate raises once none is left
             clients = self.pool.clients()  # this call's hosts, whatever the pool does meanwhile

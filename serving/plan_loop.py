@@ -198,7 +198,7 @@ class PlanLoop:
         waker = waker_for(self.follower.source)
         if waker is not None:
             waker.timeout_s = max(waker.timeout_s, wait_s)
-            waker.wait_for_hosts(lambda: bool(self.pool.addresses()))
+            waker.wait_for_hosts(lambda: bool(self.pool.addresses()), lambda: bool(self.pool.not_ready()))
         deadline = time.monotonic() + wait_s
         while not (addresses := self.pool.addresses()):
             if time.monotonic() >= deadline:

@@ -10,8 +10,9 @@ says what to check. The call then completes on the woken hosts, its outputs unch
 
 Many replicas (and many layer calls) find the pool empty at once; `wake_value` (pure) lets one
 write through: no write while a wake is pending (annotation != wokenBy: the operator has not acted
-yet) or one was written less than `min_interval_s` ago, by any replica (the annotation is that
-time); each replica also reads the policy at most once per min_interval_s.
+yet), one was written less than `min_interval_s` ago by any replica (the annotation is that time)
+or the pool has pods not Ready yet (it is starting); each replica reads the policy at most once
+per min_interval_s.
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ class PoolDidNotWake(NoLiveHostError):
     """The pool stayed empty for the whole wake timeout (the ingress answers 503)."""
 
 
-def wake_value(now_s: float, annotation: str | None, woken_by: str | None, min_interval_s: float) -> str | None:
-    """The annotation value to write at wall-clock `now_s`, or None to leave the policy as it is. Pure."""
+def wake_value(now_s: float, annotation: str | None, woken_by: str | None, min_interval_s: float,
+               starting: bool = False) -> str | None:
+    """The annotation value to write at wall-clock `now_s`, or None to leave the policy as it is;
+    starting: the pool has pods that are not Ready yet (it is waking already). Pure."""
+    if starting:
+        return None  # the operator scaled it out already; the pods are starting (a slow start is no reason)
     if annotation and annotation != woken_by:
         return None  # a wake is pending: the operator acts on it; another write would not help
     try:
@@ -113,8 +118,9 @@ class Waker:
     def stats(self) -> dict:
         return {"waking": self.waking, "wakes": self.wakes, "writes": self.writes, "last_wake_s": self.last_wake_s}
 
-    def wait_for_hosts(self, has_hosts: Callable[[], bool]) -> None:
-        """Return once has_hosts(), waking the pool meanwhile; PoolDidNotWake after timeout_s."""
+    def wait_for_hosts(self, has_hosts: Callable[[], bool], starting: Callable[[], bool] = lambda: False) -> None:
+        """Return once has_hosts(), waking the pool meanwhile unless starting() (pods there, not Ready
+        yet); PoolDidNotWake after timeout_s."""
         if has_hosts():
             return
         with self._lock:
@@ -133,7 +139,7 @@ class Waker:
                     f"{WAKE_ANNOTATION} annotation, and why its pods are not Ready (kubectl describe pods -l "
                     f"moeless.io/policy={self.target.name.partition('/')[2]})" + (f"; last error: {self._error}"
                                                                                  if self._error else ""))
-            self._poke()
+            self._poke(starting())
             self.sleep(self.poll_s)
         with self._lock:
             if self.waking_since is not None:  # the first call to see the hosts reports the wake
@@ -141,14 +147,14 @@ class Waker:
                 self.wakes += 1
                 log.warning("the expert-host pool %s woke in %.1f s", self.target.name, self.last_wake_s)
 
-    def _poke(self) -> None:
+    def _poke(self, starting: bool) -> None:
         """Read the policy and write the annotation if wake_value says so, at most once per min_interval_s."""
         with self._lock:
             if self.clock() - self._last_try < self.min_interval_s:
                 return
             self._last_try = self.clock()
             try:
-                value = wake_value(self.wall(), *self.target.read(), self.min_interval_s)
+                value = None if starting else wake_value(self.wall(), *self.target.read(), self.min_interval_s)
                 if value is not None:
                     self.target.write(value)
                     self.writes += 1

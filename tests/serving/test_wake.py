@@ -19,6 +19,20 @@ from moeless.serving.wake import PoolDidNotWake, Waker, health_word, wake_value,
 ])
 def test_wake_value_lets_one_write_through(annotation, woken_by, wakes):
     assert wake_value(1000.0, annotation, woken_by, 5.0) == ("1000.000" if wakes else None)
+    assert wake_value(1000.0, annotation, woken_by, 5.0, starting=True) is None  # pods starting: it is waking
+
+
+def test_pods_starting_slowly_are_not_woken_again():
+    clock = Clock()
+    policy = Policy(clock, delay_s=60.0)
+    w = waker(policy, clock)
+
+    def starting() -> bool:  # the operator takes the wake at once; its pods then start for 60 s
+        policy.woken_by = policy.annotation
+        return bool(policy.writes)
+
+    w.wait_for_hosts(policy.has_hosts, starting)
+    assert policy.writes == ["1000.000"] and w.last_wake_s == pytest.approx(60.0)
 
 
 class Clock:
