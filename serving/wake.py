@@ -135,10 +135,10 @@ class Waker:
                     self.waking_since = None if self.waking_since == since else self.waking_since
                 raise PoolDidNotWake(
                     f"the expert-host pool {self.target.name} did not wake within {self.timeout_s:g} s "
-                    f"({TIMEOUT_ENV}); check that the operator runs and set status.wokenBy to the policy's "
-                    f"{WAKE_ANNOTATION} annotation, and why its pods are not Ready (kubectl describe pods -l "
-                    f"moeless.io/policy={self.target.name.partition('/')[2]})" + (f"; last error: {self._error}"
-                                                                                 if self._error else ""))
+                    f"({TIMEOUT_ENV}); check that the operator runs (acting on the {WAKE_ANNOTATION} annotation, "
+                    f"it copies it into the policy's status.wokenBy) and why the pods are not Ready (kubectl "
+                    f"describe pods -l moeless.io/policy={self.target.name.partition('/')[2]})"
+                    + (f"; last error: {self._error}" if self._error else ""))
             self._poke(starting())
             self.sleep(self.poll_s)
         with self._lock:
@@ -162,8 +162,9 @@ class Waker:
                 self._error = ""
             except Exception as err:  # API server away, or no RBAC: retried next interval, named in the 503
                 self._error = f"{type(err).__name__}: {getattr(err, 'reason', None) or err}"
-                log.warning("cannot wake the expert-host pool %s (%s); serving's service account needs get and "
-                            "patch on expertautoscalingpolicies", self.target.name, self._error)
+                if getattr(err, "status", None) == 403:
+                    self._error += " (serving's service account needs get and patch on expertautoscalingpolicies)"
+                log.warning("cannot wake the expert-host pool %s (%s)", self.target.name, self._error)
 
 
 def waker_for(source) -> Waker | None:

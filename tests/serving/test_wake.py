@@ -91,7 +91,8 @@ def test_a_pool_that_does_not_wake_fails_the_call_naming_what_to_check_then_the_
     clock = Clock()
     policy = Policy(clock, delay_s=None)  # no operator
     w = waker(policy, clock, timeout_s=30.0)
-    with pytest.raises(PoolDidNotWake, match=r"ns/tiny did not wake within 30 s .*operator.*moeless.io/policy=tiny"):
+    what = r"ns/tiny did not wake within 30 s .*operator.*wokenBy.*moeless.io/policy=tiny"
+    with pytest.raises(PoolDidNotWake, match=what):
         w.wait_for_hosts(policy.has_hosts)
     assert policy.writes == ["1000.000"] and not w.waking  # pending all along: written once
     policy.woken_by = policy.annotation  # an operator took it, but the pool is still empty
@@ -105,10 +106,13 @@ def test_an_api_error_is_retried_and_named_in_the_503():
     policy = Policy(clock, delay_s=None)
 
     def forbidden():
-        raise PermissionError("Forbidden")
+        err = PermissionError()
+        err.status, err.reason = 403, "Forbidden"  # as kubernetes.client.ApiException has them
+        raise err
 
     policy.read = forbidden
-    with pytest.raises(PoolDidNotWake, match="last error: PermissionError: Forbidden"):
+    with pytest.raises(PoolDidNotWake, match=r"last error: PermissionError: Forbidden \(serving's service account "
+                                             r"needs get and patch on expertautoscalingpolicies\)"):
         waker(policy, clock, timeout_s=20.0).wait_for_hosts(policy.has_hosts)
 
 
