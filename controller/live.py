@@ -7,7 +7,8 @@ live_window.py) and, every period, calls `plan_step`:
 1. The cluster: every live host's replica memory; a dead host has none (its replicas are planned
    elsewhere; it re-joins, empty, when it answers again).
 2. The resident set as a Placement (`resident_placement`): every replica loaded on a live host; an
-   expert resident nowhere counts at its static EP home (it is loaded there, below).
+   expert counts at its static EP home too where that host is live or it is resident nowhere (it
+   is loaded there, below: a host that joins gets its static EP share).
 3. The configured planner on the merged forecast against that resident set.
 4. Loads to send (`loads_to_send`): every planned replica a live host neither holds nor is
    loading (prefetch, off the critical path). Nothing is evicted here: a replica the plan drops
@@ -123,16 +124,19 @@ class HostView:
         return Cluster(self.memory, expert_bytes, cap)
 
 
-def resident_placement(resident: np.ndarray) -> Placement:
+def resident_placement(resident: np.ndarray, live: np.ndarray | None = None) -> Placement:
     """resident: [L, E, G] bool -> every resident replica (even shares); an expert resident
-    nowhere counts at its static EP home (e * G // E)."""
+    nowhere counts at its static EP home (e * G // E). live: [G] bool, the hosts that take calls:
+    an expert whose home is live counts there too, so a host that joins (scale-out, a restart)
+    gets its static EP share back. Without it, experts that stood in elsewhere while their home
+    was away would stay there for good: the plan would be worse than static EP on the pool it has."""
     num_layers, num_experts, num_hosts = resident.shape
     home = np.arange(num_experts) * num_hosts // num_experts
     layers = []
     for l in range(num_layers):
         held = resident[l].copy()
-        missing = ~held.any(axis=1)
-        held[np.flatnonzero(missing), home[missing]] = True
+        rehome = ~held.any(axis=1) if live is None else ~held.any(axis=1) | live[home]
+        held[np.flatnonzero(rehome), home[rehome]] = True
         expert, gpu = np.nonzero(held)
         layers.append(LayerPlacement.even(expert, gpu, num_experts))
     return Placement(tuple(layers), num_experts, num_hosts)
@@ -189,7 +193,7 @@ def plan_step(planner: Planner, forecast: np.ndarray, view: HostView, expert_byt
     host whatever their memory (static EP, EPLB) cannot plan around a dead host: it plans on
     known_memory [G] (every host's last known memory) instead, and serving replicas move the dead
     host's replicas to live ones per call (RemoteExecutor's fault evacuation)."""
-    resident = resident_placement(view.resident & view.live[None, None, :])
+    resident = resident_placement(view.resident & view.live[None, None, :], view.live)
     try:
         plan = planner(forecast, view.cluster(expert_bytes, layer_cap), resident)
     except (PlacementError, ClusterError):

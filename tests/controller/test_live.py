@@ -68,6 +68,26 @@ def test_resident_placement_puts_an_expert_resident_nowhere_at_home():
     assert sorted(zip(placement.layers[1].expert.tolist(), placement.layers[1].gpu.tolist())) == [(0, 0), (1, 0), (2, 1), (3, 1)]
 
 
+def test_resident_placement_gives_a_host_that_joins_its_static_ep_share():
+    """Host 1 was away: its experts 2 and 3 stood in on host 0. Once it is live they count at home
+    again (and are loaded there), beside the stand-ins; while it is away they do not."""
+    resident = np.zeros((L, E, G), dtype=bool)
+    resident[:, :, 0] = True
+    joined = resident_placement(resident, live=np.array([True, True]))
+    for lp in joined.layers:
+        assert sorted(zip(lp.expert.tolist(), lp.gpu.tolist())) == [(0, 0), (1, 0), (2, 0), (2, 1), (3, 0), (3, 1)]
+    away = resident_placement(resident, live=np.array([True, False]))
+    assert all(lp.gpu.tolist() == [0, 0, 0, 0] for lp in away.layers)
+
+
+def test_plan_step_loads_the_static_share_of_a_host_that_joins():
+    view = HostView.from_status([status(homes(0) + homes(1)), status([])], L, E)  # host 1 joined empty
+    planner = get_planner("moeless", planner_config(Knobs(), PROFILE, 0.05, num_layers=L, num_experts=E))
+    decision = plan_step(planner, np.full((L, E), 4.0), view, PROFILE.expert_bytes, 2 * E)
+    assert sorted(decision.loads) == [(l, e, 1) for l in range(L) for e in (2, 3)]
+    assert all(lp.gpu.tolist() == [0, 0, 0, 0] for lp in decision.publish.layers)  # served on host 0 until loaded
+
+
 def test_loads_publishing_and_stand_ins():
     plan = Placement((LayerPlacement(np.array([0, 0, 1, 2, 3]), np.array([0, 1, 0, 1, 1]), np.array([.5, .5, 1, 1, 1])),
                       LayerPlacement(np.array([0, 1, 2, 3]), np.array([1, 1, 0, 0]), np.ones(4))), E, G)
