@@ -110,7 +110,10 @@ def pod_template(policy: dict, spec: PolicySpec) -> dict[str, Any]:
                 {"name": "HOME", "value": "/tmp"}, {"name": "MOELESS_CACHE", "value": "/tmp/moeless-cache"},
                 {"name": "NUMBA_CACHE_DIR", "value": "/tmp/numba"}],
         "readinessProbe": _probe(spec, "/readyz"),
-        "livenessProbe": {**_probe(spec, "/healthz"), "initialDelaySeconds": 30},
+        # A host busy loading replicas on a shared CPU answered late, and 3 misses 5 s apart restarted
+        # healthy hosts (the helm node tier): start-up gets 5 minutes, then a minute of misses.
+        "startupProbe": {**_probe(spec, "/healthz"), "failureThreshold": 60},
+        "livenessProbe": {**_probe(spec, "/healthz"), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
         "resources": resources,
         "volumeMounts": mounts,
         "securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,

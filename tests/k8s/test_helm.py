@@ -86,6 +86,11 @@ def test_template_default_is_a_deployment_and_a_gpu_pool_policy(helm):
     host = pod["containers"][0]
     assert host["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert host["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # Liveness restarts a host only after a start-up window and a minute of misses (3 misses 5 s apart
+    # restarted healthy hosts busy loading replicas on the node tier).
+    assert host["startupProbe"]["httpGet"]["path"] == host["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert host["startupProbe"]["periodSeconds"] * host["startupProbe"]["failureThreshold"] >= 300
+    assert host["livenessProbe"]["periodSeconds"] * host["livenessProbe"]["failureThreshold"] >= 60
     assert pod["terminationGracePeriodSeconds"] > spec.hosts.drain_seconds
     assert pod["securityContext"]["runAsNonRoot"] and host["securityContext"]["readOnlyRootFilesystem"]
 
