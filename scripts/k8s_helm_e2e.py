@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "k8s"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from k8s_node_e2e import DOCKER, sh, start_node  # noqa: E402
+from k8s_node_e2e import DOCKER, build_pause_image, sh, start_node  # noqa: E402
 from k8s_support import ControlPlane, Kubectl, helm_binary, k8s_binaries, wait_for  # noqa: E402
 
 NS = "moeless"
@@ -90,12 +90,7 @@ class Checks:
 
 def build_images(bin_dir: Path, work: Path, ref: str) -> str:
     """local/pause:3.2, the base (Python + venv, no sources) and local/moeless:<tag>; returns the tag."""
-    ctx = work / "pause"
-    ctx.mkdir(exist_ok=True)
-    (ctx / "pause").write_bytes((bin_dir / "pause").read_bytes())
-    (ctx / "pause").chmod(0o755)
-    (ctx / "Dockerfile").write_text('FROM scratch\nCOPY pause /pause\nENTRYPOINT ["/pause"]\n')
-    sh(DOCKER, "build", "-q", "-t", "local/pause:3.2", str(ctx))
+    build_pause_image(bin_dir, work)
     venv = Path(sys.prefix)
     site = next((venv / "lib").glob("python3*/site-packages"))
     venv_hash = hashlib.sha256("\n".join(sorted(p.name for p in site.iterdir())).encode()).hexdigest()[:12]

@@ -44,14 +44,19 @@ def log(message: str, t0: float) -> None:
     print(f"[{time.monotonic() - t0:7.1f} s] {message}", flush=True)
 
 
-def build_images(bin_dir: Path, work: Path) -> None:
-    """local/pause:3.2 and local/moeless:dev (a rootfs of this machine's Python, venv and sources)."""
+def build_pause_image(bin_dir: Path, work: Path) -> None:
+    """local/pause:3.2 from the kube build's pause binary (the kubelet's sandbox image)."""
     ctx = work / "pause"
     ctx.mkdir(exist_ok=True)
     (ctx / "pause").write_bytes((bin_dir / "pause").read_bytes())
     (ctx / "pause").chmod(0o755)
     (ctx / "Dockerfile").write_text('FROM scratch\nCOPY pause /pause\nENTRYPOINT ["/pause"]\n')
     sh(DOCKER, "build", "-q", "-t", "local/pause:3.2", str(ctx))
+
+
+def build_images(bin_dir: Path, work: Path) -> None:
+    """local/pause:3.2 and local/moeless:dev (a rootfs of this machine's Python, venv and sources)."""
+    build_pause_image(bin_dir, work)
     if subprocess.run([DOCKER, "image", "inspect", IMAGE], capture_output=True).returncode == 0:
         return
     venv = Path(sys.prefix)
