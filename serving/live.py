@@ -42,7 +42,7 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     spec, knobs = model.spec, config.knobs
     knobs.check_for_model(spec.num_layers)
     non_expert = sum(p.numel() * p.element_size() for p in model.hf.parameters())
-    settings = LoopSettings(hosts=tuple(config.host_addresses), pool=config.pool_source, num_layers=spec.num_layers,
+    settings = LoopSettings(pool=config.pool_source, num_layers=spec.num_layers,
                             num_experts=spec.num_experts, knobs=knobs, profile=profile, board=config.placement_board,
                             hidden_size=spec.hidden_size, non_expert_bytes=non_expert, replicas=config.num_replicas,
                             **dict(config.loop))

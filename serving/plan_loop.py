@@ -41,8 +41,8 @@ LOOP_NAME = "moeless-plan-loop"
 
 @dataclass(frozen=True)
 class LoopSettings:
-    """What the loop plans for: the hosts (index = the placement's GPU id; `pool`, a PoolSource,
-    when the pool is followed, read every pool_period_s), the model's shape,
+    """What the loop plans for: the hosts (`pool`, a PoolSource read every pool_period_s; slot i
+    is the placement's GPU i), the model's shape,
     the knobs, the cost profile (None: measured on host 0 at start, serving/calibrate.py), the
     board to publish on; period_s: seconds between passes (a pass plans when reports came in or
     loads are pending, else only refreshes what the hosts hold every idle_s; without traffic in the
@@ -52,7 +52,7 @@ class LoopSettings:
     slower than this to answer Status counts as down for the pass; replicas: serving replicas
     (non-expert memory); planner_extra: other PlannerConfig fields."""
 
-    hosts: tuple[str, ...]
+    pool: Any
     num_layers: int
     num_experts: int
     knobs: Knobs
@@ -67,7 +67,6 @@ class LoopSettings:
     stall_s: float = 3.0
     status_timeout_s: float = 1.0
     planner_extra: dict = field(default_factory=dict)
-    pool: Any = None  # a PoolSource (serving/pool_sources.py); None: `hosts`, fixed
     pool_period_s: float = 1.0
     first_host_wait_s: float = 60.0  # measuring the profile needs a ready host: how long to wait for one (_first_host)
 
@@ -79,9 +78,9 @@ class PlanLoop:
     def __init__(self, settings: LoopSettings):
         from moeless.controller.live import is_stateful, layer_cap_replicas, live_planner_name, memory_price
         from moeless.expert_fn.client import ExpertHostClient
-        from moeless.serving.pool_sources import StaticSource, follow_pool
+        from moeless.serving.pool_sources import follow_pool
 
-        self.pool, self.follower = follow_pool(settings.pool or StaticSource(tuple(settings.hosts)),
+        self.pool, self.follower = follow_pool(settings.pool,
                                                lambda a: ExpertHostClient(a, timeout_s=settings.status_timeout_s),
                                                settings.pool_period_s)
         num_hosts = self.pool.slots

@@ -230,7 +230,7 @@ def test_a_planning_loop_started_on_a_pool_at_zero_wakes_it_to_measure_the_profi
                                                        POLICY, {"status": {"wokenBy": before}})
     assert not core.list_namespaced_pod(NS).items  # the pool is at zero
     pool = KubePodSource(NS, POLICY, port=1, slots=SLOTS, kubeconfig=str(reader_kubeconfig))
-    settings = LoopSettings(hosts=(), pool=pool,
+    settings = LoopSettings(pool=pool,
                             num_layers=spec.num_layers, num_experts=spec.num_experts, hidden_size=spec.hidden_size,
                             knobs=Knobs(predictor="off", distance=1), profile=None, board="unused", period_s=0.05,
                             pool_period_s=0.1, first_host_wait_s=60.0)

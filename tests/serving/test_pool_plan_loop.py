@@ -38,7 +38,7 @@ def test_the_loop_plans_over_ready_hosts_and_follows_hosts_joining_and_leaving(t
     a, b, c = hosts.addresses
     path = tmp_path / "pool.json"
     write_members(path, 3, [Member(0, a), Member(1, b)])  # slot 2 empty (its host not started yet)
-    settings = LoopSettings(hosts=(), pool=FileSource.open(str(path)), num_layers=model.spec.num_layers,
+    settings = LoopSettings(pool=FileSource.open(str(path)), num_layers=model.spec.num_layers,
                             num_experts=model.spec.num_experts, knobs=Knobs(predictor="off", distance=1),
                             profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05)
     loop = PlanLoop.__ray_metadata__.modified_class(settings)  # the actor's class, in this process
@@ -59,7 +59,7 @@ def test_a_loop_started_on_a_pool_at_zero_runs_and_plans_once_a_host_appears(tin
     a = hosts.addresses[0]
     path = tmp_path / "pool.json"
     write_members(path, 3, [])  # scaled to zero
-    settings = LoopSettings(hosts=(), pool=FileSource.open(str(path)), num_layers=model.spec.num_layers,
+    settings = LoopSettings(pool=FileSource.open(str(path)), num_layers=model.spec.num_layers,
                             num_experts=model.spec.num_experts, knobs=Knobs(predictor="off", distance=1),
                             profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05)
     loop = PlanLoop.__ray_metadata__.modified_class(settings)  # with a profile it needs no host to start
