@@ -107,8 +107,9 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
     # (measured: at d = 2 Llama-4-Scout's 4.9 ms loads were exposed and moeless was +2% on 8 x H100).
     d = num_layers - 1
     slots = gpu_slots(profile, gpu, count, num_layers, num_experts)
-    # Replicas per layer: what the slots hold, a multiple of G (EPLB rounds its budget up to one).
-    cap = max(num_experts, min(num_experts * count, slots * count // num_layers) // count * count)
+    # Replicas per layer: what the slots hold (measured: rounded down to a multiple of G, the cap
+    # left moeless no replica beyond static EP's on Llama-4-Scout, 8 x A6000: 16 of 23).
+    cap = max(num_experts, min(num_experts * count, slots * count // num_layers))
     cluster = Cluster.uniform(count, slots, profile.expert_bytes, cap)
     forecasts = forecast_set(iterations, None, [d], top_k)
     neutral = memory_price(replace(knobs, memory_price=None), profile, num_layers, num_experts)

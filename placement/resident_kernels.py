@@ -236,3 +236,35 @@ def _refill(w, mine, m, gpu, tokens, tok, calls, call, other, pieces, new_tok, n
         tok[:] = new_tok
         calls[:] = new_calls
     return layer_seconds(new_tok, new_calls, alpha, call_overhead, beta)
+
+
+@njit(cache=True)
+def relevel_headroom(load, expert, gpu, share, num_gpus, alpha, call_overhead, beta):
+    """The most seconds a re-level (`relevel` above, or any split of the same replicas) can take off
+    one layer: its serial time with the planned shares on the actual loads, less the time of its
+    unsplit experts alone (a re-level moves only the tokens of experts with several replicas, so
+    whatever GPU the unsplit ones make busiest stays at least that busy).
+
+    load: [E] tokens per expert; expert, gpu, share: [R] the layer's replicas -> seconds >= 0.
+    """
+    n = expert.shape[0]
+    copies = np.zeros(load.shape[0], np.int64)
+    for r in range(n):
+        copies[expert[r]] += 1
+    work = np.zeros(num_gpus)
+    tok = np.zeros(num_gpus)
+    fixed_work = np.zeros(num_gpus)
+    fixed_tok = np.zeros(num_gpus)
+    for r in range(n):
+        t = load[expert[r]] * share[r]
+        if t <= 0:
+            continue
+        w = alpha * t + call_overhead
+        work[gpu[r]] += w
+        tok[gpu[r]] += t
+        if copies[expert[r]] == 1:
+            fixed_work[gpu[r]] += w
+            fixed_tok[gpu[r]] += t
+    planned = work.max() + 2.0 * beta * tok.max()
+    floor = fixed_work.max() + 2.0 * beta * fixed_tok.max()
+    return max(planned - floor, 0.0)

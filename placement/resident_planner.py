@@ -217,6 +217,19 @@ def relevel_layer(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, 
     return _routable(LayerPlacement(expert, gpu, _shares(tokens, tokens_in[expert])), num_experts)
 
 
+def relevel_pays(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int, cost_s: float) -> bool:
+    """Whether re-levelling the layer's shares on its actual loads is worth its cost: the most it
+    can save (`resident_kernels.relevel_headroom`: the planned shares' time less the unsplit
+    experts' alone) beats cost_s, the re-level's own seconds. The same rule in the twin and in the
+    serving replica's data plane, so a layer whose busiest GPU holds no split expert (most decode
+    layers) keeps its planned shares and pays only this check. load: [E] whole tokens per expert."""
+    if layer.num_replicas == load.shape[0]:
+        return False
+    headroom = resident_kernels.relevel_headroom(np.asarray(load, dtype=np.float64), layer.expert, layer.gpu, layer.share,
+                                                 num_gpus, model.alpha, model.call_overhead, model.beta)
+    return headroom > cost_s
+
+
 def _base(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, budget: int,
           num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Home and resident replicas that fit the free slots and the budget: (expert [R], gpu [R],

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from moeless.twin.bench_planner import measure_relevel_s
+from moeless.twin.bench_planner import measure_relevel_check_s, measure_relevel_s
 from moeless.twin.profile import CostProfile
 from moeless.placement.latency_model import LatencyModel
 
@@ -85,6 +85,7 @@ def calibrate_host(client, hidden: int, non_expert_bytes: int, num_experts: int,
     profile = CostProfile(alpha=fit["alpha"], beta=fit["beta"], call_overhead=fit["call_overhead"], load_s=loads,
                           expert_bytes=int(replica["bytes"]), non_expert_bytes=int(non_expert_bytes),
                           relevel_s=measure_relevel_s(num_experts, num_hosts, model, repeats),
+                          relevel_check_s=measure_relevel_check_s(num_experts, num_hosts, model, repeats),
                           source=f"expert host {client.address}: packed calls, medians of {repeats}, compute on the host's "
                                  "clock")
     return HostCosts(profile, fit["host_s"] + fit["c0"], {"shapes": shapes, "compute_s": compute, "transfer_s": transfer,

@@ -89,7 +89,7 @@ def measure_cuda_profile(geometry: Geometry, repeats: int, *, num_experts: int, 
     from moeless.model.experts import expert_forward
     from moeless.model.weight_store import export_experts
     from moeless.placement.latency_model import LatencyModel
-    from moeless.twin.bench_planner import fit_line, measure_relevel_s
+    from moeless.twin.bench_planner import fit_line, measure_relevel_check_s, measure_relevel_s
 
     dev = torch.device("cuda", 0)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(geometry.dtype, torch.bfloat16)
@@ -141,12 +141,14 @@ def measure_cuda_profile(geometry: Geometry, repeats: int, *, num_experts: int, 
     copies.clear()  # gives the GPU memory back before the CPU part
     torch.cuda.empty_cache()
     # 4. The serving replica's re-level (CPU work).
-    relevel = measure_relevel_s(num_experts, num_gpus, LatencyModel(alpha=alpha, beta=beta, cold_start=host, call_overhead=call))
+    relevel_model = LatencyModel(alpha=alpha, beta=beta, cold_start=host, call_overhead=call)
+    relevel = measure_relevel_s(num_experts, num_gpus, relevel_model)
+    check = measure_relevel_check_s(num_experts, num_gpus, relevel_model)
     name = torch.cuda.get_device_name(dev)
     beta_note = "GPU0->GPU1 copies" if move_s else "roofline (one GPU: no link to measure)"
     profile = CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
                           expert_bytes=geometry.expert_bytes, non_expert_bytes=geometry.non_expert_bytes, relevel_s=relevel,
-                          source=f"measured on {name}: {geometry.name} experts H={h} F={f} {geometry.dtype}; beta from {beta_note}")
+                          relevel_check_s=check, source=f"measured on {name}: {geometry.name} experts H={h} F={f} {geometry.dtype}; beta from {beta_note}")
     facts = {"device": name, "geometry": geometry.name, "dtype": geometry.dtype, "expert_copies": num_copies,
              "ffn_tokens": list(TOKENS), "ffn_seconds": ffn_s, "move_tokens": list(MOVED) if move_s else [],
              "move_seconds": move_s, "beta_measured": bool(move_s), "gpus_visible": torch.cuda.device_count()}

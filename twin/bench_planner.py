@@ -5,8 +5,8 @@
    tokens; beta from serialising and copying a [T, H] float32 batch; one replica's load from disk
    (read, sha256, parse, copy: the expert host's path with its host tier off) and from the host
    memory tier (the copy alone); expert and non-expert bytes; the serving replica's re-level of one
-   layer's shares on its actual loads (moeless's data plane, `measure_relevel_s`). Each time is the
-   fastest of its repeats.
+   layer's shares on its actual loads (moeless's data plane, `measure_relevel_s`) and the check
+   whether it pays (`measure_relevel_check_s`). Each time is the fastest of its repeats.
 2. Planning time per layer for several (E, G): moeless, moeless-fill and the paper beside EPLB.
 
 Part 2, the replay of every planner through the digital twin, is twin/bench_quality.py.
@@ -50,15 +50,31 @@ def measure_relevel_s(num_experts: int, num_gpus: int, model: LatencyModel, repe
     split an expert): static EP's E home replicas plus one more replica of each of the G busiest
     experts, on the next GPU, under a skewed load of 64 tokens per expert. The fastest of repeats."""
     from moeless.placement.resident_planner import relevel_layer
+
+    load, layer = _split_layer(num_experts, num_gpus)
+    return _fastest_seconds(lambda: relevel_layer(load, layer, model, num_gpus), repeats)
+
+
+def measure_relevel_check_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
+    """Seconds of one `relevel_pays` (the check a serving replica runs before a re-level) on the
+    layer `measure_relevel_s` times. The fastest of repeats."""
+    from moeless.placement.resident_planner import relevel_pays
+
+    load, layer = _split_layer(num_experts, num_gpus)
+    return _fastest_seconds(lambda: relevel_pays(load, layer, model, num_gpus, 0.0), repeats)
+
+
+def _split_layer(num_experts: int, num_gpus: int):
+    """(load [E], layer): static EP's E home replicas plus one more replica of each of the G
+    busiest experts, on the next GPU, under a skewed load of 64 tokens per expert."""
     from moeless.placement.types import LayerPlacement
 
     rng = np.random.default_rng(0)
     load = rng.multinomial(64 * num_experts, rng.dirichlet(np.full(num_experts, 0.3)))
     home = np.arange(num_experts) * num_gpus // num_experts
     hot = np.argsort(-load, kind="stable")[:num_gpus] if num_gpus > 1 else np.zeros(0, dtype=np.int64)
-    layer = LayerPlacement.even(np.concatenate([np.arange(num_experts), hot]),
-                                np.concatenate([home, (home[hot] + 1) % num_gpus]), num_experts)
-    return _fastest_seconds(lambda: relevel_layer(load, layer, model, num_gpus), repeats)
+    return load, LayerPlacement.even(np.concatenate([np.arange(num_experts), hot]),
+                                     np.concatenate([home, (home[hot] + 1) % num_gpus]), num_experts)
 
 
 def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int = 50, threads: int = 1,
@@ -104,13 +120,14 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
             host = _fastest_seconds(lambda: copier.to_device(tier.get((0, 0))[0]), loads)
             expert_bytes = store.expert_bytes(0, 0)
         # 4. The data plane's re-level of one layer's shares.
-        relevel = measure_relevel_s(num_experts, num_gpus, LatencyModel(alpha=alpha, beta=beta, cold_start=host,
-                                                                        call_overhead=call), repeats)
+        relevel_model = LatencyModel(alpha=alpha, beta=beta, cold_start=host, call_overhead=call)
+        relevel = measure_relevel_s(num_experts, num_gpus, relevel_model, repeats)
+        check = measure_relevel_check_s(num_experts, num_gpus, relevel_model, repeats)
     finally:
         torch.set_num_threads(saved_threads)
     profile = CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
                           expert_bytes=expert_bytes, non_expert_bytes=non_expert_bytes, relevel_s=relevel,
-                          source=source or f"this machine's CPU, torch on {threads} thread(s), H={hidden} F={ffn} float32")
+                          relevel_check_s=check, source=source or f"this machine's CPU, torch on {threads} thread(s), H={hidden} F={ffn} float32")
     facts = {"expert_shape": {"H": hidden, "F": ffn, "dtype": "float32"}, "torch_threads": threads,
              "ffn_tokens": token_counts, "ffn_seconds": ffn_s, "move_tokens": moved, "move_seconds": move_s}
     return profile, facts

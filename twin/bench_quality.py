@@ -73,14 +73,16 @@ def run_all(runs: Sequence[Run], iterations: Sequence[Iteration], forecasts: dic
 
 def _eplb_budget(records: dict[Run, TwinRecord], run: Run, cluster: Cluster) -> int:
     """The smallest multiple of G at least moeless's time-weighted resident replicas per layer in
-    the same condition (the predictor's at that distance for EPLB-window)."""
+    the same condition (the predictor's at that distance for EPLB-window), at most the largest
+    multiple of G that every layer's slots hold."""
     kind = "predictor" if run.forecast == "previous" and run.planner == "eplb-window" else run.forecast
     same = [r for k, r in records.items() if k.planner == "moeless" and k.distance == run.distance]
     match = [r for k, r in records.items() if k.planner == "moeless" and k.distance == run.distance and k.forecast == kind]
     record = (match or same)[0]
     held = record.summary()["resident_time_weighted"]
     num_experts, num_gpus = record.settings["num_experts"], cluster.num_gpus
-    return max(num_experts, -(-int(np.ceil(held - 1e-9)) // num_gpus) * num_gpus)
+    fits = int(cluster.slots().sum()) // record.serial_s.shape[1] // num_gpus * num_gpus
+    return max(num_experts, min(-(-int(np.ceil(held - 1e-9)) // num_gpus) * num_gpus, fits))
 
 
 def summarise(records: dict[Run, TwinRecord]) -> dict:

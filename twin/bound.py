@@ -14,12 +14,15 @@ plan beats the bound; re-levels and exposed cold starts only add. The Oracle re-
 (lossy), so its time may fall below the bound of the real loads.
 
 `call_bound` is tighter and still lossless: a plan that splits expert e over r_e replicas pays r_e
-calls (on a GPU, r_e weight reads), so the busiest GPU takes at least
-max((alpha sum W + c sum r_e) / G, max_e c + alpha W_e / r_e), minimised over r_e in 1..G (found
-by bisection on the time T: r_e(T) = ceil(alpha W_e / (T - c)) is the fewest replicas that keep
-expert e under T, and T is feasible when the work they make spread over G is at most T), plus the
-transfer term. Where tokens per expert are near the knee (c / alpha), splitting costs about what it
-saves and call_bound sits well above lossless_bound.
+calls (on a GPU, r_e weight reads), and calls are whole, so some GPU makes at least
+ceil(sum r_e / G) of them. The busiest GPU takes at least
+max((alpha sum W + c sum r_e) / G, c ceil(sum r_e / G), max_e c + alpha W_e / r_e), minimised over
+r_e in 1..G (found by bisection on the time T: r_e(T) = ceil(alpha W_e / (T - c)) is the fewest
+replicas that keep expert e under T, which also makes the fewest calls, and T is feasible when
+those calls and the work they make fit under T), plus the transfer term. Where tokens per expert
+are near the knee (c / alpha), splitting costs about what it saves, and in decode, where a layer
+is mostly calls, whole calls matter: 13 experts with tokens on 8 GPUs make some GPU call 2 of
+them, not 13 / 8. There call_bound sits well above lossless_bound.
 """
 
 from __future__ import annotations
@@ -56,13 +59,15 @@ def call_bound(loads: np.ndarray, num_gpus: int, alpha: float, call_overhead: fl
     total, calls, busiest = w.sum(-1), (w > 0).sum(-1), w.max(-1, initial=0.0)
     lo = np.maximum(alpha * total + c * calls, 0.0) / g
     lo = np.where(busiest > 0, np.maximum(lo, c + alpha * busiest / g), 0.0)
-    hi = np.maximum(c * (busiest > 0) + alpha * busiest, (alpha * total + c * calls) / g)  # one replica each: feasible
+    # one replica each: feasible
+    hi = np.maximum(c * (busiest > 0) + alpha * busiest, np.maximum(alpha * total + c * calls, c * g * np.ceil(calls / g)) / g)
 
     def feasible(t: np.ndarray) -> np.ndarray:
         room = np.maximum(t - c, 1e-300)[..., None]
         r = np.where(w > 0, np.clip(np.ceil(alpha * w / room - 1e-12), 1, g), 0)
         fits = np.where(w > 0, c + alpha * w / np.maximum(r, 1) <= t[..., None] * (1 + 1e-12), True).all(-1)
-        return fits & ((alpha * total + c * r.sum(-1)) / g <= t * (1 + 1e-12))
+        whole = c * np.ceil(r.sum(-1) / g) <= t * (1 + 1e-12)
+        return fits & whole & ((alpha * total + c * r.sum(-1)) / g <= t * (1 + 1e-12))
 
     for _ in range(steps):
         mid = (lo + hi) / 2

@@ -10,7 +10,9 @@ required; a missing or bad one is one clear error naming the file and the field.
      "expert_bytes": bytes, "non_expert_bytes": bytes,
      "relevel_s": s,                     # a serving replica re-levelling one layer's shares over its
                                          # replicas on the actual loads (moeless's data plane)
-     "source": "where and how it was measured"}
+     "source": "where and how it was measured",
+     "relevel_check_s": s}               # optional: the check whether that re-level pays
+                                         # (`relevel_pays`); absent: counted as relevel_s
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ FIELDS = {
     "relevel_s": "seconds a serving replica takes to re-level one layer's shares over its replicas on the actual loads",
     "source": "where and how the profile was measured",
 }
+OPTIONAL = {"relevel_check_s": "seconds a serving replica takes to check whether a re-level pays (default: relevel_s)"}
 
 
 class ProfileError(ValueError):
@@ -51,6 +54,13 @@ class CostProfile:
     non_expert_bytes: int
     relevel_s: float
     source: str
+    relevel_check_s: float | None = None
+
+    @property
+    def check_s(self) -> float:
+        """The re-level check's seconds (relevel_s where the profile did not measure it: a check
+        never costs more than the re-level it guards)."""
+        return self.relevel_s if self.relevel_check_s is None else self.relevel_check_s
 
     def latency_model(self, tier: str = "host") -> LatencyModel:
         """The latency model whose cold start is one load from `tier` ("host" or "disk")."""
@@ -87,6 +97,9 @@ class CostProfile:
                                    "`moeless bench planner --out DIR` or add the field")
         for name in ("alpha", "beta", "call_overhead", "expert_bytes", "non_expert_bytes", "relevel_s"):
             _check_number(doc[name], f"{where}: {name}")
+        check = doc.get("relevel_check_s")
+        if check is not None:
+            _check_number(check, f"{where}: relevel_check_s")
         loads = doc["load_s"]
         if not isinstance(loads, dict) or set(TIERS) - set(loads):
             raise ProfileError(f"{where}: load_s must give seconds for every tier {list(TIERS)}, got {loads!r}")
@@ -94,7 +107,7 @@ class CostProfile:
             _check_number(loads[tier], f"{where}: load_s.{tier}")
         return CostProfile(float(doc["alpha"]), float(doc["beta"]), float(doc["call_overhead"]),
                            {t: float(loads[t]) for t in TIERS}, int(doc["expert_bytes"]), int(doc["non_expert_bytes"]),
-                           float(doc["relevel_s"]), str(doc["source"]))
+                           float(doc["relevel_s"]), str(doc["source"]), None if check is None else float(check))
 
     @staticmethod
     def from_json(path: str | Path) -> "CostProfile":

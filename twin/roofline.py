@@ -22,7 +22,8 @@ A profile's fields (seconds, bytes), for H hidden, F expert FFN, b bytes per wei
                       the expert host's path: read, sha256, parse into host memory, copy to the device
   6. expert_bytes = B, non_expert_bytes = the geometry's non-expert parameters * b
   7. relevel_s      = relevel_fixed_s + relevel_per_expert_s * E: the serving replica's re-level of a
-                      layer on its CPU (not a GPU quantity; measured on this project's CPU)
+                      layer on its CPU (not a GPU quantity; measured on this project's CPU), and
+     relevel_check_s the check whether that re-level pays (same CPU)
 Efficiency factors (`Efficiency`, below) are the fractions of datasheet peaks that real kernels
 reach, each with its reason; override them by keyword, `efficiency(**kw)` or a JSON file.
 
@@ -57,6 +58,8 @@ HOST_COPY_BW = 10e9  # one core's memcpy: parsing the file into (pinned) host me
 # The serving replica's re-level of one layer's shares runs on its CPU, not the GPU: measured here
 # (`measure_relevel_s`, this project's CPU, G = 8) 15.7, 19.1, 32.0, 39.9 us at E = 8, 16, 64, 128.
 RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 14e-6, 0.2e-6
+# The check whether a re-level pays (`measure_relevel_check_s`, same CPU): 1.2-1.6 us at E = 8-128.
+RELEVEL_CHECK_S = 1.6e-6
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Efficiency:
     host_copy_bw: float = HOST_COPY_BW
     relevel_fixed_s: float = RELEVEL_FIXED_S
     relevel_per_expert_s: float = RELEVEL_PER_EXPERT_S
+    relevel_check_s: float = RELEVEL_CHECK_S
 
     def __post_init__(self):
         for f in fields(self):
@@ -140,7 +144,8 @@ def roofline_profile(geometry: Geometry, gpu: GpuSpec, count: int = 1, eff: Effi
                       f"datasheet peaks x efficiency {_short(e)}")
     relevel = e.relevel_fixed_s + e.relevel_per_expert_s * geometry.num_experts  # 7.
     return CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
-                       expert_bytes=expert, non_expert_bytes=geometry.non_expert_bytes, relevel_s=relevel, source=note)
+                       expert_bytes=expert, non_expert_bytes=geometry.non_expert_bytes, relevel_s=relevel, source=note,
+                       relevel_check_s=e.relevel_check_s)
 
 
 def resolve_profile(profile_path: str | Path | None, geometry: Geometry, gpu: GpuSpec, count: int = 1,

@@ -17,7 +17,7 @@ from moeless.controller.planner import get_planner, relevels
 from moeless.twin.profile import CostProfile, ProfileError
 from moeless.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import relevel_layer
+from moeless.placement.resident_planner import relevel_layer, relevel_pays
 from moeless.placement.types import LayerPlacement, Placement
 
 L, E, G = 2, 4, 2
@@ -228,3 +228,26 @@ def test_relevel_golden_example():
     assert np.allclose(out.share, [0.1, 1, 1, 1, 0.9])  # experts without tokens route to their replica
     static = Placement.static(1, E, 2).layers[0]
     assert relevel_layer(np.array([10, 6, 0, 0]), static, LatencyModel(1.0, 0.0, 1.0, 1.0), 2) is static
+
+
+def test_relevel_pays_only_where_its_best_saving_beats_its_cost():
+    import torch
+
+    from moeless.model.interface import Routing
+    from moeless.serving.forecasting import relevel_for
+
+    model = LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0)
+    layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
+    # Planned shares: GPU 0 works 10 + 1 + 6 + 1 = 18; expert 1 alone (unsplit) keeps it at 7: at most 11 to save.
+    assert relevel_pays(np.array([10, 6, 0, 0]), layer, model, 2, 10.9)
+    assert not relevel_pays(np.array([10, 6, 0, 0]), layer, model, 2, 11.0)
+    # The busiest GPU holds no split expert's tokens (expert 0's are on GPU 1; expert 1's 30 on GPU 0):
+    # nothing to save at any cost.
+    away = LayerPlacement(layer.expert, layer.gpu, np.array([0.0, 1, 1, 1, 1]))
+    assert not relevel_pays(np.array([1, 30, 0, 0]), away, model, 2, 0.0)
+    assert not relevel_pays(np.array([10, 6, 0, 0]), Placement.static(1, E, 2).layers[0], model, 2, 0.0)
+    # The data plane follows the same rule: shares re-levelled where it pays, kept (the same object) where not.
+    idx = torch.tensor([[0]] * 10 + [[1]] * 6)
+    routing = Routing(idx, torch.ones(16, 1), torch.zeros(16, E))
+    assert np.allclose(relevel_for(model, 2, 5.0)(0, layer, routing).share, [0.1, 1, 1, 1, 0.9])
+    assert relevel_for(model, 2, 11.0)(0, layer, routing) is layer

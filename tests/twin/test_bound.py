@@ -26,6 +26,10 @@ def test_golden_example():
     # (two calls) makes the spread work (40 + 4 * 10) / 2 = 40 too: 40, where lossless_bound says 35.
     assert call_bound(np.array([30, 6, 4, 0]), 2, 1.0, 10.0, 0.0) == pytest.approx(40)
     assert call_bound(np.array([300, 6, 4, 0]), 2, 1.0, 10.0, 0.0) == pytest.approx((310 + 40) / 2)  # split: 10 + 150 < 175
+    # Whole calls: 3 experts with a token each on 2 GPUs (call 10): some GPU makes 2 calls, at least
+    # 20, where the spread work says (3 + 30) / 2 = 16.5.
+    assert lossless_bound(np.array([1, 1, 1, 0]), 2, 1.0, 10.0, 0.0) == 16.5
+    assert call_bound(np.array([1, 1, 1, 0]), 2, 1.0, 10.0, 0.0) == pytest.approx(20, abs=1e-9)
     # Shapes: [I, L, E] -> [I, L].
     assert lossless_bound(np.ones((3, 2, 4)), 2, 1.0, 0.0, 0.0).shape == (3, 2)
 

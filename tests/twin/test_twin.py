@@ -116,17 +116,21 @@ def split_expert_zero(forecast, cluster, previous, config):
 def test_moeless_shares_are_relevelled_on_the_actual_loads_and_pay_the_relevel_others_keep_theirs():
     from moeless.controller.planner import Planner
 
-    its = iterations([np.array([[20, 4, 4, 4]] * L)], phase="prefill")
-    profile = CostProfile(**{**vars(PROFILE), "relevel_s": 3e-6})
+    its = iterations([np.array([[20, 4, 4, 4]] * L), np.array([[2, 20, 4, 4]] * L)], phase="prefill")
+    profile = CostProfile(**{**vars(PROFILE), "relevel_s": 3e-6, "relevel_check_s": 1e-6})
     config = PlannerConfig(model=profile.latency_model())
     times = {}
     for name in ("fixed-shares", "moeless-fixed-shares"):
         planner = Planner(name, split_expert_zero, config)
-        times[name] = replay(planner, its, np.stack([i.load for i in its]), cluster(), profile).serial_s[0]
+        times[name] = replay(planner, its, np.stack([i.load for i in its]), cluster(), profile).serial_s
     # Fixed shares: GPU 0 runs 0.9 x 20 + 4 = 22 tokens. Re-levelled: 8 of expert 0's tokens on GPU 1,
-    # 16 tokens a GPU, plus the re-level itself.
-    assert times["fixed-shares"].tolist() == pytest.approx([22e-6] * L)
-    assert times["moeless-fixed-shares"].tolist() == pytest.approx([16e-6 + 3e-6] * L)
+    # 16 tokens a GPU, plus the re-level (3 us) and the check that it pays (1 us).
+    assert times["fixed-shares"][0].tolist() == pytest.approx([22e-6] * L)
+    assert times["moeless-fixed-shares"][0].tolist() == pytest.approx([16e-6 + 3e-6 + 1e-6] * L)
+    # Iteration 2: GPU 0 runs expert 0's 2 tokens (0.9 x 2, whole) beside expert 1's 20; a re-level
+    # can save at most those 2 us, less than its 3 us, so the shares stay and only the check is paid.
+    assert times["fixed-shares"][1].tolist() == pytest.approx([22e-6] * L)
+    assert times["moeless-fixed-shares"][1].tolist() == pytest.approx([22e-6 + 1e-6] * L)
 
 
 def test_replay_checks_its_inputs():
@@ -140,6 +144,9 @@ def test_replay_checks_its_inputs():
 def test_cost_profile_round_trips_and_names_a_missing_field(tmp_path):
     path = PROFILE.to_json(tmp_path / "p.json")
     assert CostProfile.from_json(path) == PROFILE
+    assert PROFILE.relevel_check_s is None and PROFILE.check_s == PROFILE.relevel_s  # an older file: the check costs a re-level
+    checked = CostProfile(**{**vars(PROFILE), "relevel_check_s": 2e-6})
+    assert CostProfile.from_json(checked.to_json(tmp_path / "c.json")).check_s == 2e-6
     doc = json.loads(path.read_text())
     del doc["alpha"]
     path.write_text(json.dumps(doc))
