@@ -11,7 +11,8 @@ A cell, in numbered steps:
    HumanEval); the chunked-prefill scheduler (twin/chunked.py).
 4. The planners through the twin (serial execution; both billing models): static EP, EPLB-window,
    the paper's planner, moeless with the forecasts a trace allows (previous iteration, history
-   window), moeless with a perfect forecast; the lossless bound (twin/bound.py) per layer; moeless
+   window), moeless with a perfect forecast; the lossless bound (twin/bound.py) per layer and the
+   offline reference (twin/reference.py: EPLB on each iteration's own loads, moves free); moeless
    at a few knob values (memory price, keep-alive) for the recommendation.
 Pure given its inputs; the run document (`cell_doc`) holds what the report needs.
 """
@@ -99,6 +100,7 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
     from moeless.placement.fill_placer import HORIZON
     from moeless.twin.bench_quality import Run, run_all
     from moeless.twin.bound import profile_bound, profile_call_bound
+    from moeless.twin.reference import offline_reference
     from moeless.twin.twin import TwinSettings
 
     num_layers, num_experts = iterations[0].load.shape
@@ -130,7 +132,9 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
         knob_rows.append({"price_factor": factor, "memory_price": neutral * factor, "keep_alive_s": keep,
                           **_phase_figures(rec, None)})
     loads = np.stack([it.load for it in iterations])
-    bound = {"bound": profile_bound(loads, count, profile), "call_bound": profile_call_bound(loads, count, profile)}
+    budgets = sorted({-(-num_experts // count) * count, max(num_experts, cap // count * count)})
+    bound = {"bound": profile_bound(loads, count, profile), "call_bound": profile_call_bound(loads, count, profile),
+             "offline": offline_reference(loads, count, profile.latency_model("host"), budgets)}
     return cell_doc(iterations, by_key, bound, knob_rows, profile, top_k, {"slots_per_gpu": slots, "distance": d,
                     "memory_price": price, "neutral_price": neutral, "keep_alive_s": knobs.keep_alive_s})
 

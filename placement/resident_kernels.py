@@ -241,9 +241,10 @@ def _refill(w, mine, m, gpu, tokens, tok, calls, call, other, pieces, new_tok, n
 @njit(cache=True)
 def relevel_headroom(load, expert, gpu, share, num_gpus, alpha, call_overhead, beta):
     """The most seconds a re-level (`relevel` above, or any split of the same replicas) can take off
-    one layer: its serial time with the planned shares on the actual loads, less the time of its
-    unsplit experts alone (a re-level moves only the tokens of experts with several replicas, so
-    whatever GPU the unsplit ones make busiest stays at least that busy).
+    one layer: its serial time with the planned shares on the actual loads, less the least time a
+    split can reach: the unsplit experts' time alone (a re-level moves only the tokens of experts
+    with several replicas, so whatever GPU the unsplit ones make busiest stays at least that busy)
+    and the work spread evenly (every token once, every expert with tokens called at least once).
 
     load: [E] tokens per expert; expert, gpu, share: [R] the layer's replicas -> seconds >= 0.
     """
@@ -265,6 +266,11 @@ def relevel_headroom(load, expert, gpu, share, num_gpus, alpha, call_overhead, b
         if copies[expert[r]] == 1:
             fixed_work[gpu[r]] += w
             fixed_tok[gpu[r]] += t
+    total, called = 0.0, 0
+    for e in range(load.shape[0]):
+        total += load[e]
+        called += load[e] > 0
     planned = work.max() + 2.0 * beta * tok.max()
-    floor = fixed_work.max() + 2.0 * beta * fixed_tok.max()
+    spread = (alpha * total + call_overhead * called + 2.0 * beta * total) / num_gpus
+    floor = max(fixed_work.max() + 2.0 * beta * fixed_tok.max(), spread)
     return max(planned - floor, 0.0)

@@ -204,11 +204,21 @@ def relevel_layer(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, 
     Experts water-filled over their replicas least-loaded GPU first (`kernels.reshare`), whole
     tokens, then the busiest GPU's experts re-levelled while that shortens the layer
     (`resident_kernels.relevel`); replicas may get no token; an expert without tokens routes to
-    its first replica. One replica per expert: nothing to re-level, the layer comes back as is.
+    its first replica. One replica per expert: nothing to re-level, the layer comes back as is. An
+    expert twice on one GPU (EPLB's packing can do that) is one replica there: the first takes its
+    tokens, the others none.
     """
     num_experts = load.shape[0]
     if layer.num_replicas == num_experts:
         return layer
+    pair = layer.expert * num_gpus + layer.gpu
+    _, first, which = np.unique(pair, return_index=True, return_inverse=True)
+    if first.shape[0] < layer.num_replicas:
+        once = relevel_layer(load, LayerPlacement(layer.expert[first], layer.gpu[first],
+                                                  np.bincount(which, weights=layer.share)), model, num_gpus)
+        share = np.zeros(layer.num_replicas)
+        share[first] = once.share
+        return LayerPlacement(layer.expert, layer.gpu, share)
     tokens_in = np.asarray(load, dtype=np.int64)
     expert, gpu = layer.expert, layer.gpu
     tokens = kernels.largest_remainder(tokens_in, expert, kernels.reshare(tokens_in.astype(np.float64), expert, gpu,

@@ -230,6 +230,15 @@ def test_relevel_golden_example():
     assert relevel_layer(np.array([10, 6, 0, 0]), static, LatencyModel(1.0, 0.0, 1.0, 1.0), 2) is static
 
 
+def test_relevel_gives_an_experts_twin_on_the_same_gpu_no_tokens():
+    # Expert 0 twice on GPU 1 (EPLB's packing can do that): one replica there; whole tokens,
+    # never a negative share (the water-fill over a GPU listed twice gave one before).
+    model = LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0)
+    layer = LayerPlacement(np.array([0, 1, 2, 3, 0, 0]), np.array([0, 0, 1, 1, 1, 1]), np.array([0.5, 1, 1, 1, 0.25, 0.25]))
+    out = relevel_layer(np.array([10, 6, 0, 0]), layer, model, 2)
+    assert np.allclose(out.share, [0.1, 1, 1, 1, 0.9, 0])
+
+
 def test_relevel_pays_only_where_its_best_saving_beats_its_cost():
     import torch
 
