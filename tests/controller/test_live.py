@@ -247,9 +247,10 @@ def test_relevel_pays_only_where_its_best_saving_beats_its_cost():
 
     model = LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0)
     layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
-    # Planned shares: GPU 0 works 10 + 1 + 6 + 1 = 18; expert 1 alone (unsplit) keeps it at 7: at most 11 to save.
-    assert relevel_pays(np.array([10, 6, 0, 0]), layer, model, 2, 10.9)
-    assert not relevel_pays(np.array([10, 6, 0, 0]), layer, model, 2, 11.0)
+    # Planned shares: GPU 0 works 10 + 1 + 6 + 1 = 18. No split beats expert 1 alone (unsplit: 7) nor the
+    # work spread evenly ((16 tokens + 2 calls) / 2 GPUs = 9): at most 18 - 9 = 9 to save.
+    assert relevel_pays(np.array([10, 6, 0, 0]), layer, model, 2, 8.9)
+    assert not relevel_pays(np.array([10, 6, 0, 0]), layer, model, 2, 9.0)
     # The busiest GPU holds no split expert's tokens (expert 0's are on GPU 1; expert 1's 30 on GPU 0):
     # nothing to save at any cost.
     away = LayerPlacement(layer.expert, layer.gpu, np.array([0.0, 1, 1, 1, 1]))
