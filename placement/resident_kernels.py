@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from moeless.placement.kernels import largest_remainder
+
 
 @njit(cache=True)
 def layer_seconds(tok, calls, alpha, call_overhead, beta):
@@ -239,25 +241,43 @@ def _refill(w, mine, m, gpu, tokens, tok, calls, call, other, pieces, new_tok, n
 
 
 @njit(cache=True)
-def relevel_headroom(load, expert, gpu, share, num_gpus, alpha, call_overhead, beta):
-    """The most seconds a re-level (`relevel` above, or any split of the same replicas) can take off
-    one layer: its serial time with the planned shares on the actual loads, less the least time a
-    split can reach: the unsplit experts' time alone (a re-level moves only the tokens of experts
-    with several replicas, so whatever GPU the unsplit ones make busiest stays at least that busy)
-    and the work spread evenly (every token once, every expert with tokens called at least once).
+def route_check(load, expert, gpu, share, num_gpus, alpha, call_overhead, beta):
+    """A layer's serial time on its actual loads, the three numbers the data plane chooses its
+    shares by: planned (the plan's shares), unsplit (each expert's tokens all on its first
+    replica: static EP's split for moeless's plans, whose home replicas come first) and floor, the
+    least any split of the same replicas can reach, so a re-level saves at most
+    min(planned, unsplit) - floor. floor is the largest of:
+    1. the unsplit experts' time alone (a re-level moves only the tokens of experts with several
+       replicas, so whatever GPU the unsplit ones make busiest stays at least that busy);
+    2. the work spread evenly (every token once, every expert with tokens called at least once);
+    3. per split expert, its tokens alone spread over its GPUs on top of their unsplit experts: on
+       the k GPUs it uses, the busiest is at least their mean (k calls and its tokens added) and at
+       least the k-th least busy of them plus a call; the least of that over k.
 
-    load: [E] tokens per expert; expert, gpu, share: [R] the layer's replicas -> seconds >= 0.
+    load: [E] whole tokens per expert (int); expert, gpu, share: [R] the layer's replicas, whose
+    tokens are whole (`largest_remainder`, as routed) -> (planned_s, unsplit_s, floor_s).
     """
-    n = expert.shape[0]
-    copies = np.zeros(load.shape[0], np.int64)
+    n, num_experts = expert.shape[0], load.shape[0]
+    routed = largest_remainder(load, expert, share)
+    copies = np.zeros(num_experts, np.int64)
+    first = np.full(num_experts, -1, np.int64)
     for r in range(n):
         copies[expert[r]] += 1
-    work = np.zeros(num_gpus)
-    tok = np.zeros(num_gpus)
-    fixed_work = np.zeros(num_gpus)
-    fixed_tok = np.zeros(num_gpus)
+        if first[expert[r]] < 0:
+            first[expert[r]] = r
+    work, tok = np.zeros(num_gpus), np.zeros(num_gpus)
+    fixed_work, fixed_tok = np.zeros(num_gpus), np.zeros(num_gpus)
+    one_work, one_tok = np.zeros(num_gpus), np.zeros(num_gpus)
+    total, called = 0.0, 0
+    for e in range(num_experts):
+        total += load[e]
+        if load[e] > 0:
+            called += 1
+            g = gpu[first[e]]
+            one_work[g] += alpha * load[e] + call_overhead
+            one_tok[g] += load[e]
     for r in range(n):
-        t = load[expert[r]] * share[r]
+        t = routed[r]
         if t <= 0:
             continue
         w = alpha * t + call_overhead
@@ -266,11 +286,25 @@ def relevel_headroom(load, expert, gpu, share, num_gpus, alpha, call_overhead, b
         if copies[expert[r]] == 1:
             fixed_work[gpu[r]] += w
             fixed_tok[gpu[r]] += t
-    total, called = 0.0, 0
-    for e in range(load.shape[0]):
-        total += load[e]
-        called += load[e] > 0
     planned = work.max() + 2.0 * beta * tok.max()
+    unsplit = one_work.max() + 2.0 * beta * one_tok.max()
     spread = (alpha * total + call_overhead * called + 2.0 * beta * total) / num_gpus
     floor = max(fixed_work.max() + 2.0 * beta * fixed_tok.max(), spread)
-    return max(planned - floor, 0.0)
+    busy = fixed_work + 2.0 * beta * fixed_tok
+    theirs = np.empty(n)
+    for e in range(num_experts):
+        if copies[e] < 2 or load[e] <= 0:
+            continue
+        m = 0
+        for r in range(n):
+            if expert[r] == e:
+                theirs[m] = busy[gpu[r]]
+                m += 1
+        ordered = np.sort(theirs[:m])
+        best, summed = np.inf, 0.0
+        for k in range(1, m + 1):
+            summed += ordered[k - 1]
+            mean = (summed + (alpha + 2.0 * beta) * load[e] + k * call_overhead) / k
+            best = min(best, max(mean, ordered[k - 1] + call_overhead))
+        floor = max(floor, best)
+    return planned, unsplit, floor

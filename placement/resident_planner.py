@@ -227,17 +227,31 @@ def relevel_layer(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, 
     return _routable(LayerPlacement(expert, gpu, _shares(tokens, tokens_in[expert])), num_experts)
 
 
-def relevel_pays(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int, cost_s: float) -> bool:
-    """Whether re-levelling the layer's shares on its actual loads is worth its cost: the most it
-    can save (`resident_kernels.relevel_headroom`: the planned shares' time less the unsplit
-    experts' alone) beats cost_s, the re-level's own seconds. The same rule in the twin and in the
-    serving replica's data plane, so a layer whose busiest GPU holds no split expert (most decode
-    layers) keeps its planned shares and pays only this check. load: [E] whole tokens per expert."""
+def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int,
+                  relevel_s: float) -> tuple[LayerPlacement, bool]:
+    """The shares a serving replica routes one layer's actual loads with, once its gate has run:
+    the same rule in the twin and in the data plane. load: [E] whole tokens per expert.
+
+    A check (`resident_kernels.route_check`, about a microsecond) times the planned shares and the
+    unsplit ones (each expert on its first replica: static EP's split, since a moeless plan lists
+    its home replicas first) and bounds what any split can reach. A re-level runs where the most it
+    can save over the better of the two beats relevel_s, its own seconds; otherwise the better of
+    the two is routed, so a forecast that split the wrong expert costs the check, not the miss.
+    One replica per expert: nothing to choose, no check. Returns (shares, whether it re-levelled).
+    """
     if layer.num_replicas == load.shape[0]:
-        return False
-    headroom = resident_kernels.relevel_headroom(np.asarray(load, dtype=np.float64), layer.expert, layer.gpu, layer.share,
-                                                 num_gpus, model.alpha, model.call_overhead, model.beta)
-    return headroom > cost_s
+        return layer, False
+    planned_s, unsplit_s, floor_s = resident_kernels.route_check(
+        np.asarray(load, dtype=np.int64), layer.expert, layer.gpu, layer.share, num_gpus,
+        model.alpha, model.call_overhead, model.beta)
+    if min(planned_s, unsplit_s) - floor_s > relevel_s:
+        return relevel_layer(load, layer, model, num_gpus), True
+    if unsplit_s < planned_s:
+        _, first = np.unique(layer.expert, return_index=True)
+        share = np.zeros(layer.num_replicas)
+        share[first] = 1.0
+        return LayerPlacement(layer.expert, layer.gpu, share), False
+    return layer, False
 
 
 def _base(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, budget: int,

@@ -30,7 +30,7 @@ import torch
 from moeless.controller.live_window import IterationReport, LayerFigures
 from moeless.model.interface import Routing
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import relevel_layer, relevel_pays
+from moeless.placement.resident_planner import actual_shares
 from moeless.placement.types import LayerPlacement
 from moeless.predictor.runtime import PredictionRuntime
 from moeless.serving.engine import Engine
@@ -71,16 +71,14 @@ def build_predictor(model, predictor: str, distance: int, path: str | None = Non
 
 
 def relevel_for(model: LatencyModel, num_hosts: int, cost_s: float) -> Relevel:
-    """The RemoteExecutor's per-call re-levelling: the layer's tokens per expert over its replicas,
-    where that pays (`relevel_pays`: the most it can save beats cost_s, the profile's relevel_s),
-    the rule the twin prices it by."""
+    """The RemoteExecutor's per-call shares on the layer's actual tokens per expert
+    (`actual_shares`: re-levelled where that can save more than cost_s, the profile's relevel_s,
+    else the better of the planned shares and static EP's split), the rule the twin prices it by."""
 
     def relevel(layer: int, placement: LayerPlacement, routing: Routing) -> LayerPlacement:
         num_experts = int(placement.expert.max()) + 1
         load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
-        if not relevel_pays(load, placement, model, num_hosts, cost_s):
-            return placement
-        return relevel_layer(load, placement, model, num_hosts)
+        return actual_shares(load, placement, model, num_hosts, cost_s)[0]
 
     return relevel
 

@@ -56,12 +56,13 @@ def measure_relevel_s(num_experts: int, num_gpus: int, model: LatencyModel, repe
 
 
 def measure_relevel_check_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
-    """Seconds of one `relevel_pays` (the check a serving replica runs before a re-level) on the
-    layer `measure_relevel_s` times. The fastest of repeats."""
-    from moeless.placement.resident_planner import relevel_pays
+    """Seconds of one `actual_shares` that does not re-level (the check a serving replica runs on
+    every layer with a split expert, and the choice of shares it makes) on the layer
+    `measure_relevel_s` times. The fastest of repeats."""
+    from moeless.placement.resident_planner import actual_shares
 
     load, layer = _split_layer(num_experts, num_gpus)
-    return _fastest_seconds(lambda: relevel_pays(load, layer, model, num_gpus, 0.0), repeats)
+    return _fastest_seconds(lambda: actual_shares(load, layer, model, num_gpus, np.inf), repeats)
 
 
 def _split_layer(num_experts: int, num_gpus: int):

@@ -11,8 +11,9 @@ required; a missing or bad one is one clear error naming the file and the field.
      "relevel_s": s,                     # a serving replica re-levelling one layer's shares over its
                                          # replicas on the actual loads (moeless's data plane)
      "source": "where and how it was measured",
-     "relevel_check_s": s}               # optional: the check whether that re-level pays
-                                         # (`relevel_pays`); absent: counted as relevel_s
+     "relevel_check_s": s}               # optional: the check whether that re-level pays and
+                                         # the choice of shares (`actual_shares`); absent:
+                                         # counted as relevel_s
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ The model, per iteration (DESIGN.md, "What a plan costs" and "The paper's model"
    resident replica) and returns the plan; its replicas that are not resident are cold loads.
 3. Time, layer by layer: `serial` and `paper` layer times on the actual loads (the Oracle's on its
    lossy loads). moeless's planners leave the shares to the data plane, as `moeless serve` runs
-   them: a layer with a split expert is re-levelled over the plan's replicas on its actual loads
-   (`relevel_layer`) where that pays (`relevel_pays`: the most it can save beats relevel_s), paying
-   relevel_s for it and the profile's check_s for the check; the baselines keep their shares.
+   them (`actual_shares`): a layer with a split expert is re-levelled over the plan's replicas on
+   its actual loads where the most that can save beats relevel_s, paying relevel_s for it, and
+   otherwise keeps the better of its planned shares and static EP's split; every such layer pays
+   the profile's check_s for the check. The baselines keep their shares.
    Layer t's cold loads are issued when layer max(t - d, 0) starts (a forecast made d layers
    ahead); each GPU loads one replica after another (load_s each); layer t waits for the
    last of its loads: exposed_t = max(0, done - start_t). Its cold-start time is the most any GPU
@@ -40,7 +41,7 @@ from moeless.twin.iterations import Iteration
 from moeless.controller.planner import Planner
 from moeless.twin.profile import CostProfile
 from moeless.placement.cluster import Cluster
-from moeless.placement.resident_planner import relevel_layer, relevel_pays
+from moeless.placement.resident_planner import actual_shares
 from moeless.placement.types import LayerPlacement, Placement
 
 GB = 1e9
@@ -190,9 +191,8 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
             rec.exposed_s[i, l] = max(done - start, 0.0)
             dispatch = 0.0
             if planner.relevels and lp.num_replicas > num_experts:
-                whole, dispatch = np.rint(actual[l]).astype(np.int64), profile.check_s
-                if relevel_pays(whole, lp, model, num_gpus, profile.relevel_s):
-                    lp, dispatch = relevel_layer(whole, lp, model, num_gpus), dispatch + profile.relevel_s
+                lp, relevelled = actual_shares(np.rint(actual[l]).astype(np.int64), lp, model, num_gpus, profile.relevel_s)
+                dispatch = profile.check_s + (profile.relevel_s if relevelled else 0.0)
             rec.serial_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "serial") + dispatch
             rec.paper_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "paper") + dispatch
             start += rec.serial_s[i, l] + rec.exposed_s[i, l]

@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moeless.controller.live import (
     HostView, layer_cap_replicas, live_planner_name, loads_to_send, memory_price, plan_phases, plan_step, planner_config,
@@ -17,7 +19,7 @@ from moeless.controller.planner import get_planner, relevels
 from moeless.twin.profile import CostProfile, ProfileError
 from moeless.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import relevel_layer, relevel_pays
+from moeless.placement.resident_planner import actual_shares, relevel_layer
 from moeless.placement.types import LayerPlacement, Placement
 
 L, E, G = 2, 4, 2
@@ -239,7 +241,7 @@ def test_relevel_gives_an_experts_twin_on_the_same_gpu_no_tokens():
     assert np.allclose(out.share, [0.1, 1, 1, 1, 0.9, 0])
 
 
-def test_relevel_pays_only_where_its_best_saving_beats_its_cost():
+def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_the_better_split():
     import torch
 
     from moeless.model.interface import Routing
@@ -247,17 +249,50 @@ def test_relevel_pays_only_where_its_best_saving_beats_its_cost():
 
     model = LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0)
     layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
-    # Planned shares: GPU 0 works 10 + 1 + 6 + 1 = 18. No split beats expert 1 alone (unsplit: 7) nor the
-    # work spread evenly ((16 tokens + 2 calls) / 2 GPUs = 9): at most 18 - 9 = 9 to save.
-    assert relevel_pays(np.array([10, 6, 0, 0]), layer, model, 2, 8.9)
-    assert not relevel_pays(np.array([10, 6, 0, 0]), layer, model, 2, 9.0)
-    # The busiest GPU holds no split expert's tokens (expert 0's are on GPU 1; expert 1's 30 on GPU 0):
-    # nothing to save at any cost.
+    # Planned shares = static EP's split: GPU 0 works 10 + 1 + 6 + 1 = 18. No split beats expert 1
+    # alone (7), the work spread evenly ((16 tokens + 2 calls) / 2 = 9), nor expert 0 spread over
+    # its two GPUs on top of expert 1 ((7 + 10 + 2 calls) / 2 = 9.5): at most 8.5 to save.
+    out, relevelled = actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.4)
+    assert relevelled and np.allclose(out.share, [0.1, 1, 1, 1, 0.9])
+    assert actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.5) == (layer, False)
+    # The busiest GPU holds no split expert's tokens (expert 0's are on GPU 1; expert 1's 30 on
+    # GPU 0): nothing to save at any cost, and the plan beats static EP's split (31 against 33).
     away = LayerPlacement(layer.expert, layer.gpu, np.array([0.0, 1, 1, 1, 1]))
-    assert not relevel_pays(np.array([1, 30, 0, 0]), away, model, 2, 0.0)
-    assert not relevel_pays(np.array([10, 6, 0, 0]), Placement.static(1, E, 2).layers[0], model, 2, 0.0)
+    assert actual_shares(np.array([1, 30, 0, 0]), away, model, 2, 0.0) == (away, False)
+    static = Placement.static(1, E, 2).layers[0]
+    assert actual_shares(np.array([10, 6, 0, 0]), static, model, 2, 0.0) == (static, False)
+    # A forecast that moved expert 0 to GPU 1, where expert 2 got 30 tokens: planned 10 + 1 + 30 + 1
+    # = 42, static EP's split 31 (expert 2 alone, which no split beats): static EP's split is routed.
+    out, relevelled = actual_shares(np.array([10, 0, 30, 0]), away, model, 2, 0.0)
+    assert not relevelled and out.share.tolist() == [1, 1, 1, 1, 0]
     # The data plane follows the same rule: shares re-levelled where it pays, kept (the same object) where not.
     idx = torch.tensor([[0]] * 10 + [[1]] * 6)
     routing = Routing(idx, torch.ones(16, 1), torch.zeros(16, E))
     assert np.allclose(relevel_for(model, 2, 5.0)(0, layer, routing).share, [0.1, 1, 1, 1, 0.9])
     assert relevel_for(model, 2, 11.0)(0, layer, routing) is layer
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=E, max_size=E), st.lists(st.integers(0, E - 1), min_size=1, max_size=4),
+       st.booleans(), st.floats(0.0, 3.0), st.floats(0.0, 0.5))
+def test_route_check_floor_is_below_every_split_and_the_choice_below_planned_and_static(load, extra, away, call, beta):
+    # The floor is a bound (at most the planned, unsplit and re-levelled times), and without a
+    # re-level the routed shares are never slower than the planned ones or static EP's split: the
+    # guarantee that a forecast which split the wrong expert costs the check and no more.
+    from moeless.placement.resident_kernels import route_check
+
+    model = LatencyModel(alpha=1.0, beta=beta, cold_start=1.0, call_overhead=call)
+    expert = np.array(list(range(E)) + extra)
+    gpu = np.concatenate([np.arange(E) * 2 // E, [1 - e * 2 // E for e in extra]])
+    share = np.ones(expert.shape[0])
+    if away:  # a split expert's tokens all on its extra replicas (a forecast that moved it)
+        share[:E][np.bincount(expert, minlength=E) > 1] = 0.0
+    share /= np.bincount(expert, weights=share, minlength=E)[expert]
+    layer, whole = LayerPlacement(expert, gpu, share), np.array(load)
+    planned, unsplit, floor = route_check(whole, expert, gpu, share, 2, 1.0, call, beta)
+    relevelled = model.layer_time(whole, relevel_layer(whole, layer, model, 2), 2, "serial")
+    assert floor <= min(planned, unsplit, relevelled) + 1e-9
+    static = model.layer_time(whole, Placement.static(1, E, 2).layers[0], 2, "serial")
+    chosen, did = actual_shares(whole, layer, model, 2, np.inf)
+    assert not did
+    assert model.layer_time(whole, chosen, 2, "serial") <= min(model.layer_time(whole, layer, 2, "serial"), static) + 1e-9
