@@ -255,16 +255,19 @@ def route_check(load, expert, gpu, share, num_gpus, alpha, call_overhead, beta):
        least the k-th least busy of them plus a call; the least of that over k.
 
     load: [E] whole tokens per expert (int); expert, gpu, share: [R] the layer's replicas, whose
-    tokens are whole (`largest_remainder`, as routed) -> (planned_s, unsplit_s, floor_s).
+    tokens are whole (`largest_remainder`, as routed) -> (planned_s, unsplit_s, floor_s,
+    unsplit_share [R]: 1 on each expert's first replica).
     """
     n, num_experts = expert.shape[0], load.shape[0]
     routed = largest_remainder(load, expert, share)
     copies = np.zeros(num_experts, np.int64)
     first = np.full(num_experts, -1, np.int64)
+    unsplit_share = np.zeros(n)
     for r in range(n):
         copies[expert[r]] += 1
         if first[expert[r]] < 0:
             first[expert[r]] = r
+            unsplit_share[r] = 1.0
     work, tok = np.zeros(num_gpus), np.zeros(num_gpus)
     fixed_work, fixed_tok = np.zeros(num_gpus), np.zeros(num_gpus)
     one_work, one_tok = np.zeros(num_gpus), np.zeros(num_gpus)
@@ -297,14 +300,17 @@ def route_check(load, expert, gpu, share, num_gpus, alpha, call_overhead, beta):
             continue
         m = 0
         for r in range(n):
-            if expert[r] == e:
-                theirs[m] = busy[gpu[r]]
+            if expert[r] == e:  # insertion sort: an expert has a few replicas
+                j = m
+                while j > 0 and theirs[j - 1] > busy[gpu[r]]:
+                    theirs[j] = theirs[j - 1]
+                    j -= 1
+                theirs[j] = busy[gpu[r]]
                 m += 1
-        ordered = np.sort(theirs[:m])
         best, summed = np.inf, 0.0
         for k in range(1, m + 1):
-            summed += ordered[k - 1]
+            summed += theirs[k - 1]
             mean = (summed + (alpha + 2.0 * beta) * load[e] + k * call_overhead) / k
-            best = min(best, max(mean, ordered[k - 1] + call_overhead))
+            best = min(best, max(mean, theirs[k - 1] + call_overhead))
         floor = max(floor, best)
-    return planned, unsplit, floor
+    return planned, unsplit, floor, unsplit_share

@@ -241,16 +241,13 @@ def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, 
     """
     if layer.num_replicas == load.shape[0]:
         return layer, False
-    planned_s, unsplit_s, floor_s = resident_kernels.route_check(
+    planned_s, unsplit_s, floor_s, unsplit_share = resident_kernels.route_check(
         np.asarray(load, dtype=np.int64), layer.expert, layer.gpu, layer.share, num_gpus,
         model.alpha, model.call_overhead, model.beta)
     if min(planned_s, unsplit_s) - floor_s > relevel_s:
         return relevel_layer(load, layer, model, num_gpus), True
     if unsplit_s < planned_s:
-        _, first = np.unique(layer.expert, return_index=True)
-        share = np.zeros(layer.num_replicas)
-        share[first] = 1.0
-        return LayerPlacement(layer.expert, layer.gpu, share), False
+        return LayerPlacement(layer.expert, layer.gpu, unsplit_share), False
     return layer, False
 
 

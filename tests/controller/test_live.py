@@ -289,7 +289,7 @@ def test_route_check_floor_is_below_every_split_and_the_choice_below_planned_and
         share[:E][np.bincount(expert, minlength=E) > 1] = 0.0
     share /= np.bincount(expert, weights=share, minlength=E)[expert]
     layer, whole = LayerPlacement(expert, gpu, share), np.array(load)
-    planned, unsplit, floor = route_check(whole, expert, gpu, share, 2, 1.0, call, beta)
+    planned, unsplit, floor, _ = route_check(whole, expert, gpu, share, 2, 1.0, call, beta)
     relevelled = model.layer_time(whole, relevel_layer(whole, layer, model, 2), 2, "serial")
     assert floor <= min(planned, unsplit, relevelled) + 1e-9
     static = model.layer_time(whole, Placement.static(1, E, 2).layers[0], 2, "serial")
