@@ -18,7 +18,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from moeless.controller.operator import objects as obj
-from moeless.controller.operator.meters import HostMeters, parse_host_metrics
+from moeless.controller.operator.meters import parse_host_metrics
 from moeless.controller.operator.reconcile import (Action, Create, Delete, Emit, Observed, Scale, Update, UpdateStatus,
                                                    pod_ready, rfc3339)
 from moeless.controller.operator.spec import SpecError, parse_spec
