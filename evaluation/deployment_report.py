@@ -214,8 +214,10 @@ def _why(a: dict, c: dict, per_call: float) -> str:
             why.append(f"exposed cold starts {1e3 * own['exposed_s']:.3f} ms per layer (host-to-GPU loads of "
                        f"{1e3 * c['profile']['load_s']['host']:.1f} ms) and forecast misses")
         else:
-            why.append("no cold start exposed: a split that the forecast called and the actual loads did not repay, with its "
-                       f"re-level ({1e6 * c['profile']['relevel_s']:.0f} us) and check ({1e6 * c['profile'].get('relevel_check_s', 0):.1f} us)")
+            excess = own["mean_s"] - c["cases"]["static"]["phases"][a["phase"]]["mean_s"]
+            why.append(f"no cold start exposed: {1e9 * excess:.1f} ns a layer on average, the data plane's checks "
+                       f"({1e6 * c['profile'].get('relevel_check_s', 0):.1f} us on each layer the forecast split) and re-levels "
+                       f"({1e6 * c['profile']['relevel_s']:.0f} us) beyond what the splits saved")
     if a["bound_test"] == "missed":
         if per_call < 2 * c["knee_tokens_per_call"]:
             why.append(f"tokens per expert {per_call:.0f} within 2x the knee {c['knee_tokens_per_call']:.0f}: a split pays a "
