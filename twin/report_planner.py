@@ -23,7 +23,7 @@ def print_profile(profile: CostProfile) -> None:
     print(f"  load, host     {profile.load_s['host'] * 1e3:9.3f} ms/expert  (copy from the host memory tier)")
     print(f"  non-expert     {profile.non_expert_bytes / 1e6:9.1f} MB")
     print(f"  re-level       {profile.relevel_s * 1e6:9.1f} us/layer   (the data plane's shares on the actual loads, split experts)")
-    print(f"  re-level check {profile.check_s * 1e6:9.1f} us/layer   (whether that re-level pays)")
+    print(f"  re-level check {profile.check_s * 1e6:9.1f} us/layer   (whether it pays, else planned or static EP shares)")
 
 
 def print_timing(rows: list[dict], repeats: int) -> None:
