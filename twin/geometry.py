@@ -28,9 +28,10 @@ A norm holds H weights (RMSNorm) or 2H (LayerNorm: weight and bias).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from moeless.twin.json_file import read_json
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
 
@@ -229,12 +230,7 @@ def load_geometry(name_or_path: str | Path) -> Geometry:
 def parse_hf_config(path: str | Path, name: str | None = None) -> Geometry:
     """A geometry from a HF config.json file (see `geometry_from_config`)."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise GeometryError(f"{path}: no such config.json") from None
-    except json.JSONDecodeError as err:
-        raise GeometryError(f"{path}: not valid JSON ({err})") from err
+    doc = read_json(path, GeometryError, "no such config.json")
     return geometry_from_config(doc, name or path.parent.name or path.stem, str(path))
 
 

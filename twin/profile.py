@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moeless.placement.latency_model import LatencyModel
+from moeless.twin.json_file import read_json
 
 TIERS = ("disk", "host")
 FIELDS = {
@@ -113,12 +114,7 @@ class CostProfile:
     @staticmethod
     def from_json(path: str | Path) -> "CostProfile":
         path = Path(path)
-        try:
-            doc = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ProfileError(f"{path}: no such cost profile; write one with `moeless bench planner --out DIR`") from None
-        except json.JSONDecodeError as err:
-            raise ProfileError(f"{path}: not valid JSON ({err})") from err
+        doc = read_json(path, ProfileError, "no such cost profile; write one with `moeless bench planner --out DIR`")
         return CostProfile.from_mapping(doc, str(path))
 
 
