@@ -1,0 +1,170 @@
+"""The HTTP ingress of the Ray Serve app: OpenAI-style routes over the ModelServer replicas.
+
+It validates requests (moeless.serving.api), streams each request's events from a ModelServer
+(plain JSON or server-sent events), and serves /healthz (ok / degraded while an expert host or
+the planning loop is down / draining / waking) and /metrics (its own counters, the servers'
+stats and the planning loop's). serving/app.py binds it to the servers.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the real `Request` type of the routes.
+import asyncio
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+from ray import serve
+
+from moeless.serving import api
+from moeless.serving.engine import error_event
+from moeless.serving.ingress_metrics import IngressMetrics
+from moeless.serving.wake import health_word
+
+
+# Helpers of the ingress sit above it: serve.ingress ships the class by value with what it references.
+def _as_api_error(event: dict) -> api.ApiError:
+    e = event["error"]
+    return api.ApiError(e["status"], e["message"], code=e.get("code"), param=e.get("param"))
+
+
+async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    yield first
+    async for event in rest:
+        yield event
+
+
+web = FastAPI(title="moeless", description="OpenAI-style completions over serverless MoE experts")
+
+
+@serve.deployment
+@serve.ingress(web)
+class Ingress:
+    def __init__(self, server, model_name: str, plan_loop: str | None = None):
+        from moeless.serving.live_metrics import LoopCollector
+
+        self.server = server
+        self.model_name = model_name
+        self.metrics = IngressMetrics()
+        self.plan_loop, self._loop_actor, self._loop_state = plan_loop, None, None
+        self.loop_metrics = LoopCollector()
+        self.metrics.registry.register(self.loop_metrics)
+
+    @web.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "moeless"}]}
+
+    @web.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve("completions", request, api.parse_completion)
+
+    @web.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        return await self._serve("chat", request, api.parse_chat)
+
+    @web.get("/healthz")
+    async def healthz(self):
+        health = await self.server.health.remote()
+        status, word = health_word(health)
+        if self.plan_loop:
+            degraded, health["plan_loop"] = await self._loop_health()
+            if degraded and status == 200:
+                word, health["detail"] = "degraded", health["plan_loop"]["state"]
+        return JSONResponse({"status": word, **health}, status)
+
+    async def _loop_health(self, method: str = "state") -> tuple[bool, dict]:
+        """What the planning loop says (waiting at most a second: a stalled loop may not answer)."""
+        import ray
+
+        from moeless.serving.live import loop_health
+        from moeless.serving.plan_loop import NAMESPACE
+
+        answered, result = False, None
+        try:
+            if self._loop_actor is None:
+                self._loop_actor = ray.get_actor(self.plan_loop, namespace=NAMESPACE)
+            result = await asyncio.wait_for(getattr(self._loop_actor, method).remote(), timeout=1.0)
+            self._loop_state, answered = result, True
+        except Exception:  # not started yet, gone, or not answering: judged on what it said last
+            pass
+        degraded, detail = loop_health(self._loop_state, None, time.time(), answered)
+        if method == "metrics":
+            age = time.time() - self._loop_state["heartbeat_s"] if self._loop_state else 0.0
+            self.loop_metrics.update(result, age, degraded)
+        return degraded, detail
+
+    @web.get("/metrics")
+    async def metrics(self):
+        stats = await self.server.stats.remote()
+        self.metrics.dead_hosts.set(len(stats["dead_hosts"]))
+        self.metrics.retries.set(stats["retries"])
+        self.metrics.running.set(stats["running"])
+        self.metrics.waiting.set(stats["waiting"])
+        self.metrics.refused.set(stats["refused"])
+        self.metrics.set_wake(stats["wake"])
+        if self.plan_loop:
+            await self._loop_health("metrics")
+        return PlainTextResponse(generate_latest(self.metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def _serve(self, route: str, request: Request, parse):
+        start = time.perf_counter()
+        try:
+            req = parse(api.parse_json(await request.body()), [self.model_name])
+            events = self._events(req)
+            first = await anext(events)  # a bad prompt (too long) fails here, before any 200
+            if "error" in first:
+                raise _as_api_error(first)
+        except api.ApiError as err:
+            self._count(route, err.status, start)
+            return JSONResponse(api.error_body(err), status_code=err.status)
+        rid = api.new_id("chatcmpl" if req.is_chat else "cmpl")
+        if req.stream:
+            return StreamingResponse(self._sse(route, req, rid, first, events, start), media_type="text/event-stream")
+        text = []
+        async for event in _chain(first, events):
+            if "error" in event:
+                err = _as_api_error(event)
+                self._count(route, err.status, start)
+                return JSONResponse(api.error_body(err), status_code=err.status)
+            if "text" in event:
+                text.append(event["text"])
+            if "finish" in event:
+                self._count(route, 200, start, event["completion_tokens"])
+                return api.completion_body(req, rid, "".join(text), event["finish"], event["prompt_tokens"],
+                                           event["completion_tokens"])
+        raise RuntimeError("the model server ended a request without a finish event")
+
+    async def _sse(self, route, req, rid, first, events, start) -> AsyncIterator[str]:
+        status, tokens = 200, 0
+        async for event in _chain(first, events):
+            if "error" in event:  # the 200 is already sent: the error travels as an event
+                status = event["error"]["status"]
+                yield api.sse(api.error_body(_as_api_error(event)))
+                break
+            if "text" in event:
+                yield api.sse(api.chunk_body(req, rid, event["text"], None))
+            if "finish" in event:
+                tokens = event["completion_tokens"]
+                yield api.sse(api.chunk_body(req, rid, "", event["finish"],
+                                             api.usage(event["prompt_tokens"], tokens)))
+                break
+        yield api.sse("[DONE]")
+        self._count(route, status, start, tokens)
+
+    async def _events(self, req: api.GenerationRequest) -> AsyncIterator[dict]:
+        """The model server's events for one request, one at a time."""
+        try:
+            async for events in self.server.options(stream=True).generate.remote(req):
+                for event in events:
+                    if "batch" in event:
+                        self.metrics.batch.observe(event["batch"])
+                    else:
+                        yield event
+        except Exception as err:  # the replica died or Ray failed: the client still gets an answer
+            yield error_event(err)
+
+    def _count(self, route: str, status: int, start: float, tokens: int = 0) -> None:
+        self.metrics.requests.labels(route, str(status)).inc()
+        self.metrics.tokens.inc(tokens)
+        self.metrics.latency.labels(route).observe(time.perf_counter() - start)
