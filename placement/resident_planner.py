@@ -4,6 +4,9 @@ Balancing is free among resident replicas; a new one costs a cold start (exposed
 forecast d layers ahead started it in time) and the memory it then holds (DESIGN.md, "What a plan
 costs"). So, for one layer and one forecast:
 
+The forecast is counted in whole tokens, and an expert counts a call unless the forecast makes it
+idle with IDLE_CONFIDENCE (90%): a plan does not bet on a token staying away.
+
 1. Base: each expert's home replica (static EP's block: GPU e * G // E; home replicas always stay
    in the plan, so static EP's layout is always resident) and every other resident replica of the
    layer (warm, inside its keep-alive) that fits the layer's free slots and budget; the tokens
@@ -54,6 +57,12 @@ GAIN_EPSILON_S = 1e-12  # a gain must beat its cost by more than rounding
 MARGIN = 0.05
 NOISE = 1.0
 LOOKAHEAD = 4  # replicas a step may try in a row before one pays (several GPUs can tie as the straggler)
+# A plan may count on an expert getting no token (no call, no weight read) only where the forecast
+# makes that this likely: with f forecast tokens, P(no token) = exp(-f) (Poisson), so an expert
+# with f >= -ln(IDLE_CONFIDENCE) = 0.105 counts a call. Rounding (f < 0.5: idle) bet on a 61% chance;
+# on the deployment cells such bets gained up to 0.9% of decode time where they won and made one
+# cell slower than static EP where they lost (docs/deployments.md, notes): moeless does not bet.
+IDLE_CONFIDENCE = 0.9
 
 
 @dataclass(frozen=True)
@@ -162,7 +171,7 @@ def place_resident(
         raise PlacementError(f"a budget of {budget} replicas cannot hold {num_experts} experts; raise the layer memory cap")
     # 1. The base: home replicas and the resident ones that fit, re-levelled, in whole tokens;
     #    static EP's split (every token at home) unless re-levelling beats it by the margin.
-    tokens_in = np.rint(load).astype(np.int64)
+    tokens_in = _whole_tokens(load)
     expert, gpu, home = _base(load, free, resident, budget, num_experts)
     model, call = cost.model, cost.model.call_tokens
     active = tokens_in[tokens_in > 0]
@@ -304,6 +313,13 @@ def _base_tight(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | N
             held[g] += 1
     expert = np.array([e for e, _ in kept], dtype=np.int64)
     return expert, np.array([g for _, g in kept], dtype=np.int64), np.arange(len(kept)) < num_experts
+
+
+def _whole_tokens(load: np.ndarray) -> np.ndarray:
+    """[E] forecast tokens -> [E] whole tokens the plan counts: rounded, and at least one (a call)
+    where the expert is not idle with IDLE_CONFIDENCE."""
+    called = load >= -np.log(IDLE_CONFIDENCE)
+    return np.where(called, np.maximum(np.rint(load), 1.0), 0.0).astype(np.int64)
 
 
 def _routable(layer: LayerPlacement, num_experts: int) -> LayerPlacement:

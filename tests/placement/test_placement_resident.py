@@ -37,6 +37,20 @@ def test_golden_example():
     assert layer.share.tolist() == pytest.approx([0.1, 1.0, 1.0, 1.0, 0.9]) and left.tolist() == [2, 1]
 
 
+def test_a_plan_counts_the_call_of_an_expert_unless_its_forecast_makes_it_idle_with_90_percent():
+    # Expert 2's forecast of 0.3 token: P(no token) = exp(-0.3) = 74% < 90%, so the plan counts its
+    # call (as for a whole token), not the 9 + 1 on GPU 1 of the golden example; 0.05 (95% idle) is idle.
+    resident = Placement_static_layer(4, 2)
+    cost = ReplicaCost(CALL_1, prefetch_layers=0, horizon=1)
+
+    def plan(load):
+        layer, _, decision = place_resident(np.array(load), np.array([4, 4]), resident, cost)
+        return layer.expert.tolist(), layer.gpu.tolist(), layer.share.tolist(), decision.final_s
+
+    assert plan([10.0, 6, 0.3, 0]) == plan([10.0, 6, 1, 0]) != plan([10.0, 6, 0, 0])
+    assert plan([10.0, 6, 0.05, 0]) == plan([10.0, 6, 0, 0])
+
+
 def Placement_static_layer(num_experts: int, num_gpus: int) -> LayerPlacement:
     expert = np.arange(num_experts)
     return LayerPlacement.even(expert, expert * num_gpus // num_experts, num_experts)
