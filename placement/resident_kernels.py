@@ -268,32 +268,30 @@ def route_check(load, expert, gpu, share, num_gpus, alpha, call_overhead, beta):
         if first[expert[r]] < 0:
             first[expert[r]] = r
             unsplit_share[r] = 1.0
-    work, tok = np.zeros(num_gpus), np.zeros(num_gpus)
-    fixed_work, fixed_tok = np.zeros(num_gpus), np.zeros(num_gpus)
-    one_work, one_tok = np.zeros(num_gpus), np.zeros(num_gpus)
-    total, called = 0.0, 0
+    tok, calls = np.zeros(num_gpus, np.int64), np.zeros(num_gpus, np.int64)
+    fixed_tok, fixed_calls = np.zeros(num_gpus, np.int64), np.zeros(num_gpus, np.int64)
+    one_tok, one_calls = np.zeros(num_gpus, np.int64), np.zeros(num_gpus, np.int64)
+    total, called = 0, 0
     for e in range(num_experts):
         total += load[e]
         if load[e] > 0:
             called += 1
-            g = gpu[first[e]]
-            one_work[g] += alpha * load[e] + call_overhead
-            one_tok[g] += load[e]
+            one_tok[gpu[first[e]]] += load[e]
+            one_calls[gpu[first[e]]] += 1
     for r in range(n):
         t = routed[r]
         if t <= 0:
             continue
-        w = alpha * t + call_overhead
-        work[gpu[r]] += w
         tok[gpu[r]] += t
+        calls[gpu[r]] += 1
         if copies[expert[r]] == 1:
-            fixed_work[gpu[r]] += w
             fixed_tok[gpu[r]] += t
-    planned = work.max() + 2.0 * beta * tok.max()
-    unsplit = one_work.max() + 2.0 * beta * one_tok.max()
+            fixed_calls[gpu[r]] += 1
+    planned = layer_seconds(tok, calls, alpha, call_overhead, beta)
+    unsplit = layer_seconds(one_tok, one_calls, alpha, call_overhead, beta)
     spread = (alpha * total + call_overhead * called + 2.0 * beta * total) / num_gpus
-    floor = max(fixed_work.max() + 2.0 * beta * fixed_tok.max(), spread)
-    busy = fixed_work + 2.0 * beta * fixed_tok
+    floor = max(layer_seconds(fixed_tok, fixed_calls, alpha, call_overhead, beta), spread)
+    busy = (alpha + 2.0 * beta) * fixed_tok + call_overhead * fixed_calls
     theirs = np.empty(n)
     for e in range(num_experts):
         if copies[e] < 2 or load[e] <= 0:
