@@ -154,7 +154,7 @@ class Waker:
                 return
             self._last_try = self.clock()
             try:
-                value = None if starting else wake_value(self.wall(), *self.target.read(), self.min_interval_s)
+                value = wake_value(self.wall(), *self.target.read(), self.min_interval_s, starting)
                 if value is not None:
                     self.target.write(value)
                     self.writes += 1
