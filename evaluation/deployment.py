@@ -24,7 +24,17 @@ from typing import Sequence
 
 import numpy as np
 
+from moeless.controller.planning.rules import memory_price
+from moeless.placement.cluster import Cluster
+from moeless.placement.fill_placer import HORIZON
+from moeless.placement.planner import PlannerConfig
+from moeless.twin.bound import profile_bound, profile_call_bound
+from moeless.twin.chunked import scale_to_load, schedule, split_counts, step_loads
+from moeless.twin.compare import Run, run_all
+from moeless.twin.forecasts import forecast_set
 from moeless.twin.iterations import Iteration
+from moeless.twin.reference import offline_reference
+from moeless.twin.twin import TwinSettings
 
 CASES = (  # (key, label, planner, forecast)
     ("static", "static EP (Megatron-LM)", "static", "perfect"),
@@ -82,8 +92,6 @@ def gpu_slots(profile, gpu, count: int, num_layers: int, num_experts: int) -> in
 def iterations_for(routing, prompts: np.ndarray, outputs: np.ndarray, arrivals: np.ndarray, sizes: DeploymentSizes,
                    num_layers: int) -> list[Iteration]:
     """Steps 2-3: the scheduler's iterations with their loads [num_layers, E]."""
-    from moeless.twin.chunked import scale_to_load, schedule, split_counts, step_loads
-
     n = len(arrivals)
     p, o = prompts[np.arange(n) % len(prompts)], outputs[np.arange(n) % len(outputs)]
     times = scale_to_load(arrivals, p, o, sizes.load, sizes.max_batched_tokens, sizes.step_s)
@@ -93,16 +101,6 @@ def iterations_for(routing, prompts: np.ndarray, outputs: np.ndarray, arrivals: 
 
 def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, knobs, progress=None) -> dict:
     """Step 4: every case and the bound on one cell's iterations; the cell's figures (see cell_doc)."""
-    from moeless.controller.live import memory_price
-    from moeless.controller.planner import PlannerConfig
-    from moeless.evaluation.forecast_sets import forecast_set
-    from moeless.placement.cluster import Cluster
-    from moeless.placement.fill_placer import HORIZON
-    from moeless.twin.bench_quality import Run, run_all
-    from moeless.twin.bound import profile_bound, profile_call_bound
-    from moeless.twin.reference import offline_reference
-    from moeless.twin.twin import TwinSettings
-
     num_layers, num_experts = iterations[0].load.shape
     # The forecasts a trace allows (previous iteration, history window) exist before the iteration
     # starts, so a layer's cold loads start with its first layer: d = L - 1 for every planner

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from moeless.evaluation.deployment import CASES, OWN_FORECAST, PHASES, recommend
 from moeless.evaluation.deployment_run import FORMAT, RUN_FILE
+from moeless.evaluation.plots import _figure as figure, _save
 from moeless.evaluation.report import NOTES_FILE, RunDirError, write_markdown, write_text
 
 PAPER = {"time": -0.43, "cost": -0.84}  # MoEless vs Megatron-LM EP on 8 x A6000 (the paper's headline)
@@ -239,8 +240,6 @@ def _why(a: dict, c: dict, per_call: float) -> str:
 
 def _figure(run: dict, path: Path) -> Path:
     """One panel per (model, GPUs): moeless's gain against batch tokens, one line per workload, the knee marked."""
-    from moeless.evaluation.plots import _figure as figure, _save
-
     panels = sorted({(c["model"], f"{c['count']}x{c['gpu']}") for c in run["cells"]})
     plt, fig, axes = figure(max(len(panels), 1))
     for ax, (model, gpu) in zip(axes[0], panels):

@@ -13,9 +13,17 @@ import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from moeless.controller.knobs import Knobs
 from moeless.evaluation.deployment import DeploymentError, DeploymentSizes, iterations_for, run_cell
-from moeless.evaluation.workload import WorkloadSpec
-from moeless.knobs import Knobs
+from moeless.evaluation.lengths import dataset_lengths
+from moeless.evaluation.workload import Sizes, WorkloadSpec, read_arrivals
+from moeless.twin.geometry import load_geometry
+from moeless.twin.gpus import parse_gpu_arg
+from moeless.twin.recording import moefied_routing
+from moeless.twin.roofline import resolve_profile
+from moeless.twin.routing import load_routing
 
 FORMAT = "moeless-deployments/1"
 RUN_FILE = "run.json"
@@ -53,9 +61,6 @@ class DeploymentConfig:
 
 def _routing_for(config: DeploymentConfig, geometry, prompts: str, progress: bool):
     """(Routing, its label): the routing file (checked against the geometry's E and k) or moefied."""
-    from moeless.twin.recording import moefied_routing
-    from moeless.twin.routing import load_routing
-
     if config.routing != "moefied":
         routing = load_routing(config.routing)
         if (routing.num_experts, routing.top_k) != (geometry.num_experts, geometry.top_k):
@@ -68,14 +73,6 @@ def _routing_for(config: DeploymentConfig, geometry, prompts: str, progress: boo
 
 def evaluate_deployments(config: DeploymentConfig, out: str | Path, progress: bool = True) -> dict:
     """Every cell into directory `out`; returns the run document (also RUN_DIR/run.json)."""
-    from tqdm import tqdm
-
-    from moeless.evaluation.lengths import dataset_lengths
-    from moeless.evaluation.workload import Sizes, read_arrivals
-    from moeless.twin.geometry import load_geometry
-    from moeless.twin.gpus import parse_gpu_arg
-    from moeless.twin.roofline import resolve_profile
-
     out = Path(out)
     s = config.sizes
     # 1. Inputs that can be wrong, before any work.

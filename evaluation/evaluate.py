@@ -12,11 +12,20 @@ import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moeless.twin.profile import CostProfile, ProfileError
+from tqdm import tqdm
+
+from moeless.controller.knobs import Knobs
+from moeless.controller.planning.rules import memory_price
+from moeless.core.paths import cache_dir
 from moeless.evaluation import runs
-from moeless.evaluation.batching import BATCHING
 from moeless.evaluation.workload import Sizes, WorkloadSpec, prepare, read_arrivals
-from moeless.knobs import Knobs
+from moeless.placement.cluster import Cluster, ClusterError
+from moeless.placement.fill_placer import HORIZON
+from moeless.placement.planner import PlannerConfig
+from moeless.placement.profile import CostProfile, ProfileError
+from moeless.twin.batching import BATCHING
+from moeless.twin.measure import measure_profile
+from moeless.twin.twin import TwinSettings
 
 FORMAT = "moeless-eval/1"
 RUN_FILE = "run.json"
@@ -62,7 +71,7 @@ class EvalConfig:
 
 
 def read_profile(path: str) -> CostProfile:
-    """A cost profile JSON (twin/profile.py), or a benchmark's JSON holding one under "cost_profile"."""
+    """A cost profile JSON (placement/profile.py), or a benchmark's JSON holding one under "cost_profile"."""
     try:
         doc = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -76,13 +85,6 @@ def read_profile(path: str) -> CostProfile:
 
 def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict:
     """Run the evaluation into directory `out` and return the run document (also RUN_DIR/run.json)."""
-    from tqdm import tqdm
-
-    from moeless.controller.live import memory_price
-    from moeless.controller.planner import PlannerConfig
-    from moeless.twin.twin import TwinSettings
-    from moeless.placement.fill_placer import HORIZON
-
     out = Path(out)
     # 1. Inputs that can be wrong, before any work: the profile, the traces, the ablations.
     profile = read_profile(config.profile) if config.profile else None
@@ -145,16 +147,12 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
 
 def _measure(facts, quick: bool, num_experts: int, num_gpus: int) -> CostProfile:
     """The cost profile measured now on this machine at the model's expert shape (as `moeless bench planner`)."""
-    from moeless.twin.bench_planner import measure_profile
-
     return measure_profile(facts.hidden, facts.ffn, facts.non_expert_bytes, 10 if quick else 60, num_experts=num_experts,
                            num_gpus=num_gpus)[0]
 
 
 def _cluster(config: EvalConfig, profile: CostProfile, num_layers: int, num_experts: int):
     """G GPUs holding every layer at its cap (the layer memory cap knob, else 2 x one replica per expert)."""
-    from moeless.placement.cluster import Cluster, ClusterError
-
     gib = config.knobs.layer_memory_cap_gib
     cap = 2 * num_experts if gib is None else int(gib * 2**30 // profile.expert_bytes)
     if cap < num_experts:
@@ -165,6 +163,4 @@ def _cluster(config: EvalConfig, profile: CostProfile, num_layers: int, num_expe
 
 def _portable(note: str) -> str:
     """A note without this machine's cache path (reports are checked in)."""
-    from moeless.paths import cache_dir
-
     return note.replace(str(cache_dir()), "<moeless cache>")

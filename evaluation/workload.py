@@ -17,10 +17,12 @@ from typing import Sequence
 
 import numpy as np
 
+from moeless.core.threads import torch_threads
+from moeless.twin import arrivals as arr
+from moeless.twin.batching import compose
+from moeless.twin.forecasts import accuracy, forecast_set
 from moeless.twin.iterations import Iteration
-from moeless.evaluation import arrivals as arr
-from moeless.evaluation.batching import compose
-from moeless.evaluation.forecast_sets import accuracy, forecast_set
+from moeless.twin.loads import requests_from
 
 PROMPTS = ("sharegpt", "humaneval")
 
@@ -89,7 +91,7 @@ class Workload:
     spec: WorkloadSpec
     arrivals: arr.Arrivals
     loads_note: str
-    facts: object  # controller/loads.ModelFacts
+    facts: object  # twin/loads.ModelFacts
     top_k: int
     batchings: dict[str, Batched]
 
@@ -104,11 +106,8 @@ def prepare(spec: WorkloadSpec, arrivals: arr.Arrivals, model: str, sizes: Sizes
             batchings: Sequence[str]) -> Workload:
     """Trace the prompts through `model` ("default" or "tiny"; cached by model and predictor), then
     batch the arrivals each way and build every forecast kind at every distance."""
-    from moeless.twin.loads import requests_from
-    from moeless.threads import torch_threads
-
     # One torch thread: the predictor's many tiny gate calls stall at a multi-thread pool's barrier
-    # on a busy machine (moeless.threads), which made tracing 10x slower here.
+    # on a busy machine (moeless.core.threads), which made tracing 10x slower here.
     with torch_threads(1):
         loads, forecasts, facts, note = requests_from(model, sizes.prompts, sizes.new_tokens, distances, spec.prompts)
     per_arrival, per_arrival_forecasts = _per_arrival(loads, forecasts, arrivals)

@@ -1,4 +1,5 @@
-"""moeless.expert_fn: the expert function runtime (one expert host per GPU, replicas of experts).
+"""moeless.expert_fn: the expert function runtime: one expert host per GPU holding replicas of
+(layer, expert) FFNs, loaded from the weight store, kept warm or evicted, called over gRPC or shared memory.
 
 What the serving path uses:
 - client.ExpertHostClient: load / evict / invoke (one RPC per host per layer) / status / health.

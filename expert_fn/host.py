@@ -22,7 +22,10 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from moeless.expert_fn.gpu import detect_device
+from moeless.expert_fn.local_channel_server import LocalChannelServer
 from moeless.expert_fn.tiers import add_tier_arguments, tier_config_from_args
+from moeless.model.weight_store import WeightStore, WeightStoreError
 
 log = logging.getLogger("moeless.expert_fn.host")
 
@@ -48,17 +51,16 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Run one host until SIGTERM/SIGINT; returns the exit status."""
+    # heavy: kept off --help's start-up path (grpc, protobuf, prometheus_client)
     import grpc
     import torch
 
+    # heavy (grpc, protobuf, prometheus_client): kept off --help's start-up path
     from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
     from moeless.expert_fn.codec import CHANNEL_OPTIONS
-    from moeless.expert_fn.gpu import detect_device
     from moeless.expert_fn.http_endpoints import start_http_endpoints
-    from moeless.expert_fn.local_channel_server import LocalChannelServer
     from moeless.expert_fn.runtime import ExpertHostRuntime
     from moeless.expert_fn.servicer import ExpertHostServicer
-    from moeless.model.weight_store import WeightStore, WeightStoreError
 
     parent = os.getppid()  # before the ready line: the launcher is alive until it has read it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

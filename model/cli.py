@@ -1,4 +1,5 @@
-"""`moeless model ...` commands and the `moeless bench model` / `model-quality` benchmarks."""
+"""`moeless model ...` commands (registered by moeless.cli; `moeless bench model` and `model-quality` are
+in moeless.bench.model)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,14 @@ import argparse
 import sys
 from typing import NoReturn
 
+from tqdm import tqdm
+
 from moeless.model.shape import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K
-
-# The shapes `moeless bench model-quality` compares by default (docs/model.md): the previous
-# default (E=8, k=4, no shared expert), then shared experts with finer routed experts.
-DEFAULT_CANDIDATES = (
-    "e8-sh0-k4", "e8-sh0-k6", "e16-sh384-k8", "e16-sh768-k4", "e16-sh768-k6", "e16-sh768-k8", "e32-sh768-k16", "e16-sh1024-k8",
-)
+from moeless.model.weight_store import export_experts
 
 
-def register(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
-    """Add `moeless model {build,export,info}` and `moeless bench {model,model-quality}`."""
-    from moeless.benchio import add_bench_flags
-
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `moeless model {build,export,info}`."""
     model = commands.add_parser(
         "model",
         help="the default model: SmolLM2-135M-Instruct converted to an MoE (build, export, info)",
@@ -53,34 +49,6 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     _add_model_flags(info)
     info.set_defaults(func=_info)
 
-    speed = benches.add_parser(
-        "model",
-        help="prefill and decode tokens/s of the MoE model against the dense model",
-        description="Greedy generation on held-out ShareGPT prompts, one request at a time, with the "
-        "dense SmolLM2 (baseline) and the default MoE model; prints tokens/s and the MoE/dense ratio.",
-    )
-    _add_model_flags(speed)
-    speed.add_argument("--threads", type=int, default=None, metavar="N",
-                       help="torch threads for both models (default: torch's). 1 on a shared machine: under other "
-                       "processes' load a thread pool's barrier waits slow the MoE's many small matmuls far more "
-                       "than the dense model's few large ones")
-    add_bench_flags(speed)
-    speed.set_defaults(func=_bench_speed)
-
-    quality = benches.add_parser(
-        "model-quality",
-        help="held-out perplexity of candidate MoE shapes against the dense model, load skew, idle experts",
-        description="For each candidate shape (E routed experts, S shared neurons, k per token): perplexity on "
-        "held-out ShareGPT prompts against the dense model's (baseline, same run), per-layer routed-expert load "
-        "skew (max/mean tokens per expert), idle routed experts per decode iteration, and the demo answer.",
-    )
-    quality.add_argument("--candidates", default=None, metavar="LIST",
-                         help=f"comma-separated shapes like e16-sh768-k8 (default: {','.join(DEFAULT_CANDIDATES)}; "
-                         "--quick: the default model only)")
-    quality.add_argument("--seed", type=int, default=0, help="conversion seed (default 0)")
-    add_bench_flags(quality)
-    quality.set_defaults(func=_bench_quality)
-
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=DEFAULT_EXPERTS,
@@ -100,6 +68,7 @@ def _usage_error(message: str) -> NoReturn:
 
 def _config(args: argparse.Namespace):
     """The BuildConfig of the model flags; a bad shape is a usage error (exit 2) saying what to change."""
+    # heavy (the torch model code): kept off --help's start-up path
     from moeless.model.default import BuildConfig
 
     try:
@@ -111,6 +80,7 @@ def _config(args: argparse.Namespace):
 def _build(args: argparse.Namespace) -> int:
     import time
 
+    # heavy (the torch model code): kept off --help's start-up path
     from moeless.model.default import build
 
     start = time.perf_counter()
@@ -120,6 +90,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):
+    # heavy (the torch model code): kept off --help's start-up path
     from moeless.model.hf_loader import load_moe_model
 
     if args.model:
@@ -130,10 +101,6 @@ def _load(args: argparse.Namespace):
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from moeless.model.weight_store import export_experts
-
     model = _load(args)
     spec = model.spec
     name = args.model or f"smollm2-135m-moe-e{spec.num_experts}-sh{spec.shared_ffn}-k{spec.top_k}-s{args.seed}"
@@ -144,6 +111,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    # heavy (the torch model code): kept off --help's start-up path
     from moeless.model.default import conversion_path, model_path
     from moeless.model.gguf_source import dense_cache_path
 
@@ -156,31 +124,3 @@ def _info(args: argparse.Namespace) -> int:
         print(f"{'conversion':>14}: {conversion_path(cfg)}")
         print(f"{'model dir':>14}: {model_path(cfg)}")
     return 0
-
-
-def _bench_speed(args: argparse.Namespace) -> int:
-    from moeless.model.bench import speed_bench
-
-    speed_bench(_config(args), quick=args.quick, out=args.out, threads=args.threads)
-    return 0
-
-
-def _bench_quality(args: argparse.Namespace) -> int:
-    from moeless.model.bench import parse_candidate, quality_bench
-
-    default = [candidate_name()] if args.quick else list(DEFAULT_CANDIDATES)
-    candidates = default if args.candidates is None else [c for c in args.candidates.split(",") if c.strip()]
-    try:
-        for c in candidates:
-            parse_candidate(c)
-    except ValueError as err:
-        _usage_error(f"--candidates: {err}")
-    if not candidates:
-        _usage_error("--candidates: give at least one shape like e16-sh768-k8")
-    quality_bench(candidates, args.seed, quick=args.quick, out=args.out)
-    return 0
-
-
-def candidate_name() -> str:
-    """The default model's shape as a --candidates entry."""
-    return f"e{DEFAULT_EXPERTS}-sh{DEFAULT_SHARED}-k{DEFAULT_TOP_K}"

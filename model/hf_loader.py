@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors import safe_open
+
 from moeless.model.adapters import ARCHS
 from moeless.model.moe_model import MoEModel
 from moeless.model.sliced_moe import WEIGHTS_FILE, SlicedModelError, is_sliced_config, load_sliced
@@ -80,8 +82,6 @@ def check_safetensors(file: Path) -> None:
     safetensors has no checksum: flipped bytes inside tensor data go unnoticed; a damaged
     header or a truncated file is caught here.
     """
-    from safetensors import safe_open
-
     try:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():

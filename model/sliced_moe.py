@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_model, save_model
 from torch import nn
 
 from moeless.model.experts import expert_forward
@@ -162,8 +163,6 @@ def is_sliced_config(config: dict) -> bool:
 
 def save_sliced(hf: nn.Module, path: str | Path, tokenizer=None) -> Path:
     """Write a moeless-sliced model (and its tokenizer, if given) to directory `path`."""
-    from safetensors.torch import save_model
-
     if not isinstance(getattr(hf.config, CONFIG_SECTION, None), dict):
         raise SlicedModelError("not a moeless-sliced model (no 'moeless' config section); build one with slice_llama()")
     path = Path(path)
@@ -177,7 +176,6 @@ def save_sliced(hf: nn.Module, path: str | Path, tokenizer=None) -> Path:
 
 def load_sliced(path: str | Path) -> nn.Module:
     """Load a moeless-sliced LlamaForCausalLM (float32, eval mode) from directory `path`."""
-    from safetensors.torch import load_model
     from transformers import LlamaConfig
 
     path = Path(path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from moeless.model.moe_model import MoEModel
+from moeless.model.sliced_moe import slice_llama
 
 VOCAB = 128
 COMMON = dict(
@@ -98,8 +99,6 @@ def tiny_model(arch: str, seed: int = 0) -> MoEModel:
 def _tiny_sliced(seed: int, num_experts: int = 4, top_k: int = 2):
     """A tiny random dense Llama, sliced into `num_experts` experts per layer."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from moeless.model.sliced_moe import slice_llama
 
     torch.manual_seed(seed)
     config = LlamaConfig(**COMMON, num_hidden_layers=2, intermediate_size=64)

@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from moeless.model.batching import left_pad
 from moeless.model.moe_model import MoEModel
@@ -82,8 +83,6 @@ def token_picks(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per prompt, in order, the expert ids each token was routed to: (prompt [P, L, k], decode
     [S, L, k], row s = the decode step feeding generated token s); generation as request_loads."""
-    from tqdm import tqdm
-
     if max_new_tokens < 0 or batch_size < 1:
         raise TraceError(f"need max_new_tokens >= 0 and batch_size >= 1, got {max_new_tokens}, {batch_size}")
     eos = getattr(model.tokenizer, "eos_token_id", None) if stop_at_eos else None

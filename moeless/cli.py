@@ -1,4 +1,4 @@
-"""The `moeless` command line. Each component registers its own subcommands and benchmarks.
+"""The `moeless` command line. Each component registers its own subcommands; moeless.bench the benchmarks.
 
 Heavy imports (torch, ray) happen inside the commands, so `--help` stays fast.
 """
@@ -9,16 +9,18 @@ import argparse
 import importlib
 import sys
 
-# Modules with `register(commands, benches)`: they add subcommands to `moeless` and to `moeless bench`.
+from moeless.bench import BENCH_MODULES
+
+# Modules with `register(commands)`: each adds its component's subcommands to `moeless`. The benches
+# (`moeless bench X`) are in moeless.bench, each module with `register(benches)`.
 COMMAND_MODULES = (
     "moeless.model.cli",
     "moeless.predictor.cli",
-    "moeless.controller.cli",
     "moeless.controller.operator.cli",
     "moeless.expert_fn.cli",
     "moeless.serving.cli",
     "moeless.evaluation.cli",
-    "moeless.twin.trace_cli",
+    "moeless.twin.cli",
 )
 
 
@@ -35,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     benches = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name in COMMAND_MODULES:
-        importlib.import_module(name).register(commands, benches)
+        importlib.import_module(name).register(commands)
+    for name in BENCH_MODULES:
+        importlib.import_module(name).register(benches)
     return parser
 
 

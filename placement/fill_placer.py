@@ -1,4 +1,5 @@
-"""moeless's default planner for one layer: the lowest per-GPU work level its experts fit under.
+"""moeless-fill's planner for one layer (an earlier generation of moeless, kept as a named baseline;
+the default is resident_planner.py): the lowest per-GPU work level its experts fit under.
 
 A GPU's work is the sum over its replicas of tokens + c, with c the per-call overhead in tokens
 (replicas on one GPU run one after another). For a level M, the fill (`kernels.fill`) walks the

@@ -16,7 +16,19 @@ import numpy as np
 from numba import njit
 
 
-@njit(cache=True)
+def compiled(fn):
+    """`njit` with numba's on-disk cache where numba finds a writable place for it; where it finds
+    none ("no locator available": an image whose sources and home are read-only and NUMBA_CACHE_DIR
+    unwritable), compiled in memory at each start instead of failing the import."""
+    try:
+        return njit(cache=True)(fn)
+    except RuntimeError as err:
+        if "no locator available" not in str(err):
+            raise
+        return njit(fn)
+
+
+@compiled
 def fill(tokens, order, caps, call, level, cuts, out_expert, out_bin, out_tokens):
     """Fill bins in turn up to `level` work (tokens + `call` per piece), walking experts in `order`.
 
@@ -50,7 +62,7 @@ def fill(tokens, order, caps, call, level, cuts, out_expert, out_bin, out_tokens
     return count
 
 
-@njit(cache=True)
+@compiled
 def lowest_level(tokens, order, caps, call, budget, split, tolerance):
     """The lowest level (to `tolerance`) at which `fill` fits: (level, expert [P], bin [P], tokens [P]).
 
@@ -93,7 +105,7 @@ def lowest_level(tokens, order, caps, call, budget, split, tolerance):
     return high, best_e[:found], best_b[:found], best_t[:found]
 
 
-@njit(cache=True)
+@compiled
 def assign_bins(bins, experts, was_warm, free):
     """GPU of each bin: [B], B = G. bins, experts: [P] the fill's pieces; was_warm: [E, G] 1 where
     an expert is resident; free: [G] slots. Bins with the most warm pieces on one GPU go first
@@ -129,7 +141,7 @@ def assign_bins(bins, experts, was_warm, free):
     return gpu_of
 
 
-@njit(cache=True)
+@compiled
 def resident_order(resident_experts, num_experts):
     """Experts in the order a resident placement first holds them ([R] replica experts), then
     those it lacks, by index: [E]."""
@@ -148,7 +160,7 @@ def resident_order(resident_experts, num_experts):
     return order
 
 
-@njit(cache=True)
+@compiled
 def largest_remainder(expert_tokens, expert, share):
     """Whole tokens per replica: [R] int. Replica r gets floor(expert_tokens[expert[r]] * share[r]);
     each expert's missing tokens go one each to its replicas with the largest remainders (ties:
@@ -178,7 +190,7 @@ def largest_remainder(expert_tokens, expert, share):
     return counts
 
 
-@njit(cache=True)
+@compiled
 def place_idle(idle, was_warm, left):
     """GPU of each expert without tokens: [n]. idle: [n] experts; was_warm: [E, G] 1 where the
     expert is resident; left: [G] free slots, decremented in place. The first resident GPU with
@@ -197,7 +209,7 @@ def place_idle(idle, was_warm, left):
     return gpus
 
 
-@njit(cache=True)
+@compiled
 def reshare(load, expert, gpu, call, num_gpus):
     """Token shares of fixed replicas: [R]. load: [E]; expert, gpu: [R] the resident replicas.
 
@@ -239,7 +251,7 @@ def reshare(load, expert, gpu, call, num_gpus):
     return share
 
 
-@njit(cache=True)
+@compiled
 def serial_time(expert_tokens, expert, gpu, share, num_gpus, alpha, call_overhead, beta):
     """Seconds of one MoE layer when replicas on a GPU run one after another: the busiest GPU's
     sum of alpha * tokens + call_overhead per replica with tokens, plus 2 beta times the most
@@ -257,7 +269,7 @@ def serial_time(expert_tokens, expert, gpu, share, num_gpus, alpha, call_overhea
     return work + 2.0 * beta * most
 
 
-@njit(cache=True)
+@compiled
 def most_cold_loads(expert, gpu, was_warm, num_gpus):
     """Replicas the GPU that loads the most must load: those not resident (was_warm [E, G] == 0)."""
     loads = np.zeros(num_gpus, np.int64)
@@ -267,7 +279,7 @@ def most_cold_loads(expert, gpu, was_warm, num_gpus):
     return loads.max()
 
 
-@njit(cache=True)
+@compiled
 def fill_plan(load, order, idle, free, was_warm, call, budget, split, tolerance):
     """The fill at its lowest level, on GPUs: (level, expert [R], gpu [R], share [R], left [G]);
     level -1 when it does not fit. One slot is kept per idle expert; bin b may hold as many

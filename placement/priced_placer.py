@@ -1,4 +1,4 @@
-"""moeless-greedy's Expert Placer (the previous default): replicas of one layer on GPUs, pricing every cold start.
+"""moeless-greedy's Expert Placer (an earlier generation of moeless, kept as a named baseline): replicas of one layer on GPUs, pricing every cold start.
 
 A GPU's work is the sum of its replicas' work (they run one after another). Single-replica
 experts go first, most to least loaded (LPT); then replicated experts split their tokens

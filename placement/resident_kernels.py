@@ -9,12 +9,10 @@ serial model of LatencyModel, on whole tokens).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
-
-from moeless.placement.kernels import largest_remainder
+from moeless.placement.kernels import compiled, largest_remainder
 
 
-@njit(cache=True)
+@compiled
 def layer_seconds(tok, calls, alpha, call_overhead, beta):
     """Serial layer time from per-GPU tokens [G] and calls with tokens [G]."""
     work, most = 0.0, 0
@@ -24,7 +22,7 @@ def layer_seconds(tok, calls, alpha, call_overhead, beta):
     return work + 2.0 * beta * most
 
 
-@njit(cache=True)
+@compiled
 def water_fill(w, other, call, pieces):
     """Split w whole tokens over GPUs whose other work is other [k] (ascending): the lowest common
     level, every piece at least one token (as kernels.reshare). Writes pieces [k]; returns the
@@ -58,7 +56,7 @@ def water_fill(w, other, call, pieces):
     return best_k
 
 
-@njit(cache=True)
+@compiled
 def grow(load, expert, gpu, tokens, free, budget, call, alpha, call_overhead, beta,
          load_s, hide_layers, memory_s, horizon, epsilon, lookahead):
     """Add replicas to one layer in steps, each step's priced gain beating its cost.
@@ -165,7 +163,7 @@ def grow(load, expert, gpu, tokens, free, budget, call, alpha, call_overhead, be
     return out_e[:n].copy(), out_g[:n].copy(), out_t[:n].copy(), rows[:count].copy()
 
 
-@njit(cache=True)
+@compiled
 def relevel(load, expert, gpu, tokens, num_gpus, call, alpha, call_overhead, beta, epsilon):
     """Local search over fixed replicas: while it shortens the layer, re-level (water_fill) one
     expert of the busiest GPU over all its GPUs, the expert that shortens it most. tokens [R] is
@@ -207,7 +205,7 @@ def relevel(load, expert, gpu, tokens, num_gpus, call, alpha, call_overhead, bet
     return now
 
 
-@njit(cache=True)
+@compiled
 def _replicas_of(expert, e, n, mine):
     m = 0
     for q in range(n):
@@ -217,7 +215,7 @@ def _replicas_of(expert, e, n, mine):
     return m
 
 
-@njit(cache=True)
+@compiled
 def _refill(w, mine, m, gpu, tokens, tok, calls, call, other, pieces, new_tok, new_calls, alpha, call_overhead, beta, apply):
     """The layer time with one expert (its replicas mine[:m]) water-filled over its GPUs; with
     apply, tokens, tok and calls take the new split."""
@@ -240,7 +238,7 @@ def _refill(w, mine, m, gpu, tokens, tok, calls, call, other, pieces, new_tok, n
     return layer_seconds(new_tok, new_calls, alpha, call_overhead, beta)
 
 
-@njit(cache=True)
+@compiled
 def route_check(load, expert, gpu, share, num_gpus, alpha, call_overhead, beta):
     """A layer's serial time on its actual loads, the three numbers the data plane chooses its
     shares by: planned (the plan's shares), unsplit (each expert's tokens all on its first

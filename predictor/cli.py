@@ -1,17 +1,25 @@
-"""`moeless predictor train|eval` and `moeless bench predictor` (registered by moeless.cli)."""
+"""`moeless predictor train|eval` (registered by moeless.cli; `moeless bench predictor` is in moeless.bench.predictor)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from moeless.benchio import add_bench_flags, write_result
+from moeless.core.paths import cache_dir
+from moeless.core.threads import torch_threads
+from moeless.predictor.evaluate import by_distance, replay, warm
+from moeless.predictor.finetune import FitConfig, layer_aware_finetune
+from moeless.predictor.fingerprint import model_hash
+from moeless.predictor.gate_replica import all_pairs, gate_reuse
+from moeless.predictor.history import HistoryPredictor
+from moeless.predictor.report import scores_table
+from moeless.predictor.store import load_predictor, save_predictor
 
 DEFAULT_DISTANCES = [1, 2, 3, 4]
 
 
-def register(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
-    """Add `predictor train`, `predictor eval` and `bench predictor`."""
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `predictor train` and `predictor eval`."""
     group = commands.add_parser("predictor", help="expert load predictors: train gate replicas, evaluate them")
     sub = group.add_subparsers(dest="predictor_command", metavar="ACTION", required=True)
 
@@ -32,15 +40,6 @@ def register(commands: argparse._SubParsersAction, benches: argparse._SubParsers
     evaluate.add_argument("--humaneval", type=int, default=0, metavar="N", help="also score on the first N HumanEval prompts (domain shift)")
     evaluate.set_defaults(func=_eval)
 
-    bench = benches.add_parser("predictor", help="every predictor's accuracy against distance d = 1..5, memory and latency",
-                               description="Gate replicas vs gate reuse, from-scratch MLP, history window and fMoE maps, "
-                                           "on held-out ShareGPT and HumanEval prompts. Writes predictor.json and predictor.png with --out.")
-    add_bench_flags(bench)
-    bench.add_argument("--model", metavar="DIR", help="a MoE model directory (default: the default model)")
-    bench.add_argument("--threshold", type=float, default=None, help="layer-aware fine-tuning threshold h (default 0.8)")
-    bench.add_argument("--threads", type=int, default=2, help="torch CPU threads for the model's forward passes (default 2); predictors use one")
-    bench.set_defaults(func=_bench)
-
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="DIR", help="a MoE model directory (default: the default model)")
@@ -50,13 +49,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from moeless.paths import cache_dir
-    from moeless.predictor.finetune import FitConfig, layer_aware_finetune
-    from moeless.predictor.fingerprint import model_hash
-    from moeless.predictor.gate_replica import all_pairs
+    # heavy (the torch model code): kept off --help's start-up path
     from moeless.predictor.sources import dataset_traces, load_model
-    from moeless.predictor.store import save_predictor
-    from moeless.threads import torch_threads
 
     with torch_threads(args.threads):
         model = load_model(args.model)
@@ -83,13 +77,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from moeless.predictor.evaluate import by_distance, replay, warm
-    from moeless.predictor.gate_replica import gate_reuse
-    from moeless.predictor.history import HistoryPredictor
-    from moeless.predictor.report import scores_table
+    # heavy (the torch model code): kept off --help's start-up path
     from moeless.predictor.sources import dataset_traces, load_model
-    from moeless.predictor.store import load_predictor
-    from moeless.threads import torch_threads
 
     with torch_threads(args.threads):
         model = load_model(args.model)
@@ -108,29 +97,4 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"\n== {name}: {len(traces.traces)} held-out prompts, {traces.num_tokens} tokens ==")
         print(scores_table(scores))
     print(f"\nfile: distances {meta['distances']}, model {meta['model_hash']}, {json.dumps(meta.get('config', {}))}")
-    return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-    from pathlib import Path
-
-    from moeless.predictor.bench import QUICK, BenchConfig, run_bench
-    from moeless.predictor.report import bench_summary, plot_scores
-    from moeless.predictor.sources import dataset_traces, load_model
-    from moeless.threads import torch_threads
-
-    cfg = QUICK if args.quick else BenchConfig()
-    if args.threshold is not None:
-        cfg = replace(cfg, threshold=args.threshold)
-    with torch_threads(args.threads):
-        model = load_model(args.model)
-        sharegpt = dataset_traces(model, "sharegpt", cfg.sharegpt, cfg.max_tokens)
-        humaneval = dataset_traces(model, "humaneval", cfg.humaneval, cfg.max_tokens)
-    with torch_threads(1):
-        result = run_bench(model, sharegpt, humaneval, cfg)
-    print(bench_summary(result))
-    path = write_result(args.out, "predictor", result)
-    if path is not None:
-        print(f"\nwrote {path} and {plot_scores(result, Path(args.out) / 'predictor.png')}")
     return 0

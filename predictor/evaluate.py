@@ -18,7 +18,7 @@ from moeless.predictor.base import Predictor
 from moeless.predictor.dataset import PromptTrace, RoutingTraces
 from moeless.predictor.gate_replica import Pair
 from moeless.predictor.metrics import summarise, topk_hit_rate
-from moeless.threads import torch_threads
+from moeless.core.threads import torch_threads
 
 
 @dataclass
@@ -64,7 +64,7 @@ def latency_ms(predictor: Predictor, trace: PromptTrace, pairs: list[Pair], repe
     """Median wall time of one predict call (one layer's forecast) on one trace's tokens, in ms:
     the latency a forecast adds to a layer when it is not overlapped with the layer's compute.
 
-    Measured on one CPU thread, as the runtime's worker runs it (see moeless.threads.torch_threads). The
+    Measured on one CPU thread, as the runtime's worker runs it (see moeless.core.threads.torch_threads). The
     median resists other processes' noise.
     """
     hidden, trajectory = trace.hidden.float(), trace.trajectory.numpy()

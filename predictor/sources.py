@@ -7,7 +7,10 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from moeless.paths import cache_dir
+from moeless.core.paths import cache_dir
+from moeless.model.datasets import humaneval_prompts, sharegpt_prompts
+from moeless.model.default import default_model
+from moeless.model.hf_loader import load_moe_model
 from moeless.predictor.collect import collect_traces
 from moeless.predictor.dataset import RoutingTraces, load_traces, save_traces
 from moeless.predictor.fingerprint import model_hash
@@ -18,11 +21,7 @@ log = logging.getLogger(__name__)
 def load_model(path: str | None):
     """The MoEModel in directory `path`, or the default model (built and cached on first use)."""
     if path:
-        from moeless.model.hf_loader import load_moe_model
-
         return load_moe_model(path)
-    from moeless.model.default import default_model
-
     return default_model()
 
 
@@ -33,8 +32,6 @@ def traces_path(model, dataset: str, prompts: int, max_tokens: int) -> Path:
 def dataset_traces(model, dataset: str, prompts: int, max_tokens: int, progress: bool = True) -> RoutingTraces:
     """Traces of the first `prompts` prompts of "sharegpt" (split 70:30 by prompt) or "humaneval"
     (all marked "test": a domain shift, never trained on); cached under the model's fingerprint."""
-    from moeless.model.datasets import humaneval_prompts, sharegpt_prompts
-
     path = traces_path(model, dataset, prompts, max_tokens)
     if path.is_file():
         return load_traces(path, model_hash=model_hash(model))

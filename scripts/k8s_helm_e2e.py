@@ -44,14 +44,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "k8s"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from k8s_node_e2e import DOCKER, build_pause_image, sh, start_node  # noqa: E402
+from k8s_node_e2e import DOCKER, build_pause_image, image_sources, sh, start_node, writable_tmp  # noqa: E402
 from k8s_support import ControlPlane, Kubectl, helm_binary, k8s_binaries, wait_for  # noqa: E402
 
 NS = "moeless"
 RELEASE = "moeless"  # the policy is named after the release; its pool is StatefulSet moeless-hosts
 MODEL_NAME = "moeless-default"
-SOURCES = ("pyproject.toml", "README.md", "moeless", "model", "predictor", "controller", "placement", "expert_fn",
-           "serving", "twin", "evaluation")
 # On the node's network: host i on GRPC_PORT + i and METRICS_PORT + i. Below Linux's ephemeral range (32768-60999): a
 # port there may be taken for a moment by any outgoing connection on the machine (a restarted host then fails to bind).
 GRPC_PORT, METRICS_PORT, SERVING_PORT, OPERATOR_PORT = 31051, 19400, 18000, 18080
@@ -101,7 +99,8 @@ def build_images(bin_dir: Path, work: Path, ref: str) -> str:
         paths = ["/bin", "/lib", "/lib64", "/sbin", "/usr/bin", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/etc",
                  str(python_home), str(venv)]
         changes = [f"ENV PATH={venv}/bin:/usr/bin:/bin", "ENV HOME=/tmp", "USER 10001:10001", "WORKDIR /tmp"]
-        tar = subprocess.Popen(["tar", "-c", "--mode=a+rX", "--exclude=__pycache__", *[p for p in paths if Path(p).exists()]],
+        tar = subprocess.Popen(["tar", "-c", "--mode=a+rX", "--exclude=__pycache__", *[p for p in paths if Path(p).exists()],
+                                *writable_tmp(work)],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         subprocess.run([DOCKER, "import", *[a for c in changes for a in ("--change", c)], "-", base], stdin=tar.stdout,
                        check=True, capture_output=True)
@@ -109,13 +108,13 @@ def build_images(bin_dir: Path, work: Path, ref: str) -> str:
     # The sources of `ref` (or the working tree) where the venv's editable install looks for them (ROOT).
     if ref == "worktree":
         archive = subprocess.run(["tar", "-c", "--mode=a+rX", "--sort=name", "--mtime=@0", "--owner=0", "--group=0",
-                                  "--exclude=__pycache__", "-C", "/", *(str((ROOT / p).relative_to("/")) for p in SOURCES)],
+                                  "--exclude=__pycache__", "-C", "/", *(str((ROOT / p).relative_to("/")) for p in image_sources())],
                                  check=True, capture_output=True).stdout
         tag = f"worktree-{hashlib.sha256(archive).hexdigest()[:12]}-{venv_hash[:6]}"
     else:
         commit = sh("git", "-C", str(ROOT), "rev-parse", ref).stdout.strip()
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", f"--prefix={ROOT.relative_to('/')}/",
-                                  commit, *SOURCES], check=True, capture_output=True).stdout
+                                  commit, *image_sources()], check=True, capture_output=True).stdout
         tag = f"{commit[:12]}-{venv_hash[:6]}"
     image = f"local/moeless:{tag}"
     if subprocess.run([DOCKER, "image", "inspect", image], capture_output=True).returncode != 0:
@@ -273,7 +272,7 @@ class Run:
         import torch
 
         from moeless.model.default import BuildConfig, default_model, model_path
-        from moeless.paths import cache_dir
+        from moeless.core.paths import cache_dir
         from moeless.serving.embedded import export_store
 
         torch.set_num_threads(1)

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +45,22 @@ def log(message: str, t0: float) -> None:
     print(f"[{time.monotonic() - t0:7.1f} s] {message}", flush=True)
 
 
+def image_sources() -> tuple[str, ...]:
+    """What an image carries of the checkout: pyproject.toml, README.md and the folder of every package
+    that pyproject's [tool.setuptools.package-dir] maps (one list: a new package cannot be left out)."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return ("pyproject.toml", "README.md", *sorted({folder.split("/")[0] for folder in dirs.values()}))
+
+
+def writable_tmp(work: Path) -> list[str]:
+    """tar arguments that add an empty, world-writable /tmp (sticky) to an image made by `docker import`:
+    HOME, numba's cache and Ray live there, and a pod without an emptyDir on /tmp would have none."""
+    tmp = work / "image-tmp" / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    tmp.chmod(0o1777)
+    return ["-C", str(tmp.parent), "tmp"]
+
+
 def build_pause_image(bin_dir: Path, work: Path) -> None:
     """local/pause:3.2 from the kube build's pause binary (the kubelet's sandbox image)."""
     ctx = work / "pause"
@@ -62,11 +79,10 @@ def build_images(bin_dir: Path, work: Path) -> None:
     venv = Path(sys.prefix)
     python_home = Path(os.path.realpath(venv / "bin" / "python")).parents[1]
     paths = ["/bin", "/lib", "/lib64", "/sbin", "/usr/bin", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/etc",
-             str(python_home), str(venv), *(str(ROOT / d) for d in
-                                            ("pyproject.toml", "moeless", "model", "predictor", "controller",
-                                             "placement", "expert_fn", "serving"))]
+             str(python_home), str(venv), *(str(ROOT / d) for d in image_sources())]
     changes = [f"ENV PATH={venv}/bin:/usr/bin:/bin", "ENV HOME=/tmp", "USER 10001:10001", "WORKDIR /tmp"]
-    tar = subprocess.Popen(["tar", "-c", "--mode=a+rX", "--exclude=__pycache__", *[p for p in paths if Path(p).exists()]],
+    tar = subprocess.Popen(["tar", "-c", "--mode=a+rX", "--exclude=__pycache__", *[p for p in paths if Path(p).exists()],
+                            *writable_tmp(work)],
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     args = [DOCKER, "import", *[a for c in changes for a in ("--change", c)], "-", IMAGE]
     subprocess.run(args, stdin=tar.stdout, check=True, capture_output=True)

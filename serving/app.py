@@ -16,66 +16,27 @@ a 503 that says so.
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from ray import serve
 
+from moeless.controller.planning.board import BoardFollower
+from moeless.controller.pool.sources import follow_pool
+from moeless.controller.pool.wake import waker_for
+from moeless.expert_fn.client import ExpertHostClient
 from moeless.placement.types import Placement
 from moeless.serving import api
-from moeless.serving.engine import error_event
+from moeless.serving.config import ServeConfig, config_from_args
+from moeless.serving.engine import Engine, error_event
+from moeless.serving.executor import RemoteExecutor
+from moeless.serving.forecasting import LiveEngine, build_predictor
 from moeless.serving.ingress import Ingress
-from moeless.serving.scheduler import BatchLimits
+from moeless.serving.live import start_live
+from moeless.serving.placement_source import PlacementSource
+from moeless.serving.scheduler import Scheduler, SchedulerLoop
+from moeless.serving.shutdown import DrainWatcher
 
-BATCHING = ("continuous", "static")
 INGRESS_SPARE = 16  # ingress requests beyond the servers' capacity: health and metrics probes
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """What the app serves and how. model_loader must be picklable (a function or partial)."""
-
-    model_name: str
-    model_loader: Callable[[], Any]  # () -> MoEModel, called once per ModelServer replica
-    host_addresses: tuple[str, ...]  # fixed hosts (ignored with `pool`)
-    placement: Placement | None = None  # default: static, one replica per expert
-    num_replicas: int = 1
-    replica_cpus: float = 0.5
-    ingress_cpus: float = 0.25
-    torch_threads: int = 1
-    batching: str = "continuous"  # or "static" (the baseline)
-    limits: BatchLimits = BatchLimits()  # continuous batching's caps
-    max_batch: int = 8  # static batching: requests decoded as one batch
-    batch_wait_s: float = 0.02  # static batching: how long a batch waits to fill
-    host_timeout_s: float = 30.0
-    transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else gRPC
-    placement_board: str | None = None  # follow placements published under this name (placement_board.py)
-    drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)
-    # The live loop (serving/live.py, plan_loop.py): the knobs, the loop actor's name (None: no loop,
-    # the placement stays static), a cost profile (None: the loop measures one on an expert host),
-    # a gate-replica predictor file (None: the cache's for this model), other LoopSettings fields.
-    knobs: Any = None  # moeless.knobs.Knobs
-    plan_loop: str | None = None
-    profile: Any = None  # moeless.twin.profile.CostProfile
-    predictor_file: str | None = None
-    loop: tuple = ()  # (field, value) pairs of LoopSettings, e.g. (("period_s", 0.1),)
-    # The expert-host pool followed while serving (serving/pool_sources.py: a PoolSource, e.g. the
-    # policy's pods on Kubernetes); None: host_addresses, fixed. Read every pool_period_s.
-    pool: Any = None
-    pool_period_s: float = 1.0
-
-    @property
-    def pool_source(self):
-        """The PoolSource the app follows (host_addresses as a fixed one when `pool` is unset)."""
-        from moeless.serving.pool_sources import StaticSource
-
-        return self.pool if self.pool is not None else StaticSource(tuple(self.host_addresses))
-
-    def __post_init__(self):
-        if self.batching not in BATCHING:
-            raise ValueError(f"batching must be one of {BATCHING}, got {self.batching!r}")
-        if self.plan_loop and not (self.knobs and self.placement_board):
-            raise ValueError("the live loop (plan_loop) needs knobs and a placement_board to publish on")
 
 
 @serve.deployment
@@ -85,11 +46,6 @@ class ModelServer:
     def __init__(self, config: ServeConfig):
         import torch
 
-        from moeless.expert_fn.client import ExpertHostClient
-        from moeless.serving.engine import Engine
-        from moeless.serving.executor import RemoteExecutor
-        from moeless.serving.placement_source import PlacementSource
-
         torch.set_num_threads(config.torch_threads)
         # Decoding runs here, off the event loop; OpenMP's thread count is per thread, so set it in the worker too.
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="decode", initializer=torch.set_num_threads,
@@ -97,14 +53,9 @@ class ModelServer:
         model = config.model_loader()
         runtime = None
         if config.plan_loop:  # before drop_experts: a predictor file is checked against the whole model
-            from moeless.serving.forecasting import build_predictor
-
             runtime = build_predictor(model, config.knobs.predictor, config.knobs.distance, config.predictor_file)
         model.drop_experts()
         spec = model.spec
-        from moeless.serving.pool_sources import follow_pool
-        from moeless.serving.wake import waker_for
-
         self.pool, self.pool_follower = follow_pool(
             config.pool_source, lambda a: ExpertHostClient(a, timeout_s=config.host_timeout_s, transport=config.transport),
             config.pool_period_s)
@@ -115,21 +66,14 @@ class ModelServer:
         self.executor = RemoteExecutor(self.pool, self.source, waker=self.waker)
         self.follower = None
         if config.placement_board:
-            from moeless.serving.placement_board import BoardFollower
-
             self.follower = BoardFollower(self.source, name=config.placement_board)
-        self.live = None
+        self.live, engine_type = None, Engine
         if config.plan_loop:
-            from moeless.serving.forecasting import LiveEngine
-            from moeless.serving.live import start_live
-
             self.live = start_live(config, model, self.executor, runtime, config.profile)
-            self.executor, Engine = self.live.executor, LiveEngine
-        self.engine = Engine(model, self.executor)
+            self.executor, engine_type = self.live.executor, LiveEngine
+        self.engine = engine_type(model, self.executor)
         self.scheduler = self.loop = None
         if config.batching == "continuous":
-            from moeless.serving.scheduler import Scheduler, SchedulerLoop
-
             self.scheduler = Scheduler(self.engine, config.limits)
             self.loop = SchedulerLoop(self.scheduler, threads=config.torch_threads)
         self._batched.set_max_batch_size(config.max_batch)
@@ -138,8 +82,6 @@ class ModelServer:
         self._draining = False
         self.watcher = None
         if config.drain_signal:
-            from moeless.serving.shutdown import DrainWatcher
-
             self.watcher = DrainWatcher(self.drain, name=config.drain_signal)
 
     async def generate(self, request: api.GenerationRequest) -> AsyncIterator[list[dict]]:
@@ -214,8 +156,6 @@ class ModelServer:
     def health(self) -> dict:
         """Which expert hosts of the pool answer now (hosts: those in the pool or there but not
         ready; pool: the slots in use; slots: the pool's size)."""
-        from moeless.expert_fn.client import ExpertHostClient
-
         addresses = self.pool.addresses()
         for gone in set(self._probes) - set(addresses.values()):
             self._probes.pop(gone).close()
@@ -262,6 +202,5 @@ def build_app(config: ServeConfig):
 def app_from_args(args: dict):
     """The application from Ray Serve's args (a RayService's import path `moeless.serving.app:app_from_args`):
     {"config": the knobs' YAML file, "model", "hosts" (default $MOELESS_EXPERT_HOSTS), "replicas"}."""
-    from moeless.serving.live import config_from_args
 
     return build_app(config_from_args(args))

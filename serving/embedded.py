@@ -4,9 +4,9 @@
    weight store in the cache directory (reused while the experts are unchanged).
 2. Start the expert hosts as local processes over that store (with MOELESS_EXPERT_HOSTS set:
    use those hosts instead, started elsewhere, e.g. the Helm chart's pool). Serving follows the
-   pool (serving/pool_sources.py): the local hosts' supervisor publishes them to a pool file.
+   pool (controller/pool/sources.py): the local hosts' supervisor publishes them to a pool file.
 3. Start local Ray (replicas with fractional CPUs), the Serve app and its planning loop (the
-   knobs: planner, predictor, distance, keep-alive, ...; serving/plan_loop.py); print the URL. A
+   knobs: planner, predictor, distance, keep-alive, ...; controller/planning/actor.py); print the URL. A
    supervisor restarts a local host that dies (with back-off); meanwhile the others serve its experts.
 4. With --demo send one short chat request, print the answer and shut everything down;
    otherwise serve until SIGINT (Ctrl-C) or SIGTERM.
@@ -20,52 +20,37 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import re
 import signal
+import socket
+import tempfile
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
 
-from moeless.paths import cache_dir
+from moeless.controller.knobs import Knobs
+from moeless.controller.planning.actor import LOOP_NAME, NAMESPACE
+from moeless.controller.planning.board import BOARD_NAME
+from moeless.controller.planning.rules import layer_cap_replicas, live_planner_name
+from moeless.controller.pool.addresses import HOSTS_ENV
+from moeless.controller.pool.sources import FileSource, pool_source, write_members
+from moeless.core.paths import cache_dir
+from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.model.weight_store import WeightStore, WeightStoreError, export_experts
+from moeless.serving.app import build_app
+from moeless.serving.config import ServeConfig, choose_model
+from moeless.serving.scheduler import BatchLimits
+from moeless.serving.shutdown import SIGNAL_NAME, drain_replicas
+from moeless.serving.supervisor import HostSupervisor
 
 DEMO_QUESTION = "What is the capital of France?"
 
 
-@dataclass(frozen=True)
-class ModelChoice:
-    """A served model: the name clients send and a picklable loader () -> MoEModel; first_load is
-    the driver's own load where it differs (the default model's first build shows its progress)."""
-
-    name: str
-    loader: Callable[[], Any]
-    first_load: Callable[[], Any] | None = None
-
-
-def choose_model(model: str) -> ModelChoice:
-    """"default" (the converted SmolLM2), "tiny:ARCH" (a random test model) or a model directory."""
-    if model == "default":
-        from moeless.model.default import default_model
-
-        return ModelChoice("moeless-default", default_model, functools.partial(default_model, progress=True))
-    if model.startswith("tiny:"):
-        from moeless.model.tiny import tiny_model
-
-        return ModelChoice(f"tiny-{model[5:]}", functools.partial(tiny_model, model[5:], 0))
-    path = Path(model)
-    if not path.is_dir():
-        raise SystemExit(f"--model {model!r}: not 'default', 'tiny:ARCH' or a model directory")
-    from moeless.model.hf_loader import load_moe_model
-
-    return ModelChoice(path.name, functools.partial(load_moe_model, str(path.resolve())))
-
-
 def export_store(model, name: str) -> Path:
     """The model's experts as a weight store under the cache dir, keyed by a hash of their weights."""
-    from moeless.model.weight_store import WeightStore, WeightStoreError, export_experts
-
     digest = hashlib.sha256(repr(model.spec).encode())
     for _, _, weights in model.iter_experts():
         for tensor in weights.values():
@@ -81,8 +66,6 @@ def export_store(model, name: str) -> Path:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -93,23 +76,13 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
                    limits=None, max_batch: int = 8, drain_s: float = 30.0, demo: bool = False,
                    demo_question: str = DEMO_QUESTION, demo_tokens: int = 40) -> str | None:
     """Run the serving path locally (see the module docstring); returns the demo's answer.
-    knobs: moeless.knobs.Knobs (default: the defaults); profile: a CostProfile (default: measured
+    knobs: moeless.controller.knobs.Knobs (default: the defaults); profile: a CostProfile (default: measured
     at start). Raises KnobError for knobs that do not fit the model (before anything starts)."""
     import httpx
     import ray
     from ray import serve
 
     _quiet_ray_logs()  # after importing Serve: the import sets its logger's level
-
-    from moeless.controller.live import layer_cap_replicas, live_planner_name
-    from moeless.knobs import Knobs
-    from moeless.serving.app import ServeConfig, build_app
-    from moeless.serving.expert_hosts import HOSTS_ENV
-    from moeless.serving.placement_board import BOARD_NAME
-    from moeless.serving.plan_loop import LOOP_NAME, NAMESPACE
-    from moeless.serving.pool_sources import pool_source
-    from moeless.serving.scheduler import BatchLimits
-    from moeless.serving.shutdown import SIGNAL_NAME, drain_replicas
 
     knobs = knobs or Knobs()
     remote = pool_source(os.environ[HOSTS_ENV]) if os.environ.get(HOSTS_ENV) else None
@@ -193,12 +166,6 @@ def _hosts(store: Path | None, count: int, keep_alive_s: float, remote):
               f"following the expert-host pool of $MOELESS_EXPERT_HOSTS ({remote.slots} slots): {remote}", flush=True)
         yield remote, None
         return
-    import tempfile
-
-    from moeless.expert_fn.launcher import launch_local_hosts
-    from moeless.serving.pool_sources import FileSource, write_members
-    from moeless.serving.supervisor import HostSupervisor
-
     print(f"starting {count} expert hosts over {store} ...", flush=True)
     with launch_local_hosts(count, store, keep_alive_s=keep_alive_s) as group, \
             tempfile.TemporaryDirectory(prefix="moeless-pool-") as tmp:
@@ -224,8 +191,6 @@ def _stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
 def _quiet_ray_logs() -> None:
     """Keep Ray's start-up notes out of a first run: the token-auth note (auth stays on, Ray's default)
     and Serve's INFO lines (moeless prints its own URL). Warnings and errors still show."""
-    import logging
-
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
@@ -233,8 +198,6 @@ def _quiet_ray_logs() -> None:
 def _print_loop_summary(static_replicas: int) -> None:
     """One line on what the planning loop did while the demo ran: replicas added (or why none) and GB·s."""
     import ray
-
-    from moeless.serving.plan_loop import LOOP_NAME, NAMESPACE
 
     m = ray.get(ray.get_actor(LOOP_NAME, namespace=NAMESPACE).metrics.remote())
     added = max(0, int(m["resident_replicas"]) - static_replicas)

@@ -30,7 +30,7 @@ from moeless.model.interface import ExpertExecutor
 from moeless.serving.api import ApiError, GenerationRequest, check_context
 from moeless.serving.codec import Codec, TextStream, codec_for
 from moeless.serving.kv_slots import KVSlots
-from moeless.serving.scatter import NoLiveHostError
+from moeless.controller.pool.members import NoLiveHostError
 
 
 def error_event(err: Exception) -> dict:

@@ -5,7 +5,7 @@ tokens to the hosts that hold the experts' replicas, one packed call per host, a
 parallel (each client's submit returns at once: shared memory for hosts on this machine, a gRPC
 future otherwise), then gather and combine with the gate weights (moeless.serving.scatter).
 
-The hosts are a HostPool (serving/host_pool.py): slot i is GPU i of the placement; a slot with no
+The hosts are a HostPool (controller/pool/members.py): slot i is GPU i of the placement; a slot with no
 ready host in it (scaled in, draining, not started yet) is treated like a dead host, and a host
 that joins the pool is called from the next layer on. Each layer call takes the pool's clients
 once, so a call in flight when the pool changes completes on the hosts it started with.
@@ -14,7 +14,7 @@ Faults: an ExpertHostUnavailable marks that host dead and the layer is re-run wi
 hosts' replicas moved to live hosts (they load there on demand, a cold start). A dead host is
 probed again every `probe_after_s` and rejoins once it answers (after a restart). When no host
 is live the layer raises NoLiveHostError, which the HTTP ingress turns into a 503 (a pool that can be
-woken, on Kubernetes, is woken first and the call held meanwhile: serving/wake.py). A
+woken, on Kubernetes, is woken first and the call held meanwhile: controller/pool/wake.py). A
 ReplicaLoadError (corrupt weights) is not a host fault: it propagates with the file's name.
 """
 
@@ -30,11 +30,11 @@ import torch
 from moeless.expert_fn.errors import ExpertHostUnavailable
 from moeless.expert_fn.packed import Pending
 from moeless.model.interface import Routing
-from moeless.serving.host_pool import HostPool
+from moeless.controller.pool.members import HostPool
 from moeless.placement.types import LayerPlacement
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.scatter import evacuate, gather, plan_scatter
-from moeless.serving.wake import Waker
+from moeless.controller.pool.wake import Waker
 
 
 class HostClient(Protocol):
@@ -106,7 +106,7 @@ class RemoteExecutor:
         self.probe_after_s = probe_after_s
         self.clock = clock
         self.times = LayerTimes()
-        self.waker = waker  # holds a call that finds the pool empty while it wakes (serving/wake.py)
+        self.waker = waker  # holds a call that finds the pool empty while it wakes (controller/pool/wake.py)
         self.relevel = relevel  # shares re-levelled per call on the layer's actual loads (the live loop)
         self.last_call: LayerCall | None = None  # the last layer call's figures (the live loop reports them)
         self._dead: dict[int, tuple[float, HostClient]] = {}  # slot -> (when marked dead, the client that failed)

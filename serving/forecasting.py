@@ -27,12 +27,17 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from moeless.controller.live_window import IterationReport, LayerFigures
+from moeless.controller.planning.window import IterationReport, LayerFigures
+from moeless.core.paths import cache_dir
 from moeless.model.interface import Routing
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.resident_planner import actual_shares
 from moeless.placement.types import LayerPlacement
+from moeless.predictor.fingerprint import model_hash
+from moeless.predictor.gate_replica import all_pairs, gate_reuse
+from moeless.predictor.history import HistoryPredictor
 from moeless.predictor.runtime import PredictionRuntime
+from moeless.predictor.store import PredictorFileError, load_predictor
 from moeless.serving.engine import Engine
 from moeless.serving.executor import Relevel, RemoteExecutor
 
@@ -48,12 +53,6 @@ def build_predictor(model, predictor: str, distance: int, path: str | None = Non
     at all)."""
     if predictor != "gate":
         return None
-    from moeless.paths import cache_dir
-    from moeless.predictor.fingerprint import model_hash
-    from moeless.predictor.gate_replica import all_pairs, gate_reuse
-    from moeless.predictor.history import HistoryPredictor
-    from moeless.predictor.store import PredictorFileError, load_predictor
-
     spec = model.spec
     file = path or str(cache_dir() / "predictor" / f"gate-replicas-{model_hash(model)}.pt")
     try:

@@ -11,15 +11,18 @@ import asyncio
 import time
 from typing import AsyncIterator
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from ray import serve
 
+from moeless.controller.planning.actor import NAMESPACE
+from moeless.controller.planning.metrics import LoopCollector, loop_health
+from moeless.controller.pool.wake import health_word
 from moeless.serving import api
 from moeless.serving.engine import error_event
 from moeless.serving.ingress_metrics import IngressMetrics
-from moeless.serving.wake import health_word
 
 
 # Helpers of the ingress sit above it: serve.ingress ships the class by value with what it references.
@@ -41,8 +44,6 @@ web = FastAPI(title="moeless", description="OpenAI-style completions over server
 @serve.ingress(web)
 class Ingress:
     def __init__(self, server, model_name: str, plan_loop: str | None = None):
-        from moeless.serving.live_metrics import LoopCollector
-
         self.server = server
         self.model_name = model_name
         self.metrics = IngressMetrics()
@@ -74,11 +75,6 @@ class Ingress:
 
     async def _loop_health(self, method: str = "state") -> tuple[bool, dict]:
         """What the planning loop says (waiting at most a second: a stalled loop may not answer)."""
-        import ray
-
-        from moeless.serving.live import loop_health
-        from moeless.serving.plan_loop import NAMESPACE
-
         answered, result = False, None
         try:
             if self._loop_actor is None:

@@ -29,13 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moeless.controller.pool.members import NoLiveHostError
 from moeless.placement.types import LayerPlacement
 
 MIN_CHUNK = 4  # rows; see the module docstring
-
-
-class NoLiveHostError(RuntimeError):
-    """Every expert host is down: the layer cannot run anywhere."""
 
 
 @dataclass(frozen=True)

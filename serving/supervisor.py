@@ -5,7 +5,7 @@ on its address after a delay that doubles with each failure in a row (0.5 s, 1 s
 to `max_delay_s`), and the count resets once a host has stayed up for `stable_s`.
 
 It publishes the pool's members (`publish`, e.g. pool_sources.write_members to the file every
-serving replica and the planning loop follow; serving/host_pool.py): a dead host leaves the pool
+serving replica and the planning loop follow; controller/pool/members.py): a dead host leaves the pool
 at once, so no new call goes to it and the planning loop plans without it, and it re-joins once
 restarted, at its address then. (A call that reached it before that fails over as well:
 RemoteExecutor marks it dead and moves its replicas to live hosts meanwhile.)
@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable
 
-from moeless.serving.host_pool import Member
+from moeless.controller.pool.members import Member
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeless.twin.profile import CostProfile
+from moeless.placement.profile import CostProfile
 
 
 def lossless_bound(loads: np.ndarray, num_gpus: int, alpha: float, call_overhead: float, beta: float) -> np.ndarray:

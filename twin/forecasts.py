@@ -9,7 +9,11 @@ forward pass: NaN there.
 `iteration_forecasts` turns them into [I, L, E] per iteration (batched like the loads) for three
 forecast kinds: "perfect" (the actual loads), "previous" (the previous iteration's loads) and
 "predictor" (the predictor at distance d; layers t < d from layer 0, layer 0 from the last
-iteration of the same phase, scaled to this one's tokens).
+iteration of the same phase, scaled to this one's tokens). A fourth, "history" (the predictor
+switched off: predictor/history.HistoryPredictor, the moving average of the last HISTORY_WINDOW
+iterations' load shares times the iteration's tokens, as EPLB's window uses), is replayed by
+`history_forecasts`. `forecast_set` makes every kind at every distance, the one forecast set that
+`moeless bench planner` and `moeless eval` replay, and `accuracy` scores it per phase.
 """
 
 from __future__ import annotations
@@ -20,11 +24,17 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from moeless.twin.iterations import Iteration, per_iteration
+from moeless.model.batching import left_pad
 from moeless.model.traces import RequestLoads, _prompt_ids, load_request_loads
+from moeless.predictor.history import HistoryPredictor
+from moeless.predictor.metrics import load_accuracy
+from moeless.twin.iterations import Iteration, per_iteration
 
-KINDS = ("perfect", "previous", "predictor")
+KINDS = ("perfect", "previous", "predictor", "history")
+HISTORY_WINDOW = 16  # iterations; predictor/history.py's default window
+PHASES = ("prefill", "decode", "all")
 
 
 @dataclass(frozen=True)
@@ -42,10 +52,6 @@ def trace_with_forecasts(model, predictor, prompts: Sequence[str | Sequence[int]
                          progress: bool = True) -> tuple[list[RequestLoads], list[RequestForecasts]]:
     """Greedy-generate every prompt (EOS ends a request, as in model.traces.request_loads) and record
     its loads and the predictor's forecasts at each distance; one entry per prompt, in order."""
-    from tqdm import tqdm
-
-    from moeless.model.batching import left_pad
-
     distances = tuple(sorted(set(distances)))
     num_layers, num_experts = model.spec.num_layers, model.spec.num_experts
     if not distances or min(distances) < 1 or max(distances) >= num_layers:
@@ -133,7 +139,7 @@ def iteration_forecasts(iterations: Sequence[Iteration], kind: str, forecasts: S
     if kind == "previous":
         return np.concatenate([np.ones_like(actual[:1]), actual[:-1]])
     if kind != "predictor":
-        raise ValueError(f"unknown forecast kind {kind!r}; use one of {KINDS}")
+        raise ValueError(f"unknown forecast kind {kind!r}; use one of {KINDS[:3]}")
     if not forecasts or distance not in forecasts[0].distances:
         have = forecasts[0].distances if forecasts else ()
         raise ValueError(f"no predictor forecasts at distance {distance}; traced distances: {have}")
@@ -163,3 +169,52 @@ def same_phase_history(iterations: Sequence[Iteration]) -> np.ndarray:
         out.append(guess)
         last[it.phase] = load
     return np.stack(out)
+
+
+def history_forecasts(iterations: Sequence[Iteration], top_k: int, window: int = HISTORY_WINDOW) -> np.ndarray:
+    """[I, L, E]: what HistoryPredictor forecasts for every layer of every iteration, having observed
+    the iterations before it (uniform shares before the first)."""
+    actual = np.stack([it.load for it in iterations]).astype(np.float64)
+    num_iter, num_layers, num_experts = actual.shape
+    predictor = HistoryPredictor(num_layers, num_experts, top_k, window)
+    out = np.empty_like(actual)
+    for i in range(num_iter):
+        tokens = np.rint(actual[i].sum(axis=1) / top_k).astype(np.int64)  # the iteration's tokens, known when it runs
+        for l in range(num_layers):
+            out[i, l] = predictor.predict(l, 0, torch.empty((int(tokens[l]), 0)), None).load
+        predictor.observe(actual[i], None)
+    return out
+
+
+def forecast_set(iterations: Sequence[Iteration], requests: Sequence[RequestForecasts] | None, distances: Sequence[int],
+                 top_k: int) -> dict[tuple[str, int], np.ndarray]:
+    """{(kind, d): [I, L, E]} for every kind at every distance d (only "predictor" depends on d;
+    without predictor forecasts (`requests` None) there is no "predictor" kind)."""
+    perfect = iteration_forecasts(iterations, "perfect")
+    previous = iteration_forecasts(iterations, "previous")
+    history = history_forecasts(iterations, top_k)
+    out = {}
+    for d in distances:
+        out.update({("perfect", d): perfect, ("previous", d): previous, ("history", d): history})
+        if requests is not None:
+            out[("predictor", d)] = iteration_forecasts(iterations, "predictor", requests, d)
+    return out
+
+
+def accuracy(forecasts: dict[tuple[str, int], np.ndarray], iterations: Sequence[Iteration]) -> list[dict]:
+    """Load accuracy (predictor/metrics.load_accuracy: 1 - half the L1 distance of load shares) of
+    every forecast but the perfect one, averaged over layers and iterations of each phase."""
+    actual = np.stack([it.load for it in iterations]).astype(np.float64)
+    phase = np.array([it.phase for it in iterations])
+    rows, seen = [], set()
+    for (kind, d), forecast in sorted(forecasts.items()):
+        if kind == "perfect" or (kind != "predictor" and kind in seen):
+            continue
+        seen.add(kind)
+        scores = load_accuracy(forecast, actual)  # [I, L]
+        row = {"forecast": kind, "distance": d if kind == "predictor" else None}
+        for name in PHASES:
+            mask = np.ones(len(phase), bool) if name == "all" else phase == name
+            row[name] = float(np.nanmean(scores[mask])) if mask.any() and np.isfinite(scores[mask]).any() else None
+        rows.append(row)
+    return rows

@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moeless.twin.json_file import read_json
+from moeless.core.json_file import read_json
+from moeless.model.shape import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K, SOURCE_FFN, SOURCE_HIDDEN
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
 
@@ -195,8 +196,6 @@ SMOLLM2 = {"num_hidden_layers": 30, "vocab_size": 49152, "num_attention_heads": 
 def default_geometry(num_experts: int | None = None, top_k: int | None = None) -> Geometry:
     """The default model (model/shape.py): SmolLM2-135M's FFNs MoEfied into a shared expert and E
     routed experts, float32 as the expert hosts run it; (E, k) as rebuilt with other values."""
-    from moeless.model.shape import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K, SOURCE_FFN, SOURCE_HIDDEN
-
     experts, k = num_experts or DEFAULT_EXPERTS, top_k or DEFAULT_TOP_K
     heads = SMOLLM2["num_attention_heads"]
     return Geometry("default", "model/shape.py (SmolLM2-135M-Instruct MoEfied)", num_layers=SMOLLM2["num_hidden_layers"],

@@ -3,23 +3,16 @@
 A simple continuous-batching model: the clock advances one fixed step per iteration; requests
 that have arrived join (up to max_batch running); an iteration with newcomers is a prefill of
 their prompts (loads summed), otherwise a decode step in which every running request adds its
-next decode row. Arrivals come from the Azure LLM inference trace (conversation service) when
-its file exists, else from a Poisson process at the same mean rate, and the caller is told which.
+next decode row. Arrivals: twin/arrivals.py; the paper's per-second batching: twin/batching.py.
 """
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
-
-AZURE_CONV_FILE = "AzureLLMInferenceTrace_conv.csv"
-AZURE_CONV_RATE = 19_365 / 3_600.0  # requests per second over the trace's hour (its README)
-
 
 class RequestLoads(Protocol):
     """Routing of one request: prefill: [L, E] tokens per expert; decode: [S, L, E], one row per generated token."""
@@ -41,42 +34,6 @@ class Iteration:
     batch: int
     rows: tuple[tuple[int, int], ...] = ()
     time_s: float = 0.0
-
-
-def traces_dir() -> Path:
-    """$MOELESS_TRACES, else ../shared/data/traces beside the source checkout (the project's real
-    traces; a user's clone has none, and callers fall back to a generated arrival process)."""
-    env = os.environ.get("MOELESS_TRACES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
-
-
-def arrival_times(count: int, path: Path | None = None, seed: int = 0, rate_scale: float = 1.0) -> tuple[np.ndarray, str]:
-    """Seconds since the first arrival of `count` requests: ([count], a line saying where they came from).
-
-    rate_scale > 1 compresses time (more requests per second). Without the trace file: a Poisson
-    process at the trace's mean rate.
-    """
-    path = path or traces_dir() / AZURE_CONV_FILE
-    if count <= 0:
-        raise ValueError(f"need at least one request, got {count}")
-    if rate_scale <= 0:
-        raise ValueError(f"rate_scale must be positive, got {rate_scale}")
-    if path.is_file():
-        stamps = []
-        with open(path) as f:
-            next(f)  # header: TIMESTAMP,ContextTokens,GeneratedTokens
-            for line in f:
-                stamps.append(np.datetime64(line.split(",", 1)[0]))
-                if len(stamps) == count:
-                    break
-        seconds = (np.array(stamps) - stamps[0]) / np.timedelta64(1, "ns") * 1e-9
-        if len(seconds) < count:  # a short file repeats, shifted by its own span
-            reps = -(-count // len(seconds))
-            span = seconds[-1] + 1.0 / AZURE_CONV_RATE
-            seconds = np.concatenate([seconds + r * span for r in range(reps)])[:count]
-        return seconds / rate_scale, f"Azure conversation trace ({path.name}), first {count} arrivals"
-    gaps = np.random.default_rng(seed).exponential(1.0 / AZURE_CONV_RATE, size=count)
-    return np.cumsum(gaps) - gaps[0], f"Poisson arrivals at {AZURE_CONV_RATE:.2f}/s ({path} not found)"
 
 
 def per_iteration(iterations: Sequence[Iteration], prefill: Sequence[np.ndarray], decode: Sequence[np.ndarray]) -> np.ndarray:

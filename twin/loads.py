@@ -18,6 +18,16 @@ from typing import Sequence
 
 import numpy as np
 
+from moeless.core.paths import cache_dir
+from moeless.model.datasets import humaneval_prompts, sharegpt_prompts
+from moeless.model.default import BuildConfig, default_model, model_path
+from moeless.model.tiny import tiny_model
+from moeless.model.traces import load_request_loads
+from moeless.predictor.gate_replica import all_pairs, gate_reuse
+from moeless.predictor.store import PredictorFileError, load_predictor
+from moeless.predictor.train import default_path, train_gate_replicas
+from moeless.twin import forecasts as fc
+
 DATASETS = {"sharegpt": "ShareGPT test", "humaneval": "HumanEval"}  # the default model's prompt sources
 
 
@@ -44,17 +54,11 @@ def requests_from(source: str, requests: int, new_tokens: int, distances: Sequen
     """(per-request loads, their forecasts or None, the model's facts, a line saying where they came from).
 
     dataset: the default model's prompts, "sharegpt" (its test split) or "humaneval" (code)."""
-    from moeless.twin import forecasts as fc
-    from moeless.paths import cache_dir
-
     if requests <= 0 or new_tokens < 0:
         raise ValueError(f"need requests > 0 and new_tokens >= 0, got {requests}, {new_tokens}")
     if dataset not in DATASETS:
         raise ValueError(f"unknown prompt dataset {dataset!r}; use one of {', '.join(DATASETS)}")
     if source == "tiny":
-        from moeless.model.tiny import tiny_model
-        from moeless.predictor.gate_replica import all_pairs, gate_reuse
-
         rng = np.random.default_rng(0)
         model = tiny_model("moeless-sliced")
         distances = [d for d in distances if d < model.spec.num_layers] or [1]
@@ -64,9 +68,6 @@ def requests_from(source: str, requests: int, new_tokens: int, distances: Sequen
         note = f"tiny random moeless-sliced model, {requests} random-token prompts, untrained gate copies (wiring check, not real loads)"
         return loads, forecasts, model_facts(model), note
     if source == "default":
-        from moeless.model.datasets import humaneval_prompts, sharegpt_prompts
-        from moeless.model.default import BuildConfig, default_model, model_path
-
         model = default_model()
         predictor, path = gate_replicas(model, distances)
         tag = hashlib.sha256(path.read_bytes()).hexdigest()[:8]
@@ -87,29 +88,19 @@ def requests_from(source: str, requests: int, new_tokens: int, distances: Sequen
     if has_forecasts:
         loads, forecasts = fc.load(path)
     else:
-        from moeless.model.traces import load_request_loads
-
         loads, forecasts = load_request_loads(path), None
-    from moeless.model.default import default_model
-
     return loads, forecasts, model_facts(default_model()), f"routing trace {path} (expert shape of the default model)"
 
 
 def gate_replicas(model, distances: Sequence[int]):
     """(the gate-replica predictor of `model` covering `distances`, its file): the file `moeless
     predictor train` writes for this model, trained now (ShareGPT train split) if missing or short."""
-    from moeless.paths import cache_dir
-    from moeless.predictor.fingerprint import model_hash
-    from moeless.predictor.store import PredictorFileError, load_predictor
-
-    path = cache_dir() / "predictor" / f"gate-replicas-{model_hash(model)}.pt"
+    path = default_path(model)
     try:
         predictor, meta = load_predictor(path, model)
         if set(distances) <= set(meta["distances"]):
             return predictor, path
     except PredictorFileError:
         pass
-    from moeless.cli import main
-
-    main(["predictor", "train", "--distances", *map(str, sorted({*distances, 1, 2, 3, 4})), "--out", str(path)])
+    print(train_gate_replicas(distances=sorted({*distances, 1, 2, 3, 4}), out=path))
     return load_predictor(path, model)[0], path

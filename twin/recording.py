@@ -9,6 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
+from moeless.core.paths import cache_dir
+from moeless.core.threads import torch_threads
+from moeless.model.datasets import humaneval_prompts, sharegpt_prompts
+from moeless.model.default import BuildConfig, build
+from moeless.model.hf_loader import load_moe_model
+from moeless.model.traces import token_picks
 from moeless.twin.routing import Routing, RoutingError, load_routing, save_routing
 
 PROMPT_SETS = ("sharegpt", "humaneval")
@@ -21,8 +27,6 @@ def moefied_label(num_experts: int, top_k: int) -> str:
 
 def prompts_of(name: str, count: int) -> list[str]:
     """`count` prompts of a packaged set: sharegpt (test split) or humaneval."""
-    from moeless.model.datasets import humaneval_prompts, sharegpt_prompts
-
     if name not in PROMPT_SETS:
         raise RoutingError(f"unknown prompts {name!r}; use one of {', '.join(PROMPT_SETS)}")
     return sharegpt_prompts(count, split="test") if name == "sharegpt" else humaneval_prompts(count)
@@ -32,8 +36,6 @@ def record_routing(model, prompts: list, new_tokens: int, label: str, max_prompt
                    progress: bool = False) -> Routing:
     """Greedy-generate every prompt through `model` (a MoEModel) and keep each token's expert ids.
     Without a tokenizer, text prompts become their UTF-8 bytes (mod the vocabulary), said in the label."""
-    from moeless.model.traces import token_picks
-
     if model.tokenizer is None:
         prompts = [[b % model.spec.vocab_size for b in p.encode()] if isinstance(p, str) else p for p in prompts]
         label += " (no tokenizer: prompts as UTF-8 bytes)"
@@ -49,8 +51,6 @@ def record_checkpoint(model_dir: str | Path, prompts: str, count: int, new_token
     when there is one (device "auto") or on `device`."""
     import torch
 
-    from moeless.model.hf_loader import load_moe_model
-
     model = load_moe_model(model_dir)
     where = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     model.hf.to(where)
@@ -62,11 +62,6 @@ def moefied_routing(num_experts: int, top_k: int, prompts: str, count: int, new_
                     max_prompt_tokens: int = 256, progress: bool = True) -> tuple[Routing, Path]:
     """The default model rebuilt at (E, k) routes `count` prompts; cached by every argument.
     Building a model takes minutes the first time (`moeless model build --experts E --top-k K`)."""
-    from moeless.model.default import BuildConfig, build
-    from moeless.model.hf_loader import load_moe_model
-    from moeless.paths import cache_dir
-    from moeless.threads import torch_threads
-
     path = cache_dir() / "routing" / f"moefied-e{num_experts}-k{top_k}-{prompts}-n{count}-t{new_tokens}-p{max_prompt_tokens}.npz"
     if path.is_file():
         return load_routing(path), path

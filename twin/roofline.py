@@ -42,9 +42,11 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
+from moeless.placement.profile import CostProfile
 from moeless.twin.geometry import Geometry
 from moeless.twin.gpus import GpuSpec
-from moeless.twin.profile import CostProfile
 
 # Efficiency factors: what fraction of a datasheet peak the expert host's kernels reach.
 COMPUTE_EFF = 0.6  # grouped/batched bf16 expert GEMMs at hundreds of tokens reach ~50-70% of dense peak
@@ -218,7 +220,6 @@ def measure_cpu_peaks(threads: int = 1, repeats: int = 30) -> CpuPeaks:
     """Measure this CPU in about a second: a 256^3 float32 matmul, a copy of a quarter of the L2
     and of 64 MiB, a tiny op's dispatch, sha256 of 1 MiB. Each the fastest of `repeats` (as bench
     planner takes its timings: on this shared 2-core machine a median swings 2-3x)."""
-    import numpy as np
     import torch
 
     saved = torch.get_num_threads()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moeless.model.traces import TraceError, load_request_loads
 from moeless.twin.routing import Routing, RoutingError, load_routing
 
 KEYS = {
@@ -130,8 +131,6 @@ def _from_jsonl(path: Path, num_experts: int | None) -> Routing:
 def _from_capture(path: Path, num_experts: int | None) -> Routing:
     """model/traces.py's per-request loads as per-token routing: decode rows are one token each;
     a prompt of P tokens gets its counts dealt so that token j takes the j-th, (P + j)-th, ... pick."""
-    from moeless.model.traces import TraceError, load_request_loads
-
     try:
         requests = load_request_loads(path)
     except TraceError as err:

@@ -38,8 +38,8 @@ from typing import Sequence
 import numpy as np
 
 from moeless.twin.iterations import Iteration
-from moeless.controller.planner import Planner
-from moeless.twin.profile import CostProfile
+from moeless.placement.planner import Planner
+from moeless.placement.profile import CostProfile
 from moeless.placement.cluster import Cluster
 from moeless.placement.resident_planner import actual_shares
 from moeless.placement.types import LayerPlacement, Placement

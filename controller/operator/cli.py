@@ -12,7 +12,7 @@ import threading
 import time
 
 
-def register(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
+def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "operator",
         help="run the Kubernetes operator of ExpertAutoscalingPolicy resources",
@@ -53,6 +53,7 @@ def _run(args: argparse.Namespace) -> int:
     from kubernetes.config import ConfigException
     from prometheus_client import start_http_server
 
+    # heavy (kubernetes, prometheus_client): kept off --help's start-up path
     from moeless.controller.operator.kube import Kube
     from moeless.controller.operator.leader import LeaderElector
     from moeless.controller.operator.loop import Operator

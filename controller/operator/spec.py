@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from moeless.knobs import KnobError, Knobs
+from moeless.controller.knobs import KnobError, Knobs
 
 GIB = 1024**3
 

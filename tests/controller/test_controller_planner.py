@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeless.controller.planner import PLANNERS, STATEFUL_PLANNERS, PlannerConfig, get_planner
-from moeless.controller.scaler import cv_below, greedy_scale
+from moeless.placement.planner import PLANNERS, STATEFUL_PLANNERS, PlannerConfig, get_planner
+from moeless.placement.scaler import cv_below, greedy_scale
 from moeless.placement.cluster import Cluster, ClusterError
 from moeless.placement.diff import diff
 from moeless.placement.eplb import rebalance_experts
@@ -110,14 +110,14 @@ def test_oracle_is_static_placement_evaluated_on_even_loads():
 
 
 def test_module_function_specs_and_unknown_names():
-    planner = get_planner("moeless.controller.planner:plan_static")
+    planner = get_planner("moeless.placement.planner:plan_static")
     assert planner(np.ones((1, 4)), Cluster.uniform(2, 2, 1)).logcnt().tolist() == [[1, 1, 1, 1]]
     with pytest.raises(ValueError, match="unknown planner 'nope'"):
         get_planner("nope")
     with pytest.raises(ValueError, match="cannot load planner"):
-        get_planner("moeless.controller.planner:missing")
+        get_planner("moeless.placement.planner:missing")
     with pytest.raises(ValueError, match="not callable"):
-        get_planner("moeless.controller.planner:PLANNERS")
+        get_planner("moeless.placement.planner:PLANNERS")
 
 
 def test_invalid_inputs_raise_clear_errors():

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeless.controller.scaler import (
+from moeless.placement.scaler import (
     ReplicaStats,
     active_cv_below,
     cv_below,

@@ -1,12 +1,12 @@
-"""The latency model's online refit (controller/cost_fit.py): pure arithmetic on made-up calls."""
+"""The latency model's online refit (controller/planning/cost_fit.py): pure arithmetic on made-up calls."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeless.controller.cost_fit import OnlineCostFit, fit_scale, solve_scale
-from moeless.twin.profile import CostProfile
+from moeless.controller.planning.cost_fit import OnlineCostFit, fit_scale, solve_scale
+from moeless.placement.profile import CostProfile
 
 US = 1e-6
 

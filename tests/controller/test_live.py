@@ -9,15 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeless.controller.live import (
+from moeless.controller.planning.rules import (
     HostView, layer_cap_replicas, live_planner_name, loads_to_send, memory_price, plan_phases, plan_step, planner_config,
     publishable,
     resident_placement, same_placement, union_placement,
 )
-from moeless.controller.live_window import Heartbeat, IterationReport, LayerFigures, LiveStats, ReportWindow
-from moeless.controller.planner import get_planner, relevels
-from moeless.twin.profile import CostProfile, ProfileError
-from moeless.knobs import KnobError, Knobs
+from moeless.controller.planning.window import Heartbeat, IterationReport, LayerFigures, LiveStats, ReportWindow
+from moeless.placement.planner import get_planner, relevels
+from moeless.placement.profile import CostProfile, ProfileError
+from moeless.controller.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.resident_planner import actual_shares, relevel_layer
 from moeless.placement.types import LayerPlacement, Placement

@@ -9,8 +9,8 @@ from datetime import datetime
 import numpy as np
 import pytest
 
-from moeless.twin.iterations import traces_dir
-from moeless.evaluation import arrivals as arr
+from moeless.twin.arrivals import traces_dir
+from moeless.twin import arrivals as arr
 
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n" \
         "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n2023-11-16 18:15:51.0000000,10,0\n"

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from moeless.twin.iterations import Iteration
-from moeless.evaluation import arrivals as arr
-from moeless.evaluation.batching import compose, per_second
-from moeless.evaluation.forecast_sets import history_forecasts
+from moeless.twin import arrivals as arr
+from moeless.twin.batching import compose, per_second
+from moeless.twin.forecasts import history_forecasts
 from moeless.evaluation.workload import WorkloadError, _per_arrival, parse_workload
 
 L, E = 2, 4

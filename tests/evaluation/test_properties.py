@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeless.twin.bench_quality import Run, run_all
+from moeless.twin.compare import Run, run_all
 from moeless.twin.iterations import Iteration
-from moeless.controller.planner import PlannerConfig
-from moeless.twin.profile import CostProfile
+from moeless.placement.planner import PlannerConfig
+from moeless.placement.profile import CostProfile
 from moeless.twin.twin import TwinSettings
 from moeless.evaluation.runs import execute, plan_cases
-from moeless.knobs import Knobs
+from moeless.controller.knobs import Knobs
 from moeless.placement.cluster import Cluster
 
 PROFILE = CostProfile(alpha=2e-6, beta=3e-8, call_overhead=4e-5, load_s={"disk": 1e-3, "host": 1e-4},

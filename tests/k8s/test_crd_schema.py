@@ -1,4 +1,4 @@
-"""The CRD's OpenAPI schema and moeless/knobs.py cannot drift apart; the chart ships the same CRD."""
+"""The CRD's OpenAPI schema and controller/knobs.py cannot drift apart; the chart ships the same CRD."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from moeless.controller.operator.spec import HostPool, PolicySpec, _POOL_KEYS
-from moeless.knobs import BY_KEY, PREDICTORS, KnobError, Knobs
+from moeless.controller.knobs import BY_KEY, PREDICTORS, KnobError, Knobs
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "manifests" / "crd.yaml"

@@ -28,7 +28,7 @@ from moeless.controller.operator.reconcile import UpdateStatus, reconcile
 from moeless.controller.operator.spec import GIB
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.knobs import Knobs
+from moeless.controller.knobs import Knobs
 from moeless.model.weight_store import export_experts
 
 from k8s_support import ROOT, free_port, kubeconfig, wait_for

@@ -6,7 +6,7 @@ tiny model's experts); a RemoteExecutor over a HostPool that follows KubePodSour
 the whole time. A pod that joins is called without restarting anything; a pod recreated at a new
 address (a restarted StatefulSet pod) is reached there; a pod that starts terminating gets no new
 call, while forwards running across every change equal the unmodified model's outputs. A pool at
-zero is woken by the forward that finds it empty (serving/wake.py): the policy gets the wake
+zero is woken by the forward that finds it empty (controller/pool/wake.py): the policy gets the wake
 annotation, the forward is held until a pod is Ready, then completes exactly. Serving talks to the
 API server as a service account that may only list pods and get and patch policies: the RBAC a
 serving pod needs.
@@ -27,8 +27,8 @@ from moeless.model.tiny import tiny_model
 from moeless.model.weight_store import export_experts
 from moeless.serving.executor import RemoteExecutor
 from moeless.serving.placement_source import PlacementSource
-from moeless.serving.pool_sources import KubePodSource, follow_pool
-from moeless.serving.wake import WAKE_ANNOTATION, KubePolicy, Waker
+from moeless.controller.pool.sources import KubePodSource, follow_pool
+from moeless.controller.pool.wake import WAKE_ANNOTATION, KubePolicy, Waker
 
 from k8s_support import ROOT, kubeconfig, wait_for
 
@@ -218,8 +218,8 @@ def test_a_forward_on_a_pool_at_zero_wakes_it_and_completes_exactly(reader_kubec
 
 def test_a_planning_loop_started_on_a_pool_at_zero_wakes_it_to_measure_the_profile(reader_kubeconfig, core, policies,
                                                                                   model_and_hosts):
-    from moeless.knobs import Knobs
-    from moeless.serving.plan_loop import LoopSettings, PlanLoop
+    from moeless.controller.knobs import Knobs
+    from moeless.controller.planning.actor import LoopSettings, PlanLoop
 
     _, (a, _, _) = model_and_hosts
     spec = tiny_model("mixtral", 0).spec

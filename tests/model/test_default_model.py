@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from moeless.model import gguf_source
-from moeless.model.bench import QUALITY_RUN
+from moeless.bench.model import QUALITY_RUN
 from moeless.model.datasets import sharegpt_prompts
 from moeless.model.default import (
     BuildConfig,
@@ -28,7 +28,7 @@ from moeless.model.default import (
 from moeless.model.quality import perplexity
 from moeless.model.shape import DEFAULT_EXPERT_SHAPE, SOURCE_FFN, SOURCE_HIDDEN
 from moeless.serving.embedded import DEMO_QUESTION
-from moeless.threads import torch_threads
+from moeless.core.threads import torch_threads
 
 # The issue's bound (issue 14): held-out perplexity of the default model at most 1.5x the dense
 # model's, on the held-out prompts of `moeless bench model-quality` (docs/model.md: measured

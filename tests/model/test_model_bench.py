@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeless.cli import main
-from moeless.model.bench import candidate_name, idle_in_decode, parse_candidate
+from moeless.bench.model import candidate_name, idle_in_decode, parse_candidate
 from moeless.model.default import BuildConfig, expert_shape
 from moeless.model.shape import DEFAULT_EXPERT_SHAPE
 

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from moeless.knobs import KNOBS, KnobError, Knobs, add_knob_flags, knobs_from_args
+from moeless.controller.knobs import KNOBS, KnobError, Knobs, add_knob_flags, knobs_from_args
 
 
 def _parse(argv: list[str]) -> Knobs:

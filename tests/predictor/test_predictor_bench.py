@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from moeless.benchio import write_result
+from moeless.bench.common import write_result
 from moeless.cli import build_parser
-from moeless.predictor.bench import METHODS, BenchConfig, bench_pairs, run_bench
+from moeless.bench.predictor import METHODS, BenchConfig, bench_pairs, run_bench
 from moeless.predictor.report import bench_summary, plot_scores
 
 

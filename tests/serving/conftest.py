@@ -62,7 +62,8 @@ def _deploy_tiny(addresses, name: str, **options):
     from ray import serve
 
     from moeless.model.tiny import tiny_model
-    from moeless.serving.app import ServeConfig, build_app
+    from moeless.serving.app import build_app
+    from moeless.serving.config import ServeConfig
 
     config = ServeConfig(name, functools.partial(tiny_model, TINY_ARCH, 0), tuple(addresses), replica_cpus=0.25,
                          ingress_cpus=0.1, **options)

@@ -3,8 +3,9 @@
 import pytest
 
 from moeless.cli import build_parser
-from moeless.serving.bench import run_bench
-from moeless.serving.embedded import choose_model, export_store
+from moeless.bench.serve import run_bench
+from moeless.serving.config import choose_model
+from moeless.serving.embedded import export_store
 
 
 def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkeypatch):
@@ -76,7 +77,7 @@ def test_bench_load_compares_static_and_continuous_batching_on_the_same_requests
 
 
 def test_bench_transport_times_every_transport_against_in_process(tmp_path, monkeypatch):
-    from moeless.serving.bench_transport import run_transport_bench
+    from moeless.bench.transport import run_transport_bench
 
     monkeypatch.setenv("MOELESS_CACHE", str(tmp_path))
     result = run_transport_bench("tiny:mixtral", repeats=5)

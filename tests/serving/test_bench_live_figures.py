@@ -5,8 +5,8 @@ in hindsight), ratios."""
 import numpy as np
 import pytest
 
-from moeless.controller.live_window import IterationReport, LayerFigures, LiveStats
-from moeless.serving.bench_live import add_in_run_model, config_figures, fit_in_run, ratios
+from moeless.controller.planning.window import IterationReport, LayerFigures, LiveStats
+from moeless.bench.live import add_in_run_model, config_figures, fit_in_run, ratios
 
 L = 2
 FIT = {"host_s": 1e-5, "c0": 1e-4, "beta": 1e-7}  # calibrate.fit_costs's keys

@@ -14,7 +14,7 @@ from moeless.model.tiny import tiny_model
 from moeless.placement.types import LayerPlacement, Placement
 from moeless.serving.executor import RemoteExecutor
 from moeless.serving.placement_source import PlacementSource
-from moeless.serving.scatter import NoLiveHostError
+from moeless.controller.pool.members import NoLiveHostError
 
 
 class FakeHost:

@@ -1,12 +1,12 @@
-"""MOELESS_EXPERT_HOSTS (serving/expert_hosts.py): a headless Service's pods by their stable names in
+"""MOELESS_EXPERT_HOSTS (controller/pool/addresses.py): a headless Service's pods by their stable names in
 ordinal order, addresses as the fallback, one clear error per bad entry. DNS is injected."""
 
 import socket
 
 import pytest
 
-from moeless.knobs import KnobError
-from moeless.serving.expert_hosts import expert_hosts
+from moeless.controller.knobs import KnobError
+from moeless.controller.pool.addresses import expert_hosts
 
 SERVICE = "p-hosts.ml.svc"
 PODS = {"10.0.0.7": "p-hosts-2.p-hosts.ml.svc.cluster.local", "10.0.0.9": "p-hosts-0.p-hosts.ml.svc.cluster.local",

@@ -1,4 +1,4 @@
-"""Following the expert-host pool (serving/host_pool.py, pool_sources.py), pure logic on a fake clock.
+"""Following the expert-host pool (controller/pool/members.py, pool_sources.py), pure logic on a fake clock.
 
 Pods appear, disappear, restart with new addresses; the executor over the pool uses a host that
 joined without a restart, sends no new call to one that left (a call in flight completes), and
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from moeless.expert_fn.packed import PackedResult
-from moeless.knobs import KnobError
+from moeless.controller.knobs import KnobError
 from moeless.model.experts import expert_forward
 from moeless.model.tiny import tiny_model
 from moeless.serving.executor import RemoteExecutor
-from moeless.serving.host_pool import HostPool, Member, PoolChange, diff
+from moeless.controller.pool.members import HostPool, Member, PoolChange, diff
 from moeless.serving.placement_source import PlacementSource
-from moeless.serving.pool_sources import FileSource, KubePodSource, StaticSource, pod_member, pool_source, write_members
+from moeless.controller.pool.sources import FileSource, KubePodSource, StaticSource, pod_member, pool_source, write_members
 
 
 class FakeHost:
@@ -171,7 +171,7 @@ def test_pool_source_parses_each_form(tmp_path):
 
 
 def test_app_args_and_serve_config_take_a_pool():
-    from moeless.serving.live import config_from_args
+    from moeless.serving.config import config_from_args
 
     config = config_from_args({"hosts": "k8s://moeless/smollm:50051?slots=4", "model": "tiny:mixtral"})
     assert config.pool == KubePodSource("moeless", "smollm", 50051, 4) and config.host_addresses == ()

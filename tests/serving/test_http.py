@@ -10,7 +10,7 @@ import pytest
 
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.placement.types import LayerPlacement, Placement
-from moeless.serving.placement_board import publish_placement
+from moeless.controller.planning.board import publish_placement
 
 MODEL = "tiny-mixtral"
 BOARD = "test-http-board"

@@ -15,17 +15,17 @@ import pytest
 import ray
 import torch
 
-from moeless.twin.iterations import arrival_times
-from moeless.twin.profile import CostProfile
+from moeless.twin.arrivals import arrival_times
+from moeless.placement.profile import CostProfile
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.knobs import Knobs
+from moeless.controller.knobs import Knobs
 from moeless.model.interface import Routing
 from moeless.placement.types import LayerPlacement, Placement
 from moeless.serving.executor import RemoteExecutor
 from moeless.serving.loadgen import replay
 from moeless.serving.placement_source import PlacementSource
-from moeless.serving.plan_loop import NAMESPACE
+from moeless.controller.planning.actor import NAMESPACE
 
 MODEL = "tiny-mixtral"
 LOOP, BOARD = "test-live-loop", "test-live-board"

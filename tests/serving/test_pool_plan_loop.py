@@ -1,4 +1,4 @@
-"""The planning loop follows the pool (serving/plan_loop.py over serving/pool_sources.py): it plans
+"""The planning loop follows the pool (controller/planning/actor.py over controller/pool/sources.py): it plans
 over the ready hosts only, a host that joins is planned for without a restart, one that is not
 ready any more is planned around.
 
@@ -9,11 +9,11 @@ over real expert-host processes and a pool file, as `moeless serve`'s supervisor
 import time
 
 from moeless.expert_fn.client import ExpertHostClient
-from moeless.knobs import Knobs
-from moeless.serving.host_pool import Member
-from moeless.serving.plan_loop import LoopSettings, PlanLoop
-from moeless.serving.pool_sources import FileSource, write_members
-from moeless.twin.profile import CostProfile
+from moeless.controller.knobs import Knobs
+from moeless.controller.pool.members import Member
+from moeless.controller.planning.actor import LoopSettings, PlanLoop
+from moeless.controller.pool.sources import FileSource, write_members
+from moeless.placement.profile import CostProfile
 
 PROFILE = CostProfile(alpha=2e-5, beta=1e-8, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
                       expert_bytes=9216, non_expert_bytes=100_000, relevel_s=1e-5, source="test")

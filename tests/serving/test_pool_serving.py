@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from moeless.expert_fn.client import ExpertHostClient
-from moeless.serving.host_pool import Member
-from moeless.serving.pool_sources import FileSource, write_members
+from moeless.controller.pool.members import Member
+from moeless.controller.pool.sources import FileSource, write_members
 
 MODEL = "tiny-mixtral"
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from moeless.controller.pool.members import NoLiveHostError
 from moeless.placement.types import LayerPlacement
 from moeless.serving.scatter import (
-    MIN_CHUNK, NoLiveHostError, evacuate, gather, host_inputs, merge_small_chunks, plan_scatter,
+    MIN_CHUNK, evacuate, gather, host_inputs, merge_small_chunks, plan_scatter,
 )
 
 

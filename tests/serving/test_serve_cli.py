@@ -53,8 +53,8 @@ def test_unknown_planner_through_a_subprocess():
 
 
 def test_app_from_args_reads_the_knobs_file_and_the_hosts(tmp_path, monkeypatch):
-    from moeless.knobs import KnobError
-    from moeless.serving.live import config_from_args
+    from moeless.controller.knobs import KnobError
+    from moeless.serving.config import config_from_args
 
     config = tmp_path / "knobs.yaml"
     config.write_text("planner: moeless\npredictor: history\ndistance: 1\nkeepAliveSeconds: 7\n")

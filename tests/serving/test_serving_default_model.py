@@ -24,7 +24,8 @@ def default_setup(ray_serve):
     from ray import serve
 
     from moeless.model.default import default_model
-    from moeless.serving.app import ServeConfig, build_app
+    from moeless.serving.app import build_app
+    from moeless.serving.config import ServeConfig
 
     torch.set_num_threads(1)
     model = default_model()

@@ -72,8 +72,8 @@ def test_a_dead_host_is_restarted_after_a_growing_delay_that_resets_once_stable(
 def test_the_supervisor_publishes_a_dead_host_leaving_and_rejoining_the_pool(tmp_path):
     """A dead host leaves the pool at once (no new calls), and re-joins once restarted; published to
     the pool file the serving replicas follow (pool_sources.FileSource)."""
-    from moeless.serving.host_pool import Member
-    from moeless.serving.pool_sources import FileSource, write_members
+    from moeless.controller.pool.members import Member
+    from moeless.controller.pool.sources import FileSource, write_members
 
     group, clock = FakeGroup(2), FakeClock()
     group.addresses = ["127.0.0.1:1", "127.0.0.1:2"]

@@ -1,12 +1,12 @@
-"""Waking a pool scaled to zero (serving/wake.py): the pure decision and the Waker on a fake clock."""
+"""Waking a pool scaled to zero (controller/pool/wake.py): the pure decision and the Waker on a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from moeless.knobs import KnobError
-from moeless.serving.pool_sources import KubePodSource, StaticSource
-from moeless.serving.wake import PoolDidNotWake, Waker, health_word, wake_value, waker_for
+from moeless.controller.knobs import KnobError
+from moeless.controller.pool.sources import KubePodSource, StaticSource
+from moeless.controller.pool.wake import PoolDidNotWake, Waker, health_word, wake_value, waker_for
 
 
 @pytest.mark.parametrize("annotation, woken_by, wakes", [

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeless.twin.iterations import AZURE_CONV_RATE, arrival_times, compose_iterations
+from moeless.twin.arrivals import AZURE_CONV_RATE, arrival_times
+from moeless.twin.iterations import compose_iterations
 
 
 @dataclass

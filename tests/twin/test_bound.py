@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from moeless.controller.planner import PLANNERS, STATEFUL_PLANNERS, PlannerConfig, get_planner
+from moeless.placement.planner import PLANNERS, STATEFUL_PLANNERS, PlannerConfig, get_planner
 from moeless.placement.cluster import Cluster
 from moeless.twin.bound import call_bound, lossless_bound, profile_bound, profile_call_bound
 from moeless.twin.iterations import Iteration
-from moeless.twin.profile import CostProfile
+from moeless.placement.profile import CostProfile
 from moeless.twin.twin import TwinSettings, replay
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from moeless.twin.iterations import Iteration
-from moeless.controller.planner import PlannerConfig, get_planner
-from moeless.twin.profile import CostProfile, ProfileError
+from moeless.placement.planner import PlannerConfig, get_planner
+from moeless.placement.profile import CostProfile, ProfileError
 from moeless.twin.twin import TwinSettings, replay
 from moeless.placement.cluster import Cluster
 from moeless.placement.types import LayerPlacement, Placement
@@ -114,7 +114,7 @@ def split_expert_zero(forecast, cluster, previous, config):
 
 
 def test_moeless_shares_are_relevelled_on_the_actual_loads_and_pay_the_relevel_others_keep_theirs():
-    from moeless.controller.planner import Planner
+    from moeless.placement.planner import Planner
 
     its = iterations([np.array([[20, 4, 4, 4]] * L), np.array([[2, 20, 4, 4]] * L)], phase="prefill")
     profile = CostProfile(**{**vars(PROFILE), "relevel_s": 3e-6, "relevel_check_s": 1e-6})

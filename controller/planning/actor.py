@@ -1,0 +1,401 @@
+"""The planning loop: one plan for the traffic of every serving replica (a named Ray actor).
+
+    serving replicas --IterationReport (fire and forget, ReportSender)--> PlanLoop
+    PlanLoop, on each report: the latency model refitted to the calls' measured compute (cost_fit)
+    PlanLoop, every period_s:  hosts' Status (what is resident) + the merged reports
+        --> the planner, with the refitted model (controller/planning/rules.py: plan_step)
+        --> Load RPCs (prefetch) to the hosts
+        --> the loaded replicas of the plan on the placement board --> every serving replica
+
+The hosts are the serving replicas' pool (controller/pool/sources.py), followed the same way: a slot
+with no ready host (scaled in, draining, not started) counts as down, so every pass plans over the
+ready hosts only, and a host that joins is planned for on the next pass.
+
+The decisions are pure functions (controller/planning/rules.py); this module only does the talking: Status
+and Load RPCs to the hosts, publishing on the board, a heartbeat (/healthz reports a loop whose
+heartbeat is older than stall_s), and the figures /metrics and `moeless bench live` read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import ray
+
+from moeless.controller.knobs import Knobs
+from moeless.controller.planning.board import publish_placement
+from moeless.controller.planning.calibrate import calibrate_host
+from moeless.controller.planning.cost_fit import OnlineCostFit
+from moeless.controller.planning.rules import (
+    HostView,
+    is_stateful,
+    layer_cap_replicas,
+    live_planner_name,
+    memory_price,
+    plan_phases,
+    plan_step,
+    planner_config,
+    same_placement,
+)
+from moeless.controller.planning.window import PHASES, Heartbeat, IterationReport, LiveStats, ReportWindow
+from moeless.controller.pool.sources import follow_pool
+from moeless.controller.pool.wake import waker_for
+from moeless.expert_fn.client import ExpertHostClient
+from moeless.placement.planner import get_planner, relevels
+from moeless.placement.profile import CostProfile
+
+log = logging.getLogger(__name__)
+NAMESPACE = "moeless"
+LOOP_NAME = "moeless-plan-loop"
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop plans for: the hosts (`pool`, a PoolSource read every pool_period_s; slot i
+    is the placement's GPU i), the model's shape,
+    the knobs, the cost profile (None: measured on host 0 at start, controller/planning/calibrate.py), the
+    board to publish on; period_s: seconds between passes (a pass plans when reports came in or
+    loads are pending, else only refreshes what the hosts hold every idle_s; without traffic in the
+    window it sends no loads, so keep-alive can evict idle replicas, except on the first pass and
+    when a host comes or goes); window_s: the reports
+    a forecast merges; stall_s: a heartbeat older than this is a stall; status_timeout_s: a host
+    slower than this to answer Status counts as down for the pass; replicas: serving replicas
+    (non-expert memory); planner_extra: other PlannerConfig fields."""
+
+    pool: Any
+    num_layers: int
+    num_experts: int
+    knobs: Knobs
+    profile: CostProfile | None
+    board: str
+    hidden_size: int = 0
+    non_expert_bytes: int = 0
+    replicas: int = 1
+    period_s: float = 0.25
+    idle_s: float = 1.0
+    window_s: float = 2.0
+    stall_s: float = 3.0
+    status_timeout_s: float = 1.0
+    planner_extra: dict = field(default_factory=dict)
+    pool_period_s: float = 1.0
+    first_host_wait_s: float = 60.0  # measuring the profile needs a ready host: how long to wait for one (_first_host)
+
+
+@ray.remote(num_cpus=0, max_concurrency=8)
+class PlanLoop:
+    """The loop (a thread) and what callers ask of it (other threads of the actor)."""
+
+    def __init__(self, settings: LoopSettings):
+        self.pool, self.follower = follow_pool(settings.pool,
+                                               lambda a: ExpertHostClient(a, timeout_s=settings.status_timeout_s),
+                                               settings.pool_period_s)
+        num_hosts = self.pool.slots
+        self.host_call_s = 0.0  # a host call's fixed cost, when the profile was measured here
+        if settings.profile is None:
+            with ExpertHostClient(self._first_host(settings.first_host_wait_s), timeout_s=60) as client:
+                costs = calibrate_host(client, settings.hidden_size, settings.non_expert_bytes, settings.num_experts,
+                                       num_hosts)
+            settings, self.host_call_s = replace(settings, profile=costs.profile), costs.host_call_s
+        self.s = settings
+        self.name = live_planner_name(settings.knobs)
+        self.stateful = is_stateful(self.name)
+        self.layer_cap = layer_cap_replicas(settings.knobs, settings.num_experts, settings.profile.expert_bytes)
+        self.memory_price = memory_price(settings.knobs, settings.profile, settings.num_layers, settings.num_experts,
+                                         settings.replicas)
+        self.fit = OnlineCostFit(self.host_call_s)
+        self.window = ReportWindow(settings.window_s)
+        self.stats = LiveStats(settings.num_layers)
+        self.heartbeat = Heartbeat(time.time, settings.stall_s)
+        self.started = time.time()
+        self._lock = threading.RLock()  # metrics() reads state() under it
+        self._actuals: list[np.ndarray] = []  # for stateful planners: every iteration's loads, in order
+        self._planned = False  # the first pass loads the home replicas (the hosts start empty)
+        self._held: dict[str, tuple[float, np.ndarray]] = {}  # phase -> (when, its last merged forecast)
+        self._planner = None
+        self._published = None
+        self._fresh = False  # reports came in since the last planning pass
+        self._pending_loads = False  # the last pass sent loads (publish them once loaded)
+        self._refreshed = 0.0  # when the hosts were last read
+        self._memory = np.zeros(num_hosts)  # each host's last known replica memory
+        self.counts = {"passes": 0, "plans": 0, "publishes": 0, "loads_sent": 0, "errors": 0, "reports": 0}
+        self.plan_s = {"last": 0.0, "sum": 0.0}
+        self.last_error = ""
+        self.hosts_live: list[bool] = [True] * num_hosts
+        self.host_meters: list[dict] = [{} for _ in range(num_hosts)]
+        self.resident_replicas = 0
+        self._gb_s = _Accumulated(num_hosts)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="plan-loop", daemon=True)
+        self._thread.start()
+
+    # --- what the serving replicas and the ingress call ------------------------------------
+
+    def report(self, report: IterationReport) -> None:
+        with self._lock:
+            self.window.add(report)
+            ran = report.layers.host_calls > 0
+            self.stats.add(report, self.fit.predict(report.layers.model_s, ran))  # before the fit sees it
+            self.fit.add(report.ended_s, report.layers.model_s, ran, report.layers.compute_s)
+            self.counts["reports"] += 1
+            self._fresh = True
+            if self.stateful:
+                self._actuals.append(report.actual)
+
+    def state(self) -> dict:
+        """The loop's state for /healthz: heartbeat (wall clock), its age, a stall line or None."""
+        with self._lock:
+            return {"planner": self.name, "predictor": self.s.knobs.predictor, "memory_price": self.memory_price,
+                    "heartbeat_s": self.heartbeat.last,
+                    "heartbeat_age_s": self.heartbeat.age(), "stalled": self.heartbeat.stalled(),
+                    "stall_threshold_s": self.s.stall_s, "last_error": self.last_error, **self.counts,
+                    "hosts_live": list(self.hosts_live)}
+
+    def metrics(self) -> dict:
+        """Everything /metrics shows (see app.py's LoopCollector)."""
+        with self._lock:
+            meters = [m for m in self.host_meters if m]
+            return {
+                **self.state(), "stats": self.stats.as_dict(), "plan_s": dict(self.plan_s),
+                "latency_fit": self.fit.as_dict(),
+                "resident_replicas": self.resident_replicas,
+                "cold_hidden_s": sum(m.get("cold_hidden_s", 0.0) for m in meters),
+                "cold_exposed_s": sum(m.get("cold_exposed_s", 0.0) for m in meters),
+                "cold_starts": sum(m.get("cold_starts", 0) for m in meters),
+                "loads": sum(m.get("loads", 0) for m in meters),
+                "expert_gb_s": self._gb_s.total,
+                "non_expert_gb_s": self.s.profile.non_expert_bytes / 1e9 * self.s.replicas * (time.time() - self.started),
+            }
+
+    def forecast(self) -> dict:
+        """What the next pass plans for: the merged forecast [L, E] (None without reports), the
+        merged actual loads and the mean iteration time over the window."""
+        with self._lock:
+            now = time.time()
+            merged = self.window.merged(now, "forecast" if self.s.knobs.predictor == "gate" else "actual")
+            return {"forecast": merged, "actual": self.window.merged(now, "actual"),
+                    "iteration_s": self.window.iteration_s(now), "reports": len(self.window.reports(now))}
+
+    def profile(self) -> tuple[CostProfile, float]:
+        """(the cost profile the loop plans with, a host call's fixed cost in seconds if measured here)."""
+        return self.s.profile, self.host_call_s
+
+    def reset_stats(self) -> None:
+        """Start the figures over (a benchmark's measured part begins)."""
+        with self._lock:
+            self.stats.reset()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.follower.close()
+        self.pool.close()
+
+    def _first_host(self, wait_s: float) -> str:
+        """The lowest ready slot's address, waiting up to wait_s for one; a pool at zero on Kubernetes is
+        woken for it (controller/pool/wake.py): serving replicas wait for the profile, so no request can wake it."""
+        waker = waker_for(self.follower.source)
+        if waker is not None:
+            waker.timeout_s = max(waker.timeout_s, wait_s)
+            waker.wait_for_hosts(lambda: bool(self.pool.addresses()), lambda: bool(self.pool.not_ready()))
+        deadline = time.monotonic() + wait_s
+        while not (addresses := self.pool.addresses()):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"no expert host became ready within {wait_s:g} s to measure the cost profile "
+                                   "on; start one (or pass a profile)")
+            time.sleep(self.follower.period_s)
+        return addresses[min(addresses)]
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.s.period_s):
+            started = time.perf_counter()
+            try:
+                self._pass()
+            except Exception as err:  # a failed pass is retried next period; the heartbeat says if it persists
+                with self._lock:
+                    self.counts["errors"] += 1
+                    self.last_error = f"{type(err).__name__}: {err}"
+                log.exception("planning pass failed")
+                continue
+            with self._lock:
+                self.counts["passes"] += 1
+                self.plan_s["last"] = time.perf_counter() - started
+                self.plan_s["sum"] += self.plan_s["last"]
+                self.last_error = ""
+                self.heartbeat.beat()
+
+    def _pass(self) -> None:
+        s = self.s
+        with self._lock:
+            due = self._fresh or self._pending_loads or time.monotonic() - self._refreshed >= s.idle_s
+            self._fresh = False
+        if not due:  # no traffic, nothing loading: nothing to re-plan (a pass all the same)
+            return
+        self._refreshed = time.monotonic()
+        # 1. What the hosts hold (the truth of what is resident), their meters.
+        statuses = [self._status(i) for i in range(self.pool.slots)]  # an empty slot: None, planned around
+        view = HostView.from_status(statuses, s.num_layers, s.num_experts)
+        self._memory = np.where(view.live, view.memory, self._memory)
+        with self._lock:
+            joined = self._planned and view.live.tolist() != self.hosts_live  # plan for a host that came or went
+            self.hosts_live = view.live.tolist()
+            self.resident_replicas = int(view.resident.sum())
+            for i, status in enumerate(statuses):
+                if status is not None:
+                    self.host_meters[i] = status["meters"]
+                    self._gb_s.update(i, status["meters"]["gb_s"])
+            now = time.time()
+            iteration_s = self.window.iteration_s(now)
+            first, self._planned = not self._planned, True
+            if not (first or joined or self.window.reports(now) or self._actuals):
+                # No traffic: hosts evict idle replicas after keep-alive; re-loading them would churn.
+                groups = []
+            elif self.stateful:  # every iteration's loads, in order: one plan each (first: the homes)
+                pending, self._actuals = self._actuals, []
+                groups = [[a] for a in pending] or ([[]] if first else [])
+            else:  # one forecast per phase: the union of their plans is resident
+                groups = [self._phase_forecasts(now)]
+        if not view.live.any():
+            return
+        # 2. The plan: the home replicas (static EP's) until there is traffic and always with the
+        #    predictor off, else the planner on the merged forecasts.
+        planner = self._planner_for(iteration_s, get_planner)
+        decision = None
+        for forecasts in groups:
+            if s.knobs.predictor == "off" or not forecasts:  # home replicas only, planned around dead hosts
+                zeros = np.zeros((s.num_layers, s.num_experts))
+                decision = plan_step(get_planner("moeless-no-scaler", planner.config), zeros, view,
+                                     s.profile.expert_bytes, self.layer_cap)
+            else:
+                decision = plan_phases(planner, forecasts, view, s.profile.expert_bytes, self.layer_cap, self._memory)
+        if decision is None:  # a stateful planner without new iterations: nothing to change
+            return
+        # 3. Prefetch what the plan needs; 4. publish what is loaded.
+        for layer, expert, host in decision.loads:
+            client = self.pool.client(host)
+            try:
+                if client is None:
+                    raise RuntimeError("it left the pool")
+                client.load(layer, expert, wait=False)
+            except Exception as err:  # the host went away meanwhile: planned around next pass
+                log.warning("load of (layer %d, expert %d) on host %d failed: %s", layer, expert, host, err)
+        self._pending_loads = bool(decision.loads)
+        with self._lock:
+            self.counts["plans"] += len(groups)
+            self.counts["loads_sent"] += len(decision.loads)
+        if s.knobs.predictor == "off":
+            return
+        if not same_placement(self._published, decision.publish, shares=not relevels(self.name)):
+            publish_placement(decision.publish, s.board)
+            self._published = decision.publish
+            with self._lock:
+                self.counts["publishes"] += 1
+
+    def _phase_forecasts(self, now: float) -> list[np.ndarray]:
+        """Each phase's merged forecast over the window; a phase without reports in it keeps its last
+        one for keep-alive seconds (its replicas stay resident that long anyway), so a pause between
+        prefills does not drop what they need. Call under the lock."""
+        source = "forecast" if self.s.knobs.predictor == "gate" else "actual"
+        out = []
+        for phase in PHASES:
+            merged = self.window.merged(now, source, phase)
+            if merged is not None:
+                self._held[phase] = (now, merged)
+            elif phase in self._held and now - self._held[phase][0] <= self.s.knobs.keep_alive_s:
+                merged = self._held[phase][1]
+            if merged is not None:
+                out.append(merged)
+        return out
+
+    def _planner_for(self, iteration_s: float, get_planner):
+        """The configured planner (made once: stateful ones keep their history), its config following
+        the measured iteration time."""
+        with self._lock:
+            profile = self.fit.scaled(self.s.profile)
+        config = planner_config(self.s.knobs, profile, iteration_s, self.s.planner_extra, num_layers=self.s.num_layers,
+                                num_experts=self.s.num_experts, serving_replicas=self.s.replicas)
+        if self._planner is None:
+            self._planner = get_planner(self.name, config)
+        elif not self.stateful:
+            self._planner = replace(self._planner, config=config)
+        return self._planner
+
+    def _status(self, i: int) -> dict | None:
+        client = self.pool.client(i)
+        if client is None:  # no ready host in this slot
+            return None
+        try:
+            return client.status()
+        except Exception:  # unreachable, draining, too slow: planned around for this pass
+            return None
+
+
+class _Accumulated:
+    """GB·s of hosts whose counters restart with the host: the sum of every host's increases."""
+
+    def __init__(self, hosts: int):
+        self.last = [0.0] * hosts
+        self.total = 0.0
+
+    def update(self, host: int, value: float) -> None:
+        self.total += value - self.last[host] if value >= self.last[host] else value  # a restart begins at 0
+        self.last[host] = value
+
+
+def plan_loop(name: str, settings: LoopSettings | None = None):
+    """The named loop actor: created with `settings` if it does not exist yet (the first serving
+    replica creates it; the others and the ingress get the same one)."""
+    if settings is None:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    return PlanLoop.options(name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote(settings)
+
+
+class ReportSender:
+    """Sends a serving replica's IterationReports to the loop from a thread of its own: `offer`
+    never blocks the forward; reports are dropped (counted) while the loop is not keeping up."""
+
+    def __init__(self, loop, max_queued: int = 64, max_inflight: int = 32):
+        self.loop, self.max_inflight = loop, max_inflight
+        self.sent = self.dropped = 0
+        self._queue: queue.Queue = queue.Queue(max_queued)
+        self._inflight: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="report-sender", daemon=True)
+        self._thread.start()
+
+    def offer(self, report: IterationReport) -> None:
+        try:
+            self._queue.put_nowait(report)
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                report = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if len(self._inflight) >= self.max_inflight:
+                _, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=0)
+            if len(self._inflight) >= self.max_inflight:  # the loop is stalled or slow: drop, never block
+                self.dropped += 1
+                continue
+            try:
+                self._inflight.append(self.loop.report.remote(report))
+                self.sent += 1
+            except Exception:  # the actor is gone (Ray shutting down)
+                self.dropped += 1
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,104 @@
+"""The cost profile of a running deployment, measured on one of its own expert hosts.
+
+Packed calls of m experts x n tokens each (m in CALL_EXPERTS, n in CALL_TOKENS) to a real host:
+the host's compute (its own clock: the compute thread's CPU time on a CPU) and the rest of the
+round trip (wall - compute: the transfer and the call's handling). `fit_costs` fits, over the
+medians of `repeats` calls per shape (the typical call, not the luckiest):
+
+    compute  = host_s + call_overhead x m + alpha x T      (T = m x n tokens)
+    transfer = c0 + 2 beta x T
+
+and one replica's load is timed from disk (a first load: read, sha256, copy) and from the host
+memory tier (a reload after eviction); the re-level of one layer's shares is timed in this
+process (the serving replica's data plane). `profile` is the CostProfile planners price with; host_s +
+c0 (a host call's fixed cost, which the per-replica planners do not model) is kept beside it for
+predicting a call's critical path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from moeless.placement.timing import measure_relevel_check_s, measure_relevel_s
+from moeless.placement.profile import CostProfile
+from moeless.placement.latency_model import LatencyModel
+
+CALL_EXPERTS = (1, 2, 4, 8)
+CALL_TOKENS = (1, 4, 16, 64)
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """A calibration: the planners' profile and a host call's fixed cost (host_s + c0, seconds)."""
+
+    profile: CostProfile
+    host_call_s: float
+    samples: dict
+
+    def as_dict(self) -> dict:
+        return {"profile": self.profile.__dict__, "host_call_s": self.host_call_s, "samples": self.samples}
+
+
+def fit_costs(shapes: Sequence[tuple[int, int]], compute_s: Sequence[float], transfer_s: Sequence[float]) -> dict:
+    """Least squares over calls of (m experts, T tokens): compute = host_s + call_overhead m + alpha T,
+    transfer = c0 + 2 beta T; negative estimates (noise) are clipped to 0."""
+    m = np.array([s[0] for s in shapes], dtype=np.float64)
+    t = np.array([s[1] for s in shapes], dtype=np.float64)
+    host_s, call, alpha = np.linalg.lstsq(np.stack([np.ones_like(m), m, t], axis=1), np.asarray(compute_s), rcond=None)[0]
+    slope, c0 = np.polyfit(t, np.asarray(transfer_s), 1)
+    return {"host_s": max(float(host_s), 0.0), "call_overhead": max(float(call), 0.0), "alpha": max(float(alpha), 0.0),
+            "c0": max(float(c0), 0.0), "beta": max(float(slope), 0.0) / 2}
+
+
+def calibrate_host(client, hidden: int, non_expert_bytes: int, num_experts: int, num_hosts: int, repeats: int = 10,
+                   layer: int = 0) -> HostCosts:
+    """Measure `client`'s host (see the module docstring) on calls of up to num_experts (a layer's)
+    experts, and this process's re-level of a layer over num_hosts hosts; the host keeps the
+    replicas of `layer` it loads."""
+    import torch
+
+    sizes = [m for m in CALL_EXPERTS if m <= num_experts] or [num_experts]
+    experts = list(range(max(sizes)))
+    for e in experts:
+        client.load(layer, e, wait=True)
+    shapes, compute, transfer = [], [], []
+    for m in sizes:
+        for n in CALL_TOKENS:
+            x, rows = torch.randn(m * n, hidden), torch.arange(m * n)
+            samples = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                result = client.submit(layer, experts[:m], [n] * m, x, rows).result()
+                samples.append((result.compute_s, time.perf_counter() - started - result.compute_s))
+            median = np.median(np.array(samples), axis=0)
+            shapes.append((m, m * n))
+            compute.append(float(median[0]))
+            transfer.append(float(median[1]))
+    fit = fit_costs(shapes, compute, transfer)
+    loads = _load_seconds(client, layer, experts[-1])
+    replica = next(r for r in client.status()["replicas"] if (r["layer"], r["expert"]) == (layer, experts[0]))
+    model = LatencyModel(alpha=fit["alpha"], beta=fit["beta"], cold_start=loads["host"], call_overhead=fit["call_overhead"])
+    profile = CostProfile(alpha=fit["alpha"], beta=fit["beta"], call_overhead=fit["call_overhead"], load_s=loads,
+                          expert_bytes=int(replica["bytes"]), non_expert_bytes=int(non_expert_bytes),
+                          relevel_s=measure_relevel_s(num_experts, num_hosts, model, repeats),
+                          relevel_check_s=measure_relevel_check_s(num_experts, num_hosts, model, repeats),
+                          source=f"expert host {client.address}: packed calls, medians of {repeats}, compute on the host's "
+                                 "clock")
+    return HostCosts(profile, fit["host_s"] + fit["c0"], {"shapes": shapes, "compute_s": compute, "transfer_s": transfer,
+                                                          **fit})
+
+
+def _load_seconds(client, layer: int, expert: int) -> dict[str, float]:
+    """One replica's load from disk (its first, or after the host tier dropped it) and from host memory."""
+    def timed() -> float:
+        client.load(layer, expert, wait=True)
+        return next(r["last_load_s"] for r in client.status()["replicas"] if (r["layer"], r["expert"]) == (layer, expert))
+
+    disk = timed()
+    while not client.evict(layer, expert):  # a call may still hold it
+        time.sleep(0.01)
+    return {"disk": disk, "host": timed()}

@@ -1,0 +1,244 @@
+"""The live planning loop's decisions, as pure functions: one plan for all traffic.
+
+The planning loop (controller/planning/actor.py, a Ray actor) reads what every expert host holds (the
+hosts are the truth of what is resident), merges the serving replicas' reports (controller/
+live_window.py) and, every period, calls `plan_step`:
+
+1. The cluster: every live host's replica memory; a dead host has none (its replicas are planned
+   elsewhere; it re-joins, empty, when it answers again).
+2. The resident set as a Placement (`resident_placement`): every replica loaded on a live host; an
+   expert counts at its static EP home too where that host is live or it is resident nowhere (it
+   is loaded there, below: a host that joins gets its static EP share).
+3. The configured planner on the merged forecast against that resident set.
+4. Loads to send (`loads_to_send`): every planned replica a live host neither holds nor is
+   loading (prefetch, off the critical path). Nothing is evicted here: a replica the plan drops
+   stops getting tokens and its host evicts it after keep-alive.
+5. What to publish (`publishable`): the plan's replicas whose load has finished, so no token is
+   routed to a replica that must still load; an expert none of whose planned replicas is loaded
+   keeps them (the host loads on demand: an exposed cold start, counted by the host).
+
+Serving replicas re-level each expert's tokens over the published replicas per layer on the
+actual loads (placement.resident_planner.relevel_layer); outputs never depend on the placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from moeless.placement.planner import STATEFUL_PLANNERS, Planner, PlannerConfig
+from moeless.placement.profile import CostProfile
+from moeless.controller.knobs import KnobError, Knobs
+from moeless.placement.cluster import Cluster, ClusterError
+from moeless.placement.types import LayerPlacement, Placement, PlacementError
+
+FAMILIES = ("moeless", "paper")  # planners with a scaler and a placer to switch off
+GIB = 2**30
+
+
+def live_planner_name(knobs: Knobs) -> str:
+    """The planner the knobs select: `planner`, with its scaler and/or placer off for ablations."""
+    if knobs.scaler and knobs.placer:
+        return knobs.planner
+    if knobs.planner not in FAMILIES:
+        raise KnobError(f"scaler/placer: only the {' and '.join(FAMILIES)} planners have a scaler and a placer to "
+                        f"switch off; planner is {knobs.planner!r}")
+    return knobs.planner + ("" if knobs.scaler else "-no-scaler") + ("" if knobs.placer else "-no-placer")
+
+
+def is_stateful(planner_name: str) -> bool:
+    """Planners that learn from every iteration's loads themselves (EPLB's window): the loop feeds
+    them each reported iteration's actual loads instead of the merged forecast."""
+    return planner_name in STATEFUL_PLANNERS
+
+
+def layer_cap_replicas(knobs: Knobs, num_experts: int, expert_bytes: int) -> int:
+    """Replicas one layer may hold: layerMemoryCapGiB over one replica's bytes (default 2 per expert)."""
+    if knobs.layer_memory_cap_gib is None:
+        return 2 * num_experts
+    cap = int(knobs.layer_memory_cap_gib * GIB // expert_bytes)
+    if cap < num_experts:
+        raise KnobError(f"layerMemoryCapGiB: {knobs.layer_memory_cap_gib} GiB holds {cap} replicas of {expert_bytes} "
+                        f"bytes, fewer than the {num_experts} experts of a layer; raise it to at least "
+                        f"{num_experts * expert_bytes / GIB:.4f}")
+    return cap
+
+
+def memory_price(knobs: Knobs, profile: CostProfile, num_layers: int, num_experts: int, serving_replicas: int = 1) -> float:
+    """The memoryPrice knob, or when unset the deployment's memory-neutral price
+    (CostProfile.memory_neutral_price: 1 / its GB)."""
+    if knobs.memory_price is not None:
+        return knobs.memory_price
+    return profile.memory_neutral_price(num_layers, num_experts, serving_replicas)
+
+
+def planner_config(knobs: Knobs, profile: CostProfile, iteration_s: float, extra: Mapping[str, Any] | None = None, *,
+                   num_layers: int, num_experts: int, serving_replicas: int = 1) -> PlannerConfig:
+    """The planners' settings from the knobs, the measured profile (cold starts from the host
+    memory tier), the measured iteration time and the deployment's shape (its memory prices
+    replicas when memoryPrice is unset); `extra`: other PlannerConfig fields."""
+    config = PlannerConfig(model=profile.latency_model("host"), cv_threshold=knobs.cv_threshold,
+                           prefetch_layers=knobs.distance, keep_alive_s=knobs.keep_alive_s,
+                           gb_s_price=memory_price(knobs, profile, num_layers, num_experts, serving_replicas),
+                           iteration_s=max(iteration_s, 1e-4))
+    return replace(config, **dict(extra or {}))
+
+
+@dataclass(frozen=True)
+class HostView:
+    """What the hosts hold, from their Status replies. resident, loading: [L, E, G] bool (a replica
+    loaded / loading on host g); live: [G] bool (the host answered); memory: [G] replica bytes
+    each host offers (0 for a dead host)."""
+
+    resident: np.ndarray
+    loading: np.ndarray
+    live: np.ndarray
+    memory: np.ndarray
+
+    @staticmethod
+    def from_status(statuses: Sequence[dict | None], num_layers: int, num_experts: int) -> "HostView":
+        """statuses[g]: host g's status() (ExpertHostClient.status) or None when it did not answer."""
+        num_hosts = len(statuses)
+        resident = np.zeros((num_layers, num_experts, num_hosts), dtype=bool)
+        loading = np.zeros_like(resident)
+        live = np.array([s is not None and s.get("health", "serving") == "serving" for s in statuses])
+        memory = np.zeros(num_hosts)
+        for g, status in enumerate(statuses):
+            if not live[g]:
+                continue
+            memory[g] = float(status["memory_bytes"])
+            for r in status["replicas"]:
+                if r["layer"] >= num_layers or r["expert"] >= num_experts:
+                    continue
+                if r["state"] in ("warm", "idle"):
+                    resident[r["layer"], r["expert"], g] = True
+                elif r["state"] == "loading":
+                    loading[r["layer"], r["expert"], g] = True
+        return HostView(resident, loading, live, memory)
+
+    def cluster(self, expert_bytes: int, layer_cap: int | None) -> Cluster:
+        """The live hosts as a Cluster (a dead host: no memory). Raises ClusterError when none is live."""
+        cap = None if layer_cap is None else float(layer_cap * expert_bytes)
+        return Cluster(self.memory, expert_bytes, cap)
+
+
+def resident_placement(resident: np.ndarray, live: np.ndarray | None = None) -> Placement:
+    """resident: [L, E, G] bool -> every resident replica (even shares); an expert resident
+    nowhere counts at its static EP home (e * G // E). live: [G] bool, the hosts that take calls:
+    an expert whose home is live counts there too, so a host that joins (scale-out, a restart)
+    gets its static EP share back. Without it, experts that stood in elsewhere while their home
+    was away would stay there for good: the plan would be worse than static EP on the pool it has."""
+    num_layers, num_experts, num_hosts = resident.shape
+    home = np.arange(num_experts) * num_hosts // num_experts
+    layers = []
+    for l in range(num_layers):
+        held = resident[l].copy()
+        rehome = ~held.any(axis=1) if live is None else ~held.any(axis=1) | live[home]
+        held[np.flatnonzero(rehome), home[rehome]] = True
+        expert, gpu = np.nonzero(held)
+        layers.append(LayerPlacement.even(expert, gpu, num_experts))
+    return Placement(tuple(layers), num_experts, num_hosts)
+
+
+def loads_to_send(plan: Placement, view: HostView) -> list[tuple[int, int, int]]:
+    """(layer, expert, host) of every planned replica on a live host that neither holds nor loads it."""
+    out = []
+    for l, lp in enumerate(plan.layers):
+        for e, g in zip(lp.expert.tolist(), lp.gpu.tolist()):
+            if view.live[g] and not view.resident[l, e, g] and not view.loading[l, e, g]:
+                out.append((l, e, g))
+    return out
+
+
+def publishable(plan: Placement, resident: np.ndarray) -> Placement:
+    """The plan's replicas that are loaded (resident: [L, E, G]). An expert none of whose planned
+    replicas is loaded takes the replicas of it that are resident elsewhere (the plan's move has not
+    happened yet), else keeps its planned ones (loaded on demand). Each expert's shares are
+    renormalised over what is kept (even where they sum to zero); serving replicas re-level them
+    on the actual loads anyway."""
+    layers = []
+    for l, lp in enumerate(plan.layers):
+        loaded = resident[l, lp.expert, lp.gpu]
+        has_loaded = np.bincount(lp.expert, weights=loaded, minlength=plan.num_experts) > 0
+        keep = loaded | ~has_loaded[lp.expert]
+        expert, gpu, share = lp.expert[keep], lp.gpu[keep], lp.share[keep]
+        stand_in = ~has_loaded & resident[l].any(axis=1)  # experts resident only off the plan
+        if stand_in.any():
+            moved = np.isin(expert, np.flatnonzero(stand_in))
+            extra_e, extra_g = np.nonzero(resident[l] & stand_in[:, None])
+            expert = np.concatenate([expert[~moved], extra_e])
+            gpu = np.concatenate([gpu[~moved], extra_g])
+            share = np.concatenate([share[~moved], np.zeros(extra_e.shape[0])])
+        total = np.bincount(expert, weights=share, minlength=plan.num_experts)
+        count = np.bincount(expert, minlength=plan.num_experts)
+        share = np.where(total[expert] > 0, share / np.where(total[expert] > 0, total[expert], 1.0), 1.0 / count[expert])
+        layers.append(LayerPlacement(expert, gpu, share))
+    return Placement(tuple(layers), plan.num_experts, plan.num_gpus)
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """One pass of the loop: the plan, the loads to send, the placement to publish."""
+
+    plan: Placement
+    loads: list[tuple[int, int, int]]
+    publish: Placement
+
+
+def plan_step(planner: Planner, forecast: np.ndarray, view: HostView, expert_bytes: int, layer_cap: int | None,
+              known_memory: np.ndarray | None = None) -> StepDecision:
+    """Steps 1-5 of the module docstring for one forecast [L, E]. A planner that places on every
+    host whatever their memory (static EP, EPLB) cannot plan around a dead host: it plans on
+    known_memory [G] (every host's last known memory) instead, and serving replicas move the dead
+    host's replicas to live ones per call (RemoteExecutor's fault evacuation)."""
+    resident = resident_placement(view.resident & view.live[None, None, :], view.live)
+    try:
+        plan = planner(forecast, view.cluster(expert_bytes, layer_cap), resident)
+    except (PlacementError, ClusterError):
+        if known_memory is None or view.live.all():
+            raise
+        whole = HostView(view.resident, view.loading, view.live, np.asarray(known_memory, dtype=np.float64))
+        plan = planner(forecast, whole.cluster(expert_bytes, layer_cap), resident)
+    return StepDecision(plan, loads_to_send(plan, view), publishable(plan, view.resident))
+
+
+def union_placement(plans: Sequence[Placement], cluster: Cluster) -> Placement:
+    """Every replica of any of `plans` (even shares: serving replicas re-level on the actual loads),
+    layer by layer where the union fits the layer cap, else that layer of the first plan; the
+    first plan whole when the union does not fit the hosts' slots."""
+    first = plans[0]
+    cap = cluster.layer_replica_cap()
+    layers = []
+    for l in range(first.num_layers):
+        pairs = sorted({(int(e), int(g)) for p in plans for e, g in zip(p.layers[l].expert, p.layers[l].gpu)})
+        if cap is not None and len(pairs) > cap:
+            layers.append(first.layers[l])
+            continue
+        expert, gpu = (np.array(c, dtype=np.int64) for c in zip(*pairs))
+        layers.append(LayerPlacement.even(expert, gpu, first.num_experts))
+    union = Placement(tuple(layers), first.num_experts, first.num_gpus)
+    held = sum(np.bincount(lp.gpu, minlength=first.num_gpus) for lp in union.layers)
+    return first if (held > cluster.slots()).any() else union
+
+
+def plan_phases(planner: Planner, forecasts: Sequence[np.ndarray], view: HostView, expert_bytes: int,
+                layer_cap: int | None, known_memory: np.ndarray | None = None) -> StepDecision:
+    """One pass for several forecasts [L, E] (one per phase: a prefill's loads and a decode step's
+    differ ~100x, and their mean serves neither): each planned alone, the resident set their union
+    (a replica that pays in one phase is resident; each call re-levels over the union on its own
+    actual loads and leaves a replica without tokens where it does not pay)."""
+    decisions = [plan_step(planner, f, view, expert_bytes, layer_cap, known_memory) for f in forecasts]
+    if len(decisions) == 1:
+        return decisions[0]
+    plan = union_placement([d.plan for d in decisions], view.cluster(expert_bytes, layer_cap))
+    return StepDecision(plan, loads_to_send(plan, view), publishable(plan, view.resident))
+
+
+def same_placement(a: Placement | None, b: Placement, shares: bool = True) -> bool:
+    """Whether two placements have the same replicas (and, with shares, the same shares)."""
+    if a is None or (a.num_layers, a.num_experts, a.num_gpus) != (b.num_layers, b.num_experts, b.num_gpus):
+        return False
+    return all(x.num_replicas == y.num_replicas and np.array_equal(x.expert, y.expert) and np.array_equal(x.gpu, y.gpu)
+               and (not shares or np.allclose(x.share, y.share)) for x, y in zip(a.layers, b.layers))

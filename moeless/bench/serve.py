@@ -1,0 +1,291 @@
+"""`moeless bench serve`: the cost of going serverless, measured in one run.
+
+1. The same model generates real prompts (ShareGPT, held-out split) once, and every MoE-layer
+   call is run on three paths back to back, in turn (the order rotates call by call), on the
+   same input: experts in-process on 1 torch thread (the baseline), and through expert functions
+   on local expert-host processes over the shared-memory local channel (what `moeless serve`
+   uses) and over gRPC (what a remote host gets). Paired within milliseconds, the paths meet the
+   same machine: a shared machine's other jobs slow them alike instead of whichever path ran
+   during a burst. Every expert-function output must equal the in-process output bit for bit;
+   the generation goes on with that output. Hosts compute in parallel, so the in-process layer
+   is also measured on as many threads as the hosts have together (the second baseline), batch
+   by batch right after the paired run of the same batch (in its own pass: OpenMP's waiting
+   worker threads would take a core from the hosts' calls next to it); ratios are to the faster
+   baseline.
+2. Reported: MoE time per layer call (mean, median, 10th percentile; prefill and decode apart)
+   and the ratios to the faster in-process baseline; tokens/s each path would give (the
+   generation's time outside the MoE layers plus that path's MoE time); each remote path's layer
+   broken into gate, scatter (plan + pack + send), invoke (of which the slowest host's expert
+   compute; the rest is transfer and call overhead) and gather.
+3. The latency model's constants, fitted on single-expert calls of T tokens over the local
+   channel: host compute = alpha * T, and round trip - compute = overhead + 2 * beta * T.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from moeless.bench.common import add_bench_flags, write_result
+from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.model.datasets import sharegpt_prompts
+from moeless.model.interface import ExpertExecutor, Routing
+from moeless.serving.cli import MODEL_HELP
+from moeless.serving.codec import CharCodec
+from moeless.serving.placement_source import PlacementSource
+
+FIT_TOKENS = (1, 8, 32, 128, 512)
+TRANSPORTS = ("local", "grpc")
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    """Add `moeless bench serve`."""
+    bench = benches.add_parser(
+        "serve", help="tokens/s and MoE-layer time through expert functions vs in-process experts; alpha and beta",
+        description="Generate ShareGPT prompts once, running every MoE layer on each path back to back: experts "
+                    "in-process (baselines) and through expert functions on local expert hosts (shared memory, "
+                    "gRPC); print per-layer MoE time, its breakdown (gate, scatter, invoke, expert compute, "
+                    "gather), tokens/s and the latency model's alpha and beta.",
+    )
+    bench.add_argument("--model", default="default", help=MODEL_HELP)
+    bench.add_argument("--hosts", type=int, default=2, help="expert-host processes (default 2)")
+    bench.add_argument("--prompts", type=int, help="number of prompts (default 8; 4 with --quick)")
+    bench.add_argument("--max-tokens", type=int, help="new tokens per prompt (default 16; 8 with --quick)")
+    bench.add_argument("--batch", type=int, default=4, help="prompts decoded together (default 4)")
+    bench.add_argument("--threads", type=int, default=1, help="torch threads in this process and in each host (default 1)")
+    add_bench_flags(bench)
+    bench.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    prompts = args.prompts or (4 if args.quick else 8)
+    max_tokens = args.max_tokens or (8 if args.quick else 16)
+    result = run_bench(args.model, hosts=args.hosts, prompts=prompts, prompt_tokens=32 if args.quick else 64,
+                       max_tokens=max_tokens, batch=args.batch, threads=args.threads)
+    print_report(result)
+    path = write_result(args.out, "serve", result)
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
+class TimedExecutor:
+    """Wraps an executor and records (tokens, seconds) of each run_layer call."""
+
+    def __init__(self, inner: ExpertExecutor):
+        self.inner, self.samples = inner, []
+
+    def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.inner.run_layer(layer, x, routing)
+        self.samples.append((x.shape[0], time.perf_counter() - start))
+        return out
+
+    def summary_ms(self, batch: int) -> dict[str, dict[str, float]]:
+        """Mean, median and 10th percentile ms per layer call, for all calls, prefill and decode
+        apart. A decode step carries one row per sequence (<= batch). The median resists a busy
+        machine's stalls; the 10th percentile is what the machine gives when other jobs leave it
+        alone (a path of several processes waits for the CPU at every hand-over, so contention
+        inflates it more than the single-process baseline)."""
+        phases = {"all": [s for _, s in self.samples], "prefill": [s for t, s in self.samples if t > batch],
+                  "decode": [s for t, s in self.samples if t <= batch]}
+        return {name: {"mean": 1e3 * float(np.mean(v)), "median": 1e3 * float(np.median(v)),
+                       "p10": 1e3 * float(np.percentile(v, 10)), "calls": len(v)}
+                for name, v in phases.items() if v}
+
+
+def bench_prompts(engine, count: int, prompt_tokens: int) -> list[list[int]]:
+    """Token ids of `count` held-out ShareGPT prompts, each cut to prompt_tokens tokens."""
+    prompts = sharegpt_prompts(count, "test")
+    if isinstance(engine.codec, CharCodec):  # test models read only their small alphabet
+        prompts = ["".join(c for c in p if ord(c) < engine.codec.vocab_size) or "?" for p in prompts]
+    return [engine.codec.encode(p)[:prompt_tokens] for p in prompts]
+
+
+def generate_batch(engine, chunk: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy generations of one batch of prompts (token ids per prompt)."""
+    rows: list[list[int]] = [[] for _ in chunk]
+    for step in engine.token_steps(chunk, [max_tokens] * len(chunk)):
+        for r, token in enumerate(step):
+            if token is not None:
+                rows[r].append(token)
+    return rows
+
+
+class PairedExecutor:
+    """Runs every layer call on each path (name -> (TimedExecutor, torch threads)), the order
+    rotating call by call; returns the first path's output and counts, per path, the calls whose
+    output is not bit-identical to it."""
+
+    def __init__(self, paths: dict[str, tuple[TimedExecutor, int]], threads: int):
+        self.paths, self.threads = paths, threads
+        self.mismatches = dict.fromkeys(paths, 0)
+        self._calls = 0
+
+    def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        names = list(self.paths)
+        shift = self._calls % len(names)
+        self._calls += 1
+        outputs = {}
+        for name in names[shift:] + names[:shift]:
+            executor, threads = self.paths[name]
+            torch.set_num_threads(threads)
+            outputs[name] = executor.run_layer(layer, x, routing)
+        torch.set_num_threads(self.threads)
+        reference = outputs[names[0]]
+        for name, out in outputs.items():
+            self.mismatches[name] += not torch.equal(out, reference)
+        return reference
+
+
+def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
+    """Fit alpha, beta and the per-call overhead from packed calls of expert (0, 0) on T tokens
+    (least squares over the median of `repeats` calls per T)."""
+    compute, transfer = [], []
+    client.load(0, 0, wait=True)
+    for tokens in FIT_TOKENS:
+        x, rows = torch.randn(tokens, hidden), torch.arange(tokens)
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            result = client.submit(0, [0], [tokens], x, rows).result()
+            samples.append((result.compute_s, time.perf_counter() - start - result.compute_s))
+        median = np.median(np.array(samples), axis=0)  # robust to a busy machine's outliers
+        compute.append(median[0])
+        transfer.append(median[1])
+    alpha, _ = np.polyfit(FIT_TOKENS, compute, 1)
+    slope, overhead = np.polyfit(FIT_TOKENS, transfer, 1)
+    return {"alpha_s_per_token": float(alpha), "beta_s_per_token": float(slope / 2),
+            "call_overhead_s": float(overhead), "fit_tokens": list(FIT_TOKENS), "repeats": repeats,
+            "transport": "local" if client.uses_local_channel else "grpc"}
+
+
+def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, prompt_tokens: int = 64,
+              max_tokens: int = 16, batch: int = 4, threads: int = 1) -> dict[str, Any]:
+    """Measure every path on the same prompts (see the module docstring); returns the figures."""
+    # heavy (ray, transformers; the executor): kept off --help's start-up path
+    from moeless.serving.config import choose_model
+    from moeless.serving.embedded import export_store
+    from moeless.serving.engine import Engine
+    from moeless.serving.executor import LayerTimes, RemoteExecutor
+
+    torch.set_num_threads(threads)
+    choice = choose_model(model)
+    moe = choice.loader()
+    spec = moe.spec
+    store = export_store(moe, choice.name)
+    ids = bench_prompts(Engine(moe), prompts, prompt_tokens)
+    wide = hosts * threads  # the cores the hosts compute on together
+    baselines = {f"in_process_{n}_threads": n for n in sorted({threads, wide})}
+    timed = {name: TimedExecutor(moe.local_executor()) for name in baselines}
+    with launch_local_hosts(hosts, store, keep_alive_s=600, threads=threads, metrics=False) as group:
+        clients = {t: [ExpertHostClient(a, timeout_s=120, transport=t) for a in group.addresses] for t in TRANSPORTS}
+        remotes = {t: RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers, spec.num_experts, hosts))
+                   for t in TRANSPORTS}
+        timed |= {f"expert_functions_{t}": TimedExecutor(remotes[t]) for t in TRANSPORTS}
+        wide_name = f"in_process_{wide}_threads" if wide != threads else None
+        paired = PairedExecutor({name: (executor, threads) for name, executor in timed.items() if name != wide_name},
+                                threads)
+        engine, wide_engine = Engine(moe, paired), Engine(moe, timed[wide_name]) if wide_name else None
+        # 1. Warm every path (replica loads, channels, allocator), then measure.
+        generate_batch(engine, ids[:batch], 2)
+        for executor in timed.values():
+            executor.samples = []
+        for remote in remotes.values():
+            remote.times = LayerTimes()
+        paired.mismatches = dict.fromkeys(paired.paths, 0)
+        from tqdm import tqdm
+
+        paired_s, generated, captures = 0.0, 0, []
+        for i in tqdm(range(0, len(ids), batch), desc="batches", leave=False):
+            start = time.perf_counter()
+            with moe.capture() as capture:  # the gate inputs (for the gate's own time)
+                rows = generate_batch(engine, ids[i:i + batch], max_tokens)
+            captures.append(capture)
+            paired_s += time.perf_counter() - start
+            generated += sum(len(r) for r in rows)
+            if wide_engine:  # the same batch on the wide baseline, on its own
+                torch.set_num_threads(wide)
+                wide_rows = generate_batch(wide_engine, ids[i:i + batch], max_tokens)
+                torch.set_num_threads(threads)
+                paired.mismatches.setdefault(wide_name, 0)
+                paired.mismatches[wide_name] += sum(a != b for a, b in zip(rows, wide_rows))
+        torch.set_num_threads(threads)
+        fit = fit_alpha_beta(clients["local"][0], spec.hidden_size)
+        for client in (c for cs in clients.values() for c in cs):
+            client.close()
+    # 2. Figures per path against the faster in-process baseline, per phase.
+    layer_ms = {name: executor.summary_ms(batch) for name, executor in timed.items()}
+    moe_s = {name: sum(s for _, s in executor.samples) for name, executor in timed.items()}
+    outside_moe_s = paired_s - sum(moe_s[name] for name in paired.paths)  # the forward's own time
+    phases = list(layer_ms[next(iter(baselines))])
+    best = {stat: {phase: min(layer_ms[name][phase][stat] for name in baselines) for phase in phases}
+            for stat in ("median", "p10")}
+    iterations = [it for capture in captures for it in capture.iterations]
+    gate_ms = 1e3 * _gate_seconds(moe, iterations) / max(len(iterations) * spec.num_layers, 1)
+    return {
+        "model": choice.name, "experts": spec.num_experts, "top_k": spec.top_k, "expert_ffn": spec.expert_ffn,
+        "hosts": hosts, "prompts": len(ids), "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens, "batch": batch, "threads_per_host": threads, "baseline_threads": list(baselines.values()),
+        "load_average_1m": os.getloadavg()[0],  # a busy machine inflates every time below
+        "layer_calls": len(next(iter(timed.values())).samples),
+        # expert functions: layer calls not bit-identical to the in-process ones; the wide baseline
+        # (2 threads round differently): generations that differ from the paired run's
+        "identical_outputs": {name: paired.mismatches[name] == 0 for name in timed},
+        "mismatches": paired.mismatches,
+        "tokens_per_s": {name: generated / (outside_moe_s + s) for name, s in moe_s.items()},
+        "moe_layer_ms": layer_ms,
+        "ratio_to_best_in_process": {name: {phase: ms[phase]["median"] / best["median"][phase] for phase in phases}
+                                     for name, ms in layer_ms.items()},
+        "ratio_to_best_in_process_p10": {name: {phase: ms[phase]["p10"] / best["p10"][phase] for phase in phases}
+                                         for name, ms in layer_ms.items()},
+        "breakdown_ms_per_layer": {t: _breakdown(remotes[t].times, gate_ms) for t in TRANSPORTS},
+        "tokens_moved_per_layer": remotes["local"].times.tokens_moved / max(remotes["local"].times.layers, 1),
+        "latency_model": fit,
+    }
+
+
+def _breakdown(t, gate_ms: float) -> dict[str, float]:
+    def per_call(seconds: float) -> float:  # ms per MoE-layer call
+        return 1e3 * seconds / max(t.layers, 1)
+
+    return {"gate": gate_ms, "scatter": per_call(t.scatter_s), "invoke": per_call(t.invoke_s),
+            "expert_compute": per_call(t.compute_s), "transfer_and_call": per_call(t.invoke_s - t.compute_s),
+            "gather": per_call(t.gather_s)}
+
+
+def _gate_seconds(moe, iterations) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for iteration in iterations:
+            for layer, record in enumerate(iteration):
+                moe.route(layer, record.gate_input)
+    return time.perf_counter() - start
+
+
+def print_report(result: dict[str, Any]) -> None:
+    fit = result["latency_model"]
+    print(f"model {result['model']} (E={result['experts']}, k={result['top_k']}, F={result['expert_ffn']}): "
+          f"{result['prompts']} prompts x {result['max_tokens']} new tokens, batch "
+          f"{result['batch']}, {result['hosts']} expert hosts x {result['threads_per_host']} thread(s); load average "
+          f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores")
+    print(f"{result['layer_calls']} MoE-layer calls; 'differ': calls whose output is not bit-identical to the 1-thread "
+          f"in-process one (for the wide baseline: generations that differ; 2 threads round differently)")
+    print(f"{'path':26s} {'tokens/s':>8s} {'differ':>6s}   MoE layer ms: median (ratio to the faster in-process) / "
+          f"10th percentile (ratio)")
+    for name, ms in result["moe_layer_ms"].items():
+        ratios, low = result["ratio_to_best_in_process"][name], result["ratio_to_best_in_process_p10"][name]
+        cells = "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p10']:.3f} "
+                          f"({low[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
+        print(f"{name:26s} {result['tokens_per_s'][name]:8.1f} {result['mismatches'][name]:6d}   {cells}")
+    for transport, br in result["breakdown_ms_per_layer"].items():
+        print(f"breakdown over {transport} (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
+    print(f"latency model ({fit['transport']}): alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), "
+          f"beta {fit['beta_s_per_token'] * 1e6:.3f} us/token moved (each way), call overhead "
+          f"{fit['call_overhead_s'] * 1e3:.3f} ms")

@@ -1,0 +1,355 @@
+"""One planner interface: plan(forecast [L, E], cluster, resident) -> Placement.
+
+Every policy, moeless's default, the paper-faithful pair, each baseline and each ablation, is
+a plan function `(forecast, cluster, previous, config) -> Placement`, selectable by name (see
+PLANNERS) or by a "module:function" string naming such a function. `get_planner` binds the
+config and returns a `Planner` called as planner(forecast, cluster, previous). `previous` is what
+is resident (every warm replica, whether the last plan used it or not), or None.
+
+Names (PLANNERS groups them and DEFAULT_PLANNER names the default): moeless (default: plans against the resident replicas and adds one only where its priced
+gain beats its cold start and memory) | paper | static | eplb | eplb-global | eplb-window | oracle,
+and ablations moeless-no-scaler (one replica per expert), moeless-no-placer (moeless's counts
+placed round-robin), moeless-cold (ignores what is resident), moeless-free-memory (memory unpriced),
+moeless-fill and moeless-greedy (earlier generations of moeless, kept as named baselines: the
+lowest per-GPU work level re-planned every iteration; the straggler scaler then the priced placer), paper-no-scaler, paper-no-placer, and
+both parts off together: moeless-no-scaler-no-placer, paper-no-scaler-no-placer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from moeless.placement.scaler import cv_below, greedy_scale, straggler_within, with_dead_band
+from moeless.placement.cluster import Cluster
+from moeless.placement.eplb import rebalance_experts
+from moeless.placement.latency_model import LatencyModel
+from moeless.placement.oracle import oracle_load
+from moeless.placement.placer import place_jsq_warm, place_round_robin
+from moeless.placement.fill_placer import HORIZON, place_fill
+from moeless.placement.priced_placer import place_priced
+from moeless.placement.resident_planner import MARGIN, ReplicaCost, place_resident
+from moeless.placement.types import LayerPlacement, Placement, PlacementError
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Knobs of all planners (each planner reads the ones it needs).
+
+    model: measured latency model (moeless prices replicas with it; its cold_start is one load from
+           the host memory tier);
+    cv_threshold: the paper's V; slack: moeless's straggler slack over the balanced GPU load;
+    dead_band: hysteresis added to the stopping rule before a layer's counts are re-planned;
+    min_replicas / max_replicas: per expert (max defaults to the GPU count);
+    horizon: iterations over which moeless counts a new replica's gain (and moeless-fill spreads a
+             new plan's cold starts); fill_placer.HORIZON = 30, about 1.5 s of serving;
+    prefetch_layers: d, layers a forecast looks ahead (a load started then hides d layer times);
+    keep_alive_s: how long an unused replica stays resident (memory a new replica holds at least);
+    gb_s_price: seconds of layer time one GB·s of replica memory is worth (0: memory is free; the
+                benches and the live loop set it: knob memoryPrice, by default
+                CostProfile.memory_neutral_price);
+    iteration_s: seconds one serving iteration takes (memory held over the horizon);
+    static_margin: the fraction of static EP's time (on the forecast) moeless must save before it
+                   leaves static EP's split (resident_planner.MARGIN);
+    eplb_replicas: EPLB's replicas per layer (default: the smallest multiple of G >= E);
+    eplb_groups / eplb_nodes: EPLB's expert groups and nodes (hierarchical packing);
+    eplb_window / eplb_period: "eplb-window" re-plans every period iterations from the loads of
+    the last window iterations (DeepSeek's usage; never the current iteration's loads).
+    """
+
+    model: LatencyModel | None = None
+    cv_threshold: float = 0.2
+    slack: float = 0.0
+    dead_band: float = 0.0
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    horizon: float = HORIZON
+    prefetch_layers: int = 1
+    keep_alive_s: float = 60.0
+    gb_s_price: float = 0.0
+    iteration_s: float = 0.05
+    static_margin: float = MARGIN
+    eplb_replicas: int | None = None
+    eplb_groups: int = 1
+    eplb_nodes: int = 1
+    eplb_window: int = 10
+    eplb_period: int = 10
+
+
+PlanFn = Callable[[np.ndarray, Cluster, "Placement | None", PlannerConfig], Placement]
+# A scaler for one layer: (load [E], previous logcnt [E] or None, budget, G) -> logcnt [E].
+LayerScaler = Callable[[np.ndarray, "np.ndarray | None", "int | None", int], np.ndarray]
+# A placer for one layer: (load [E], logcnt [E], free slots [G], previous layer, budget) -> (layer, free slots [G]).
+LayerPlacer = Callable[[np.ndarray, np.ndarray, np.ndarray, "LayerPlacement | None", "int | None"], tuple[LayerPlacement, np.ndarray]]
+# A whole plan of one layer: (load [E], free slots [G], previous layer, budget) -> (layer, free slots [G]).
+LayerPlan = Callable[[np.ndarray, np.ndarray, "LayerPlacement | None", "int | None"], tuple[LayerPlacement, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Planner:
+    """A plan function bound to its config. lossy_load, set only for the Oracle, is the load
+    rewrite ([..., E] -> [..., E]) its placement must be evaluated on."""
+
+    name: str
+    plan_fn: PlanFn
+    config: PlannerConfig
+    lossy_load: Callable[[np.ndarray], np.ndarray] | None = None
+
+    def __call__(self, forecast: np.ndarray, cluster: Cluster, previous: Placement | None = None) -> Placement:
+        return self.plan_fn(check_forecast(forecast), cluster, previous, self.config)
+
+    @property
+    def relevels(self) -> bool:
+        """Whether the data plane re-levels this planner's shares on each layer's actual loads."""
+        return relevels(self.name)
+
+
+def relevels(planner_name: str) -> bool:
+    """Whether serving replicas re-level shares over the published replicas on each layer's actual
+    loads: moeless's planners plan the resident set and leave the shares to the data plane; the
+    baselines (static EP, EPLB, the paper, the Oracle) keep their own shares."""
+    return planner_name.startswith("moeless")
+
+
+def check_forecast(forecast: np.ndarray) -> np.ndarray:
+    """forecast: [L, E] non-negative finite token counts, as float64."""
+    forecast = np.asarray(forecast, dtype=np.float64)
+    if forecast.ndim != 2 or 0 in forecast.shape:
+        raise ValueError(f"a forecast must be [L, E] with L, E >= 1; got shape {forecast.shape}")
+    if not np.isfinite(forecast).all() or (forecast < 0).any():
+        raise ValueError("forecast loads must be finite, non-negative token counts")
+    return forecast
+
+
+def plan_layers(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, plan_layer: LayerPlan) -> Placement:
+    """Plan every layer in turn; later layers get the memory earlier ones left.
+
+    forecast: [L, E]; previous: the placement now resident (its replicas are warm), or None.
+    """
+    num_layers, num_experts = forecast.shape
+    cluster.check_fits(num_layers, num_experts)
+    if previous is not None and (previous.num_layers, previous.num_experts) != (num_layers, num_experts):
+        raise PlacementError(
+            f"previous placement is {previous.num_layers} x {previous.num_experts}, the forecast {num_layers} x {num_experts}"
+        )
+    free = cluster.slots()
+    cap = cluster.layer_replica_cap()
+    layers = []
+    for l in range(num_layers):
+        # 1. The layer's budget: its memory cap, keeping a slot for every later layer's experts.
+        budget = int(free.sum()) - num_experts * (num_layers - l - 1)
+        budget = budget if cap is None else min(budget, cap)
+        before = previous.layers[l] if previous is not None else None
+        # 2. Replica counts, their GPUs and shares.
+        layer, free = plan_layer(forecast[l], free, before, budget)
+        layers.append(layer)
+    return Placement(tuple(layers), num_experts, cluster.num_gpus)
+
+
+def _scaler(kind: str, config: PlannerConfig) -> LayerScaler:
+    """"straggler" (moeless-greedy), "cv" (paper) or "off" (one replica per expert)."""
+
+    def scale(load: np.ndarray, previous: np.ndarray | None, budget: int | None, num_gpus: int) -> np.ndarray:
+        if kind == "off":
+            return np.ones(load.shape[0], dtype=np.int64)
+        if kind == "straggler":
+            call = config.model.call_tokens if config.model is not None else 0.0
+            strict = straggler_within(num_gpus, config.slack, call)
+            relaxed = straggler_within(num_gpus, config.slack + config.dead_band, call)
+        else:
+            strict, relaxed = cv_below(config.cv_threshold), cv_below(config.cv_threshold + config.dead_band)
+        limit = config.max_replicas or num_gpus
+
+        def fresh(w: np.ndarray) -> np.ndarray:
+            return greedy_scale(w, budget, strict, config.min_replicas, limit)
+
+        if config.dead_band > 0:
+            return with_dead_band(fresh, relaxed, budget)(load, previous)
+        return fresh(load)
+
+    return scale
+
+
+def _placer(kind: str, config: PlannerConfig) -> LayerPlacer:
+    """"priced" (moeless-greedy), "warm" (paper's JSQ with warm reuse) or "off" (round-robin)."""
+    if kind == "priced" and config.model is None:
+        raise ValueError("moeless's placer needs a latency model: PlannerConfig(model=LatencyModel(...))")
+
+    def place(load, logcnt, free, before, budget):
+        if kind == "priced":
+            layer, free, _ = place_priced(load, logcnt, free, before, config.model, config.horizon, budget)
+            return layer, free
+        if kind == "warm":
+            return place_jsq_warm(load, logcnt, free, before)
+        return place_round_robin(load, logcnt, free)
+
+    return place
+
+
+def _layered(scaler: str, placer: str) -> PlanFn:
+    """A scaler (replica counts), then a placer (their GPUs and shares), layer by layer."""
+
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        scale, place = _scaler(scaler, config), _placer(placer, config)
+
+        def plan_layer(load, free, before, budget):
+            logcnt = scale(load, None if before is None else before.logcnt(load.shape[0]), budget, cluster.num_gpus)
+            # with the scaler off the placer gets no budget for extra replicas either
+            return place(load, logcnt, free, before, None if scaler == "off" else budget)
+
+        return plan_layers(forecast, cluster, previous, plan_layer)
+
+    return plan
+
+
+def _filled(split: bool = True, warm: bool = True) -> PlanFn:
+    """moeless-fill: the lowest work level every GPU fits under decides counts and GPUs together
+    (placement/fill_placer.py), re-planned every iteration with its cold starts spread over the horizon."""
+
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        if config.model is None:
+            raise ValueError("moeless's planner needs a latency model: PlannerConfig(model=LatencyModel(...))")
+
+        def plan_layer(load, free, before, budget):
+            layer, left, _ = place_fill(load, free, before, config.model, config.horizon, budget, split, warm)
+            return layer, left
+
+        return plan_layers(forecast, cluster, previous, plan_layer)
+
+    return plan
+
+
+def _resident(additions: bool = True, warm: bool = True, placer: str = "resident", price_memory: bool = True) -> PlanFn:
+    """moeless: the resident replicas re-levelled, a replica added only where it pays
+    (placement/resident_planner.py). additions=False: one replica per expert (scaler off);
+    warm=False: ignores what is resident; placer="off": its counts placed round-robin;
+    price_memory=False: memory is free."""
+
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        if config.model is None:
+            raise ValueError("moeless's planner needs a latency model: PlannerConfig(model=LatencyModel(...))")
+        # Layer l's loads can start at most l layers ahead (the iteration's first layer hides nothing).
+        costs = iter([ReplicaCost(config.model, min(config.prefetch_layers, l), cluster.expert_bytes, config.keep_alive_s,
+                                  config.gb_s_price if price_memory else 0.0, config.horizon, config.iteration_s)
+                      for l in range(forecast.shape[0])])
+
+        def plan_layer(load, free, before, budget):
+            layer, left, _ = place_resident(load, free, before if warm else None, next(costs),
+                                            budget if additions else load.shape[0], config.static_margin)
+            if placer == "off":
+                return place_round_robin(load, layer.logcnt(load.shape[0]), free)
+            return layer, left
+
+        return plan_layers(forecast, cluster, previous, plan_layer)
+
+    return plan
+
+
+def plan_static(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+    """Static EP (Megatron-LM): one replica per expert in contiguous blocks; ignores loads."""
+    num_layers, num_experts = forecast.shape
+    placement = Placement.static(num_layers, num_experts, cluster.num_gpus)
+    _check_memory(placement, cluster)
+    return placement
+
+
+def _plan_eplb(global_only: bool) -> PlanFn:
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        """DeepSeek's EPLB on the forecast, with config.eplb_replicas replicas per layer."""
+        num_experts, num_gpus = forecast.shape[1], cluster.num_gpus
+        replicas = config.eplb_replicas or -(-num_experts // num_gpus) * num_gpus
+        groups, nodes = (1, 1) if global_only else (config.eplb_groups, config.eplb_nodes)
+        phy2log, _, _ = rebalance_experts(forecast, replicas, groups, nodes, num_gpus)
+        placement = Placement.from_eplb(phy2log, num_experts, num_gpus)
+        _check_memory(placement, cluster)
+        return placement
+
+    return plan
+
+
+def _plan_eplb_window() -> PlanFn:
+    """A fresh stateful EPLB that only sees past loads (one per Planner: it keeps a history and its plan)."""
+    history: deque[np.ndarray] = deque()
+    calls = [0]
+    last: list[Placement] = []
+    eplb = _plan_eplb(global_only=False)
+
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        """EPLB re-planned every eplb_period calls from the summed loads of the last eplb_window
+        calls; before any history it balances uniform loads. Between re-plans it keeps its own
+        last plan (what is resident may hold more)."""
+        due = calls[0] % config.eplb_period == 0 or not last
+        window = np.sum(history, axis=0) if history else np.ones_like(forecast)
+        calls[0] += 1
+        history.append(forecast)
+        while len(history) > config.eplb_window:
+            history.popleft()
+        if due:
+            last[:] = [eplb(window, cluster, previous, config)]
+        return last[0]
+
+    return plan
+
+
+def _check_memory(placement: Placement, cluster: Cluster) -> None:
+    held = np.zeros(cluster.num_gpus, dtype=np.int64)
+    for layer in placement.layers:
+        held += np.bincount(layer.gpu, minlength=cluster.num_gpus)
+    over = np.flatnonzero(held > cluster.slots())
+    if over.size:
+        raise PlacementError(f"GPUs {over.tolist()} cannot hold their replicas ({held[over].tolist()} > {cluster.slots()[over].tolist()} slots)")
+
+
+DEFAULT_PLANNER = "moeless"  # the knob's default everywhere (controller/knobs.py, `moeless plan`)
+
+# Every planner by name, in four groups: the default; the baselines it is measured against (the
+# paper's planner, static EP, EPLB, the lossy Oracle); earlier moeless generations, kept as named
+# baselines because docs/ compares with them (moeless-fill: re-plans every iteration by the lowest
+# per-GPU work level; moeless-greedy: the straggler scaler then the priced placer); and ablations.
+PLANNERS: dict[str, PlanFn] = {
+    DEFAULT_PLANNER: _resident(),
+    "paper": _layered("cv", "warm"),
+    "static": plan_static,
+    "eplb": _plan_eplb(global_only=False),
+    "eplb-global": _plan_eplb(global_only=True),
+    "oracle": plan_static,
+    "moeless-no-scaler": _resident(additions=False),
+    "moeless-no-placer": _resident(placer="off"),
+    "moeless-no-scaler-no-placer": _resident(additions=False, placer="off"),
+    "moeless-cold": _resident(warm=False),
+    "moeless-free-memory": _resident(price_memory=False),
+    "moeless-fill": _filled(),
+    "moeless-fill-no-scaler": _filled(split=False),
+    "moeless-fill-cold": _filled(warm=False),
+    "moeless-greedy": _layered("straggler", "priced"),
+    "paper-no-scaler": _layered("off", "warm"),
+    "paper-no-placer": _layered("cv", "off"),
+    "paper-no-scaler-no-placer": _layered("off", "off"),
+}
+
+
+# Planners with state: a fresh plan function per get_planner call.
+STATEFUL_PLANNERS: dict[str, Callable[[], PlanFn]] = {"eplb-window": _plan_eplb_window}
+
+
+def get_planner(spec: str, config: PlannerConfig | None = None) -> Planner:
+    """A planner by name (a key of PLANNERS or STATEFUL_PLANNERS) or "module:function" naming a PlanFn."""
+    config = config or PlannerConfig()
+    if spec in STATEFUL_PLANNERS:
+        return Planner(spec, STATEFUL_PLANNERS[spec](), config)
+    if spec in PLANNERS:
+        return Planner(spec, PLANNERS[spec], config, oracle_load if spec == "oracle" else None)
+    if ":" not in spec:
+        raise ValueError(f"unknown planner {spec!r}; use one of {sorted([*PLANNERS, *STATEFUL_PLANNERS])} or 'module:function'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot load planner {spec!r}: {err}") from err
+    if not callable(fn):
+        raise ValueError(f"planner {spec!r} is not callable; it must be (forecast, cluster, previous, config) -> Placement")
+    return Planner(spec, fn, config)

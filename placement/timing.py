@@ -1,0 +1,53 @@
+"""How long the data plane's own planning steps take on this machine: the re-level of one layer's
+shares on its actual loads and the check whether it pays. The live loop charges them (its
+calibration on a host) and so does the twin (the cost profile's relevel_s and relevel_check_s)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from moeless.placement.latency_model import LatencyModel
+from moeless.placement.resident_planner import actual_shares, relevel_layer
+from moeless.placement.types import LayerPlacement
+
+
+def fastest_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls after a warm-up: the cost on an unloaded machine (on this
+    shared CPU, medians swung 2-3x with other processes' load and once fitted a zero call overhead)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.min(times))
+
+
+def measure_relevel_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
+    """Seconds of one `relevel_layer` (what a serving replica runs per MoE-layer call when moeless
+    split an expert): static EP's E home replicas plus one more replica of each of the G busiest
+    experts, on the next GPU, under a skewed load of 64 tokens per expert. The fastest of repeats."""
+    load, layer = _split_layer(num_experts, num_gpus)
+    return fastest_seconds(lambda: relevel_layer(load, layer, model, num_gpus), repeats)
+
+
+def measure_relevel_check_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
+    """Seconds of one `actual_shares` that does not re-level (the check a serving replica runs on
+    every layer with a split expert, and the choice of shares it makes) on the layer
+    `measure_relevel_s` times. The fastest of repeats."""
+    load, layer = _split_layer(num_experts, num_gpus)
+    return fastest_seconds(lambda: actual_shares(load, layer, model, num_gpus, np.inf), repeats)
+
+
+def _split_layer(num_experts: int, num_gpus: int):
+    """(load [E], layer): static EP's E home replicas plus one more replica of each of the G
+    busiest experts, on the next GPU, under a skewed load of 64 tokens per expert."""
+    rng = np.random.default_rng(0)
+    load = rng.multinomial(64 * num_experts, rng.dirichlet(np.full(num_experts, 0.3)))
+    home = np.arange(num_experts) * num_gpus // num_experts
+    hot = np.argsort(-load, kind="stable")[:num_gpus] if num_gpus > 1 else np.zeros(0, dtype=np.int64)
+    return load, LayerPlacement.even(np.concatenate([np.arange(num_experts), hot]),
+                                     np.concatenate([home, (home[hot] + 1) % num_gpus]), num_experts)

@@ -1,0 +1,112 @@
+"""What a serving app serves and how: the ServeConfig, the model it serves, and the config built
+from Ray Serve's application args (a RayService's import path, `app.app_from_args`), its hosts
+read by controller/pool/sources.py (a fixed list, or a pool followed while serving)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from moeless.controller.knobs import KnobError, Knobs
+from moeless.controller.planning.actor import LOOP_NAME
+from moeless.controller.planning.board import BOARD_NAME
+from moeless.controller.pool.addresses import HOSTS_ENV
+from moeless.controller.pool.sources import StaticSource, pool_source
+from moeless.model.default import default_model
+from moeless.model.hf_loader import load_moe_model
+from moeless.model.tiny import tiny_model
+from moeless.placement.types import Placement
+from moeless.serving.scheduler import BatchLimits
+
+BATCHING = ("continuous", "static")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the app serves and how. model_loader must be picklable (a function or partial)."""
+
+    model_name: str
+    model_loader: Callable[[], Any]  # () -> MoEModel, called once per ModelServer replica
+    host_addresses: tuple[str, ...]  # fixed hosts (ignored with `pool`)
+    placement: Placement | None = None  # default: static, one replica per expert
+    num_replicas: int = 1
+    replica_cpus: float = 0.5
+    ingress_cpus: float = 0.25
+    torch_threads: int = 1
+    batching: str = "continuous"  # or "static" (the baseline)
+    limits: BatchLimits = BatchLimits()  # continuous batching's caps
+    max_batch: int = 8  # static batching: requests decoded as one batch
+    batch_wait_s: float = 0.02  # static batching: how long a batch waits to fill
+    host_timeout_s: float = 30.0
+    transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else gRPC
+    placement_board: str | None = None  # follow placements published under this name (placement_board.py)
+    drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)
+    # The live loop (serving/live.py, plan_loop.py): the knobs, the loop actor's name (None: no loop,
+    # the placement stays static), a cost profile (None: the loop measures one on an expert host),
+    # a gate-replica predictor file (None: the cache's for this model), other LoopSettings fields.
+    knobs: Any = None  # moeless.controller.knobs.Knobs
+    plan_loop: str | None = None
+    profile: Any = None  # moeless.placement.profile.CostProfile
+    predictor_file: str | None = None
+    loop: tuple = ()  # (field, value) pairs of LoopSettings, e.g. (("period_s", 0.1),)
+    # The expert-host pool followed while serving (controller/pool/sources.py: a PoolSource, e.g. the
+    # policy's pods on Kubernetes); None: host_addresses, fixed. Read every pool_period_s.
+    pool: Any = None
+    pool_period_s: float = 1.0
+
+    @property
+    def pool_source(self):
+        """The PoolSource the app follows (host_addresses as a fixed one when `pool` is unset)."""
+        return self.pool if self.pool is not None else StaticSource(tuple(self.host_addresses))
+
+    def __post_init__(self):
+        if self.batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {self.batching!r}")
+        if self.plan_loop and not (self.knobs and self.placement_board):
+            raise ValueError("the live loop (plan_loop) needs knobs and a placement_board to publish on")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """A served model: the name clients send and a picklable loader () -> MoEModel; first_load is
+    the driver's own load where it differs (the default model's first build shows its progress)."""
+
+    name: str
+    loader: Callable[[], Any]
+    first_load: Callable[[], Any] | None = None
+
+
+def choose_model(model: str) -> ModelChoice:
+    """"default" (the converted SmolLM2), "tiny:ARCH" (a random test model) or a model directory."""
+    if model == "default":
+        return ModelChoice("moeless-default", default_model, functools.partial(default_model, progress=True))
+    if model.startswith("tiny:"):
+        return ModelChoice(f"tiny-{model[5:]}", functools.partial(tiny_model, model[5:], 0))
+    path = Path(model)
+    if not path.is_dir():
+        raise SystemExit(f"--model {model!r}: not 'default', 'tiny:ARCH' or a model directory")
+    return ModelChoice(path.name, functools.partial(load_moe_model, str(path.resolve())))
+
+
+def config_from_args(args: Mapping[str, Any]):
+    """A ServeConfig from Ray Serve's application args: {"config": knobs YAML file (optional),
+    "model": "default" | "tiny:ARCH" | DIR (default "default"), "hosts": "host:port,..." or a pool
+    such as "k8s://NS/POLICY:PORT?slots=N" (default: $MOELESS_EXPERT_HOSTS; controller/pool/sources.py),
+    "replicas": serving replicas (default 1)}; the loop runs as in
+    `moeless serve`. Raises KnobError for a bad value (the message names it)."""
+    unknown = sorted(set(args) - {"config", "model", "hosts", "replicas"})
+    if unknown:
+        raise KnobError(f"application args: unknown key {unknown[0]!r}; known: config, model, hosts, replicas")
+    knobs = Knobs.from_yaml(args["config"]) if args.get("config") else Knobs()
+    hosts = args.get("hosts") or os.environ.get(HOSTS_ENV)
+    if not hosts:
+        raise KnobError(f"no expert hosts: pass args.hosts or set {HOSTS_ENV} (host:port[,host:port...])")
+    choice = choose_model(str(args.get("model", "default")))
+    source = pool_source(str(hosts))
+    fixed = isinstance(source, StaticSource)
+    return ServeConfig(choice.name, choice.loader, source.addresses if fixed else (), pool=None if fixed else source,
+                       num_replicas=int(args.get("replicas", 1)), placement_board=BOARD_NAME, knobs=knobs,
+                       plan_loop=LOOP_NAME)

@@ -1,0 +1,99 @@
+"""The layers of pyproject.toml's import contracts hold, checked by import-linter over the installed
+`moeless.*` names, and a deliberate violation breaks them.
+
+import-linter walks the root package's folder, but moeless's subpackages live in other folders
+(pyproject's package-dir), so each check builds a tree `moeless/` of links to them first and runs
+`lint-imports` from outside the checkout (from inside it, the checkout's own `moeless/` folder
+would shadow the tree).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def package_tree(dest: Path, real: dict[str, dict[str, str]] | None = None) -> Path:
+    """dest/moeless: links to every folder of [tool.setuptools.package-dir], nested as the names are.
+    real: {package: {file name: source}} makes that package's folder a real one (links to its files)
+    with extra files added: how a test plants a violation."""
+    dirs = PYPROJECT["tool"]["setuptools"]["package-dir"]
+    top = dest / "moeless"
+    top.mkdir(parents=True)
+    for entry in (ROOT / dirs["moeless"]).iterdir():
+        if entry.name != "__pycache__":
+            (top / entry.name).symlink_to(entry)
+    for name, folder in sorted(dirs.items()):
+        parts = name.split(".")[1:]
+        if len(parts) != 1 or (top / parts[0]).exists():
+            continue  # nested packages come with their parent's folder; moeless/core etc. with moeless/
+        target = top / parts[0]
+        if real and name in real:
+            target.mkdir()
+            for entry in (ROOT / folder).iterdir():
+                if entry.name != "__pycache__":
+                    (target / entry.name).symlink_to(entry)
+            for file, source in real[name].items():
+                (target / file).write_text(source)
+        else:
+            target.symlink_to(ROOT / folder)
+    return dest
+
+
+def lint_imports(tree: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", str(ROOT / "pyproject.toml")], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_every_package_is_in_a_layer():
+    layers = next(c for c in PYPROJECT["tool"]["importlinter"]["contracts"] if c["id"] == "layers")["layers"]
+    layered = {name.strip() for layer in layers for name in layer.split("|")}
+    for package in PYPROJECT["tool"]["setuptools"]["packages"]:
+        if package == "moeless":
+            continue
+        assert any(package == name or package.startswith(name + ".") for name in layered), \
+            f"{package} is in no layer of pyproject's import contracts"
+
+
+def test_the_import_contracts_hold(tmp_path: Path):
+    result = lint_imports(package_tree(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    contracts = len(PYPROJECT["tool"]["importlinter"]["contracts"])
+    assert f"Contracts: {contracts} kept, 0 broken." in result.stdout
+
+
+@pytest.mark.parametrize("package, broken", [
+    # A pure policy that reaches up into serving: against the layers.
+    ("moeless.placement", "moeless.placement is not allowed to import moeless.serving"),
+    # Serving and the twin sit side by side: neither imports the other.
+    ("moeless.twin", "moeless.twin is not allowed to import moeless.serving"),
+])
+def test_a_violation_breaks_the_layers(tmp_path: Path, package: str, broken: str):
+    tree = package_tree(tmp_path, {package: {"violation.py": "from moeless.serving import scatter\n"}})
+    result = lint_imports(tree)
+    assert result.returncode != 0, result.stdout
+    assert broken in result.stdout and f"{package}.violation -> moeless.serving.scatter" in result.stdout
+
+
+def test_a_pure_rule_that_imports_ray_breaks_its_contract(tmp_path: Path):
+    tree = package_tree(tmp_path, {"moeless.controller": {}})
+    planning = tree / "moeless" / "controller" / "planning"
+    planning.unlink()
+    planning.mkdir()
+    for entry in (ROOT / "controller" / "planning").iterdir():
+        if entry.name not in ("__pycache__", "rules.py"):
+            (planning / entry.name).symlink_to(entry)
+    (planning / "rules.py").write_text("import ray\n" + (ROOT / "controller" / "planning" / "rules.py").read_text())
+    result = lint_imports(tree)
+    assert result.returncode != 0, result.stdout
+    assert "moeless.controller.planning.rules is not allowed to import ray" in result.stdout
