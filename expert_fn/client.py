@@ -5,18 +5,20 @@
     client.evict(layer, expert)                   # True if evicted now
     out = client.invoke(layer, {expert: x, ...})  # x: [n, H] float32 -> out[expert]: [n, H]
     client.invoke_detailed(layer, {...})          # InvokeResult: outputs, cold_starts, compute_s
-    pending = client.submit(layer, experts, counts, x, rows)   # packed, asynchronous (the serving path)
-    pending.result()                              # PackedResult: y [n, H], cold_starts, compute_s
+    pending = client.submit(call, x)              # a routed call (routed.py), asynchronous: the serving path
+    pending.result()                              # RoutedResult: z [n_out, H], cold_starts, compute_s
     client.status()                               # dict: host facts, replicas, meters
     client.health()                               # {"state": "serving", "ready": True}
     client.close()
 
 One invoke is one call for all the experts of a layer that this host serves; a replica not
-resident is loaded on demand (a cold start, counted by the host). `submit` sends the tokens of
-all experts as one packed tensor (expert_fn/packed.py) and returns at once; with transport
-"auto" (the default) it goes through the host's shared-memory local channel when the host runs
-on this machine (local_channel.py, about a tenth of gRPC's per-call cost) and through gRPC
-otherwise; "grpc" and "local" force one. Control calls (load, evict, status, health) are gRPC.
+resident is loaded on demand (a cold start, counted by the host). `submit` sends one routed
+call (routed.py: each token once, in its own dtype, with its experts and gate weights) and
+returns at once. The transport, from the host's offer (its LocalChannel RPC): "auto" (the
+default) takes the shared-memory local channel when the host runs on this machine
+(local_channel.py), else its TCP channel (tcp_channel.py: one connection, preallocated buffers,
+the path between pods), else gRPC's InvokeRouted; "local", "tcp" and "grpc" force one (a pod
+path measured on one machine is "tcp"). Control calls (load, evict, status, health) are gRPC.
 Errors:
 - ExpertHostUnavailable: the host is dead, unreachable, draining or too slow (gRPC
   UNAVAILABLE, DEADLINE_EXCEEDED, ...): the caller should route to another replica.
@@ -28,8 +30,6 @@ second (reconnect backoff 0.1-1 s); calls until then raise ExpertHostUnavailable
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import grpc
 import torch
 
@@ -40,8 +40,6 @@ from moeless.expert_fn.codec import (
     InvokeResult,
     batches_from_proto,
     put_batches,
-    put_tensor,
-    tensor_from_proto,
 )
 from moeless.expert_fn.errors import (
     ERROR_KEY,
@@ -51,9 +49,10 @@ from moeless.expert_fn.errors import (
     ReplicaLoadError,  # noqa: F401 (re-exported: callers catch it from here)
 )
 from moeless.expert_fn.local_channel import LocalChannel
-from moeless.expert_fn.packed import PackedResult, Pending
+from moeless.expert_fn.routed import Pending, RoutedCall, RoutedResult, decode_reply_head, encode_call, split_error
+from moeless.expert_fn.tcp_channel import TcpChannel
 
-TRANSPORTS = ("auto", "grpc", "local")
+TRANSPORTS = ("auto", "local", "tcp", "grpc")
 
 # Codes that mean "this host cannot answer", whatever the call was.
 UNAVAILABLE_CODES = {
@@ -89,9 +88,10 @@ class ExpertHostClient:
         self.transport = transport
         self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.ExpertHostStub(self._channel)
-        # The local channel: None = not tried since the last failure, False = this host has none
-        # reachable from here (another machine), else the open channel.
-        self._local: LocalChannel | bool | None = False if transport == "grpc" else None
+        # The data channel: None = not asked since the last failure, False = gRPC (the host offers
+        # nothing this transport takes), else the open local or TCP channel.
+        self._channel_now: LocalChannel | TcpChannel | bool | None = None
+        self._calls = 0
 
     def _call(self, method, request):
         try:
@@ -124,42 +124,63 @@ class ExpertHostClient:
         reply = self._call(self._stub.Invoke, request)
         return InvokeResult(batches_from_proto(reply.outputs), reply.cold_starts, reply.compute_s)
 
-    def submit(self, layer: int, experts: Sequence[int], counts: Sequence[int], x: torch.Tensor,
-               rows: torch.Tensor) -> Pending:
-        """Start a packed call with the rows x[rows] (x: [T, H] float32, rows: [n] long, expert-major:
-        counts[i] rows for experts[i]); pending.result() -> PackedResult (y: [n, H])."""
-        local = self._local_channel()
-        if local is not None:
-            return local.submit(layer, experts, counts, x, rows)
-        request = pb.PackedRequest(layer=layer, experts=experts, counts=counts)
-        put_tensor(request.x, x.index_select(0, rows))
-        return _GrpcPending(self._stub.InvokePacked.future(request, timeout=self.timeout_s), self.address)
+    def submit(self, call: RoutedCall, x: torch.Tensor) -> Pending:
+        """Start a routed call on the rows x[call.tokens] (x: [T, H] contiguous, in the dtype the
+        tokens travel in); pending.result() -> RoutedResult (z: [n_out, H])."""
+        channel = self._data_channel()
+        if channel is not None:
+            return channel.submit(call, x)
+        self._calls += 1
+        request = pb.RoutedFrame(frame=bytes(encode_call(self._calls, call, x)))
+        return _GrpcPending(self._stub.InvokeRouted.future(request, timeout=self.timeout_s), self.address)
+
+    @property
+    def path(self) -> str:
+        """The data path calls take now: "local", "tcp" or "grpc"."""
+        if isinstance(self._channel_now, LocalChannel) and not self._channel_now.broken:
+            return "local"
+        if isinstance(self._channel_now, TcpChannel) and not self._channel_now.broken:
+            return "tcp"
+        return "grpc"
 
     @property
     def uses_local_channel(self) -> bool:
-        return isinstance(self._local, LocalChannel) and not self._local.broken
+        return self.path == "local"
 
-    def _local_channel(self) -> LocalChannel | None:
-        """The open local channel, opening one if the host offers it and shares this machine."""
-        if isinstance(self._local, LocalChannel) and self._local.broken:
-            self._local = None  # the host died or restarted: ask it again
-        if self._local is None:
+    def _data_channel(self) -> LocalChannel | TcpChannel | None:
+        """The open local or TCP channel, opening one from the host's offer; None: gRPC."""
+        if isinstance(self._channel_now, (LocalChannel, TcpChannel)) and self._channel_now.broken:
+            self._channel_now = None  # the host died or restarted: ask it again
+        if self._channel_now is None:
+            self._channel_now = self._open_channel()
+        return self._channel_now or None
+
+    def _open_channel(self) -> LocalChannel | TcpChannel | bool:
+        """What this client's transport takes of the host's offer; False: gRPC."""
+        if self.transport == "grpc":
+            return False
+        try:
+            offer = self._call(self._stub.LocalChannel, pb.LocalChannelRequest())
+            socket_name, tcp_port = offer.socket, offer.tcp_port
+        except ExpertHostUnavailable:
+            raise
+        except ExpertHostError:  # a host that predates the offer (UNIMPLEMENTED)
+            socket_name, tcp_port = "", 0
+        if self.transport in ("auto", "local") and socket_name:
             try:
-                name = self._call(self._stub.LocalChannel, pb.LocalChannelRequest()).socket
-            except ExpertHostUnavailable:
-                raise
-            except ExpertHostError:  # a host that predates the local channel (UNIMPLEMENTED)
-                name = ""
-            try:
-                self._local = LocalChannel(name, timeout_s=self.timeout_s) if name else False
+                return LocalChannel(socket_name, timeout_s=self.timeout_s)
             except ExpertHostUnavailable:
                 if self.transport == "local":
-                    raise
-                self._local = False  # the host answered but its socket is not here: another machine
-        if self._local is False and self.transport == "local":
+                    raise  # the host answered but its socket is not here: another machine
+        if self.transport == "local":
             raise ExpertHostError(f"expert host {self.address} offers no local channel reachable from here; "
-                                  "use transport 'auto' or 'grpc'")
-        return self._local or None
+                                  "use transport 'auto', 'tcp' or 'grpc'")
+        if tcp_port:
+            host = self.address.rpartition(":")[0]
+            return TcpChannel(f"{host}:{tcp_port}", timeout_s=self.timeout_s)
+        if self.transport == "tcp":
+            raise ExpertHostError(f"expert host {self.address} offers no TCP channel; use transport 'auto' or 'grpc'")
+        return False
 
     def status(self) -> dict:
         """{"device", "memory_bytes", "keep_alive_s", "health", "inflight", "replicas": [...],
@@ -177,8 +198,8 @@ class ExpertHostClient:
         return {"state": reply.state, "ready": reply.ready}
 
     def close(self) -> None:
-        if isinstance(self._local, LocalChannel):
-            self._local.close()
+        if isinstance(self._channel_now, (LocalChannel, TcpChannel)):
+            self._channel_now.close()
         self._channel.close()
 
     def __enter__(self) -> "ExpertHostClient":
@@ -189,14 +210,22 @@ class ExpertHostClient:
 
 
 class _GrpcPending:
-    """An InvokePacked call in flight."""
+    """An InvokeRouted call in flight."""
 
     def __init__(self, future, address: str):
         self._future, self._address = future, address
 
-    def result(self) -> PackedResult:
+    def result(self) -> RoutedResult:
         try:
             reply = self._future.result()
         except grpc.RpcError as err:
             raise _translate(err, self._address) from None
-        return PackedResult(tensor_from_proto(reply.y), reply.cold_starts, reply.compute_s)
+        data = bytearray(reply.frame)
+        head = decode_reply_head(data)
+        body = memoryview(data)[len(data) - head.body_bytes:]
+        if not head.ok:
+            kind, message = split_error(bytes(body))
+            raise ERRORS_BY_KIND.get(kind, ExpertHostError)(message)
+        z = torch.frombuffer(body, dtype=head.dtype).view(head.n_out, head.hidden) if head.n_out * head.hidden \
+            else torch.empty(head.n_out, head.hidden, dtype=head.dtype)
+        return RoutedResult(z, head.cold_starts, head.compute_s)

@@ -59,10 +59,10 @@ class ExpertHostStub:
                 request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthRequest.SerializeToString,
                 response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthReply.FromString,
                 _registered_method=True)
-        self.InvokePacked = channel.unary_unary(
-                '/moeless.expert_fn.ExpertHost/InvokePacked',
-                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.PackedRequest.SerializeToString,
-                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.PackedReply.FromString,
+        self.InvokeRouted = channel.unary_unary(
+                '/moeless.expert_fn.ExpertHost/InvokeRouted',
+                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.FromString,
                 _registered_method=True)
         self.LocalChannel = channel.unary_unary(
                 '/moeless.expert_fn.ExpertHost/LocalChannel',
@@ -109,15 +109,17 @@ class ExpertHostServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def InvokePacked(self, request, context):
-        """Invoke with one tensor for all experts (rows expert-major): what the serving path sends.
+    def InvokeRouted(self, request, context):
+        """A routed call (expert_fn/routed.py: each token once, its pairs expert-major), the frame as
+        bytes: the serving path's data plane where neither the local nor the TCP channel is offered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LocalChannel(self, request, context):
-        """The host's shared-memory channel for clients on the same machine (local_channel.py).
+        """The host's data-plane offer: its shared-memory channel for clients on the same machine
+        (local_channel.py) and its TCP channel's port (tcp_server.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,10 +153,10 @@ def add_ExpertHostServicer_to_server(servicer, server):
                     request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthRequest.FromString,
                     response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthReply.SerializeToString,
             ),
-            'InvokePacked': grpc.unary_unary_rpc_method_handler(
-                    servicer.InvokePacked,
-                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.PackedRequest.FromString,
-                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.PackedReply.SerializeToString,
+            'InvokeRouted': grpc.unary_unary_rpc_method_handler(
+                    servicer.InvokeRouted,
+                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.SerializeToString,
             ),
             'LocalChannel': grpc.unary_unary_rpc_method_handler(
                     servicer.LocalChannel,
@@ -308,7 +310,7 @@ class ExpertHost:
             _registered_method=True)
 
     @staticmethod
-    def InvokePacked(request,
+    def InvokeRouted(request,
             target,
             options=(),
             channel_credentials=None,
@@ -321,9 +323,9 @@ class ExpertHost:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/moeless.expert_fn.ExpertHost/InvokePacked',
-            moeless_dot_expert__fn_dot_expert__host__pb2.PackedRequest.SerializeToString,
-            moeless_dot_expert__fn_dot_expert__host__pb2.PackedReply.FromString,
+            '/moeless.expert_fn.ExpertHost/InvokeRouted',
+            moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.SerializeToString,
+            moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.FromString,
             options,
             channel_credentials,
             insecure,

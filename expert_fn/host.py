@@ -2,9 +2,11 @@
 (the same as `moeless expert-host`).
 
 It serves the ExpertHost gRPC API on --bind:--port (0 picks a free port), the shared-memory
-local channel for clients on the same machine (unless --no-local-channel) and, with
+local channel for clients on the same machine (unless --no-local-channel), the TCP channel for
+clients on other machines on --bind:--tcp-port (unless --no-tcp-channel; the host offers both
+over gRPC) and, with
 --metrics-port, /metrics, /healthz and /readyz over HTTP. Once listening it prints one JSON line
-to stdout, {"event": "ready", "port": ..., "metrics_port": ...}, which the launcher waits for.
+to stdout, {"event": "ready", "port": ..., "tcp_port": ..., "metrics_port": ...}, which the launcher waits for.
 SIGTERM (or SIGINT) drains gracefully: readiness turns false, new calls are refused, calls in
 flight finish (up to --drain-s), then the process exits 0. With --exit-with-parent it also
 drains and exits when its parent process is gone (a launcher killed without cleaning up
@@ -46,21 +48,25 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, wait this long for calls in flight (default 30)")
     add("--no-local-channel", action="store_true",
         help="offer no shared-memory channel to clients on this machine (gRPC only)")
+    add("--tcp-port", type=int, default=0, metavar="P",
+        help="the TCP channel's port, the data plane between machines (default 0: a free one, offered over gRPC)")
+    add("--no-tcp-channel", action="store_true", help="offer no TCP channel (data calls then take gRPC or shared memory)")
     add("--exit-with-parent", action="store_true", help="drain and exit when the parent process is gone")
     add_tier_arguments(parser)
 
 def serve(args: argparse.Namespace) -> int:
     """Run one host until SIGTERM/SIGINT; returns the exit status."""
-    # heavy: kept off --help's start-up path (grpc, protobuf, prometheus_client)
+    # heavy (grpc, protobuf, prometheus_client): kept off --help's start-up path
     import grpc
     import torch
 
-    # heavy (grpc, protobuf, prometheus_client): kept off --help's start-up path
+    # heavy, as above: the gRPC service and its endpoints
     from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
     from moeless.expert_fn.codec import CHANNEL_OPTIONS
     from moeless.expert_fn.http_endpoints import start_http_endpoints
     from moeless.expert_fn.runtime import ExpertHostRuntime
     from moeless.expert_fn.servicer import ExpertHostServicer
+    from moeless.expert_fn.tcp_server import TcpServer
 
     parent = os.getppid()  # before the ready line: the launcher is alive until it has read it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -94,7 +100,13 @@ def serve(args: argparse.Namespace) -> int:
                                   initargs=(args.threads,))
     server = grpc.server(handlers, options=CHANNEL_OPTIONS)
     local = None if args.no_local_channel else LocalChannelServer(runtime, threads=args.threads)
-    pb_grpc.add_ExpertHostServicer_to_server(ExpertHostServicer(runtime, local.name if local else ""), server)
+    try:
+        tcp = None if args.no_tcp_channel else TcpServer(runtime, args.bind, args.tcp_port, threads=args.threads)
+    except OSError as err:
+        print(f"expert-host: cannot listen on {args.bind}:{args.tcp_port} ({err}); pick another --tcp-port", file=sys.stderr)
+        return 2
+    servicer = ExpertHostServicer(runtime, local.name if local else "", tcp.port if tcp else 0)
+    pb_grpc.add_ExpertHostServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{args.bind}:{args.port}")
     if port == 0:
         print(f"expert-host: cannot listen on {args.bind}:{args.port} (in use?); pick another --port", file=sys.stderr)
@@ -106,7 +118,8 @@ def serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    ready = {"event": "ready", "port": port, "metrics_port": http.server_port if http else None, "device": device.torch_device}
+    ready = {"event": "ready", "port": port, "tcp_port": tcp.port if tcp else None,
+             "metrics_port": http.server_port if http else None, "device": device.torch_device}
     print(json.dumps(ready), flush=True)
     log.info("serving %s on %s:%d (%s, %.2f GB for replicas, keep-alive %.1f s)",
              args.store, args.bind, port, device.name, capacity / 1e9, args.keep_alive_s)
@@ -121,8 +134,9 @@ def serve(args: argparse.Namespace) -> int:
     runtime.health = "draining"
     log.info("draining (up to %.1f s)", args.drain_s)
     stopped = server.stop(grace=args.drain_s)
-    if local:
-        local.close(args.drain_s)
+    for channel in (local, tcp):
+        if channel:
+            channel.close(args.drain_s)
     stopped.wait()
     runtime.close()
     if http:

@@ -1,14 +1,21 @@
-"""The client side of the local channel (see local_channel_server.py): packed calls through shared memory.
+"""The client side of the local channel (see local_channel_server.py): routed calls through shared memory.
 
     channel = LocalChannel(socket_name, timeout_s=30)   # from the host's LocalChannel RPC
-    pending = channel.submit(layer, experts, counts, x, rows)   # x[rows] written into shared memory
-    result = pending.result()   # PackedResult; result.y is a view of shared memory
+    pending = channel.submit(call, x)   # the frame: head, lists, x[call.tokens], written into shared memory
+    result = pending.result()           # RoutedResult; result.z is a view of shared memory
 
-The buffer is a memfd handed to the host over the socket (SCM_RIGHTS), so nothing is left in
-/dev/shm when either side dies, and it only works where the host truly shares this machine.
-One call at a time per channel (a lock spans submit .. result); y stays valid until the next
+The shared buffer holds the whole routed call's frame (expert_fn/routed.py) at offset 0, each
+token's row once, copied from x straight into it (one index_select) in x's dtype; the host
+writes z [n_out, H] in that dtype after it, at the frame's size rounded up to 64 bytes. Only a
+tiny control message crosses the socket each way (CALL; routed's REPLY), whatever the call's
+size. The buffer is a memfd handed to the host over the socket (SCM_RIGHTS), so nothing is
+left in /dev/shm when either side dies, and it only works where the host truly shares this
+machine; it grows by doubling (a new memfd) to the largest call.
+
+One call at a time per channel (a lock spans submit .. result); z stays valid until the next
 submit. A dead host (EOF, reset, refused) or a timeout raises ExpertHostUnavailable, and the
-channel is then broken for good: the caller opens a new one once the host is back.
+channel is then broken for good: the caller opens a new one once the host is back. A host error
+is raised with its class and the host's message, naming the call; the channel goes on.
 """
 
 from __future__ import annotations
@@ -17,14 +24,15 @@ import mmap
 import os
 import socket
 import threading
-from typing import Sequence
 
 import torch
 
 from moeless.expert_fn.errors import ERRORS_BY_KIND, ExpertHostError, ExpertHostUnavailable
-from moeless.expert_fn.packed import BUFFER, BUFFER_MAGIC, PackedResult, decode_reply, encode_call
+from moeless.expert_fn.local_channel_server import BUFFER, BUFFER_MAGIC, CALL, CALL_MAGIC, z_offset
+from moeless.expert_fn.routed import REPLY, RoutedCall, RoutedResult, decode_reply_head, lists_bytes, split_error
 
 INITIAL_BYTES = 4 << 20  # grows by doubling when a call needs more (a long prefill)
+MAX_REPLY_BYTES = 1 << 16  # REPLY and, for an error, its text
 
 
 class LocalChannel:
@@ -42,22 +50,28 @@ class LocalChannel:
             self._sock.close()
             raise ExpertHostUnavailable(f"local channel {name}: cannot connect ({err})") from None
         self._buffer: mmap.mmap | None = None
-        self._floats: torch.Tensor | None = None
+        self._calls = 0
         self.broken = False
 
-    def submit(self, layer: int, experts: Sequence[int], counts: Sequence[int], x: torch.Tensor,
-               rows: torch.Tensor) -> "_Pending":
-        """Send x[rows] (x: [T, H] float32 contiguous, rows: [n] long, expert-major as `counts`)."""
+    def submit(self, call: RoutedCall, x: torch.Tensor) -> "_Pending":
+        """Send call with the rows x[call.tokens] (x: [T, H] contiguous, in the dtype they travel in)."""
         self._lock.acquire()
         try:
             if self.broken:
                 raise ExpertHostUnavailable(f"local channel {self.name} is closed; open a new one")
-            n, hidden = int(rows.numel()), int(x.shape[1])
-            self._reserve(n * hidden * 4)
-            view = self._floats[:n * hidden].view(n, hidden)
-            torch.index_select(x, 0, rows, out=view)
-            self._send(encode_call(layer, experts, counts, hidden))
-            return _Pending(self, view)
+            self._calls += 1
+            hidden, item = int(x.shape[1]), x.element_size()
+            lists = lists_bytes(self._calls, call, hidden, x.dtype)
+            rows = int(call.tokens.numel())
+            frame = len(lists) + rows * hidden * item
+            z_at = z_offset(frame)
+            self._reserve(z_at + call.n_out * hidden * item)
+            self._buffer[:len(lists)] = lists
+            if rows:
+                out = torch.frombuffer(self._buffer, dtype=x.dtype, offset=len(lists), count=rows * hidden)
+                torch.index_select(x, 0, call.tokens, out=out.view(rows, hidden))
+            self._send(CALL.pack(CALL_MAGIC, frame, z_at))
+            return _Pending(self, self._calls, call.layer, z_at)
         except BaseException:
             self._lock.release()
             raise
@@ -84,11 +98,9 @@ class LocalChannel:
                 self._fail(f"cannot hand over the shared buffer ({err})")
         finally:
             os.close(fd)
-        self._floats = None  # drop the view of the old buffer before closing it
-        if self._buffer is not None:
-            self._buffer.close()
+        # The old mapping is not closed here: a z the caller still holds keeps it (torch.frombuffer
+        # holds a reference), and it is unmapped with the last such view.
         self._buffer = buffer
-        self._floats = torch.frombuffer(buffer, dtype=torch.float32)
 
     def _send(self, msg: bytes) -> None:
         try:
@@ -98,7 +110,7 @@ class LocalChannel:
 
     def _receive(self) -> bytes:
         try:
-            msg = self._sock.recv(1 << 16)
+            msg = self._sock.recv(MAX_REPLY_BYTES)
         except socket.timeout:
             self._fail(f"no answer within {self.timeout_s} s")
         except OSError as err:
@@ -119,11 +131,11 @@ class LocalChannel:
 class _Pending:
     """The call in flight on a LocalChannel (its lock is held until result() first returns)."""
 
-    def __init__(self, channel: LocalChannel, view: torch.Tensor):
-        self._channel, self._view = channel, view
-        self._outcome: PackedResult | BaseException | None = None
+    def __init__(self, channel: LocalChannel, call_id: int, layer: int, z_at: int):
+        self._channel, self._call_id, self._layer, self._z_at = channel, call_id, layer, z_at
+        self._outcome: RoutedResult | BaseException | None = None
 
-    def result(self) -> PackedResult:
+    def result(self) -> RoutedResult:
         if self._outcome is None:
             try:
                 self._outcome = self._wait()
@@ -135,12 +147,23 @@ class _Pending:
             raise self._outcome
         return self._outcome
 
-    def _wait(self) -> PackedResult:
+    def _wait(self) -> RoutedResult:
         channel = self._channel
+        msg = channel._receive()
+        where = f"local channel {channel.name}, call {self._call_id} (layer {self._layer})"
         try:
-            ok, cold, compute, kind, message = decode_reply(channel._receive())
+            head = decode_reply_head(msg)
         except ValueError as err:
-            channel._fail(str(err))
-        if not ok:
-            raise ERRORS_BY_KIND.get(kind, ExpertHostError)(message)
-        return PackedResult(self._view, cold, compute)
+            channel._break()
+            raise ExpertHostError(f"{where}: {err}; the channel is closed") from None
+        if head.call_id not in (self._call_id, 0) or len(msg) != REPLY.size + (0 if head.ok else head.body_bytes):
+            channel._break()
+            raise ExpertHostError(f"{where}: the reply (to call {head.call_id}, {len(msg)} bytes) is not this "
+                                  "call's; the channel is closed")
+        if not head.ok:
+            kind, message = split_error(msg[REPLY.size:])
+            raise ERRORS_BY_KIND.get(kind, ExpertHostError)(f"{where}: {message}")
+        count = head.n_out * head.hidden
+        z = torch.frombuffer(channel._buffer, dtype=head.dtype, offset=self._z_at, count=count) \
+            if count else torch.empty(0, dtype=head.dtype)
+        return RoutedResult(z.view(head.n_out, head.hidden), head.cold_starts, head.compute_s)

@@ -1,14 +1,19 @@
-"""The host side of the local channel: packed calls through shared memory, for clients on this machine.
+"""The host side of the local channel: routed calls through shared memory, for clients on this machine.
 
 gRPC costs about 1 ms per call on loopback (protobuf, HTTP/2 framing, several thread hops),
 several times a decode step's expert compute. A client on the same machine instead connects to
-this Unix socket (abstract namespace: no file, gone with the process) and hands over a memfd;
-each call is then one small message each way, with the tokens read from and the outputs written
-back into that shared memory in place. gRPC stays the control plane (load, evict, status,
-health) and the data plane for hosts on other machines.
+this Unix socket (abstract namespace: no file, gone with the process) and hands over a memfd
+(BUFFER, with the fd). Each call is then one tiny message each way: the client writes the whole
+routed call's frame (expert_fn/routed.py: HEAD, the pair lists, each token's row once, in its
+own dtype) at the start of that shared memory and sends CALL (the frame's size and where z
+goes); the host reads the frame in place, writes z [n_out, H] (the tokens' dtype) at that
+offset and answers with routed's REPLY (an error: REPLY, kind, message). gRPC stays the control
+plane (load, evict, status, health, and the offer of this socket).
 
 Each connection is served by its own thread (a ModelServer replica has one connection per host),
-with the host's torch thread count. A draining host answers calls with ExpertHostUnavailable.
+with the host's torch thread count. A draining host answers calls with ExpertHostUnavailable; a
+bad frame, or one that does not fit the shared buffer, gets an error reply naming the call and
+the sizes, and the connection goes on.
 """
 
 from __future__ import annotations
@@ -17,24 +22,27 @@ import logging
 import mmap
 import os
 import socket
+import struct
 import threading
 import uuid
 
 import torch
 
-from moeless.expert_fn.errors import ExpertHostError, ExpertHostUnavailable
-from moeless.expert_fn.packed import (
-    BUFFER,
-    BUFFER_MAGIC,
-    decode_call,
-    encode_error,
-    encode_reply,
-    run_packed,
-)
+from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
+from moeless.expert_fn.routed import HEAD, decode_body, decode_head, encode_error, encode_reply, run_routed
 
 log = logging.getLogger(__name__)
 
-MAX_CONTROL_BYTES = 1 << 16  # a call's header: 20 bytes + 8 per expert
+# The control messages (SOCK_SEQPACKET: one message per send); the data is in the shared buffer.
+BUFFER = struct.Struct("<4sq")  # b"MLCB", bytes: sent with the memfd that holds frames and z from now on
+CALL = struct.Struct("<4sqq")  # b"MLCI", the frame's bytes (at offset 0), z's offset; the reply: routed.REPLY
+BUFFER_MAGIC, CALL_MAGIC = b"MLCB", b"MLCI"
+MAX_CONTROL_BYTES = 64  # BUFFER or CALL; nothing bigger crosses the socket towards the host
+
+
+def z_offset(frame_bytes: int) -> int:
+    """Where the host writes z: right after the frame, 64-byte aligned."""
+    return (frame_bytes + 63) // 64 * 64
 
 
 class LocalChannelServer:
@@ -99,12 +107,11 @@ class LocalChannelServer:
                 if msg[:4] == BUFFER_MAGIC:
                     buffer = self._map(msg, fds, buffer)
                     continue
-                conn.send(self._call(msg, buffer))
+                conn.send(answer(self.runtime, msg, buffer))
         except OSError as err:
             log.info("local channel closed: %s", err)
         finally:
-            if buffer is not None:
-                buffer.close()
+            _release(buffer)
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
@@ -112,29 +119,58 @@ class LocalChannelServer:
     @staticmethod
     def _map(msg: bytes, fds: list[int], old: mmap.mmap | None) -> mmap.mmap:
         """The client's new shared buffer (it grows by sending a bigger one)."""
-        _, size = BUFFER.unpack(msg)
-        if len(fds) != 1:
-            raise OSError("a buffer message came without its memfd")
         try:
+            if len(fds) != 1 or len(msg) != BUFFER.size:
+                raise OSError("a malformed buffer message (or one without its memfd)")
+            _, size = BUFFER.unpack(msg)
             return mmap.mmap(fds[0], size)
         finally:
-            os.close(fds[0])
-            if old is not None:
-                old.close()
+            for fd in fds:
+                os.close(fd)
+            _release(old)
 
-    def _call(self, msg: bytes, buffer: mmap.mmap | None) -> bytes:
-        """One packed call; the reply (outputs are in the buffer) or an error reply."""
+
+def answer(runtime, msg: bytes, buffer: mmap.mmap | None) -> bytes:
+    """Run the call that CALL `msg` points at in `buffer`: z is written there; returns the reply
+    (routed.encode_reply) or an error reply naming the call."""
+    call_id = 0
+    try:
+        if len(msg) != CALL.size or msg[:4] != CALL_MAGIC:
+            raise BadRequest("malformed local-channel call message: client and host versions differ?")
+        _, frame_bytes, z_at = CALL.unpack(msg)
+        size = 0 if buffer is None else len(buffer)
+        if size < HEAD.size:
+            raise BadRequest(f"a local-channel call of {frame_bytes} bytes came before a shared buffer that holds it")
+        shared = memoryview(buffer)
+        head = decode_head(shared[:HEAD.size])
+        call_id = head.call_id
+        z_bytes = head.n_out * head.hidden * head.item
+        if frame_bytes > size or z_at < frame_bytes or z_at % head.item or z_at + z_bytes > size:
+            raise BadRequest(f"routed call {call_id} (layer {head.layer}): its {frame_bytes}-byte frame and z "
+                             f"({z_bytes} bytes at {z_at}) do not fit the shared buffer of {size} bytes")
+        if runtime.health != "serving":
+            raise ExpertHostUnavailable(f"expert host is {runtime.health}; route to another host")
+        call = decode_body(head, shared[HEAD.size:frame_bytes])
+        z = torch.frombuffer(shared, dtype=head.dtype, offset=z_at, count=z_bytes // head.item) \
+            if z_bytes else torch.empty(0, dtype=head.dtype)
+        z, cold, compute = run_routed(runtime, call, z=z.view(head.n_out, head.hidden))
+        return encode_reply(call_id, z, cold, compute)
+    except ExpertHostError as err:
+        return encode_error(call_id, err.kind, _short(str(err)))
+    except Exception as err:  # the client gets the failure instead of a hang
+        log.exception("local channel call %d failed", call_id)
+        return encode_error(call_id, ExpertHostError.kind, _short(f"{type(err).__name__}: {err}"))
+
+
+def _short(message: str, limit: int = 4000) -> str:
+    """An error text that fits one reply message (the client reads up to 64 KiB)."""
+    return message if len(message) <= limit else message[:limit] + " [...]"
+
+
+def _release(buffer: mmap.mmap | None) -> None:
+    """Unmap `buffer` now if no view of it is left (else it goes with its last view)."""
+    if buffer is not None:
         try:
-            if self.runtime.health != "serving":
-                raise ExpertHostUnavailable(f"expert host is {self.runtime.health}; route to another host")
-            layer, experts, counts, n, hidden = decode_call(msg)
-            if buffer is None or n * hidden * 4 > len(buffer):
-                raise ExpertHostError(f"a call of {n} x {hidden} float32 does not fit the shared buffer")
-            x = torch.frombuffer(buffer, dtype=torch.float32, count=n * hidden).view(n, hidden)
-            result = run_packed(self.runtime, layer, experts, counts, x, out=x)
-            return encode_reply(result.cold_starts, result.compute_s)
-        except ExpertHostError as err:
-            return encode_error(err.kind, str(err))
-        except Exception as err:  # the client gets the failure instead of a hang
-            log.exception("local channel call failed")
-            return encode_error(ExpertHostError.kind, f"{type(err).__name__}: {err}")
+            buffer.close()
+        except BufferError:
+            pass

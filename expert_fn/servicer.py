@@ -10,9 +10,9 @@ import grpc
 
 from moeless.expert_fn import expert_host_pb2 as pb
 from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
-from moeless.expert_fn.codec import batches_from_proto, put_batches, put_tensor, tensor_from_proto
+from moeless.expert_fn.codec import batches_from_proto, put_batches
 from moeless.expert_fn.errors import ERROR_KEY, BadRequest, ExpertHostError, HostMemoryFull, ReplicaLoadError
-from moeless.expert_fn.packed import run_packed
+from moeless.expert_fn.routed import decode_call, encode_reply, raw_bytes, run_routed
 from moeless.expert_fn.runtime import ExpertHostRuntime
 
 STATUS_CODES = {
@@ -28,9 +28,10 @@ def _abort(context: grpc.ServicerContext, err: ExpertHostError) -> None:
 
 
 class ExpertHostServicer(pb_grpc.ExpertHostServicer):
-    def __init__(self, runtime: ExpertHostRuntime, local_channel: str = "") -> None:
+    def __init__(self, runtime: ExpertHostRuntime, local_channel: str = "", tcp_port: int = 0) -> None:
         self.runtime = runtime
         self.local_channel = local_channel  # the abstract socket of local_channel_server, "" if none
+        self.tcp_port = tcp_port  # the TCP channel's port (tcp_server.py), 0 if none
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadReply:
         try:
@@ -55,18 +56,16 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
         put_batches(reply.outputs, result.outputs)
         return reply
 
-    def InvokePacked(self, request: pb.PackedRequest, context: grpc.ServicerContext) -> pb.PackedReply:
+    def InvokeRouted(self, request: pb.RoutedFrame, context: grpc.ServicerContext) -> pb.RoutedFrame:
         try:
-            x = tensor_from_proto(request.x)
-            result = run_packed(self.runtime, request.layer, list(request.experts), list(request.counts), x, out=x)
+            call = decode_call(bytearray(request.frame))
+            z, cold, compute = run_routed(self.runtime, call)
         except ExpertHostError as err:
             _abort(context, err)
-        reply = pb.PackedReply(cold_starts=result.cold_starts, compute_s=result.compute_s)
-        put_tensor(reply.y, result.y)
-        return reply
+        return pb.RoutedFrame(frame=encode_reply(call.head.call_id, z, cold, compute) + raw_bytes(z))
 
     def LocalChannel(self, request: pb.LocalChannelRequest, context: grpc.ServicerContext) -> pb.LocalChannelReply:
-        return pb.LocalChannelReply(socket=self.local_channel)
+        return pb.LocalChannelReply(socket=self.local_channel, tcp_port=self.tcp_port)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         s = self.runtime.status()

@@ -1,9 +1,11 @@
 """RemoteExecutor: the serverless ExpertExecutor, running each MoE layer's experts on expert hosts.
 
 Per layer: read the current placement (it may change between iterations), scatter the routed
-tokens to the hosts that hold the experts' replicas, one packed call per host, all hosts in
-parallel (each client's submit returns at once: shared memory for hosts on this machine, a gRPC
-future otherwise), then gather and combine with the gate weights (moeless.serving.scatter).
+tokens to the hosts that hold the experts' replicas, one routed call per host (each token once,
+in the model's dtype, with its experts and gate weights), all hosts in parallel (each client's
+submit returns at once: shared memory for hosts on this machine, the TCP channel for hosts on
+other machines, gRPC where a host offers neither), then gather the hosts' combined rows
+(moeless.serving.scatter).
 
 The hosts are a HostPool (controller/pool/members.py): slot i is GPU i of the placement; a slot with no
 ready host in it (scaled in, draining, not started yet) is treated like a dead host, and a host
@@ -28,7 +30,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from moeless.expert_fn.errors import ExpertHostUnavailable
-from moeless.expert_fn.packed import Pending
+from moeless.expert_fn.routed import Pending, RoutedCall
 from moeless.model.interface import Routing
 from moeless.controller.pool.members import HostPool
 from moeless.placement.types import LayerPlacement
@@ -40,10 +42,9 @@ from moeless.controller.pool.wake import Waker
 class HostClient(Protocol):
     """What the executor needs of moeless.expert_fn.client.ExpertHostClient (any transport)."""
 
-    def submit(self, layer: int, experts: Sequence[int], counts: Sequence[int], x: torch.Tensor,
-               rows: torch.Tensor) -> Pending:
-        """Start the packed call on x[rows] (expert-major, counts[i] rows for experts[i]); returns
-        at once. Pending.result() -> PackedResult (y: [n, H]); ExpertHostUnavailable = host down."""
+    def submit(self, call: RoutedCall, x: torch.Tensor) -> Pending:
+        """Start the routed call on x[call.tokens]; returns at once. Pending.result() -> RoutedResult
+        (z: [n_out, H]); ExpertHostUnavailable = host down."""
         ...
 
     def status(self) -> dict: ...
@@ -56,8 +57,10 @@ class LayerTimes:
     scatter_s: planning + packing the hosts' rows (into shared memory or a message) and sending;
     invoke_s: waiting for the parallel host calls (transfer + expert compute + RPC); compute_s: per layer the slowest host's own compute time (the part
     of invoke_s that is expert compute on the critical path); compute_sum_s: all hosts' compute;
-    gather_s: reassembly and weighted combine; tokens_moved: rows sent to hosts (each comes
-    back, so 2x that many vectors cross the wire); cold_starts: replicas loaded on demand.
+    gather_s: reassembly and combine; tokens_moved: (token, expert) pairs the hosts computed;
+    rows_sent / rows_received: token rows that crossed to the hosts and back; bytes_sent /
+    bytes_received: the routed calls' frames each way, whatever the transport; cold_starts:
+    replicas loaded on demand.
     """
 
     layers: int = 0
@@ -67,13 +70,19 @@ class LayerTimes:
     compute_sum_s: float = 0.0
     gather_s: float = 0.0
     tokens_moved: int = 0
+    rows_sent: int = 0
+    rows_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
     cold_starts: int = 0
     retries: int = 0
 
     def as_dict(self) -> dict:
         return {"layers": self.layers, "scatter_s": self.scatter_s, "invoke_s": self.invoke_s,
                 "compute_s": self.compute_s, "compute_sum_s": self.compute_sum_s, "gather_s": self.gather_s,
-                "tokens_moved": self.tokens_moved, "cold_starts": self.cold_starts, "retries": self.retries}
+                "tokens_moved": self.tokens_moved, "rows_sent": self.rows_sent, "rows_received": self.rows_received,
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "cold_starts": self.cold_starts, "retries": self.retries}
 
 
 # (layer, its placement after fault evacuation, the gate's routing) -> the placement to scatter by
@@ -151,16 +160,16 @@ class RemoteExecutor:
             placement = self.relevel(layer, placement, routing)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        # 2. Scatter: each expert's tokens split over its replicas, packed by host.
-        plan = plan_scatter(routing.idx, placement)
-        x32 = x.float().contiguous()
+        # 2. Scatter: each expert's tokens split over its replicas, one routed call per host.
+        x = x.contiguous()
+        plan = plan_scatter(layer, routing.idx, routing.weight.to(x.dtype), placement)
         # 3. One packed call per host, all in flight at once; then wait for every one of them
         #    (always all: a call left uncollected would hold its client).
         pending, results, down, failure = {}, {}, [], None
         try:
             for h, batch in plan.hosts.items():
                 try:
-                    pending[h] = clients[h].submit(layer, batch.experts, batch.counts, x32, batch.rows)
+                    pending[h] = clients[h].submit(batch.call, x)
                 except ExpertHostUnavailable:
                     down.append(h)
         finally:
@@ -177,8 +186,8 @@ class RemoteExecutor:
         if down:
             raise _HostsDown(down)
         invoked = time.perf_counter()
-        # 4. Gather and combine with the gate weights.
-        out = gather(plan, {h: r.y for h, r in results.items()}, routing.weight.float()).to(x.dtype)
+        # 4. Gather: the hosts' rows into each token's combine slots, added in the reference's order.
+        out = gather(plan, {h: r.z for h, r in results.items()}, x.shape[1], x.dtype)
         done = time.perf_counter()
         t = self.times
         t.layers += 1
@@ -190,6 +199,11 @@ class RemoteExecutor:
         cold_starts = sum(r.cold_starts for r in results.values())
         t.cold_starts += cold_starts
         t.tokens_moved += int(routing.idx.numel())
+        for batch in plan.hosts.values():
+            t.rows_sent += int(batch.call.tokens.numel())
+            t.rows_received += batch.call.n_out
+            t.bytes_sent += batch.call.request_bytes(x.shape[1], x.dtype)
+            t.bytes_received += batch.call.reply_bytes(x.shape[1], x.dtype)
         self.last_call = LayerCall(placement, {h: (b.experts, b.counts) for h, b in plan.hosts.items()},
                                    {h: r.compute_s for h, r in results.items()}, cold_starts)
         return out

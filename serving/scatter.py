@@ -2,14 +2,18 @@
 
 Scatter: the gate chose experts idx: [T, k]; each expert's tokens are listed in token order and
 cut into consecutive chunks, one per replica, of the whole sizes LayerPlacement.replica_tokens
-gives (its share of the expert's tokens). A host receives one packed batch: the rows of every
-chunk it holds, expert-major (expert_fn/packed.py), so one call per host per layer carries
-everything. All of it is a few vectorised tensor ops per layer (one argsort, one index per host).
+gives (its share of the expert's tokens). A host receives one routed call (expert_fn/routed.py):
+each token it needs once, and its (token, expert, gate weight) pairs expert-major, so one call
+per host per layer carries everything. All of it is a few vectorised array ops per layer.
 
-Gather: each output row, times its gate weight, goes to its token's combine slot, and each
-token's k slots are added in ascending expert order, the order of the in-process reference
-(LocalExecutor), so the result equals the reference forward bit for bit when the expert
-outputs do.
+Combine: the in-process reference (LocalExecutor) adds a token's weighted expert outputs in
+ascending expert order, from zeros. A host adds up the pairs that begin a token's list (its
+first experts in that order, all on this host) into one output row: the reference's own partial
+sum, so one row comes back for them; every other pair gets an output row of its own. Gather puts
+each output row in its token's combine slot (the rank of its first expert) and adds the k slots
+in rank order, so the result equals the reference forward bit for bit when the expert outputs
+do. With static EP's contiguous blocks over 2 hosts and k=8 of 16 experts, a token crosses the
+wire about 7 times instead of 16 (once to each host, once back from the first, 4 single rows).
 
 Chunks are whole and never smaller than MIN_CHUNK rows unless the expert has fewer tokens than
 that (then one replica takes them all): CPU BLAS (MKL sgemm, measured here) computes batches of
@@ -30,6 +34,7 @@ import numpy as np
 import torch
 
 from moeless.controller.pool.members import NoLiveHostError
+from moeless.expert_fn.routed import RoutedCall
 from moeless.placement.types import LayerPlacement
 
 MIN_CHUNK = 4  # rows; see the module docstring
@@ -37,19 +42,24 @@ MIN_CHUNK = 4  # rows; see the module docstring
 
 @dataclass(frozen=True)
 class HostBatch:
-    """One host's packed call for one layer.
+    """One host's routed call for one layer, and where its answer goes.
 
-    experts: ascending, each with >= 1 row; counts: rows per expert; rows: [n] long, the token
-    index of each row (the host gets x[rows], expert-major); dest: [n] long, the flat combine slot
-    t * k + r of each row's output (r: the expert's rank among token t's k experts, ascending);
-    flat: [n] long, the row's index into idx.reshape(-1) (its gate weight).
+    call: the routed call (tokens: the token index of each row sent, ascending; pairs
+    expert-major, experts ascending); out_dest: [n_out] long, the flat combine slot t * k + r of
+    each output row (r: the rank, among token t's k experts in ascending order, of the row's first
+    expert).
     """
 
-    experts: list[int]
-    counts: list[int]
-    rows: torch.Tensor
-    dest: torch.Tensor
-    flat: torch.Tensor
+    call: RoutedCall
+    out_dest: torch.Tensor
+
+    @property
+    def experts(self) -> list[int]:
+        return self.call.experts
+
+    @property
+    def counts(self) -> list[int]:
+        return self.call.counts
 
 
 @dataclass(frozen=True)
@@ -61,13 +71,15 @@ class ScatterPlan:
     hosts: dict[int, HostBatch]
 
     def tokens_per_host(self) -> dict[int, int]:
-        return {h: int(b.rows.numel()) for h, b in self.hosts.items()}
+        """Pairs (token, expert) each host computes."""
+        return {h: b.call.pairs for h, b in self.hosts.items()}
 
 
-def plan_scatter(idx: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
-    """Split each expert's tokens over its replicas and pack them by host.
+def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
+    """Split each expert's tokens over its replicas and make one routed call per host.
 
-    idx: [T, k] long expert choices; placement: the layer's replicas (expert, gpu, share).
+    idx: [T, k] long expert choices; weight: [T, k] their gate weights (in the dtype the tokens
+    travel in); placement: the layer's replicas (expert, gpu, share).
     """
     tokens, k = idx.shape
     num_experts = int(placement.expert.max()) + 1 if placement.num_replicas else 0
@@ -91,17 +103,28 @@ def plan_scatter(idx: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
         if not np.array_equal(np.bincount(expert, weights=counts, minlength=num_experts), load):
             raise ValueError("the placement's shares do not route every token (an expert's shares must sum to 1)")
     # 3. Consecutive chunks per replica, an expert's replicas in index order: the host of every
-    #    row of `order` (expert-major), so a host's rows, taken in order, list its experts ascending.
+    #    pair of `order` (expert-major), so a host's pairs, taken in order, list its experts ascending.
     by_expert = np.argsort(expert, kind="stable")
-    host_of_row = np.repeat(gpu[by_expert], counts[by_expert])
+    host_of_pair = np.repeat(gpu[by_expert], counts[by_expert])
+    # 4. Output rows: the pairs that begin a token's experts on one host share the first one's slot.
+    host_by_slot = np.empty(tokens * k, dtype=np.int64)
+    host_by_slot[dest] = host_of_pair
+    by_rank = host_by_slot.reshape(tokens, k)
+    prefix = np.cumprod(by_rank == by_rank[:, :1], axis=1).astype(bool).reshape(-1)
+    slot_of_output = np.where(prefix, np.repeat(np.arange(tokens) * k, k), np.arange(tokens * k))[dest]
+    flat_weight = weight.reshape(-1)
     hosts = {}
-    for h in np.flatnonzero(np.bincount(host_of_row)).tolist():  # bincount, not unique: faster on tiny arrays
-        positions = np.flatnonzero(host_of_row == h)
+    for h in np.flatnonzero(np.bincount(host_of_pair)).tolist():  # bincount, not unique: faster on tiny arrays
+        positions = np.flatnonzero(host_of_pair == h)
         flat = order[positions]
-        rows_per_expert = np.bincount(flat_idx[flat], minlength=num_experts)
-        experts = np.flatnonzero(rows_per_expert)
-        hosts[h] = HostBatch(experts.tolist(), rows_per_expert[experts].tolist(), torch.from_numpy(flat // k),
-                             torch.from_numpy(dest[positions]), torch.from_numpy(flat))
+        pairs_per_expert = np.bincount(flat_idx[flat], minlength=num_experts)
+        experts = np.flatnonzero(pairs_per_expert)
+        rows, src = np.unique(flat // k, return_inverse=True)
+        out_dest, out = np.unique(slot_of_output[positions], return_inverse=True)
+        call = RoutedCall(layer, experts.tolist(), pairs_per_expert[experts].tolist(), torch.from_numpy(rows),
+                          torch.from_numpy(src.astype(np.int32)), torch.from_numpy(out.astype(np.int32)),
+                          flat_weight[torch.from_numpy(flat)], len(out_dest))
+        hosts[h] = HostBatch(call, torch.from_numpy(out_dest))
     return ScatterPlan(tokens, k, hosts)
 
 
@@ -128,28 +151,14 @@ def merge_small_chunks(expert: np.ndarray, counts: np.ndarray, min_rows: int) ->
     return counts
 
 
-def host_inputs(plan: ScatterPlan, x: torch.Tensor) -> dict[int, torch.Tensor]:
-    """The packed rows each host gets: host -> x[rows]: [n, H] (transports copy them themselves)."""
-    return {h: x.index_select(0, b.rows) for h, b in plan.hosts.items()}
-
-
-def gather(plan: ScatterPlan, outputs: dict[int, torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
-    """Combine the hosts' packed outputs with the gate weights.
-
-    outputs: host -> y: [n, H] (row for row of its HostBatch); weight: [T, k] -> [T, H],
-    sum_j weight[t, j] * expert(idx[t, j])(x[t]), summed over each token's experts in ascending
-    expert order starting from the lowest: the reference's order, so the sums round the same.
-    """
+def gather(plan: ScatterPlan, outputs: dict[int, torch.Tensor], hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """Combine the hosts' answers: outputs: host -> z [n_out, H] (its routed call's output rows)
+    -> [T, H], each token's slots added in rank order (ascending expert), as the reference adds
+    them; slots a host already added in are zero here."""
     tokens, k = plan.tokens, plan.k
-    if not plan.hosts:
-        return weight.new_zeros((tokens, 0))
-    hidden = next(iter(outputs.values())).shape[-1]
-    # 1. Each output, times its gate weight, into its combine slot [T * k, H].
-    flat_weight = weight.reshape(-1)
-    slots = weight.new_empty((tokens * k, hidden))
+    slots = torch.zeros((tokens * k, hidden), dtype=dtype)
     for h, batch in plan.hosts.items():
-        slots.index_copy_(0, batch.dest, outputs[h] * flat_weight.index_select(0, batch.flat).unsqueeze(1))
-    # 2. Per token, the k slots added in rank order.
+        slots.index_copy_(0, batch.out_dest, outputs[h])
     slots = slots.view(tokens, k, hidden)
     out = slots[:, 0].clone()
     for r in range(1, k):

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from moeless.expert_fn.routed import RoutedCall
 from moeless.placement.timing import measure_relevel_check_s, measure_relevel_s
 from moeless.placement.profile import CostProfile
 from moeless.placement.latency_model import LatencyModel
@@ -72,7 +73,7 @@ def calibrate_host(client, hidden: int, non_expert_bytes: int, num_experts: int,
             samples = []
             for _ in range(repeats):
                 started = time.perf_counter()
-                result = client.submit(layer, experts[:m], [n] * m, x, rows).result()
+                result = client.submit(RoutedCall.packed(layer, experts[:m], [n] * m, rows), x).result()
                 samples.append((result.compute_s, time.perf_counter() - started - result.compute_s))
             median = np.median(np.array(samples), axis=0)
             shapes.append((m, m * n))
@@ -86,7 +87,7 @@ def calibrate_host(client, hidden: int, non_expert_bytes: int, num_experts: int,
                           expert_bytes=int(replica["bytes"]), non_expert_bytes=int(non_expert_bytes),
                           relevel_s=measure_relevel_s(num_experts, num_hosts, model, repeats),
                           relevel_check_s=measure_relevel_check_s(num_experts, num_hosts, model, repeats),
-                          source=f"expert host {client.address}: packed calls, medians of {repeats}, compute on the host's "
+                          source=f"expert host {client.address}: one copy of each token per expert, medians of {repeats}, compute on the host's "
                                  "clock")
     return HostCosts(profile, fit["host_s"] + fit["c0"], {"shapes": shapes, "compute_s": compute, "transfer_s": transfer,
                                                           **fit})

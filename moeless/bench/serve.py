@@ -3,8 +3,9 @@
 1. The same model generates real prompts (ShareGPT, held-out split) once, and every MoE-layer
    call is run on three paths back to back, in turn (the order rotates call by call), on the
    same input: experts in-process on 1 torch thread (the baseline), and through expert functions
-   on local expert-host processes over the shared-memory local channel (what `moeless serve`
-   uses) and over gRPC (what a remote host gets). Paired within milliseconds, the paths meet the
+   on local expert-host processes over the shared-memory local channel (the node-local path:
+   what `moeless serve` uses, and pods on one node), over the TCP channel only (the pod path:
+   hosts reached as if on other nodes, no shared memory) and over gRPC. Paired within milliseconds, the paths meet the
    same machine: a shared machine's other jobs slow them alike instead of whichever path ran
    during a burst. Every expert-function output must equal the in-process output bit for bit;
    the generation goes on with that output. Hosts compute in parallel, so the in-process layer
@@ -12,8 +13,11 @@
    by batch right after the paired run of the same batch (in its own pass: OpenMP's waiting
    worker threads would take a core from the hosts' calls next to it); ratios are to the faster
    baseline.
-2. Reported: MoE time per layer call (mean, median, 10th percentile; prefill and decode apart)
-   and the ratios to the faster in-process baseline; tokens/s each path would give (the
+2. Reported: MoE time per layer call (mean, median, 10th and 90th percentile; prefill and
+   decode apart) and the ratios to the faster in-process baseline at p50 and p90; bytes on the
+   wire per layer call (the routed calls each way) against one float32 row per (token, expert)
+   each way (the packed call before them); the round trip of one decode-sized (36 KB) and one
+   prefill-sized (2.4 MB) call over each transport (bench/transport.py); tokens/s each path would give (the
    generation's time outside the MoE layers plus that path's MoE time); each remote path's layer
    broken into gate, scatter (plan + pack + send), invoke (of which the slowest host's expert
    compute; the rest is transfer and call overhead) and gather.
@@ -32,6 +36,8 @@ import numpy as np
 import torch
 
 from moeless.bench.common import add_bench_flags, write_result
+from moeless.bench.transport import round_trip_calls, timed_calls
+from moeless.expert_fn.routed import RoutedCall
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.datasets import sharegpt_prompts
@@ -41,7 +47,7 @@ from moeless.serving.codec import CharCodec
 from moeless.serving.placement_source import PlacementSource
 
 FIT_TOKENS = (1, 8, 32, 128, 512)
-TRANSPORTS = ("local", "grpc")
+TRANSPORTS = ("local", "tcp", "grpc")  # node-local, pod path (TCP only), gRPC
 
 
 def register(benches: argparse._SubParsersAction) -> None:
@@ -49,9 +55,10 @@ def register(benches: argparse._SubParsersAction) -> None:
     bench = benches.add_parser(
         "serve", help="tokens/s and MoE-layer time through expert functions vs in-process experts; alpha and beta",
         description="Generate ShareGPT prompts once, running every MoE layer on each path back to back: experts "
-                    "in-process (baselines) and through expert functions on local expert hosts (shared memory, "
-                    "gRPC); print per-layer MoE time, its breakdown (gate, scatter, invoke, expert compute, "
-                    "gather), tokens/s and the latency model's alpha and beta.",
+                    "in-process (baselines) and through expert functions on local expert hosts (shared memory: "
+                    "node-local; TCP only: the pod path; gRPC); print per-layer MoE time at p50 and p90, its "
+                    "breakdown (gate, scatter, invoke, expert compute, gather), bytes on the wire per layer call, "
+                    "round trips, tokens/s and the latency model's alpha and beta.",
     )
     bench.add_argument("--model", default="default", help=MODEL_HELP)
     bench.add_argument("--hosts", type=int, default=2, help="expert-host processes (default 2)")
@@ -88,7 +95,7 @@ class TimedExecutor:
         return out
 
     def summary_ms(self, batch: int) -> dict[str, dict[str, float]]:
-        """Mean, median and 10th percentile ms per layer call, for all calls, prefill and decode
+        """Mean, median, 10th and 90th percentile ms per layer call, for all calls, prefill and decode
         apart. A decode step carries one row per sequence (<= batch). The median resists a busy
         machine's stalls; the 10th percentile is what the machine gives when other jobs leave it
         alone (a path of several processes waits for the CPU at every hand-over, so contention
@@ -96,7 +103,8 @@ class TimedExecutor:
         phases = {"all": [s for _, s in self.samples], "prefill": [s for t, s in self.samples if t > batch],
                   "decode": [s for t, s in self.samples if t <= batch]}
         return {name: {"mean": 1e3 * float(np.mean(v)), "median": 1e3 * float(np.median(v)),
-                       "p10": 1e3 * float(np.percentile(v, 10)), "calls": len(v)}
+                       "p10": 1e3 * float(np.percentile(v, 10)), "p90": 1e3 * float(np.percentile(v, 90)),
+                       "calls": len(v)}
                 for name, v in phases.items() if v}
 
 
@@ -154,7 +162,7 @@ def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            result = client.submit(0, [0], [tokens], x, rows).result()
+            result = client.submit(RoutedCall.packed(0, [0], [tokens], rows), x).result()
             samples.append((result.compute_s, time.perf_counter() - start - result.compute_s))
         median = np.median(np.array(samples), axis=0)  # robust to a busy machine's outliers
         compute.append(median[0])
@@ -163,7 +171,7 @@ def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
     slope, overhead = np.polyfit(FIT_TOKENS, transfer, 1)
     return {"alpha_s_per_token": float(alpha), "beta_s_per_token": float(slope / 2),
             "call_overhead_s": float(overhead), "fit_tokens": list(FIT_TOKENS), "repeats": repeats,
-            "transport": "local" if client.uses_local_channel else "grpc"}
+            "transport": client.path}
 
 
 def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, prompt_tokens: int = 64,
@@ -218,6 +226,9 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                 paired.mismatches[wide_name] += sum(a != b for a, b in zip(rows, wide_rows))
         torch.set_num_threads(threads)
         fit = fit_alpha_beta(clients["local"][0], spec.hidden_size)
+        trips = {name: {t: {k: 1e6 * v for k, v in timed_calls(lambda c=cs[0]: c.submit(call, x).result(), 50).items()}
+                        for t, cs in clients.items()}
+                 for name, (call, x) in round_trip_calls(spec.hidden_size).items()}
         for client in (c for cs in clients.values() for c in cs):
             client.close()
     # 2. Figures per path against the faster in-process baseline, per phase.
@@ -226,7 +237,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
     outside_moe_s = paired_s - sum(moe_s[name] for name in paired.paths)  # the forward's own time
     phases = list(layer_ms[next(iter(baselines))])
     best = {stat: {phase: min(layer_ms[name][phase][stat] for name in baselines) for phase in phases}
-            for stat in ("median", "p10")}
+            for stat in ("median", "p10", "p90")}
     iterations = [it for capture in captures for it in capture.iterations]
     gate_ms = 1e3 * _gate_seconds(moe, iterations) / max(len(iterations) * spec.num_layers, 1)
     return {
@@ -245,10 +256,26 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                                      for name, ms in layer_ms.items()},
         "ratio_to_best_in_process_p10": {name: {phase: ms[phase]["p10"] / best["p10"][phase] for phase in phases}
                                          for name, ms in layer_ms.items()},
+        "ratio_to_best_in_process_p90": {name: {phase: ms[phase]["p90"] / best["p90"][phase] for phase in phases}
+                                         for name, ms in layer_ms.items()},
+        "wire_per_layer_call": _wire(remotes["tcp"].times, spec.hidden_size, next(moe.hf.parameters()).dtype),
+        "round_trip_us": trips,
         "breakdown_ms_per_layer": {t: _breakdown(remotes[t].times, gate_ms) for t in TRANSPORTS},
         "tokens_moved_per_layer": remotes["local"].times.tokens_moved / max(remotes["local"].times.layers, 1),
         "latency_model": fit,
     }
+
+
+def _wire(t, hidden: int, dtype: torch.dtype) -> dict[str, float]:
+    """Per layer call: token rows and bytes each way, against one float32 row per (token, expert)
+    each way (the packed call the routed call replaced), and their ratio."""
+    layers = max(t.layers, 1)
+    packed = 2 * t.tokens_moved * hidden * 4 / layers
+    routed = (t.bytes_sent + t.bytes_received) / layers
+    return {"rows_sent": t.rows_sent / layers, "rows_received": t.rows_received / layers,
+            "pairs": t.tokens_moved / layers, "bytes_sent": t.bytes_sent / layers,
+            "bytes_received": t.bytes_received / layers, "bytes_one_row_per_pair_float32": packed,
+            "ratio_to_one_row_per_pair": routed / packed if packed else 0.0, "dtype": str(dtype)}
 
 
 def _breakdown(t, gate_ms: float) -> dict[str, float]:
@@ -277,13 +304,20 @@ def print_report(result: dict[str, Any]) -> None:
           f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores")
     print(f"{result['layer_calls']} MoE-layer calls; 'differ': calls whose output is not bit-identical to the 1-thread "
           f"in-process one (for the wide baseline: generations that differ; 2 threads round differently)")
-    print(f"{'path':26s} {'tokens/s':>8s} {'differ':>6s}   MoE layer ms: median (ratio to the faster in-process) / "
-          f"10th percentile (ratio)")
+    print(f"{'path':26s} {'tokens/s':>8s} {'differ':>6s}   MoE layer ms: p50 (ratio to the faster in-process) / "
+          f"p90 (ratio)")
     for name, ms in result["moe_layer_ms"].items():
-        ratios, low = result["ratio_to_best_in_process"][name], result["ratio_to_best_in_process_p10"][name]
-        cells = "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p10']:.3f} "
-                          f"({low[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
+        ratios, high = result["ratio_to_best_in_process"][name], result["ratio_to_best_in_process_p90"][name]
+        cells = "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p90']:.3f} "
+                          f"({high[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
         print(f"{name:26s} {result['tokens_per_s'][name]:8.1f} {result['mismatches'][name]:6d}   {cells}")
+    wire = result["wire_per_layer_call"]
+    print(f"on the wire per layer call ({wire['dtype']}): {wire['rows_sent']:.1f} token rows out, {wire['rows_received']:.1f} "
+          f"back for {wire['pairs']:.1f} (token, expert) pairs; {(wire['bytes_sent'] + wire['bytes_received']) / 1e3:.1f} KB, "
+          f"{wire['ratio_to_one_row_per_pair']:.2f}x one float32 row per pair each way "
+          f"({wire['bytes_one_row_per_pair_float32'] / 1e3:.1f} KB)")
+    for name, row in result["round_trip_us"].items():
+        print(f"{name} (us p50 / p90): " + "  ".join(f"{t} {v['p50']:.0f} / {v['p90']:.0f}" for t, v in row.items()))
     for transport, br in result["breakdown_ms_per_layer"].items():
         print(f"breakdown over {transport} (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
     print(f"latency model ({fit['transport']}): alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), "

@@ -1,18 +1,22 @@
-"""`moeless bench transport`: what one expert call costs over each way of reaching a host.
+"""`moeless bench transport`: what one expert call costs over each way of reaching a host, side by side.
 
-One expert host process serves the model's weight store; the same packed calls (one layer's
-experts on one host, decode-sized and prefill-sized) go over:
+One expert host process serves the model's weight store; the same calls go over:
 
-- in-process: ExpertHostRuntime.invoke in this process (the baseline: the compute alone);
-- local: the shared-memory local channel (memfd + Unix socket), what `moeless serve` uses;
-- grpc: InvokePacked over loopback gRPC (one tensor), what a host on another machine gets;
-- grpc-per-expert: the previous Invoke (one message per expert);
-- ray-compiled-graph (with --ray): a Ray actor holding the same runtime behind a compiled graph
+- in_process: ExpertHostRuntime.invoke in this process (the baseline: the compute alone);
+- local: the shared-memory local channel (memfd + Unix socket): hosts on the same machine (node);
+- tcp: the TCP channel (one connection, frames into preallocated buffers): the path between pods;
+- grpc: InvokeRouted over loopback gRPC (the frame as one bytes field);
+- grpc_per_expert: the first API, Invoke (one protobuf message per expert, float32);
+- ray_compiled_graph (with --ray): a Ray actor holding the same runtime behind a compiled graph
   (Ray's shared-memory channels), the other option considered.
 
-The calls are one host's share of one MoE layer with static EP over 2 hosts (E/2 experts, each
-with B * k / E rows): a decode step of B = 4 sequences and a prefill of B = 256 tokens.
-Reported: median round trip per call and its ratio to in-process, over `repeats` calls each.
+Two kinds of call, each in two sizes:
+- round trip: one expert, a decode-sized call of 16 rows (36 KB at H=576, float32) and a
+  prefill-sized one of 1024 rows (2.4 MB), rows each way: what the transport costs by size;
+- layer share: one host's routed call of one MoE layer with static EP over 2 hosts, from random
+  top-k routing of a decode step of B = 4 tokens and a prefill of B = 256 tokens.
+Reported per call: the median (p50) and p90 of the round trip, its ratio to in-process at p50,
+the host's own compute, and the bytes of the frame each way.
 """
 
 from __future__ import annotations
@@ -28,19 +32,25 @@ import torch
 from moeless.bench.common import add_bench_flags, write_result
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.expert_fn.routed import RoutedCall
 from moeless.model.weight_store import WeightStore
+from moeless.placement.types import LayerPlacement
+from moeless.serving.scatter import plan_scatter
 from moeless.serving.cli import MODEL_HELP, _positive
 
 BATCH_TOKENS = {"decode": 4, "prefill": 256}  # tokens of the layer call one host gets its share of
+ROUND_TRIP_ROWS = {"decode": 16, "prefill": 1024}  # 36 KB and 2.4 MB at H=576, float32
+TRANSPORTS = ("local", "tcp", "grpc")
 
 
 def register(benches: argparse._SubParsersAction) -> None:
     """Add `moeless bench transport`."""
     transport = benches.add_parser(
-        "transport", help="one expert call over the shared-memory local channel, gRPC and (--ray) Ray compiled "
-                          "graphs, against the same call in-process",
-        description="Time packed expert calls of decode and prefill size on one local expert host over each "
-                    "transport; print medians and ratios to the in-process call.",
+        "transport", help="one expert call over shared memory, the TCP channel, gRPC and (--ray) Ray compiled "
+                          "graphs, side by side, against the same call in-process",
+        description="Time expert calls of decode and prefill size on one local expert host over each transport "
+                    "(round trips of 36 KB and 2.4 MB; one host's routed share of a layer); print p50 and p90, "
+                    "ratios to the in-process call, and bytes each way.",
     )
     transport.add_argument("--model", default="default", help=MODEL_HELP)
     transport.add_argument("--repeats", type=_positive, help="calls per transport and size (default 200; 50 with --quick)")
@@ -58,21 +68,38 @@ def _bench_transport(args: argparse.Namespace) -> int:
     return 0
 
 
-def call_shapes(num_experts: int, top_k: int) -> dict[str, tuple[int, int]]:
-    """(experts, rows per expert) of one host's call: half the experts, B * k / E rows each."""
-    return {name: (max(1, num_experts // 2), max(1, tokens * top_k // num_experts))
-            for name, tokens in BATCH_TOKENS.items()}
+def layer_calls(num_experts: int, top_k: int, hidden: int, seed: int = 0) -> dict[str, tuple[RoutedCall, torch.Tensor]]:
+    """Host 0's routed call of one MoE layer under static EP over 2 hosts, from random top-k routing
+    of BATCH_TOKENS tokens (name -> (call, x))."""
+    rng = np.random.default_rng(seed)
+    placement = LayerPlacement.even(np.arange(num_experts), np.arange(num_experts) * 2 // num_experts, num_experts)
+    out = {}
+    for name, tokens in BATCH_TOKENS.items():
+        idx = torch.tensor(np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]))
+        plan = plan_scatter(0, idx, torch.rand(tokens, top_k), placement)
+        out[f"layer_{name}"] = (plan.hosts[0].call, torch.randn(tokens, hidden))
+    return out
 
 
-def _median_s(call: Callable[[], Any], repeats: int) -> float:
+def round_trip_calls(hidden: int) -> dict[str, tuple[RoutedCall, torch.Tensor]]:
+    """One expert on ROUND_TRIP_ROWS rows, each its own output (name -> (call, x))."""
+    return {f"round_trip_{name}": (RoutedCall.packed(0, [0], [rows], torch.arange(rows)), torch.randn(rows, hidden))
+            for name, rows in ROUND_TRIP_ROWS.items()}
+
+
+def timed_calls(call: Callable[[], Any], repeats: int) -> dict[str, float]:
+    """p50 and p90 seconds of `repeats` calls after a warm-up, and p50 of what call() returns as
+    the host's compute (a RoutedResult's compute_s; 0 for anything else)."""
     for _ in range(max(3, repeats // 10)):
         call()
-    samples = []
+    wall, compute = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return float(np.median(samples))
+        result = call()
+        wall.append(time.perf_counter() - start)
+        compute.append(getattr(result, "compute_s", 0.0))
+    return {"p50": float(np.percentile(wall, 50)), "p90": float(np.percentile(wall, 90)),
+            "compute_p50": float(np.percentile(compute, 50))}
 
 
 def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph: bool = False,
@@ -86,38 +113,47 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
     choice = choose_model(model)
     loaded = choice.loader()
     spec, store_dir = loaded.spec, export_store(loaded, choice.name)
-    hidden, shapes = spec.hidden_size, call_shapes(spec.num_experts, spec.top_k)
+    hidden = spec.hidden_size
     del loaded
-    calls = {}
-    for name, (experts, rows) in shapes.items():
-        x = torch.randn(experts * rows, hidden)
-        calls[name] = (list(range(experts)), [rows] * experts, x, torch.arange(x.shape[0]))
-    times: dict[str, dict[str, float]] = {name: {} for name in shapes}
-    # 1. In-process: the runtime alone.
+    calls = round_trip_calls(hidden) | layer_calls(spec.num_experts, spec.top_k, hidden)
+    times: dict[str, dict[str, dict[str, float]]] = {name: {} for name in calls}
+    # 1. In-process: the runtime alone, on the same experts' rows.
     runtime = ExpertHostRuntime(WeightStore.open(store_dir), capacity_bytes=4 * 10**9, keep_alive_s=3600)
-    for name, (experts, counts, x, _) in calls.items():
-        batches = dict(zip(experts, torch.split(x, counts)))
-        times[name]["in_process"] = _median_s(lambda b=batches: runtime.invoke(0, b), repeats)
+    for name, (call, x) in calls.items():
+        batches = _batches(call, x)
+        times[name]["in_process"] = timed_calls(lambda b=batches: runtime.invoke(0, b), repeats)
     runtime.close()
     # 2. A host process over each transport.
     with launch_local_hosts(1, store_dir, keep_alive_s=3600, threads=threads, metrics=False) as group:
-        clients = {t: ExpertHostClient(group.addresses[0], timeout_s=60, transport=t) for t in ("local", "grpc")}
-        for name, (experts, counts, x, rows) in calls.items():
+        clients = {t: ExpertHostClient(group.addresses[0], timeout_s=60, transport=t) for t in TRANSPORTS}
+        for name, (call, x) in calls.items():
             for transport, client in clients.items():
-                times[name][transport] = _median_s(
-                    lambda c=client: c.submit(0, experts, counts, x, rows).result(), repeats)
-            batches = dict(zip(experts, torch.split(x, counts)))
-            times[name]["grpc_per_expert"] = _median_s(lambda: clients["grpc"].invoke_detailed(0, batches), repeats)
+                times[name][transport] = timed_calls(lambda c=client: c.submit(call, x).result(), repeats)
+            batches = _batches(call, x)
+            times[name]["grpc_per_expert"] = timed_calls(lambda: clients["grpc"].invoke_detailed(0, batches), repeats)
         for client in clients.values():
             client.close()
     # 3. Ray's compiled graph over the same runtime in an actor.
     if ray_graph:
-        for name, seconds in _ray_compiled_graph(store_dir, calls, repeats, threads).items():
-            times[name]["ray_compiled_graph"] = seconds
-    return {"model": choice.name, "repeats": repeats, "threads": threads, "shapes": shapes,
+        packed = {name: (call.experts, call.counts, torch.cat(list(_batches(call, x).values())))
+                  for name, (call, x) in calls.items()}
+        for name, figures in _ray_compiled_graph(store_dir, packed, repeats, threads).items():
+            times[name]["ray_compiled_graph"] = figures
+    sizes = {name: {"rows_sent": int(call.tokens.numel()), "pairs": call.pairs, "rows_back": call.n_out,
+                    "bytes_sent": call.request_bytes(hidden, x.dtype), "bytes_back": call.reply_bytes(hidden, x.dtype)}
+             for name, (call, x) in calls.items()}
+    return {"model": choice.name, "repeats": repeats, "threads": threads, "hidden": hidden, "calls": sizes,
             "load_average_1m": os.getloadavg()[0],
-            "median_ms": {n: {k: 1e3 * v for k, v in t.items()} for n, t in times.items()},
-            "ratio_to_in_process": {n: {k: v / t["in_process"] for k, v in t.items()} for n, t in times.items()}}
+            "us": {n: {k: {stat: 1e6 * v for stat, v in f.items()} for k, f in t.items()} for n, t in times.items()},
+            "ratio_to_in_process": {n: {k: f["p50"] / t["in_process"]["p50"] for k, f in t.items()}
+                                    for n, t in times.items()}}
+
+
+def _batches(call: RoutedCall, x: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The call's rows per expert, as the host runs them (expert -> [n, H])."""
+    rows = x.index_select(0, call.tokens)
+    bounds = np.cumsum([0, *call.counts])
+    return {e: rows.index_select(0, call.src[bounds[i]:bounds[i + 1]].long()) for i, e in enumerate(call.experts)}
 
 
 def _ray_compiled_graph(store_dir, calls: dict, repeats: int, threads: int) -> dict[str, float]:
@@ -146,8 +182,8 @@ def _ray_compiled_graph(store_dir, calls: dict, repeats: int, threads: int) -> d
             dag = host.invoke.bind(request)
         graph = dag.experimental_compile()
         try:
-            return {name: _median_s(lambda r=(experts, counts, x): ray.get(graph.execute(r)), repeats)
-                    for name, (experts, counts, x, _) in calls.items()}
+            return {name: timed_calls(lambda r=(experts, counts, x): ray.get(graph.execute(r)), repeats)
+                    for name, (experts, counts, x) in calls.items()}
         finally:
             graph.teardown()
     finally:
@@ -155,9 +191,11 @@ def _ray_compiled_graph(store_dir, calls: dict, repeats: int, threads: int) -> d
 
 
 def print_report(result: dict[str, Any]) -> None:
-    print(f"model {result['model']}: median of {result['repeats']} calls each, load average "
-          f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores")
-    for name, row in result["median_ms"].items():
-        experts, rows = result["shapes"][name]
-        cells = "  ".join(f"{k} {v:.3f} ms ({result['ratio_to_in_process'][name][k]:.2f}x)" for k, v in row.items())
-        print(f"{name:8s} ({experts} experts x {rows} rows): {cells}")
+    print(f"model {result['model']} (H={result['hidden']}): {result['repeats']} calls each, load average "
+          f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores; us p50 / p90 (p50 ratio to in-process)")
+    for name, row in result["us"].items():
+        size = result["calls"][name]
+        print(f"{name} ({size['rows_sent']} rows, {size['pairs']} pairs, {size['rows_back']} back; "
+              f"{size['bytes_sent'] / 1e3:.1f} KB + {size['bytes_back'] / 1e3:.1f} KB):")
+        print("   " + "  ".join(f"{k} {v['p50']:.0f} / {v['p90']:.0f} ({result['ratio_to_in_process'][name][k]:.2f}x)"
+                                for k, v in row.items()))

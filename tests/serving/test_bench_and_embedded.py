@@ -11,9 +11,10 @@ from moeless.serving.embedded import export_store
 def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkeypatch):
     monkeypatch.setenv("MOELESS_CACHE", str(tmp_path))
     result = run_bench("tiny:mixtral", hosts=2, prompts=2, prompt_tokens=16, max_tokens=3, batch=2)
-    paths = {"in_process_1_threads", "in_process_2_threads", "expert_functions_local", "expert_functions_grpc"}
+    paths = {"in_process_1_threads", "in_process_2_threads", "expert_functions_local", "expert_functions_tcp",
+             "expert_functions_grpc"}
     assert set(result["identical_outputs"]) == paths and result["layer_calls"] > 0
-    for name in ("in_process_1_threads", "expert_functions_local", "expert_functions_grpc"):
+    for name in ("in_process_1_threads", "expert_functions_local", "expert_functions_tcp", "expert_functions_grpc"):
         assert result["identical_outputs"][name] and result["mismatches"][name] == 0
     for name in paths:
         assert result["tokens_per_s"][name] > 0
@@ -22,13 +23,20 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
             assert result["ratio_to_best_in_process"][name][phase] > 0
             assert 0 < result["moe_layer_ms"][name][phase]["p10"] <= result["moe_layer_ms"][name][phase]["median"]
             assert result["ratio_to_best_in_process_p10"][name][phase] > 0
+            assert result["moe_layer_ms"][name][phase]["median"] <= result["moe_layer_ms"][name][phase]["p90"]
+            assert result["ratio_to_best_in_process_p90"][name][phase] > 0
     assert min(result["ratio_to_best_in_process"][n]["decode"] for n in paths if n.startswith("in_process")) == 1.0
-    for transport in ("local", "grpc"):
+    for transport in ("local", "tcp", "grpc"):
         breakdown = result["breakdown_ms_per_layer"][transport]
         assert set(breakdown) == {"gate", "scatter", "invoke", "expert_compute", "transfer_and_call", "gather"}
         assert 0 < breakdown["expert_compute"] <= breakdown["invoke"]
     assert result["latency_model"]["alpha_s_per_token"] > 0 and result["latency_model"]["transport"] == "local"
     assert result["tokens_moved_per_layer"] > 0
+    wire = result["wire_per_layer_call"]  # each token once per host: fewer rows out than (token, expert) pairs
+    assert 0 < wire["rows_sent"] < wire["pairs"] and 0 < wire["ratio_to_one_row_per_pair"] < 1
+    for name in ("round_trip_decode", "round_trip_prefill"):
+        assert set(result["round_trip_us"][name]) == {"local", "tcp", "grpc"}
+        assert all(0 < row["p50"] <= row["p90"] for row in result["round_trip_us"][name].values())
 
 
 def test_export_store_is_cached_by_expert_weights(tmp_path, monkeypatch):
@@ -81,8 +89,10 @@ def test_bench_transport_times_every_transport_against_in_process(tmp_path, monk
 
     monkeypatch.setenv("MOELESS_CACHE", str(tmp_path))
     result = run_transport_bench("tiny:mixtral", repeats=5)
-    assert result["shapes"] == {"decode": (2, 2), "prefill": (2, 128)}  # tiny mixtral: E = 4, k = 2
-    for name in ("decode", "prefill"):
-        assert set(result["median_ms"][name]) == {"in_process", "local", "grpc", "grpc_per_expert"}
-        assert all(ms > 0 for ms in result["median_ms"][name].values())
+    calls = result["calls"]
+    assert calls["round_trip_decode"]["rows_sent"] == 16 and calls["round_trip_prefill"]["rows_back"] == 1024
+    assert calls["layer_prefill"]["rows_sent"] < calls["layer_prefill"]["pairs"]  # each token once: tiny mixtral, k = 2
+    for name in calls:
+        assert set(result["us"][name]) == {"in_process", "local", "tcp", "grpc", "grpc_per_expert"}
+        assert all(0 < f["p50"] <= f["p90"] for f in result["us"][name].values())
         assert result["ratio_to_in_process"][name]["in_process"] == 1.0

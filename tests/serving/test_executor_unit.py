@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from moeless.expert_fn.errors import ExpertHostUnavailable
-from moeless.expert_fn.packed import PackedResult
-from moeless.model.experts import expert_forward
 from moeless.model.tiny import tiny_model
 from moeless.placement.types import LayerPlacement, Placement
 from moeless.serving.executor import RemoteExecutor
 from moeless.serving.placement_source import PlacementSource
 from moeless.controller.pool.members import NoLiveHostError
+from routed_fakes import answer
 
 
 class FakeHost:
@@ -23,15 +22,11 @@ class FakeHost:
     def __init__(self, model):
         self.model, self.down, self.seen = model, False, []
 
-    def submit(self, layer, experts, counts, x, rows):
+    def submit(self, call, x):
         if self.down:
             raise ExpertHostUnavailable("fake host is down")
-        self.seen.append((layer, list(experts)))
-        xs, parts, start = x[rows], [], 0
-        for e, n in zip(experts, counts):
-            parts.append(expert_forward(self.model.expert_weights(layer, e), xs[start:start + n], self.model.spec.act))
-            start += n
-        return _Done(PackedResult(torch.cat(parts), cold_starts=0, compute_s=0.0))
+        self.seen.append((call.layer, list(call.experts)))
+        return _Done(answer(self.model, call, x))
 
     def status(self):
         if self.down:

@@ -11,14 +11,13 @@ import threading
 import pytest
 import torch
 
-from moeless.expert_fn.packed import PackedResult
 from moeless.controller.knobs import KnobError
-from moeless.model.experts import expert_forward
 from moeless.model.tiny import tiny_model
 from moeless.serving.executor import RemoteExecutor
 from moeless.controller.pool.members import HostPool, Member, PoolChange, diff
 from moeless.serving.placement_source import PlacementSource
 from moeless.controller.pool.sources import FileSource, KubePodSource, StaticSource, pod_member, pool_source, write_members
+from routed_fakes import answer
 
 
 class FakeHost:
@@ -27,13 +26,9 @@ class FakeHost:
     def __init__(self, model, address):
         self.model, self.address, self.calls, self.closed, self.gate = model, address, 0, False, None
 
-    def submit(self, layer, experts, counts, x, rows):
+    def submit(self, call, x):
         self.calls += 1
-        xs, parts, start = x[rows], [], 0
-        for e, n in zip(experts, counts):
-            parts.append(expert_forward(self.model.expert_weights(layer, e), xs[start:start + n], self.model.spec.act))
-            start += n
-        return _Pending(PackedResult(torch.cat(parts), cold_starts=0, compute_s=0.0), self.gate)
+        return _Pending(answer(self.model, call, x), self.gate)
 
     def status(self):
         return {}

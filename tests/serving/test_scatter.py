@@ -1,5 +1,7 @@
 """Scatter/gather planning and fault evacuation (pure; fake experts are simple functions of x)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -7,9 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from moeless.controller.pool.members import NoLiveHostError
 from moeless.placement.types import LayerPlacement
-from moeless.serving.scatter import (
-    MIN_CHUNK, evacuate, gather, host_inputs, merge_small_chunks, plan_scatter,
-)
+from moeless.expert_fn.routed import decode_call, encode_call, run_routed
+from moeless.serving.scatter import MIN_CHUNK, evacuate, gather, merge_small_chunks, plan_scatter
 
 
 def _fake_expert(e: int, x: torch.Tensor) -> torch.Tensor:
@@ -25,16 +26,16 @@ def _reference(x, idx, weight):
     return out
 
 
+class _FakeRuntime:
+    """An expert host's runtime with the fake experts (what run_routed calls)."""
+
+    def invoke(self, layer, batches):
+        return SimpleNamespace(outputs={e: _fake_expert(e, x) for e, x in batches.items()}, cold_starts=0, compute_s=0.0)
+
+
 def _host_outputs(plan, x):
-    """What hosts running the fake experts answer: per host y [n, H], row for row."""
-    outputs = {}
-    for h, xs in host_inputs(plan, x).items():
-        batch, parts, start = plan.hosts[h], [], 0
-        for e, n in zip(batch.experts, batch.counts):
-            parts.append(_fake_expert(e, xs[start:start + n]))
-            start += n
-        outputs[h] = torch.cat(parts)
-    return outputs
+    """What hosts running the fake experts answer to their routed calls (through the wire format)."""
+    return {h: run_routed(_FakeRuntime(), decode_call(encode_call(h, b.call, x)))[0] for h, b in plan.hosts.items()}
 
 
 @st.composite
@@ -59,8 +60,8 @@ def test_scatter_then_gather_equals_reference_bit_for_bit(case):
     idx, placement, _ = case
     x = torch.randn(idx.shape[0], 5)
     weight = torch.rand(idx.shape)
-    plan = plan_scatter(idx, placement)
-    out = gather(plan, _host_outputs(plan, x), weight)
+    plan = plan_scatter(0, idx, weight, placement)
+    out = gather(plan, _host_outputs(plan, x), 5, x.dtype)
     if idx.shape[0]:
         assert torch.equal(out, _reference(x, idx, weight))  # same sums in the same order
 
@@ -69,32 +70,69 @@ def test_scatter_then_gather_equals_reference_bit_for_bit(case):
 @given(layer_cases())
 def test_every_token_goes_once_to_a_host_holding_its_expert(case):
     idx, placement, _ = case
-    plan = plan_scatter(idx, placement)
-    sent = []  # (token, expert) of every row sent
+    weight = torch.rand(idx.shape)
+    plan = plan_scatter(0, idx, weight, placement)
+    sent = []  # (token, expert) of every pair
     for h, batch in plan.hosts.items():
+        call = batch.call
         assert batch.experts == sorted(batch.experts) and all(c >= 1 for c in batch.counts)
         assert set(batch.experts) <= set(placement.expert[placement.gpu == h].tolist())
+        assert call.tokens.tolist() == sorted(set(call.tokens.tolist()))  # each token sent once
         experts = np.repeat(batch.experts, batch.counts)
-        assert (idx.reshape(-1)[batch.flat].numpy() == experts).all()
-        assert (batch.rows == batch.flat // idx.shape[1]).all()
-        sent += list(zip(batch.rows.tolist(), experts.tolist()))
+        tokens = call.tokens[call.src.long()]
+        pairs = list(zip(tokens.tolist(), experts.tolist()))
+        for (t, e), w in zip(pairs, call.weight.tolist()):
+            assert w == weight[t, (idx[t] == e).nonzero().item()].item()
+        assert sorted(set(call.out.tolist())) == list(range(call.n_out))
+        assert batch.out_dest.unique().numel() == call.n_out
+        sent += pairs
     assert sorted(sent) == sorted((t, int(e)) for t in range(idx.shape[0]) for e in idx[t])
     assert sum(plan.tokens_per_host().values()) == idx.numel()
+
+
+def test_the_first_experts_of_a_token_on_one_host_come_back_as_one_row():
+    """Golden example: token 0 chose experts 0, 1, 3 (host 0 holds 0 and 1, host 1 holds 3); token 1
+    chose 1, 2, 3 (2 and 3 on host 1). Host 0 adds token 0's first two experts into one row; host 1
+    answers token 1's 2 then 3 in one row only if they begin its list, which they do not (1 comes first)."""
+    idx = torch.tensor([[0, 1, 3], [1, 2, 3]])
+    placement = LayerPlacement.even(np.arange(4), np.array([0, 0, 1, 1]), 4)
+    plan = plan_scatter(0, idx, torch.ones(2, 3), placement)
+    host0, host1 = plan.hosts[0], plan.hosts[1]
+    assert host0.call.tokens.tolist() == [0, 1] and host1.call.tokens.tolist() == [0, 1]
+    assert host0.experts == [0, 1] and host0.counts == [1, 2]
+    assert host0.call.out.tolist() == [0, 0, 1]  # token 0's experts 0 and 1 share a row; token 1's 1 is its own
+    assert host0.out_dest.tolist() == [0, 3] and host0.call.n_out == 2
+    assert host1.out_dest.tolist() == [2, 4, 5] and host1.call.n_out == 3  # token 0 rank 2; token 1 ranks 1, 2
+
+
+def test_static_ep_moves_each_token_less_than_half_as_often_as_one_copy_per_expert():
+    """k=8 of 16 experts on 2 hosts in static EP's contiguous blocks: the bytes of the routed calls
+    against one float32 row per (token, expert) each way (the packed call before it)."""
+    rng = np.random.default_rng(0)
+    tokens, hidden = 256, 576
+    idx = torch.tensor(np.stack([rng.choice(16, 8, replace=False) for _ in range(tokens)]))
+    placement = LayerPlacement.even(np.arange(16), np.arange(16) // 8, 16)
+    plan = plan_scatter(0, idx, torch.rand(tokens, 8), placement)
+    routed = sum(b.call.request_bytes(hidden, torch.float32) + b.call.reply_bytes(hidden, torch.float32)
+                 for b in plan.hosts.values())
+    per_pair = 2 * idx.numel() * hidden * 4
+    assert routed <= 0.5 * per_pair, routed / per_pair
 
 
 def test_tokens_of_one_expert_split_by_share_over_hosts():
     idx = torch.zeros((20, 1), dtype=torch.long)  # all 20 tokens to expert 0
     placement = LayerPlacement(np.array([0, 0, 1]), np.array([0, 1, 1]), np.array([0.3, 0.7, 1.0]))
-    plan = plan_scatter(idx, placement)
-    assert plan.hosts[0].rows.tolist() == list(range(6)) and plan.hosts[1].rows.tolist() == list(range(6, 20))
+    plan = plan_scatter(0, idx, torch.ones(20, 1), placement)
+    assert plan.hosts[0].call.tokens.tolist() == list(range(6))
+    assert plan.hosts[1].call.tokens.tolist() == list(range(6, 20))
     assert plan.hosts[0].experts == [0] and plan.hosts[1].counts == [14]
 
 
 def test_chunks_under_min_rows_join_the_largest_chunk():
     idx = torch.zeros((10, 1), dtype=torch.long)  # 0.3 / 0.7 of 10 tokens would be 3 + 7
     placement = LayerPlacement(np.array([0, 0, 1]), np.array([0, 1, 1]), np.array([0.3, 0.7, 1.0]))
-    plan = plan_scatter(idx, placement)
-    assert 0 not in plan.hosts and plan.hosts[1].rows.tolist() == list(range(10))
+    plan = plan_scatter(0, idx, torch.ones(10, 1), placement)
+    assert 0 not in plan.hosts and plan.hosts[1].call.tokens.tolist() == list(range(10))
 
 
 @settings(max_examples=100, deadline=None)
@@ -113,7 +151,7 @@ def test_merge_small_chunks_keeps_sums_and_leaves_no_small_split(pairs):
 def test_gate_choice_outside_placement_is_an_error():
     placement = LayerPlacement.even(np.array([0, 1]), np.array([0, 0]), 2)
     with pytest.raises(ValueError, match="only 2 experts"):
-        plan_scatter(torch.tensor([[3]]), placement)
+        plan_scatter(0, torch.tensor([[3]]), torch.ones(1, 1), placement)
 
 
 def test_evacuate_moves_dead_hosts_replicas_to_least_loaded_live_hosts():

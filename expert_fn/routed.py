@@ -1,0 +1,262 @@
+"""One host's share of one MoE layer, each token sent once: the call every data-plane transport carries.
+
+A routed call is (layer, experts [m] ascending, counts [m], src [P], out [P], weight [P], x [n, H]):
+x holds each token this host needs once (n rows, in the model's compute dtype); the P (token,
+expert) pairs are listed expert-major, counts[i] of them for experts[i], pair j reading row
+src[j] of x, weighted by weight[j] and added into output row out[j]. The answer is z [n_out, H]:
+
+    z[o] = sum over the pairs j with out[j] = o, in ascending expert order, of weight[j] * expert(x[src[j]])
+
+accumulated from zeros exactly as the in-process reference combines a token's experts
+(model/moe_model.LocalExecutor), so serving can use z as it is. The serving side
+(serving/scatter.py) gives several pairs one output row only where they are a prefix of the
+token's experts in ascending order: then z is the reference's own partial sum, bit for bit, and
+the token's remaining pairs (on other hosts) are added after it in the same order. A packed call
+(one output per pair, weight 1) is a routed call too: `RoutedCall.packed`.
+
+The frame (little-endian), the same bytes on every transport (TCP, gRPC, shared memory):
+    call:  HEAD, int32 experts[m], int32 counts[m], int32 src[P], int32 out[P], weight[P], x[n*H]
+    reply: REPLY, then z[n_out*H] (ok) or the error kind, NUL, the message (not ok)
+weight, x and z in the dtype the head names. Nothing is converted: a bfloat16 model's tokens
+travel as bfloat16.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from moeless.expert_fn.errors import BadRequest
+
+HEAD = struct.Struct("<4sIiiiiiiB3x")  # b"MRC1", call id, layer, m, P, n, n_out, H, dtype
+REPLY = struct.Struct("<4sIB3xidiiB3x")  # b"MRR1", call id, ok, cold_starts, compute_s, n_out, H, dtype
+CALL_MAGIC, REPLY_MAGIC = b"MRC1", b"MRR1"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the head's dtype code is the index
+MAX_FRAME_BYTES = 1 << 31  # a call larger than this is refused: no prefill needs 2 GiB per host
+
+
+@dataclass
+class RoutedResult:
+    """A routed call's answer. z: [n_out, H] (on a local or stream channel: a view of its buffer,
+    valid until that client's next call); cold_starts: experts that had to load first;
+    compute_s: the host's time in the expert forward itself."""
+
+    z: torch.Tensor
+    cold_starts: int
+    compute_s: float
+
+
+class Pending(Protocol):
+    """A routed call in flight; result() waits for it (raises ExpertHostUnavailable et al.)."""
+
+    def result(self) -> RoutedResult: ...
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in DTYPES:
+        raise BadRequest(f"tokens in {dtype} cannot travel; use one of {', '.join(map(str, DTYPES))}")
+    return DTYPES.index(dtype)
+
+
+@dataclass(frozen=True)
+class RoutedCall:
+    """A routed call without its tensor: tokens [n] long are the rows of the caller's x it sends
+    (ascending); src, out: [P] int32; weight: [P] in the tokens' dtype (see the module docstring)."""
+
+    layer: int
+    experts: list[int]
+    counts: list[int]
+    tokens: torch.Tensor
+    src: torch.Tensor
+    out: torch.Tensor
+    weight: torch.Tensor
+    n_out: int
+
+    @staticmethod
+    def packed(layer: int, experts: Sequence[int], counts: Sequence[int], rows: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> "RoutedCall":
+        """The packed call: rows [P] of x, expert-major, each its own output row, weight 1 (z = y)."""
+        pairs = int(sum(counts))
+        index = torch.arange(pairs, dtype=torch.int32)
+        return RoutedCall(layer, list(experts), list(counts), rows, index, index, torch.ones(pairs, dtype=dtype), pairs)
+
+    @property
+    def pairs(self) -> int:
+        return int(self.src.numel())
+
+    def request_bytes(self, hidden: int, dtype: torch.dtype) -> int:
+        """Bytes of this call's frame on the wire."""
+        item = torch.empty(0, dtype=dtype).element_size()
+        return HEAD.size + 8 * len(self.experts) + 8 * self.pairs + item * (self.pairs + int(self.tokens.numel()) * hidden)
+
+    def reply_bytes(self, hidden: int, dtype: torch.dtype) -> int:
+        return REPLY.size + torch.empty(0, dtype=dtype).element_size() * self.n_out * hidden
+
+
+def lists_bytes(call_id: int, call: RoutedCall, hidden: int, dtype: torch.dtype) -> bytes:
+    """The frame up to x: HEAD and the lists (x follows: call.tokens' rows, n * H values)."""
+    head = HEAD.pack(CALL_MAGIC, call_id, call.layer, len(call.experts), call.pairs, int(call.tokens.numel()),
+                     call.n_out, hidden, dtype_code(dtype))
+    ints = np.asarray([*call.experts, *call.counts], dtype="<i4").tobytes()
+    return (head + ints + call.src.numpy().astype("<i4", copy=False).tobytes()
+            + call.out.numpy().astype("<i4", copy=False).tobytes() + raw_bytes(call.weight.to(dtype)))
+
+
+def encode_call(call_id: int, call: RoutedCall, x: torch.Tensor) -> bytearray:
+    """The whole frame of `call` on the caller's x [T, H] (its rows call.tokens)."""
+    rows = x.index_select(0, call.tokens)
+    return bytearray(lists_bytes(call_id, call, x.shape[1], x.dtype) + raw_bytes(rows))
+
+
+def decode_call(data: bytes | memoryview) -> "Decoded":
+    """A whole frame -> Decoded (views into data); BadRequest names what is wrong."""
+    view = memoryview(data)
+    head = decode_head(view)
+    return decode_body(head, view[HEAD.size:])
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes as they travel (no conversion)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@dataclass(frozen=True)
+class Head:
+    """A decoded HEAD: sizes of what follows it."""
+
+    call_id: int
+    layer: int
+    m: int
+    pairs: int
+    rows: int
+    n_out: int
+    hidden: int
+    dtype: torch.dtype
+
+    @property
+    def item(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes after HEAD: the lists and x."""
+        return 8 * self.m + 8 * self.pairs + self.item * (self.pairs + self.rows * self.hidden)
+
+
+def decode_head(data: bytes | memoryview) -> Head:
+    """HEAD -> Head; BadRequest for a head that no client of this version sends."""
+    if len(data) < HEAD.size or bytes(data[:4]) != CALL_MAGIC:
+        raise BadRequest("malformed routed call (bad head): client and host versions differ?")
+    _, call_id, layer, m, pairs, rows, n_out, hidden, code = HEAD.unpack_from(data)
+    if min(m, pairs, rows, n_out) < 0 or hidden <= 0 or code >= len(DTYPES):
+        raise BadRequest(f"malformed routed call {call_id}: m={m} P={pairs} n={rows} n_out={n_out} H={hidden} dtype={code}")
+    head = Head(call_id, layer, m, pairs, rows, n_out, hidden, DTYPES[code])
+    if HEAD.size + head.body_bytes > MAX_FRAME_BYTES or n_out * hidden * head.item > MAX_FRAME_BYTES:
+        raise BadRequest(f"routed call {call_id} is larger than {MAX_FRAME_BYTES} bytes; split the batch")
+    return head
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A routed call as the host runs it: views into the received bytes (no copies)."""
+
+    head: Head
+    experts: list[int]
+    counts: list[int]
+    src: torch.Tensor
+    out: torch.Tensor
+    weight: torch.Tensor
+    x: torch.Tensor
+
+
+def decode_body(head: Head, body: memoryview) -> Decoded:
+    """The lists and x after HEAD (body: exactly head.body_bytes), checked; BadRequest names what is wrong."""
+    if len(body) != head.body_bytes:
+        raise BadRequest(f"routed call {head.call_id}: {len(body)} bytes after the head, expected {head.body_bytes}")
+    m, pairs = head.m, head.pairs
+    ints = np.frombuffer(body, dtype="<i4", count=2 * m + 2 * pairs)
+    experts, counts = ints[:m].tolist(), ints[m:2 * m].tolist()
+    src, out = torch.from_numpy(ints[2 * m:2 * m + pairs].copy()), torch.from_numpy(ints[2 * m + pairs:].copy())
+    offset = 4 * (2 * m + 2 * pairs)
+    floats = torch.frombuffer(body, dtype=head.dtype, offset=offset, count=pairs + head.rows * head.hidden) \
+        if pairs + head.rows * head.hidden else torch.empty(0, dtype=head.dtype)
+    call = Decoded(head, experts, counts, src, out, floats[:pairs], floats[pairs:].view(head.rows, head.hidden))
+    check(call)
+    return call
+
+
+def check(call: Decoded) -> None:
+    """BadRequest unless the lists describe pairs the host can run (see the module docstring)."""
+    head = call.head
+    where = f"routed call {head.call_id} (layer {head.layer})"
+    if len(set(call.experts)) != len(call.experts) or call.experts != sorted(call.experts):
+        raise BadRequest(f"{where}: experts must be distinct and ascending, got {call.experts}")
+    if any(c < 1 for c in call.counts) or sum(call.counts) != head.pairs:
+        raise BadRequest(f"{where}: counts {call.counts} must be >= 1 and add up to the {head.pairs} pairs")
+    if head.pairs and (int(call.src.min()) < 0 or int(call.src.max()) >= head.rows):
+        raise BadRequest(f"{where}: a pair reads a row outside the {head.rows} rows sent")
+    if head.pairs and (int(call.out.min()) < 0 or int(call.out.max()) >= head.n_out):
+        raise BadRequest(f"{where}: a pair writes outside the {head.n_out} output rows")
+
+
+def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
+    """Run a routed call on an ExpertHostRuntime -> (z [n_out, H], cold_starts, compute_s); z is
+    written into `z` when given (a transport's preallocated buffer)."""
+    head = call.head
+    # 1. Each expert's rows gathered from x (one copy of its tokens), one runtime call for all.
+    bounds = np.cumsum([0, *call.counts])
+    batches = {e: call.x.index_select(0, call.src[bounds[i]:bounds[i + 1]].long()) for i, e in enumerate(call.experts)}
+    result = runtime.invoke(head.layer, batches)
+    # 2. Weighted outputs accumulated from zeros, experts in ascending order: the reference's sums.
+    z = torch.zeros(head.n_out, head.hidden, dtype=head.dtype) if z is None else z.zero_()
+    for i, e in enumerate(call.experts):
+        y = result.outputs[e].to(head.dtype)
+        rows = call.out[bounds[i]:bounds[i + 1]].long()
+        z.index_put_((rows,), y * call.weight[bounds[i]:bounds[i + 1], None], accumulate=True)
+    return z, result.cold_starts, result.compute_s
+
+
+def encode_reply(call_id: int, z: torch.Tensor, cold_starts: int, compute_s: float) -> bytes:
+    """REPLY for a call that ran (z follows it: `z`'s raw bytes)."""
+    return REPLY.pack(REPLY_MAGIC, call_id, 1, cold_starts, compute_s, z.shape[0], z.shape[1], dtype_code(z.dtype))
+
+
+def encode_error(call_id: int, kind: str, message: str) -> bytes:
+    """REPLY for a call that failed, with its error kind and message."""
+    tail = kind.encode() + b"\0" + message.encode(errors="replace")
+    return REPLY.pack(REPLY_MAGIC, call_id, 0, 0, 0.0, len(tail), 0, 0) + tail
+
+
+@dataclass(frozen=True)
+class ReplyHead:
+    call_id: int
+    ok: bool
+    cold_starts: int
+    compute_s: float
+    n_out: int  # ok: z's rows; not ok: the bytes of the error text that follow
+    hidden: int
+    dtype: torch.dtype
+
+    @property
+    def body_bytes(self) -> int:
+        return self.n_out * self.hidden * torch.empty(0, dtype=self.dtype).element_size() if self.ok else self.n_out
+
+
+def decode_reply_head(data: bytes | memoryview) -> ReplyHead:
+    """REPLY -> ReplyHead; ValueError for bytes that are not one (a broken or foreign peer)."""
+    if len(data) < REPLY.size or bytes(data[:4]) != REPLY_MAGIC:
+        raise ValueError("malformed reply (bad head)")
+    _, call_id, ok, cold, compute, n_out, hidden, code = REPLY.unpack_from(data)
+    if n_out < 0 or hidden < 0 or code >= len(DTYPES):
+        raise ValueError(f"malformed reply to call {call_id}: n_out={n_out} H={hidden} dtype={code}")
+    return ReplyHead(call_id, bool(ok), cold, compute, n_out, hidden, DTYPES[code])
+
+
+def split_error(tail: bytes) -> tuple[str, str]:
+    """(kind, message) of a failed call's reply text."""
+    kind, _, message = tail.decode(errors="replace").partition("\0")
+    return kind, message

@@ -1,0 +1,161 @@
+"""The TCP channel (the data plane between pods) on real host processes: routed calls equal gRPC's
+bit for bit, a host killed mid-call is unavailable at once and reached again after its restart,
+and bad frames either way get errors that name the host and the call while serving goes on."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
+from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.expert_fn.routed import HEAD, RoutedCall, lists_bytes
+from moeless.expert_fn.tcp_channel import TcpChannel
+from moeless.model.experts import expert_forward
+
+from expert_fn_support import HIDDEN
+
+
+@pytest.fixture(scope="module")
+def hosts(store):
+    with launch_local_hosts(1, store.root, keep_alive_s=60.0, metrics=False) as group:
+        yield group
+
+
+def _shared_call(layer: int = 0) -> RoutedCall:
+    """Tokens 0..3; token 0 to experts 0 and 2 (one output row), token 1 to 2, token 3 to 0 and 3."""
+    return RoutedCall(layer, [0, 2, 3], [2, 2, 1], torch.tensor([0, 1, 3]),
+                      torch.tensor([0, 2, 0, 1, 2], dtype=torch.int32), torch.tensor([0, 1, 0, 2, 3], dtype=torch.int32),
+                      torch.tensor([0.25, 0.5, 0.75, 1.0, 0.125]), 4)
+
+
+def _expected(store, call: RoutedCall, x: torch.Tensor) -> torch.Tensor:
+    """z by the routed call's definition, with the store's own weights (experts ascending, from zeros)."""
+    z = torch.zeros(call.n_out, x.shape[1])
+    start = 0
+    for e, n in zip(call.experts, call.counts):
+        rows = call.tokens[call.src[start:start + n].long()]
+        y = expert_forward(store.load(call.layer, e), x[rows])
+        z.index_put_((call.out[start:start + n].long(),), y * call.weight[start:start + n, None], accumulate=True)
+        start += n
+    return z
+
+
+def test_tcp_and_grpc_answer_a_routed_call_the_same_bit_for_bit(hosts, store):
+    x = torch.randn(6, HIDDEN)
+    call = _shared_call()
+    with ExpertHostClient(hosts.addresses[0], transport="tcp") as tcp, \
+            ExpertHostClient(hosts.addresses[0], transport="grpc") as grpc_client:
+        a = tcp.submit(call, x).result().z.clone()
+        assert tcp.path == "tcp"
+        b = grpc_client.submit(call, x).result().z
+        assert grpc_client.path == "grpc"
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a, _expected(store, call, x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_prefill_sized_call_grows_the_buffers_and_a_small_one_still_fits(hosts, store):
+    x = torch.randn(40_000, HIDDEN)
+    with ExpertHostClient(hosts.addresses[0], transport="tcp") as client:
+        big = client.submit(RoutedCall.packed(0, [0, 1], [20_000, 20_000], torch.arange(40_000)), x).result().z
+        torch.testing.assert_close(big[:20_000], expert_forward(store.load(0, 0), x[:20_000]), rtol=1e-5, atol=1e-6)
+        small = client.submit(RoutedCall.packed(0, [1], [2], torch.arange(2)), x).result().z
+        torch.testing.assert_close(small, expert_forward(store.load(0, 1), x[:2]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_call_names_the_host_and_the_call_and_the_channel_goes_on(hosts):
+    x = torch.randn(4, HIDDEN)
+    with ExpertHostClient(hosts.addresses[0], transport="tcp") as client:
+        with pytest.raises(BadRequest, match=r"expert host .*, call \d+ \(layer 9\).*layer"):
+            client.submit(RoutedCall.packed(9, [0], [4], torch.arange(4)), x).result()  # no layer 9
+        wrong = RoutedCall(0, [0], [3], torch.arange(4), torch.arange(4, dtype=torch.int32),
+                           torch.arange(4, dtype=torch.int32), torch.ones(4), 4)  # counts say 3 pairs, 4 are sent
+        with pytest.raises(BadRequest, match=r"call \d+ \(layer 0\).*add up"):
+            client.submit(wrong, x).result()
+        assert client.submit(RoutedCall.packed(0, [0], [4], torch.arange(4)), x).result().z.shape == (4, HIDDEN)
+        assert client.path == "tcp"
+
+
+def test_a_peer_that_does_not_speak_the_protocol_is_hung_up_on_and_others_are_served(hosts):
+    x = torch.randn(4, HIDDEN)
+    call = RoutedCall.packed(0, [0], [4], torch.arange(4))
+    with ExpertHostClient(hosts.addresses[0], transport="tcp") as client:
+        client.submit(call, x).result()
+        host, _, port = client._channel_now.address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as peer:
+            peer.sendall(b"GET / HTTP/1.1\r\n" + bytes(HEAD.size))
+            reply = peer.recv(4096)
+            assert b"malformed routed call" in reply
+            try:  # then the host hangs up on it (a reset: the rest of what it sent was never read)
+                assert peer.recv(4096) == b""
+            except ConnectionResetError:
+                pass
+        assert client.submit(call, x).result().z.shape == (4, HIDDEN)  # the other connection is served
+
+
+def test_a_reply_that_is_not_a_frame_is_an_error_naming_the_host_and_the_call():
+    """A fake peer answers garbage: the client raises an ExpertHostError naming it, and breaks the channel."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def peer():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1 << 16)
+            conn.sendall(b"NOPE" + bytes(64))
+            time.sleep(0.5)
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    channel = TcpChannel(f"127.0.0.1:{port}", timeout_s=5)
+    with pytest.raises(ExpertHostError, match=rf"expert host 127.0.0.1:{port}, call 1 \(layer 0\): malformed reply"):
+        channel.submit(RoutedCall.packed(0, [0], [1], torch.arange(1)), torch.randn(1, HIDDEN)).result()
+    assert channel.broken
+    with pytest.raises(ExpertHostUnavailable, match="closed"):
+        channel.submit(RoutedCall.packed(0, [0], [1], torch.arange(1)), torch.randn(1, HIDDEN))
+    thread.join(5)
+    listener.close()
+
+
+def test_a_host_killed_mid_call_is_unavailable_and_reached_again_after_a_restart(store):
+    with launch_local_hosts(1, store.root, metrics=False) as group:
+        client = ExpertHostClient(group.addresses[0], transport="tcp", timeout_s=30)
+        x = torch.randn(4, HIDDEN)
+        call = RoutedCall.packed(0, [0], [4], torch.arange(4))
+        client.submit(call, x).result()
+        big = torch.randn(200_000, HIDDEN)  # long enough to be in flight when the host dies
+        pending = client.submit(RoutedCall.packed(0, [0, 1], [100_000, 100_000], torch.arange(200_000)), big)
+        group.kill(0)
+        started = time.monotonic()
+        with pytest.raises(ExpertHostUnavailable):
+            pending.result()
+        with pytest.raises(ExpertHostUnavailable):  # and the next call too, without a hang
+            client.submit(call, x).result()
+        assert time.monotonic() - started < 5.0
+        group.restart(0)
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                z = client.submit(call, x).result().z
+                break
+            except ExpertHostUnavailable:
+                assert time.monotonic() < deadline, "restarted host not reachable"
+                time.sleep(0.05)
+        assert client.path == "tcp"
+        torch.testing.assert_close(z, expert_forward(store.load(0, 0), x), rtol=1e-5, atol=1e-6)
+        client.close()
+
+
+def test_the_head_is_the_documented_layout():
+    """Golden bytes: a peer in another language can write the frame from the docstring alone."""
+    call = RoutedCall(3, [1], [1], torch.tensor([0]), torch.tensor([0], dtype=torch.int32),
+                      torch.tensor([0], dtype=torch.int32), torch.tensor([0.5]), 1)
+    frame = lists_bytes(7, call, 2, torch.float32)
+    assert frame[:HEAD.size] == struct.pack("<4sIiiiiiiB3x", b"MRC1", 7, 3, 1, 1, 1, 1, 2, 0)
+    assert frame[HEAD.size:] == struct.pack("<iiiif", 1, 1, 0, 0, 0.5)

@@ -1,0 +1,17 @@
+"""What an expert host answers to a routed call, computed in-process: fake hosts' compute for the
+executor's unit tests (the frame is encoded and decoded as on a real transport)."""
+
+from types import SimpleNamespace
+
+from moeless.expert_fn.routed import RoutedResult, decode_call, encode_call, run_routed
+from moeless.model.experts import expert_forward
+
+
+def answer(model, call, x) -> RoutedResult:
+    """The routed call's answer with `model`'s own experts."""
+    def invoke(layer, batches):
+        outputs = {e: expert_forward(model.expert_weights(layer, e), xs, model.spec.act) for e, xs in batches.items()}
+        return SimpleNamespace(outputs=outputs, cold_starts=0, compute_s=0.0)
+
+    z, cold, compute = run_routed(SimpleNamespace(invoke=invoke), decode_call(encode_call(0, call, x)))
+    return RoutedResult(z, cold, compute)
