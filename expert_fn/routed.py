@@ -207,16 +207,40 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     """Run a routed call on an ExpertHostRuntime -> (z [n_out, H], cold_starts, compute_s); z is
     written into `z` when given (a transport's preallocated buffer)."""
     head = call.head
-    # 1. Each expert's rows gathered from x (one copy of its tokens), one runtime call for all.
-    bounds = np.cumsum([0, *call.counts])
-    batches = {e: call.x.index_select(0, call.src[bounds[i]:bounds[i + 1]].long()) for i, e in enumerate(call.experts)}
+    # 1. Every pair's row gathered from x in one copy (expert-major), one view per expert, one
+    #    runtime call for all of them.
+    rows = call.x.index_select(0, call.src.long())
+    batches = dict(zip(call.experts, torch.split(rows, call.counts)))
     result = runtime.invoke(head.layer, batches)
-    # 2. Weighted outputs accumulated from zeros, experts in ascending order: the reference's sums.
-    z = torch.zeros(head.n_out, head.hidden, dtype=head.dtype) if z is None else z.zero_()
-    for i, e in enumerate(call.experts):
-        y = result.outputs[e].to(head.dtype)
-        rows = call.out[bounds[i]:bounds[i + 1]].long()
-        z.index_put_((rows,), y * call.weight[bounds[i]:bounds[i + 1], None], accumulate=True)
+    # 2. Weighted outputs into z (see below for rows that several pairs add into).
+    z = torch.empty(head.n_out, head.hidden, dtype=head.dtype) if z is None else z
+    if head.n_out == head.pairs and torch.equal(call.out, torch.arange(head.pairs, dtype=call.out.dtype)):
+        # Every pair its own row, in pair order (0 + s is s): each expert's rows in one piece.
+        bounds = np.cumsum([0, *call.counts]).tolist()
+        for i, e in enumerate(call.experts):
+            a, b = bounds[i], bounds[i + 1]
+            torch.mul(result.outputs[e].to(head.dtype), call.weight[a:b, None], out=z[a:b])
+        return z, result.cold_starts, result.compute_s
+    # 3. Each row's weighted outputs added up in pair order, which is ascending expert order within
+    #    a row: the reference's sums. The pairs go to [n_out, run, H] slots by their rank in their
+    #    row (zeros after a row's last pair: x + 0 is x), then the runs are added slot by slot, each
+    #    a contiguous add. (index_put_ with accumulate cost ~2x more here, and with repeated rows it
+    #    may add them in another order, measured on the CPU.)
+    y = torch.cat([result.outputs[e] for e in call.experts]) if call.experts else rows.new_zeros((0, head.hidden))
+    weighted = y.to(head.dtype) * call.weight[:, None]
+    out = call.out.numpy()
+    order = np.argsort(out, kind="stable")  # each row's pairs together, in pair order
+    starts = np.flatnonzero(np.diff(out[order], prepend=-1))
+    lengths = np.diff([*starts, len(order)])
+    run = int(lengths.max())
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order)) - np.repeat(starts, lengths)
+    slots = weighted.new_zeros((head.n_out * run, head.hidden))
+    slots.index_copy_(0, torch.from_numpy(out.astype(np.int64) * run + rank), weighted)
+    slots = slots.view(head.n_out, run, head.hidden)
+    z.copy_(slots[:, 0])
+    for j in range(1, run):
+        z += slots[:, j]
     return z, result.cold_starts, result.compute_s
 
 

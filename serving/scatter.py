@@ -29,6 +29,7 @@ Replica i lives on host `placement.gpu[i]`: GPU ids of a placement are expert-ho
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Container
 
 import numpy as np
 import torch
@@ -69,17 +70,21 @@ class ScatterPlan:
     tokens: int
     k: int
     hosts: dict[int, HostBatch]
+    combined: bool = True  # some host adds several pairs into one row (gather then starts from zeros)
 
     def tokens_per_host(self) -> dict[int, int]:
         """Pairs (token, expert) each host computes."""
         return {h: b.call.pairs for h, b in self.hosts.items()}
 
 
-def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
+def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement: LayerPlacement,
+                 combining: Container[int] | None = None) -> ScatterPlan:
     """Split each expert's tokens over its replicas and make one routed call per host.
 
     idx: [T, k] long expert choices; weight: [T, k] their gate weights (in the dtype the tokens
-    travel in); placement: the layer's replicas (expert, gpu, share).
+    travel in); placement: the layer's replicas (expert, gpu, share); combining: the hosts that add
+    up the pairs beginning a token's experts into one row (None: all). Over shared memory a row
+    costs nothing to move while the host's adds cost memory passes, so there each pair keeps its row.
     """
     tokens, k = idx.shape
     num_experts = int(placement.expert.max()) + 1 if placement.num_replicas else 0
@@ -110,7 +115,10 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
     host_by_slot = np.empty(tokens * k, dtype=np.int64)
     host_by_slot[dest] = host_of_pair
     by_rank = host_by_slot.reshape(tokens, k)
-    prefix = np.cumprod(by_rank == by_rank[:, :1], axis=1).astype(bool).reshape(-1)
+    prefix = np.cumprod(by_rank == by_rank[:, :1], axis=1).astype(bool)
+    if combining is not None:  # only where the first expert's host combines
+        prefix &= np.isin(by_rank[:, :1], list(combining))
+    prefix = prefix.reshape(-1)
     slot_of_output = np.where(prefix, np.repeat(np.arange(tokens) * k, k), np.arange(tokens * k))[dest]
     flat_weight = weight.reshape(-1)
     hosts = {}
@@ -119,13 +127,25 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
         flat = order[positions]
         pairs_per_expert = np.bincount(flat_idx[flat], minlength=num_experts)
         experts = np.flatnonzero(pairs_per_expert)
-        rows, src = np.unique(flat // k, return_inverse=True)
-        out_dest, out = np.unique(slot_of_output[positions], return_inverse=True)
+        rows, src = _numbered(flat // k, tokens)
+        if combining is None or h in combining:
+            out_dest, out = _numbered(slot_of_output[positions], tokens * k)
+        else:  # each pair its own row, in pair order: the host writes each expert's rows in one piece
+            out_dest, out = dest[positions], np.arange(len(positions))
         call = RoutedCall(layer, experts.tolist(), pairs_per_expert[experts].tolist(), torch.from_numpy(rows),
                           torch.from_numpy(src.astype(np.int32)), torch.from_numpy(out.astype(np.int32)),
                           flat_weight[torch.from_numpy(flat)], len(out_dest))
         hosts[h] = HostBatch(call, torch.from_numpy(out_dest))
-    return ScatterPlan(tokens, k, hosts)
+    return ScatterPlan(tokens, k, hosts, bool(prefix.sum() > np.count_nonzero(prefix.reshape(tokens, k)[:, 0])))
+
+
+def _numbered(values: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct values ascending, each value's index among them): np.unique's answer for
+    values in [0, size), by a mask (a sort costs more on a decode step's few values)."""
+    seen = np.zeros(size, dtype=bool)
+    seen[values] = True
+    number = np.cumsum(seen) - 1
+    return np.flatnonzero(seen), number[values]
 
 
 def merge_small_chunks(expert: np.ndarray, counts: np.ndarray, min_rows: int) -> np.ndarray:
@@ -156,7 +176,8 @@ def gather(plan: ScatterPlan, outputs: dict[int, torch.Tensor], hidden: int, dty
     -> [T, H], each token's slots added in rank order (ascending expert), as the reference adds
     them; slots a host already added in are zero here."""
     tokens, k = plan.tokens, plan.k
-    slots = torch.zeros((tokens * k, hidden), dtype=dtype)
+    # Every slot is written unless a host added several into one row: zeros only then.
+    slots = (torch.zeros if plan.combined else torch.empty)((tokens * k, hidden), dtype=dtype)
     for h, batch in plan.hosts.items():
         slots.index_copy_(0, batch.out_dest, outputs[h])
     slots = slots.view(tokens, k, hidden)

@@ -179,3 +179,25 @@ def test_evacuate_merges_two_replicas_of_an_expert_on_one_host():
     load = np.array([20, 10, 5, 5])
     levelled = relevel_layer(load, moved, LatencyModel(alpha=1e-5, beta=0.0, cold_start=0.0, call_overhead=1e-6), 3)
     assert levelled.gpu_tokens(load, 3).sum() == load.sum()
+
+
+def test_long_prefix_runs_add_up_as_the_reference_on_a_prefill_sized_layer():
+    """k=8 of 16 experts, 2 hosts in contiguous blocks, 300 tokens: host 0 adds up to 8 pairs into
+    one row for most tokens (thousands of pairs in one call): still the reference's sums, bit for bit."""
+    rng = np.random.default_rng(1)
+    idx = torch.tensor(np.stack([rng.choice(16, 8, replace=False) for _ in range(300)]))
+    x, weight = torch.randn(300, 64) * 100, torch.rand(300, 8)  # enough elements for the CPU to go parallel
+    placement = LayerPlacement.even(np.arange(16), np.arange(16) // 8, 16)
+    plan = plan_scatter(0, idx, weight, placement)
+    assert plan.hosts[0].call.pairs > 1000 and plan.hosts[0].call.n_out <= 300
+    assert torch.equal(gather(plan, _host_outputs(plan, x), 64, x.dtype), _reference(x, idx, weight))
+
+
+def test_a_host_that_does_not_combine_answers_every_pair_in_its_own_row():
+    """Over shared memory (the executor leaves those hosts out of `combining`) no row is shared."""
+    idx = torch.tensor([[0, 1, 3], [1, 2, 3]])
+    placement = LayerPlacement.even(np.arange(4), np.array([0, 0, 1, 1]), 4)
+    x, weight = torch.randn(2, 5), torch.rand(2, 3)
+    plan = plan_scatter(0, idx, weight, placement, combining={1})
+    assert plan.hosts[0].call.n_out == plan.hosts[0].call.pairs == 3
+    assert torch.equal(gather(plan, _host_outputs(plan, x), 5, x.dtype), _reference(x, idx, weight))
