@@ -23,12 +23,12 @@ import mmap
 import os
 import socket
 import struct
-import threading
 import uuid
 
 import torch
 
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
+from moeless.expert_fn.listener import Listener
 from moeless.expert_fn.routed import HEAD, decode_body, decode_head, encode_error, encode_reply, run_routed
 
 log = logging.getLogger(__name__)
@@ -52,48 +52,14 @@ class LocalChannelServer:
         self.runtime = runtime
         self.threads = threads
         self.name = f"moeless-expert-host-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._listener.bind("\0" + self.name)
-        self._listener.listen(64)
-        self._connections: set[socket.socket] = set()
-        self._workers: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._closing = False
-        self._acceptor = threading.Thread(target=self._accept, name="local-channel-accept", daemon=True)
-        self._acceptor.start()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind("\0" + self.name)
+        listener.listen(64)
+        self._listener = Listener(listener, self._serve, "local-channel")
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop accepting; let each connection finish the call it is running, then close it."""
-        with self._lock:
-            self._closing = True
-            connections = list(self._connections)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        for conn in connections:  # wakes a thread blocked in recv; a running call still sends its reply
-            try:
-                conn.shutdown(socket.SHUT_RD)
-            except OSError:
-                pass
-        for worker in list(self._workers):
-            worker.join(timeout_s)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            with self._lock:
-                if self._closing:
-                    conn.close()
-                    return
-                self._connections.add(conn)
-            worker = threading.Thread(target=self._serve, args=(conn,), name="local-channel", daemon=True)
-            self._workers.append(worker)
-            worker.start()
+        self._listener.close(timeout_s)
 
     def _serve(self, conn: socket.socket) -> None:
         """One client's calls, in order, until it disconnects or the host closes."""
@@ -112,9 +78,6 @@ class LocalChannelServer:
             log.info("local channel closed: %s", err)
         finally:
             _release(buffer)
-            with self._lock:
-                self._connections.discard(conn)
-            conn.close()
 
     @staticmethod
     def _map(msg: bytes, fds: list[int], old: mmap.mmap | None) -> mmap.mmap:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 
 import torch
 
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
+from moeless.expert_fn.listener import Listener
 from moeless.expert_fn.routed import HEAD, decode_body, decode_head, encode_error, encode_reply, run_routed
 
 log = logging.getLogger(__name__)
@@ -34,48 +34,14 @@ class TcpServer:
     def __init__(self, runtime, host: str = "0.0.0.0", port: int = 0, threads: int = 1):
         self.runtime = runtime
         self.threads = threads
-        self._listener = socket.create_server((host, port), backlog=64)
-        self.port = self._listener.getsockname()[1]
-        self._connections: set[socket.socket] = set()
-        self._workers: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._closing = False
-        self._acceptor = threading.Thread(target=self._accept, name="tcp-accept", daemon=True)
-        self._acceptor.start()
+        listener = socket.create_server((host, port), backlog=64)
+        self.port = listener.getsockname()[1]
+        self._listener = Listener(listener, self._serve, "tcp-channel",
+                                  lambda conn: conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop accepting; let each connection finish the call it is running, then close it."""
-        with self._lock:
-            self._closing = True
-            connections = list(self._connections)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        for conn in connections:  # wakes a thread blocked in recv; a running call still sends its reply
-            try:
-                conn.shutdown(socket.SHUT_RD)
-            except OSError:
-                pass
-        for worker in list(self._workers):
-            worker.join(timeout_s)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            with self._lock:
-                if self._closing:
-                    conn.close()
-                    return
-                self._connections.add(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            worker = threading.Thread(target=self._serve, args=(conn,), name="tcp-channel", daemon=True)
-            self._workers.append(worker)
-            worker.start()
+        self._listener.close(timeout_s)
 
     def _serve(self, conn: socket.socket) -> None:
         """One client's calls, in order, until it disconnects, sends what is not a frame, or the host closes."""
@@ -97,10 +63,6 @@ class TcpServer:
                 self._answer(conn, call_head, view)
         except OSError as err:
             log.info("TCP channel closed: %s", err)
-        finally:
-            with self._lock:
-                self._connections.discard(conn)
-            conn.close()
 
     def _answer(self, conn: socket.socket, head, body: memoryview) -> None:
         """Run one call and send its reply (or an error reply naming the call)."""
