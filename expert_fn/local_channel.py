@@ -20,6 +20,7 @@ is raised with its class and the host's message, naming the call; the channel go
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import socket
@@ -29,7 +30,15 @@ import torch
 
 from moeless.expert_fn.errors import ERRORS_BY_KIND, ExpertHostError, ExpertHostUnavailable
 from moeless.expert_fn.local_channel_server import BUFFER, BUFFER_MAGIC, CALL, CALL_MAGIC, z_offset
-from moeless.expert_fn.routed import REPLY, RoutedCall, RoutedResult, decode_reply_head, lists_bytes, split_error
+from moeless.expert_fn.routed import (
+    REPLY,
+    HeldCall,
+    RoutedCall,
+    RoutedResult,
+    decode_reply_head,
+    lists_bytes,
+    split_error,
+)
 
 INITIAL_BYTES = 4 << 20  # grows by doubling when a call needs more (a long prefill)
 MAX_REPLY_BYTES = 1 << 16  # REPLY and, for an error, its text
@@ -53,7 +62,7 @@ class LocalChannel:
         self._calls = 0
         self.broken = False
 
-    def submit(self, call: RoutedCall, x: torch.Tensor) -> "_Pending":
+    def submit(self, call: RoutedCall, x: torch.Tensor) -> HeldCall:
         """Send call with the rows x[call.tokens] (x: [T, H] contiguous, in the dtype they travel in)."""
         self._lock.acquire()
         try:
@@ -71,7 +80,7 @@ class LocalChannel:
                 out = torch.frombuffer(self._buffer, dtype=x.dtype, offset=len(lists), count=rows * hidden)
                 torch.index_select(x, 0, call.tokens, out=out.view(rows, hidden))
             self._send(CALL.pack(CALL_MAGIC, frame, z_at))
-            return _Pending(self, self._calls, call.layer, z_at)
+            return HeldCall(self._lock, functools.partial(self._wait, self._calls, call.layer, z_at))
         except BaseException:
             self._lock.release()
             raise
@@ -119,6 +128,27 @@ class LocalChannel:
             self._fail("the host closed the connection (it died or is stopping)")
         return msg
 
+    def _wait(self, call_id: int, layer: int, z_at: int) -> RoutedResult:
+        """Read the answer to call `call_id` (the lock is held)."""
+        msg = self._receive()
+        where = f"local channel {self.name}, call {call_id} (layer {layer})"
+        try:
+            head = decode_reply_head(msg)
+        except ValueError as err:
+            self._break()
+            raise ExpertHostError(f"{where}: {err}; the channel is closed") from None
+        if head.call_id not in (call_id, 0) or len(msg) != REPLY.size + (0 if head.ok else head.body_bytes):
+            self._break()
+            raise ExpertHostError(f"{where}: the reply (to call {head.call_id}, {len(msg)} bytes) is not this "
+                                  "call's; the channel is closed")
+        if not head.ok:
+            kind, message = split_error(msg[REPLY.size:])
+            raise ERRORS_BY_KIND.get(kind, ExpertHostError)(f"{where}: {message}")
+        count = head.n_out * head.hidden
+        z = torch.frombuffer(self._buffer, dtype=head.dtype, offset=z_at, count=count) \
+            if count else torch.empty(0, dtype=head.dtype)
+        return RoutedResult(z.view(head.n_out, head.hidden), head.cold_starts, head.compute_s)
+
     def _fail(self, why: str) -> None:
         self._break()
         raise ExpertHostUnavailable(f"local channel {self.name}: {why}")
@@ -126,44 +156,3 @@ class LocalChannel:
     def _break(self) -> None:
         self.broken = True
         self._sock.close()
-
-
-class _Pending:
-    """The call in flight on a LocalChannel (its lock is held until result() first returns)."""
-
-    def __init__(self, channel: LocalChannel, call_id: int, layer: int, z_at: int):
-        self._channel, self._call_id, self._layer, self._z_at = channel, call_id, layer, z_at
-        self._outcome: RoutedResult | BaseException | None = None
-
-    def result(self) -> RoutedResult:
-        if self._outcome is None:
-            try:
-                self._outcome = self._wait()
-            except BaseException as err:
-                self._outcome = err
-            finally:
-                self._channel._lock.release()
-        if isinstance(self._outcome, BaseException):
-            raise self._outcome
-        return self._outcome
-
-    def _wait(self) -> RoutedResult:
-        channel = self._channel
-        msg = channel._receive()
-        where = f"local channel {channel.name}, call {self._call_id} (layer {self._layer})"
-        try:
-            head = decode_reply_head(msg)
-        except ValueError as err:
-            channel._break()
-            raise ExpertHostError(f"{where}: {err}; the channel is closed") from None
-        if head.call_id not in (self._call_id, 0) or len(msg) != REPLY.size + (0 if head.ok else head.body_bytes):
-            channel._break()
-            raise ExpertHostError(f"{where}: the reply (to call {head.call_id}, {len(msg)} bytes) is not this "
-                                  "call's; the channel is closed")
-        if not head.ok:
-            kind, message = split_error(msg[REPLY.size:])
-            raise ERRORS_BY_KIND.get(kind, ExpertHostError)(f"{where}: {message}")
-        count = head.n_out * head.hidden
-        z = torch.frombuffer(channel._buffer, dtype=head.dtype, offset=self._z_at, count=count) \
-            if count else torch.empty(0, dtype=head.dtype)
-        return RoutedResult(z.view(head.n_out, head.hidden), head.cold_starts, head.compute_s)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,27 @@ class Pending(Protocol):
     """A routed call in flight; result() waits for it (raises ExpertHostUnavailable et al.)."""
 
     def result(self) -> RoutedResult: ...
+
+
+class HeldCall:
+    """A call in flight on a channel that runs one call at a time: the channel's lock, taken by
+    submit, is held until result() first returns; `wait` reads the answer (once)."""
+
+    def __init__(self, lock, wait: Callable[[], RoutedResult]):
+        self._lock, self._wait = lock, wait
+        self._outcome: RoutedResult | BaseException | None = None
+
+    def result(self) -> RoutedResult:
+        if self._outcome is None:
+            try:
+                self._outcome = self._wait()
+            except BaseException as err:
+                self._outcome = err
+            finally:
+                self._lock.release()
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -15,6 +15,7 @@ ExpertHostError naming the host and the call, and breaks the channel too.
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 
@@ -22,6 +23,7 @@ import torch
 
 from moeless.expert_fn.errors import ERRORS_BY_KIND, ExpertHostError, ExpertHostUnavailable
 from moeless.expert_fn.routed import (
+    HeldCall,
     REPLY,
     RoutedCall,
     RoutedResult,
@@ -54,7 +56,7 @@ class TcpChannel:
         self.broken = False
         self.bytes_sent = self.bytes_received = 0
 
-    def submit(self, call: RoutedCall, x: torch.Tensor) -> "_Pending":
+    def submit(self, call: RoutedCall, x: torch.Tensor) -> HeldCall:
         """Send call with the rows x[call.tokens] (x: [T, H] contiguous, in the dtype they travel in)."""
         self._lock.acquire()
         try:
@@ -75,7 +77,7 @@ class TcpChannel:
             except OSError as err:
                 self._fail(f"send failed ({err})")
             self.bytes_sent += total
-            return _Pending(self, self._calls, call.layer)
+            return HeldCall(self._lock, functools.partial(self._wait, self._calls, call.layer))
         except BaseException:
             self._lock.release()
             raise
@@ -93,6 +95,33 @@ class TcpChannel:
         except OSError as err:
             self._fail(f"receive failed ({err})")
 
+    def _wait(self, call_id: int, layer: int) -> RoutedResult:
+        """Read the answer to call `call_id` (the lock is held)."""
+        self._read(memoryview(self._reply_head))
+        where = f"expert host {self.address}, call {call_id} (layer {layer})"
+        try:
+            head = decode_reply_head(self._reply_head)
+        except ValueError as err:
+            self._break()
+            raise ExpertHostError(f"{where}: {err}; the connection is closed") from None
+        if head.call_id != call_id and head.call_id != 0:
+            self._break()
+            raise ExpertHostError(f"{where}: the reply answers call {head.call_id}; the connection is closed")
+        if len(self._receive) < head.body_bytes:
+            self._receive = bytearray(1 << (head.body_bytes - 1).bit_length())
+        body = memoryview(self._receive)[:head.body_bytes]
+        self._read(body)
+        self.bytes_received += REPLY.size + head.body_bytes
+        if not head.ok:
+            kind, message = split_error(bytes(body))
+            if head.call_id == 0:  # the host could not read our head: it hung up
+                self._break()
+            raise ERRORS_BY_KIND.get(kind, ExpertHostError)(f"{where}: {message}")
+        count = head.n_out * head.hidden
+        z = torch.frombuffer(self._receive, dtype=head.dtype, count=count).view(head.n_out, head.hidden) \
+            if count else torch.empty(head.n_out, head.hidden, dtype=head.dtype)
+        return RoutedResult(z, head.cold_starts, head.compute_s)
+
     def _fail(self, why: str) -> None:
         self._break()
         raise ExpertHostUnavailable(f"TCP channel {self.address}: {why}")
@@ -100,50 +129,3 @@ class TcpChannel:
     def _break(self) -> None:
         self.broken = True
         self._sock.close()
-
-
-class _Pending:
-    """The call in flight on a TcpChannel (its lock is held until result() first returns)."""
-
-    def __init__(self, channel: TcpChannel, call_id: int, layer: int):
-        self._channel, self._call_id, self._layer = channel, call_id, layer
-        self._outcome: RoutedResult | BaseException | None = None
-
-    def result(self) -> RoutedResult:
-        if self._outcome is None:
-            try:
-                self._outcome = self._wait()
-            except BaseException as err:
-                self._outcome = err
-            finally:
-                self._channel._lock.release()
-        if isinstance(self._outcome, BaseException):
-            raise self._outcome
-        return self._outcome
-
-    def _wait(self) -> RoutedResult:
-        channel = self._channel
-        channel._read(memoryview(channel._reply_head))
-        where = f"expert host {channel.address}, call {self._call_id} (layer {self._layer})"
-        try:
-            head = decode_reply_head(channel._reply_head)
-        except ValueError as err:
-            channel._break()
-            raise ExpertHostError(f"{where}: {err}; the connection is closed") from None
-        if head.call_id != self._call_id and head.call_id != 0:
-            channel._break()
-            raise ExpertHostError(f"{where}: the reply answers call {head.call_id}; the connection is closed")
-        if len(channel._receive) < head.body_bytes:
-            channel._receive = bytearray(1 << (head.body_bytes - 1).bit_length())
-        body = memoryview(channel._receive)[:head.body_bytes]
-        channel._read(body)
-        channel.bytes_received += REPLY.size + head.body_bytes
-        if not head.ok:
-            kind, message = split_error(bytes(body))
-            if head.call_id == 0:  # the host could not read our head: it hung up
-                channel._break()
-            raise ERRORS_BY_KIND.get(kind, ExpertHostError)(f"{where}: {message}")
-        count = head.n_out * head.hidden
-        z = torch.frombuffer(channel._receive, dtype=head.dtype, count=count).view(head.n_out, head.hidden) \
-            if count else torch.empty(head.n_out, head.hidden, dtype=head.dtype)
-        return RoutedResult(z, head.cold_starts, head.compute_s)
