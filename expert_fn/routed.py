@@ -183,7 +183,8 @@ def decode_head(data: bytes | memoryview) -> Head:
 
 @dataclass(frozen=True)
 class Decoded:
-    """A routed call as the host runs it: views into the received bytes (no copies)."""
+    """A routed call as the host runs it: weight and x are views into the received bytes (no copy);
+    the int lists, small, are copied out."""
 
     head: Head
     experts: list[int]

@@ -54,7 +54,6 @@ class TcpChannel:
         self._reply_head = bytearray(REPLY.size)
         self._calls = 0
         self.broken = False
-        self.bytes_sent = self.bytes_received = 0
 
     def submit(self, call: RoutedCall, x: torch.Tensor) -> HeldCall:
         """Send call with the rows x[call.tokens] (x: [T, H] contiguous, in the dtype they travel in)."""
@@ -76,7 +75,6 @@ class TcpChannel:
                 send_parts(self._sock, [memoryview(self._send)[:total]])
             except OSError as err:
                 self._fail(f"send failed ({err})")
-            self.bytes_sent += total
             return HeldCall(self._lock, functools.partial(self._wait, self._calls, call.layer))
         except BaseException:
             self._lock.release()
@@ -111,7 +109,6 @@ class TcpChannel:
             self._receive = bytearray(1 << (head.body_bytes - 1).bit_length())
         body = memoryview(self._receive)[:head.body_bytes]
         self._read(body)
-        self.bytes_received += REPLY.size + head.body_bytes
         if not head.ok:
             kind, message = split_error(bytes(body))
             if head.call_id == 0:  # the host could not read our head: it hung up

@@ -169,7 +169,7 @@ class RemoteExecutor:
         x = x.contiguous()
         # Hosts over shared memory answer every pair in its own row; the others add up each
         # token's first experts (fewer bytes back, same sums).
-        combining = {h for h, c in clients.items() if getattr(c, "path", "tcp") != "local"}
+        combining = {h for h, c in clients.items() if c.path != "local"}
         plan = plan_scatter(layer, routing.idx, routing.weight.to(x.dtype), placement, combining)
         # 3. One packed call per host, all in flight at once; then wait for every one of them
         #    (always all: a call left uncollected would hold its client).

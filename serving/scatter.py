@@ -118,8 +118,8 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
     prefix = np.cumprod(by_rank == by_rank[:, :1], axis=1).astype(bool)
     if combining is not None:  # only where the first expert's host combines
         prefix &= np.isin(by_rank[:, :1], list(combining))
-    prefix = prefix.reshape(-1)
-    slot_of_output = np.where(prefix, np.repeat(np.arange(tokens) * k, k), np.arange(tokens * k))[dest]
+    combined = bool(prefix[:, 1:].any())  # some row adds up several pairs
+    slot_of_output = np.where(prefix.reshape(-1), np.repeat(np.arange(tokens) * k, k), np.arange(tokens * k))[dest]
     flat_weight = weight.reshape(-1)
     hosts = {}
     for h in np.flatnonzero(np.bincount(host_of_pair)).tolist():  # bincount, not unique: faster on tiny arrays
@@ -136,7 +136,7 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
                           torch.from_numpy(src.astype(np.int32)), torch.from_numpy(out.astype(np.int32)),
                           flat_weight[torch.from_numpy(flat)], len(out_dest))
         hosts[h] = HostBatch(call, torch.from_numpy(out_dest))
-    return ScatterPlan(tokens, k, hosts, bool(prefix.sum() > np.count_nonzero(prefix.reshape(tokens, k)[:, 0])))
+    return ScatterPlan(tokens, k, hosts, combined)
 
 
 def _numbered(values: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:

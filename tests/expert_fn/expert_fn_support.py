@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
 
+from moeless.expert_fn.errors import ExpertHostUnavailable
 from moeless.model.weight_store import WeightStore, export_experts
 
 LAYERS, EXPERTS, HIDDEN, FFN = 2, 4, 16, 8
@@ -46,3 +48,14 @@ def corrupt(store: WeightStore, layer: int, expert: int) -> Path:
     data[len(data) // 2 : len(data) // 2 + 8] = b"\xff" * 8
     path.write_bytes(bytes(data))
     return path
+
+
+def answer_after_restart(client, call, x: torch.Tensor, timeout_s: float = 10.0) -> torch.Tensor:
+    """z of `call` from a host that is restarting: retried while it is unavailable, for up to timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.submit(call, x).result().z
+        except ExpertHostUnavailable:
+            assert time.monotonic() < deadline, "restarted host not reachable"
+            time.sleep(0.05)

@@ -19,7 +19,7 @@ from moeless.expert_fn.routed import HEAD, RoutedCall, lists_bytes
 from moeless.expert_fn.tcp_channel import TcpChannel
 from moeless.model.experts import expert_forward
 
-from expert_fn_support import HIDDEN
+from expert_fn_support import HIDDEN, answer_after_restart
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +139,7 @@ def test_a_host_killed_mid_call_is_unavailable_and_reached_again_after_a_restart
             client.submit(call, x).result()
         assert time.monotonic() - started < 5.0
         group.restart(0)
-        deadline = time.monotonic() + 10.0
-        while True:
-            try:
-                z = client.submit(call, x).result().z
-                break
-            except ExpertHostUnavailable:
-                assert time.monotonic() < deadline, "restarted host not reachable"
-                time.sleep(0.05)
+        z = answer_after_restart(client, call, x)
         assert client.path == "tcp"
         torch.testing.assert_close(z, expert_forward(store.load(0, 0), x), rtol=1e-5, atol=1e-6)
         client.close()

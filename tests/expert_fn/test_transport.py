@@ -16,7 +16,7 @@ from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.routed import RoutedCall
 from moeless.model.experts import expert_forward
 
-from expert_fn_support import CORRUPT, EXPERTS, HIDDEN
+from expert_fn_support import CORRUPT, EXPERTS, HIDDEN, answer_after_restart
 
 
 @pytest.fixture(scope="module")
@@ -147,14 +147,7 @@ def test_killed_host_is_unavailable_at_once_and_a_restart_is_reached_again(store
             client.submit(call, x).result()
         assert time.monotonic() - started < 5.0
         group.restart(0)
-        deadline = time.monotonic() + 10.0
-        while True:
-            try:
-                z = client.submit(call, x).result().z
-                break
-            except ExpertHostUnavailable:
-                assert time.monotonic() < deadline, "restarted host not reachable"
-                time.sleep(0.05)
+        z = answer_after_restart(client, call, x)
         assert client.uses_local_channel
         torch.testing.assert_close(z, expert_forward(store.load(0, 0), x), rtol=1e-5, atol=1e-6)
         client.close()

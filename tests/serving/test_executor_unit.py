@@ -19,6 +19,8 @@ from routed_fakes import answer
 class FakeHost:
     """Computes experts in-process; records what it received; can be 'killed'."""
 
+    path = "tcp"  # as a host on another machine: its calls add up each token's first experts
+
     def __init__(self, model):
         self.model, self.down, self.seen = model, False, []
 

@@ -23,6 +23,8 @@ from routed_fakes import answer
 class FakeHost:
     """A host at `address` computing experts in-process; `gate` (an Event) holds its results back."""
 
+    path = "tcp"  # as a host on another machine: its calls add up each token's first experts
+
     def __init__(self, model, address):
         self.model, self.address, self.calls, self.closed, self.gate = model, address, 0, False, None
 
