@@ -49,6 +49,7 @@ from moeless.expert_fn.errors import (
     ReplicaLoadError,  # noqa: F401 (re-exported: callers catch it from here)
 )
 from moeless.expert_fn.local_channel import LocalChannel
+from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S
 from moeless.expert_fn.routed import Pending, RoutedCall, RoutedResult, decode_reply_head, encode_call, split_error
 from moeless.expert_fn.tcp_channel import TcpChannel
 
@@ -80,12 +81,14 @@ def _fields(message) -> dict:
 class ExpertHostClient:
     """A channel to the expert host at `address` ("host:port"); every call has timeout_s."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0, transport: str = "auto") -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0, transport: str = "auto",
+                 poll_s: float = DEFAULT_CLIENT_POLL_S) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.address = address
         self.timeout_s = timeout_s
         self.transport = transport
+        self.poll_s = poll_s  # the data channel spins this long for an answer before blocking (polling.py)
         self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.ExpertHostStub(self._channel)
         # The data channel: None = not asked since the last failure, False = gRPC (the host offers
@@ -168,7 +171,7 @@ class ExpertHostClient:
             socket_name, tcp_port = "", 0
         if self.transport in ("auto", "local") and socket_name:
             try:
-                return LocalChannel(socket_name, timeout_s=self.timeout_s)
+                return LocalChannel(socket_name, timeout_s=self.timeout_s, poll_s=self.poll_s)
             except ExpertHostUnavailable:
                 if self.transport == "local":
                     raise  # the host answered but its socket is not here: another machine
@@ -177,7 +180,7 @@ class ExpertHostClient:
                                   "use transport 'auto', 'tcp' or 'grpc'")
         if tcp_port:
             host = self.address.rpartition(":")[0]
-            return TcpChannel(f"{host}:{tcp_port}", timeout_s=self.timeout_s)
+            return TcpChannel(f"{host}:{tcp_port}", timeout_s=self.timeout_s, poll_s=self.poll_s)
         if self.transport == "tcp":
             raise ExpertHostError(f"expert host {self.address} offers no TCP channel; use transport 'auto' or 'grpc'")
         return False

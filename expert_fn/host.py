@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from moeless.expert_fn.gpu import detect_device
 from moeless.expert_fn.local_channel_server import LocalChannelServer
+from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S
 from moeless.expert_fn.tiers import add_tier_arguments, tier_config_from_args
 from moeless.model.weight_store import WeightStore, WeightStoreError
 
@@ -51,6 +52,9 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tcp-port", type=int, default=0, metavar="P",
         help="the TCP channel's port, the data plane between machines (default 0: a free one, offered over gRPC)")
     add("--no-tcp-channel", action="store_true", help="offer no TCP channel (data calls then take gRPC or shared memory)")
+    add("--poll-us", type=float, default=DEFAULT_HOST_POLL_S * 1e6, metavar="US",
+        help="after each data-plane call, spin this many microseconds for the next before blocking: shorter "
+             "wake-ups for a core's worth of CPU while calls keep coming (default %(default)g; 0: block at once)")
     add("--exit-with-parent", action="store_true", help="drain and exit when the parent process is gone")
     add_tier_arguments(parser)
 
@@ -77,8 +81,9 @@ def serve(args: argparse.Namespace) -> int:
         # by every thread started below; no privilege needed.
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     # 1. Store, device, runtime.
-    if (args.memory_gb is not None and args.memory_gb <= 0) or args.keep_alive_s < 0 or args.threads < 1:
-        print("expert-host: --memory-gb must be > 0, --keep-alive-s >= 0 and --threads >= 1", file=sys.stderr)
+    if (args.memory_gb is not None and args.memory_gb <= 0) or args.keep_alive_s < 0 or args.threads < 1 \
+            or args.poll_us < 0:
+        print("expert-host: --memory-gb must be > 0, --keep-alive-s, --poll-us >= 0 and --threads >= 1", file=sys.stderr)
         return 2
     try:
         store = WeightStore.open(args.store)
@@ -99,9 +104,10 @@ def serve(args: argparse.Namespace) -> int:
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,
                                   initargs=(args.threads,))
     server = grpc.server(handlers, options=CHANNEL_OPTIONS)
-    local = None if args.no_local_channel else LocalChannelServer(runtime, threads=args.threads)
+    local = None if args.no_local_channel else LocalChannelServer(runtime, threads=args.threads, poll_s=args.poll_us / 1e6)
     try:
-        tcp = None if args.no_tcp_channel else TcpServer(runtime, args.bind, args.tcp_port, threads=args.threads)
+        tcp = None if args.no_tcp_channel else TcpServer(runtime, args.bind, args.tcp_port, threads=args.threads,
+                                                            poll_s=args.poll_us / 1e6)
     except OSError as err:
         print(f"expert-host: cannot listen on {args.bind}:{args.tcp_port} ({err}); pick another --tcp-port", file=sys.stderr)
         return 2

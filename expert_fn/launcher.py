@@ -164,12 +164,14 @@ def launch_local_hosts(
     drain_s: float = 30.0,
     startup_timeout_s: float = 60.0,
     local_channel: bool = True,
+    poll_s: float | None = None,
 ) -> LocalHostGroup:
     """Start num_hosts expert hosts serving store_dir on loopback and wait until all are ready.
 
     memory_bytes: replica memory per host (default: the host's own, 4 GB on a CPU). metrics:
     also serve /metrics, /healthz, /readyz on a free port each (group.metrics_urls).
     local_channel: offer the shared-memory channel (False: gRPC only, as for a remote host).
+    poll_s: the hosts' spin for the next data-plane call (expert-host --poll-us; None: its default).
     Hosts exit by themselves when this process dies without closing the group.
     """
     if num_hosts < 1:
@@ -184,4 +186,6 @@ def launch_local_hosts(
         args += ["--metrics-port", "0"]
     if not local_channel:
         args += ["--no-local-channel"]
+    if poll_s is not None:
+        args += ["--poll-us", repr(poll_s * 1e6)]
     return LocalHostGroup(args, num_hosts, startup_timeout_s)

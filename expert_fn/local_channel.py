@@ -29,6 +29,7 @@ import threading
 import torch
 
 from moeless.expert_fn.errors import ERRORS_BY_KIND, ExpertHostError, ExpertHostUnavailable
+from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, Poller
 from moeless.expert_fn.local_channel_server import BUFFER, BUFFER_MAGIC, CALL, CALL_MAGIC, z_offset
 from moeless.expert_fn.routed import (
     REPLY,
@@ -47,7 +48,7 @@ MAX_REPLY_BYTES = 1 << 16  # REPLY and, for an error, its text
 class LocalChannel:
     """A shared-memory channel to the expert host listening on abstract socket `name`."""
 
-    def __init__(self, name: str, timeout_s: float = 30.0):
+    def __init__(self, name: str, timeout_s: float = 30.0, poll_s: float = DEFAULT_CLIENT_POLL_S):
         self.name = name
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -58,6 +59,7 @@ class LocalChannel:
         except OSError as err:
             self._sock.close()
             raise ExpertHostUnavailable(f"local channel {name}: cannot connect ({err})") from None
+        self._poller = Poller(self._sock, poll_s)  # spin for the answer before blocking (polling.py)
         self._buffer: mmap.mmap | None = None
         self._calls = 0
         self.broken = False
@@ -130,6 +132,7 @@ class LocalChannel:
 
     def _wait(self, call_id: int, layer: int, z_at: int) -> RoutedResult:
         """Read the answer to call `call_id` (the lock is held)."""
+        self._poller.wait()
         msg = self._receive()
         where = f"local channel {self.name}, call {call_id} (layer {layer})"
         try:

@@ -29,6 +29,7 @@ import torch
 
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
 from moeless.expert_fn.listener import Listener
+from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S, Poller
 from moeless.expert_fn.routed import HEAD, decode_body, decode_head, encode_error, encode_reply, run_routed
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,10 @@ def z_offset(frame_bytes: int) -> int:
 class LocalChannelServer:
     """Listens on an abstract Unix socket; `name` is what the LocalChannel RPC hands to clients."""
 
-    def __init__(self, runtime, threads: int = 1):
+    def __init__(self, runtime, threads: int = 1, poll_s: float = DEFAULT_HOST_POLL_S):
         self.runtime = runtime
         self.threads = threads
+        self.poll_s = poll_s  # spin this long for the next call before blocking (polling.py)
         self.name = f"moeless-expert-host-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind("\0" + self.name)
@@ -65,8 +67,10 @@ class LocalChannelServer:
         """One client's calls, in order, until it disconnects or the host closes."""
         torch.set_num_threads(self.threads)  # OpenMP's count is per thread
         buffer: mmap.mmap | None = None
+        poller = Poller(conn, self.poll_s)
         try:
             while True:
+                poller.wait()
                 msg, fds, _, _ = socket.recv_fds(conn, MAX_CONTROL_BYTES, 1)
                 if not msg:
                     return

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -36,6 +37,7 @@ HEAD = struct.Struct("<4sIiiiiiiB3x")  # b"MRC1", call id, layer, m, P, n, n_out
 REPLY = struct.Struct("<4sIB3xidiiB3x")  # b"MRR1", call id, ok, cold_starts, compute_s, n_out, H, dtype
 CALL_MAGIC, REPLY_MAGIC = b"MRC1", b"MRR1"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the head's dtype code is the index
+ITEM_BYTES = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in DTYPES}
 MAX_FRAME_BYTES = 1 << 31  # a call larger than this is refused: no prefill needs 2 GiB per host
 
 
@@ -160,7 +162,7 @@ class Head:
 
     @property
     def item(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return ITEM_BYTES[self.dtype]
 
     @property
     def body_bytes(self) -> int:
@@ -183,16 +185,18 @@ def decode_head(data: bytes | memoryview) -> Head:
 
 @dataclass(frozen=True)
 class Decoded:
-    """A routed call as the host runs it: weight and x are views into the received bytes (no copy);
-    the int lists, small, are copied out."""
+    """A routed call as the host runs it: src, out, weight and x are views into the received bytes
+    (no copy; valid while the transport keeps them, which is until the answer is sent).
+    pair_order: out[j] = j for every pair (each pair its own row, in order)."""
 
     head: Head
     experts: list[int]
     counts: list[int]
     src: torch.Tensor
-    out: torch.Tensor
+    out: np.ndarray
     weight: torch.Tensor
     x: torch.Tensor
+    pair_order: bool
 
 
 def decode_body(head: Head, body: memoryview) -> Decoded:
@@ -202,26 +206,26 @@ def decode_body(head: Head, body: memoryview) -> Decoded:
     m, pairs = head.m, head.pairs
     ints = np.frombuffer(body, dtype="<i4", count=2 * m + 2 * pairs)
     experts, counts = ints[:m].tolist(), ints[m:2 * m].tolist()
-    src, out = torch.from_numpy(ints[2 * m:2 * m + pairs].copy()), torch.from_numpy(ints[2 * m + pairs:].copy())
-    offset = 4 * (2 * m + 2 * pairs)
-    floats = torch.frombuffer(body, dtype=head.dtype, offset=offset, count=pairs + head.rows * head.hidden) \
+    src, out = ints[2 * m:2 * m + pairs], ints[2 * m + pairs:]
+    check(head, experts, counts, src, out)
+    floats = torch.frombuffer(body, dtype=head.dtype, offset=4 * (2 * m + 2 * pairs), count=pairs + head.rows * head.hidden) \
         if pairs + head.rows * head.hidden else torch.empty(0, dtype=head.dtype)
-    call = Decoded(head, experts, counts, src, out, floats[:pairs], floats[pairs:].view(head.rows, head.hidden))
-    check(call)
-    return call
+    pair_order = head.n_out == pairs and (pairs == 0 or (out[0] == 0 and out[-1] == pairs - 1 and bool((out[1:] > out[:-1]).all())))
+    return Decoded(head, experts, counts, torch.frombuffer(body, dtype=torch.int32, offset=8 * m, count=pairs) if pairs
+                   else torch.empty(0, dtype=torch.int32), out, floats[:pairs], floats[pairs:].view(head.rows, head.hidden),
+                   pair_order)
 
 
-def check(call: Decoded) -> None:
+def check(head: Head, experts: list[int], counts: list[int], src: np.ndarray, out: np.ndarray) -> None:
     """BadRequest unless the lists describe pairs the host can run (see the module docstring)."""
-    head = call.head
     where = f"routed call {head.call_id} (layer {head.layer})"
-    if len(set(call.experts)) != len(call.experts) or call.experts != sorted(call.experts):
-        raise BadRequest(f"{where}: experts must be distinct and ascending, got {call.experts}")
-    if any(c < 1 for c in call.counts) or sum(call.counts) != head.pairs:
-        raise BadRequest(f"{where}: counts {call.counts} must be >= 1 and add up to the {head.pairs} pairs")
-    if head.pairs and (int(call.src.min()) < 0 or int(call.src.max()) >= head.rows):
+    if len(set(experts)) != len(experts) or experts != sorted(experts):
+        raise BadRequest(f"{where}: experts must be distinct and ascending, got {experts}")
+    if any(c < 1 for c in counts) or sum(counts) != head.pairs:
+        raise BadRequest(f"{where}: counts {counts} must be >= 1 and add up to the {head.pairs} pairs")
+    if head.pairs and (src.min() < 0 or src.max() >= head.rows):
         raise BadRequest(f"{where}: a pair reads a row outside the {head.rows} rows sent")
-    if head.pairs and (int(call.out.min()) < 0 or int(call.out.max()) >= head.n_out):
+    if head.pairs and (out.min() < 0 or out.max() >= head.n_out):
         raise BadRequest(f"{where}: a pair writes outside the {head.n_out} output rows")
 
 
@@ -230,18 +234,19 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     written into `z` when given (a transport's preallocated buffer)."""
     head = call.head
     # 1. Every pair's row gathered from x in one copy (expert-major), one view per expert, one
-    #    runtime call for all of them.
-    rows = call.x.index_select(0, call.src.long())
-    batches = dict(zip(call.experts, torch.split(rows, call.counts)))
+    #    runtime call for all of them. (A decode step's call is tiny: every torch op skipped counts.)
+    rows = call.x.index_select(0, call.src)
+    batches = {call.experts[0]: rows} if len(call.experts) == 1 else dict(zip(call.experts, torch.split(rows, call.counts)))
     result = runtime.invoke(head.layer, batches)
     # 2. Weighted outputs into z (see below for rows that several pairs add into).
     z = torch.empty(head.n_out, head.hidden, dtype=head.dtype) if z is None else z
-    if head.n_out == head.pairs and torch.equal(call.out, torch.arange(head.pairs, dtype=call.out.dtype)):
+    if call.pair_order:
         # Every pair its own row, in pair order (0 + s is s): each expert's rows in one piece.
-        bounds = np.cumsum([0, *call.counts]).tolist()
+        bounds = [0, *accumulate(call.counts)]
         for i, e in enumerate(call.experts):
             a, b = bounds[i], bounds[i + 1]
-            torch.mul(result.outputs[e].to(head.dtype), call.weight[a:b, None], out=z[a:b])
+            y = result.outputs[e]
+            torch.mul(y if y.dtype == head.dtype else y.to(head.dtype), call.weight[a:b, None], out=z[a:b])
         return z, result.cold_starts, result.compute_s
     # 3. Each row's weighted outputs added up in pair order, which is ascending expert order within
     #    a row: the reference's sums. The pairs go to [n_out, run, H] slots by their rank in their
@@ -250,7 +255,7 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     #    may add them in another order, measured on the CPU.)
     y = torch.cat([result.outputs[e] for e in call.experts]) if call.experts else rows.new_zeros((0, head.hidden))
     weighted = y.to(head.dtype) * call.weight[:, None]
-    out = call.out.numpy()
+    out = call.out
     order = np.argsort(out, kind="stable")  # each row's pairs together, in pair order
     starts = np.flatnonzero(np.diff(out[order], prepend=-1))
     lengths = np.diff([*starts, len(order)])

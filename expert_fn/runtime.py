@@ -109,47 +109,62 @@ class ExpertHostRuntime:
         empty = {e: x.new_zeros(x.shape, dtype=torch.float32) for e, x in batches.items() if x.shape[0] == 0}
         batches = {e: x for e, x in batches.items() if x.shape[0] > 0}  # no tokens: no load, no compute
         keys = [(layer, e) for e in batches]
-        # 1. Start every missing load at once, then pin each replica (waiting for its load).
+        pinned: list[Key] = []
         with self._lock:
             self._inflight += 1
-        pinned: list[Key] = []
-        try:
-            with self._lock:
-                cold = [key for key in keys if self.table.state(key) not in RESIDENT]
-                loading = {key: self._start_load(key)[0] for key in cold}
-                for key in cold:
-                    self.meters.cold_start(key)
-                ahead = self._ahead.intersection(keys)
-                self._ahead.difference_update(keys)
-            waited: dict[Key, float] = {}
-            for key in keys:
-                waited[key] = self._pin(key, loading.get(key))
-                pinned.append(key)
-            # 2. Cold-start meters: what prefetching hid, what this call waited for.
-            with self._lock:
-                for key in set(cold) | ahead:  # a resident replica loaded ahead waited for nothing
-                    load_s = self.meters.replicas[key].last_load_s
-                    self.meters.cold.used(layer, load_s, waited[key] if key in cold else 0.0, prefetched=key in ahead)
-            # 3. Compute outside the lock.
-            with self._lock:
+            # Every replica resident and none loaded ahead (most calls): pin them all at once.
+            if self._ahead.isdisjoint(keys) and all(self.table.state(key) in RESIDENT for key in keys):
+                for key in keys:
+                    self.table.acquire(key)
+                pinned = keys
                 weights = [self._weights[key] for key in keys]
+        cold: list[Key] = []
+        compute_s: float | None = None  # set once the call has computed
+        try:
+            if not pinned:
+                cold, weights = self._pin_all(layer, keys, pinned)
+            # 3. Compute outside the lock.
             for (expert, x), w in zip(batches.items(), weights):
                 if x.shape[1] != w["gate"].shape[1]:
                     raise BadRequest(f"expert {expert}: tokens must be [n, H={w['gate'].shape[1]}], got {list(x.shape)}")
             clock = _compute_clock(self.device)
             started = clock()
-            xs = [x.to(self.device, torch.float32) for x in batches.values()]
+            xs = [x if x.dtype == torch.float32 and x.device.type == self.device else x.to(self.device, torch.float32)
+                  for x in batches.values()]
             outs = self._forward(weights, xs, self.store.act)
-            result = {e: out.to("cpu", torch.float32) for e, out in zip(batches, outs)} | empty
+            result = {e: out if out.device.type == "cpu" else out.to("cpu", torch.float32) for e, out in zip(batches, outs)}
+            result |= empty
             compute_s = clock() - started
         finally:
             with self._lock:
                 for key in pinned:
                     self._dropped(self.table.release(key))
                 self._inflight -= 1
-        with self._lock:
-            self.meters.invoked(layer, {e: int(x.shape[0]) for e, x in batches.items()})
+                if compute_s is not None:
+                    self.meters.invoked(layer, {e: int(x.shape[0]) for e, x in batches.items()})
         return InvokeResult(result, len(cold), compute_s)
+
+    def _pin_all(self, layer: int, keys: list[Key], pinned: list[Key]) -> tuple[list[Key], list[dict]]:
+        """Start every missing load at once, then pin each replica (waiting for its load), adding
+        each to `pinned` as it is; count the cold starts -> (the keys that were cold, their weights)."""
+        # 1. Start the loads, then pin.
+        with self._lock:
+            cold = [key for key in keys if self.table.state(key) not in RESIDENT]
+            loading = {key: self._start_load(key)[0] for key in cold}
+            for key in cold:
+                self.meters.cold_start(key)
+            ahead = self._ahead.intersection(keys)
+            self._ahead.difference_update(keys)
+        waited: dict[Key, float] = {}
+        for key in keys:
+            waited[key] = self._pin(key, loading.get(key))
+            pinned.append(key)
+        # 2. Cold-start meters: what prefetching hid, what this call waited for.
+        with self._lock:
+            for key in set(cold) | ahead:  # a resident replica loaded ahead waited for nothing
+                load_s = self.meters.replicas[key].last_load_s
+                self.meters.cold.used(layer, load_s, waited[key] if key in cold else 0.0, prefetched=key in ahead)
+            return cold, [self._weights[key] for key in keys]
 
     def status(self) -> dict:
         """Host facts, every replica seen (state, bytes, GB·s, counts), the host's totals, the

@@ -22,6 +22,7 @@ import threading
 import torch
 
 from moeless.expert_fn.errors import ERRORS_BY_KIND, ExpertHostError, ExpertHostUnavailable
+from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, Poller
 from moeless.expert_fn.routed import (
     HeldCall,
     REPLY,
@@ -39,7 +40,7 @@ INITIAL_BYTES = 1 << 20
 class TcpChannel:
     """A TCP connection to the expert host's stream port at `address` ("host:port")."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0):
+    def __init__(self, address: str, timeout_s: float = 30.0, poll_s: float = DEFAULT_CLIENT_POLL_S):
         self.address = address
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -49,6 +50,7 @@ class TcpChannel:
         except OSError as err:
             raise ExpertHostUnavailable(f"TCP channel {address}: cannot connect ({err})") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._poller = Poller(self._sock, poll_s)  # spin for the answer before blocking (polling.py)
         self._send = bytearray(INITIAL_BYTES)
         self._receive = bytearray(INITIAL_BYTES)
         self._reply_head = bytearray(REPLY.size)
@@ -95,6 +97,7 @@ class TcpChannel:
 
     def _wait(self, call_id: int, layer: int) -> RoutedResult:
         """Read the answer to call `call_id` (the lock is held)."""
+        self._poller.wait()
         self._read(memoryview(self._reply_head))
         where = f"expert host {self.address}, call {call_id} (layer {layer})"
         try:

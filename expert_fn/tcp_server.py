@@ -23,6 +23,7 @@ import torch
 
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
 from moeless.expert_fn.listener import Listener
+from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S, Poller
 from moeless.expert_fn.routed import HEAD, decode_body, decode_head, encode_error, encode_reply, run_routed
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,11 @@ log = logging.getLogger(__name__)
 class TcpServer:
     """Listens on TCP (host, port); port 0 takes a free one. `port` is what the host offers clients."""
 
-    def __init__(self, runtime, host: str = "0.0.0.0", port: int = 0, threads: int = 1):
+    def __init__(self, runtime, host: str = "0.0.0.0", port: int = 0, threads: int = 1,
+                 poll_s: float = DEFAULT_HOST_POLL_S):
         self.runtime = runtime
         self.threads = threads
+        self.poll_s = poll_s  # spin this long for the next call before blocking (polling.py)
         listener = socket.create_server((host, port), backlog=64)
         self.port = listener.getsockname()[1]
         self._listener = Listener(listener, self._serve, "tcp-channel",
@@ -48,8 +51,12 @@ class TcpServer:
         torch.set_num_threads(self.threads)  # OpenMP's count is per thread
         head = bytearray(HEAD.size)
         body = bytearray(1 << 20)  # grows by doubling to the largest call seen
+        poller = Poller(conn, self.poll_s)
         try:
-            while receive_into(conn, memoryview(head)):
+            while True:
+                poller.wait()
+                if not receive_into(conn, memoryview(head)):
+                    return
                 try:
                     call_head = decode_head(head)
                 except BadRequest as err:  # not a frame of ours: answer once, then hang up

@@ -57,7 +57,9 @@ class ModelServer:
         model.drop_experts()
         spec = model.spec
         self.pool, self.pool_follower = follow_pool(
-            config.pool_source, lambda a: ExpertHostClient(a, timeout_s=config.host_timeout_s, transport=config.transport),
+            config.pool_source,
+            lambda a: ExpertHostClient(a, timeout_s=config.host_timeout_s, transport=config.transport,
+                                       poll_s=config.client_poll_s),
             config.pool_period_s)
         self._probes: dict[str, Any] = {}  # address -> a client with a short timeout: /healthz answers fast
         self.source = PlacementSource(config.placement or Placement.static(spec.num_layers, spec.num_experts,

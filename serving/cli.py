@@ -42,6 +42,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                        "planner --out DIR` writes DIR/cost-profile.json; default: measured at start on this machine)")
     serve.add_argument("--predictor-file", metavar="FILE", help="gate replicas from `moeless predictor train` (default: "
                        "the cache's file for the model; untrained gate copies when there is none)")
+    serve.add_argument("--poll-us", type=_non_negative_float, default=0.0, metavar="US",
+                       help="the data plane's busy-poll: expert calls spin this many microseconds for their answer "
+                            "(and local hosts for the next call) before blocking; worth it where cores are to spare "
+                            "(default 0: block at once)")
     add_knob_flags(serve)
     serve.set_defaults(func=_serve)
 
@@ -107,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         profile = CostProfile.from_json(args.profile) if args.profile else None
         serve_embedded(args.model, hosts=args.hosts, replicas=args.replicas, port=args.port, bind=args.bind, knobs=knobs,
                        profile=profile, predictor_file=args.predictor_file, batching=args.batching, limits=limits,
-                       max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo)
+                       max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo, poll_s=args.poll_us / 1e6)
     except (KnobError, ProfileError) as err:
         print(f"moeless serve: {err}", file=sys.stderr)
         return 2

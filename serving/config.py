@@ -41,7 +41,8 @@ class ServeConfig:
     max_batch: int = 8  # static batching: requests decoded as one batch
     batch_wait_s: float = 0.02  # static batching: how long a batch waits to fill
     host_timeout_s: float = 30.0
-    transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else gRPC
+    transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else TCP, else gRPC
+    client_poll_s: float = 0.0  # the data channels spin this long for an answer before blocking (expert_fn/polling.py)
     placement_board: str | None = None  # follow placements published under this name (placement_board.py)
     drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)
     # The live loop (serving/live.py, plan_loop.py): the knobs, the loop actor's name (None: no loop,

@@ -73,11 +73,12 @@ def free_port() -> int:
 
 def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1, port: int = 8000,
                    bind: str = "127.0.0.1", knobs=None, profile=None, predictor_file: str | None = None, batching: str = "continuous",
-                   limits=None, max_batch: int = 8, drain_s: float = 30.0, demo: bool = False,
+                   limits=None, max_batch: int = 8, drain_s: float = 30.0, demo: bool = False, poll_s: float = 0.0,
                    demo_question: str = DEMO_QUESTION, demo_tokens: int = 40) -> str | None:
     """Run the serving path locally (see the module docstring); returns the demo's answer.
     knobs: moeless.controller.knobs.Knobs (default: the defaults); profile: a CostProfile (default: measured
-    at start). Raises KnobError for knobs that do not fit the model (before anything starts)."""
+    at start); poll_s: the data plane's busy-poll, in the clients and the local hosts (expert_fn/polling.py).
+    Raises KnobError for knobs that do not fit the model (before anything starts)."""
     import httpx
     import ray
     from ray import serve
@@ -102,7 +103,7 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
     store = None if remote else export_store(loaded, choice.name)
     del loaded  # the replicas load their own copy (without experts)
     # 2. Expert hosts: local ones kept running by the supervisor, or the remote ones given.
-    with _hosts(store, hosts, knobs.keep_alive_s, remote) as (pool, supervisor):
+    with _hosts(store, hosts, knobs.keep_alive_s, remote, poll_s) as (pool, supervisor):
         try:
             # 3. Ray and the app.
             ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
@@ -115,7 +116,8 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
                                      replica_cpus=0.5, ingress_cpus=0.25, batching=batching,
                                      limits=limits or BatchLimits(), max_batch=max_batch,
                                      placement_board=BOARD_NAME, drain_signal=SIGNAL_NAME, knobs=knobs,
-                                     plan_loop=LOOP_NAME, profile=profile, predictor_file=predictor_file)
+                                     plan_loop=LOOP_NAME, profile=profile, predictor_file=predictor_file,
+                                     client_poll_s=poll_s)
                 serve.run(build_app(config), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"
                 price = ray.get(ray.get_actor(LOOP_NAME, namespace=NAMESPACE).state.remote())["memory_price"]
@@ -157,7 +159,7 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
 
 
 @contextlib.contextmanager
-def _hosts(store: Path | None, count: int, keep_alive_s: float, remote):
+def _hosts(store: Path | None, count: int, keep_alive_s: float, remote, poll_s: float = 0.0):
     """(the PoolSource serving follows, supervisor or None): `count` local hosts over `store`, published
     by their supervisor to a pool file, or the remote pool given (a PoolSource)."""
     if remote:
@@ -167,7 +169,7 @@ def _hosts(store: Path | None, count: int, keep_alive_s: float, remote):
         yield remote, None
         return
     print(f"starting {count} expert hosts over {store} ...", flush=True)
-    with launch_local_hosts(count, store, keep_alive_s=keep_alive_s) as group, \
+    with launch_local_hosts(count, store, keep_alive_s=keep_alive_s, poll_s=poll_s) as group, \
             tempfile.TemporaryDirectory(prefix="moeless-pool-") as tmp:
         path = str(Path(tmp, "pool.json"))
         supervisor = HostSupervisor(group, publish=functools.partial(write_members, path, count))

@@ -96,8 +96,9 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
     flat_idx = choice.reshape(-1)
     order = np.argsort(flat_idx, kind="stable")
     rank = np.empty_like(choice)
-    np.put_along_axis(rank, np.argsort(choice, axis=1), np.arange(k)[None, :], axis=1)
-    dest = (np.arange(tokens)[:, None] * k + rank).reshape(-1)[order]
+    token_of_row = np.arange(tokens)[:, None]
+    rank[token_of_row, np.argsort(choice, axis=1)] = np.arange(k)
+    dest = (token_of_row * k + rank).reshape(-1)[order]
     load = np.bincount(flat_idx, minlength=num_experts)
     # 2. Whole token counts per replica from each replica's share; chunks of >= MIN_CHUNK rows.
     expert, gpu = placement.expert, placement.gpu
@@ -116,8 +117,11 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
     host_by_slot[dest] = host_of_pair
     by_rank = host_by_slot.reshape(tokens, k)
     prefix = np.cumprod(by_rank == by_rank[:, :1], axis=1).astype(bool)
-    if combining is not None:  # only where the first expert's host combines
-        prefix &= np.isin(by_rank[:, :1], list(combining))
+    if combining is not None and tokens:  # only where the first expert's host combines
+        hosts = list(combining)
+        combines = np.zeros(max([int(by_rank.max()), *hosts]) + 1, dtype=bool)
+        combines[hosts] = True
+        prefix &= combines[by_rank[:, :1]]
     combined = bool(prefix[:, 1:].any())  # some row adds up several pairs
     slot_of_output = np.where(prefix.reshape(-1), np.repeat(np.arange(tokens) * k, k), np.arange(tokens * k))[dest]
     flat_weight = weight.reshape(-1)

@@ -73,6 +73,8 @@ def host_command(spec: PolicySpec) -> list[str]:
     memory_gb = round(pool.memory_gib_per_host * GIB / 1e9, 3)
     tail = (f"--store {spec.store} --bind 0.0.0.0 --keep-alive-s {spec.knobs.keep_alive_s:g} "
             f"--memory-gb {memory_gb:g} --drain-s {pool.drain_seconds}")
+    if pool.poll_microseconds:
+        tail += f" --poll-us {pool.poll_microseconds:g}"
     if pool.host_network:
         offset = "${POD_NAME##*-}"
         return ["sh", "-c", f"exec moeless expert-host {tail} --port $(({pool.grpc_port} + {offset})) "

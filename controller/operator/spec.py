@@ -34,6 +34,7 @@ class HostPool:
     metrics_port: int = 9400
     host_network: bool = False
     drain_seconds: int = 30
+    poll_microseconds: float = 0.0  # the data plane's busy-poll (expert-host --poll-us)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ _POOL_KEYS = {
     "memoryGiBPerHost": ("memory_gib_per_host", float), "targetMemoryUtilization": ("target_memory_utilization", float),
     "cpu": ("cpu", str), "grpcPort": ("grpc_port", int), "metricsPort": ("metrics_port", int),
     "hostNetwork": ("host_network", bool), "drainSeconds": ("drain_seconds", int),
+    "pollMicroseconds": ("poll_microseconds", float),
 }
 
 
@@ -106,6 +108,8 @@ def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
             raise SpecError(f"spec.hosts.{required}: required")
     pool = HostPool(**{attr: _typed(raw_pool[key], kind, f"spec.hosts.{key}")
                        for key, (attr, kind) in _POOL_KEYS.items() if key in raw_pool})
+    if not 0 <= pool.poll_microseconds <= 100_000:
+        raise SpecError(f"spec.hosts.pollMicroseconds: {pool.poll_microseconds:g} is outside 0..100000")
     if pool.min_hosts > pool.max_hosts:
         raise SpecError(f"spec.hosts.minHosts: {pool.min_hosts} exceeds maxHosts {pool.max_hosts}")
     # 3. Serving knobs: exactly a `moeless serve --config` file.

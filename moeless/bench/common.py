@@ -9,10 +9,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
+
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="write results as JSON (and plots) into DIR")
     parser.add_argument("--quick", action="store_true", help="a small run that finishes in under a minute")
+
+
+def add_poll_flag(parser: argparse.ArgumentParser) -> None:
+    """--poll-us HOST CLIENT: the data plane's busy-polling (expert_fn/polling.py)."""
+    parser.add_argument("--poll-us", type=float, nargs=2, metavar=("HOST", "CLIENT"),
+                        help="spin for calls (hosts) and answers (clients) this many microseconds before blocking "
+                             "(default: the hosts' and clients' defaults)")
+
+
+def poll_from_args(args: argparse.Namespace) -> tuple[float, float]:
+    """(host, client) poll seconds from --poll-us, else the defaults."""
+    if args.poll_us is None:
+        return DEFAULT_HOST_POLL_S, DEFAULT_CLIENT_POLL_S
+    if min(args.poll_us) < 0:
+        raise SystemExit("--poll-us: microseconds must be >= 0")
+    return args.poll_us[0] / 1e6, args.poll_us[1] / 1e6
 
 
 def write_result(out: str | None, name: str, result: dict[str, Any]) -> Path | None:

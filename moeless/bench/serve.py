@@ -35,11 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeless.bench.common import add_bench_flags, write_result
+from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
 from moeless.bench.transport import round_trip_calls, timed_calls
 from moeless.expert_fn.routed import RoutedCall
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 from moeless.model.datasets import sharegpt_prompts
 from moeless.model.interface import ExpertExecutor, Routing
 from moeless.serving.cli import MODEL_HELP
@@ -66,6 +67,7 @@ def register(benches: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-tokens", type=int, help="new tokens per prompt (default 16; 8 with --quick)")
     bench.add_argument("--batch", type=int, default=4, help="prompts decoded together (default 4)")
     bench.add_argument("--threads", type=int, default=1, help="torch threads in this process and in each host (default 1)")
+    add_poll_flag(bench)
     add_bench_flags(bench)
     bench.set_defaults(func=_bench)
 
@@ -74,7 +76,7 @@ def _bench(args: argparse.Namespace) -> int:
     prompts = args.prompts or (4 if args.quick else 8)
     max_tokens = args.max_tokens or (8 if args.quick else 16)
     result = run_bench(args.model, hosts=args.hosts, prompts=prompts, prompt_tokens=32 if args.quick else 64,
-                       max_tokens=max_tokens, batch=args.batch, threads=args.threads)
+                       max_tokens=max_tokens, batch=args.batch, threads=args.threads, poll_s=poll_from_args(args))
     print_report(result)
     path = write_result(args.out, "serve", result)
     if path:
@@ -175,8 +177,10 @@ def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
 
 
 def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, prompt_tokens: int = 64,
-              max_tokens: int = 16, batch: int = 4, threads: int = 1) -> dict[str, Any]:
-    """Measure every path on the same prompts (see the module docstring); returns the figures."""
+              max_tokens: int = 16, batch: int = 4, threads: int = 1,
+              poll_s: tuple[float, float] = (DEFAULT_HOST_POLL_S, DEFAULT_CLIENT_POLL_S)) -> dict[str, Any]:
+    """Measure every path on the same prompts (see the module docstring); poll_s: the (hosts',
+    clients') busy-polling; returns the figures."""
     # heavy (ray, transformers; the executor): kept off --help's start-up path
     from moeless.serving.config import choose_model
     from moeless.serving.embedded import export_store
@@ -192,8 +196,9 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
     wide = hosts * threads  # the cores the hosts compute on together
     baselines = {f"in_process_{n}_threads": n for n in sorted({threads, wide})}
     timed = {name: TimedExecutor(moe.local_executor()) for name in baselines}
-    with launch_local_hosts(hosts, store, keep_alive_s=600, threads=threads, metrics=False) as group:
-        clients = {t: [ExpertHostClient(a, timeout_s=120, transport=t) for a in group.addresses] for t in TRANSPORTS}
+    with launch_local_hosts(hosts, store, keep_alive_s=600, threads=threads, metrics=False, poll_s=poll_s[0]) as group:
+        clients = {t: [ExpertHostClient(a, timeout_s=120, transport=t, poll_s=poll_s[1]) for a in group.addresses]
+                   for t in TRANSPORTS}
         remotes = {t: RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers, spec.num_experts, hosts))
                    for t in TRANSPORTS}
         timed |= {f"expert_functions_{t}": TimedExecutor(remotes[t]) for t in TRANSPORTS}
@@ -245,6 +250,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         "hosts": hosts, "prompts": len(ids), "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens, "batch": batch, "threads_per_host": threads, "baseline_threads": list(baselines.values()),
         "load_average_1m": os.getloadavg()[0],  # a busy machine inflates every time below
+        "poll_us": {"host": 1e6 * poll_s[0], "client": 1e6 * poll_s[1]},
         "layer_calls": len(next(iter(timed.values())).samples),
         # expert functions: layer calls not bit-identical to the in-process ones; the wide baseline
         # (2 threads round differently): generations that differ from the paired run's

@@ -29,9 +29,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from moeless.bench.common import add_bench_flags, write_result
+from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 from moeless.expert_fn.routed import RoutedCall
 from moeless.model.weight_store import WeightStore
 from moeless.placement.types import LayerPlacement
@@ -54,13 +55,15 @@ def register(benches: argparse._SubParsersAction) -> None:
     )
     transport.add_argument("--model", default="default", help=MODEL_HELP)
     transport.add_argument("--repeats", type=_positive, help="calls per transport and size (default 200; 50 with --quick)")
+    add_poll_flag(transport)
     transport.add_argument("--ray", action="store_true", help="also time a Ray compiled graph (starts local Ray)")
     add_bench_flags(transport)
     transport.set_defaults(func=_bench_transport)
 
 
 def _bench_transport(args: argparse.Namespace) -> int:
-    result = run_transport_bench(args.model, repeats=args.repeats or (50 if args.quick else 200), ray_graph=args.ray)
+    result = run_transport_bench(args.model, repeats=args.repeats or (50 if args.quick else 200), ray_graph=args.ray,
+                                 poll_s=poll_from_args(args))
     print_report(result)
     path = write_result(args.out, "transport", result)
     if path:
@@ -103,7 +106,9 @@ def timed_calls(call: Callable[[], Any], repeats: int) -> dict[str, float]:
 
 
 def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph: bool = False,
-                        threads: int = 1) -> dict[str, Any]:
+                        threads: int = 1, poll_s: tuple[float, float] = (DEFAULT_HOST_POLL_S, DEFAULT_CLIENT_POLL_S),
+                        ) -> dict[str, Any]:
+    """Time every call over every transport (see the module docstring); poll_s: (host, client) spins."""
     # heavy (ray, transformers; the expert runtime): kept off --help's start-up path
     from moeless.expert_fn.runtime import ExpertHostRuntime
     from moeless.serving.config import choose_model
@@ -124,8 +129,8 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
         times[name]["in_process"] = timed_calls(lambda b=batches: runtime.invoke(0, b), repeats)
     runtime.close()
     # 2. A host process over each transport.
-    with launch_local_hosts(1, store_dir, keep_alive_s=3600, threads=threads, metrics=False) as group:
-        clients = {t: ExpertHostClient(group.addresses[0], timeout_s=60, transport=t) for t in TRANSPORTS}
+    with launch_local_hosts(1, store_dir, keep_alive_s=3600, threads=threads, metrics=False, poll_s=poll_s[0]) as group:
+        clients = {t: ExpertHostClient(group.addresses[0], timeout_s=60, transport=t, poll_s=poll_s[1]) for t in TRANSPORTS}
         for name, (call, x) in calls.items():
             for transport, client in clients.items():
                 times[name][transport] = timed_calls(lambda c=client: c.submit(call, x).result(), repeats)
@@ -143,6 +148,7 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
                     "bytes_sent": call.request_bytes(hidden, x.dtype), "bytes_back": call.reply_bytes(hidden, x.dtype)}
              for name, (call, x) in calls.items()}
     return {"model": choice.name, "repeats": repeats, "threads": threads, "hidden": hidden, "calls": sizes,
+            "poll_us": {"host": 1e6 * poll_s[0], "client": 1e6 * poll_s[1]},
             "load_average_1m": os.getloadavg()[0],
             "us": {n: {k: {stat: 1e6 * v for stat, v in f.items()} for k, f in t.items()} for n, t in times.items()},
             "ratio_to_in_process": {n: {k: f["p50"] / t["in_process"]["p50"] for k, f in t.items()}

@@ -6,13 +6,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from prometheus_client import generate_latest
 
 from moeless.controller.operator.kube import metrics_url
 from moeless.controller.operator.leader import lease_step, micro_time, parse_micro_time
 from moeless.controller.operator.meters import parse_host_metrics
 from moeless.controller.operator.objects import host_command
-from moeless.controller.operator.spec import parse_spec
+from moeless.controller.operator.spec import SpecError, parse_spec
 
 T0 = 1_700_000_000.0
 
@@ -48,6 +50,14 @@ def test_host_command_matches_the_expert_host_flags():
 
     args = build_parser().parse_args(argv[1:])  # the real CLI accepts exactly this
     assert (args.store, args.keep_alive_s, args.memory_gb, args.metrics_port) == ("/s", 90.0, 1.074, 9400)
+    assert args.poll_us == 0  # the host's default: no flag unless the policy sets one
+    polling = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "pollMicroseconds": 250}})
+    assert build_parser().parse_args(host_command(polling)[1:]).poll_us == 250
+
+
+def test_a_poll_outside_its_range_is_refused_naming_the_field():
+    with pytest.raises(SpecError, match=r"spec.hosts.pollMicroseconds: -1 is outside"):
+        parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "pollMicroseconds": -1}})
 
 
 def test_meters_parser_reads_a_real_runtime_exposition(tmp_path):
