@@ -80,6 +80,17 @@ def register(commands: argparse._SubParsersAction) -> None:
     d.add_argument("--max-batched-tokens", type=int, default=None, help="the scheduler's token budget per iteration (default 8192)")
     d.add_argument("--max-seqs", type=int, default=None, help="the scheduler's running requests at most (default 256)")
     d.add_argument("--load", type=float, default=None, help="offered tokens / the scheduler's capacity (default 0.8)")
+    sp = p.add_argument_group("shared pool (--shared-pool: several models on one pool of GPUs, three ways, "
+                              "docs/shared-pool.md; takes --geometry, --gpu NAME, --routing moefied|uniform, --keep-alive, "
+                              "--step-ms, --seed)")
+    sp.add_argument("--shared-pool", action="store_true",
+                    help="the models of --geometry (default mixtral-8x7b phi-3.5-moe llama-4-scout) on one pool: dedicated "
+                         "static-EP pools, one pool shared by whole models, moeless's pool shared by experts")
+    sp.add_argument("--levels", nargs="+", type=float, metavar="PER_MIN",
+                    help="load levels, requests per minute per model (default 0.1 0.3 1 3 10 60)")
+    sp.add_argument("--horizon", type=float, metavar="S", help="seconds replayed (default 3600; 600 with --quick)")
+    sp.add_argument("--idle-delay", type=float, metavar="S",
+                    help="a model without a request this long sleeps in a shared pool (default 60)")
     add_knob_flags(p)
     p.add_argument("--out", metavar="DIR", default="moeless-eval", help="the run directory (default ./moeless-eval)")
     p.add_argument("--markdown", metavar="FILE", help="also write the report's markdown here (links relative to it)")
@@ -183,6 +194,8 @@ def eval_command(args: argparse.Namespace) -> int:
     from moeless.evaluation.evaluate import evaluate
     from moeless.evaluation.report import render
 
+    if args.shared_pool:
+        return _shared_pool(args)
     if any(getattr(args, f) is not None for f in DEPLOYMENT_FLAGS):
         return _deployments(args)
     try:
@@ -209,13 +222,54 @@ def _deployments(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shared_pool_config(args: argparse.Namespace):
+    """SharedPoolConfig from the flags (--quick: uniform routing, a 10-minute horizon)."""
+    # heavy (the evaluation pipeline): kept off --help's start-up path
+    from moeless.evaluation.deployment import DeploymentError
+    from moeless.evaluation.shared_pool_run import SharedPoolConfig
+    from moeless.twin.gpus import parse_gpu_arg
+    from moeless.twin.shared_pool import PoolSettings
+
+    base, settings = SharedPoolConfig(), PoolSettings()
+    picked = {"horizon_s": args.horizon or (600.0 if args.quick else None), "idle_delay_s": args.idle_delay,
+              "keep_alive_s": args.knob_keep_alive_s}
+    bad = [k for k, v in picked.items() if v is not None and not v > 0]
+    if bad or not args.step_ms > 0:
+        raise DeploymentError(f"--{(bad[0] if bad else 'step_ms').removesuffix('_s').replace('_', '-')} must be positive")
+    settings = PoolSettings(**{k: (v if v is not None else getattr(settings, k)) for k, v in picked.items()},
+                            step_s=args.step_ms / 1e3, seed=args.seed)
+    gpus = args.gpu or [base.gpu]
+    if len(gpus) != 1:
+        raise DeploymentError(f"--gpu: the shared pool takes one GPU type, got {gpus}")
+    return SharedPoolConfig(tuple(args.geometry or base.geometries), parse_gpu_arg(gpus[0])[0].name,
+                            tuple(args.levels or base.levels), args.routing or ("uniform" if args.quick else base.routing),
+                            settings)
+
+
+def _shared_pool(args: argparse.Namespace) -> int:
+    # heavy (the evaluation pipeline): kept off --help's start-up path
+    from moeless.evaluation.shared_pool_report import render
+    from moeless.evaluation.shared_pool_run import evaluate_shared_pool
+
+    try:
+        evaluate_shared_pool(_shared_pool_config(args), args.out)
+    except _errors() as err:
+        return _fail("eval", str(err))
+    paths = render(args.out, args.markdown)
+    print(f"wrote {args.out}/run.json and the report: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def report_command(args: argparse.Namespace) -> int:
     # heavy (the evaluation pipeline): kept off --help's start-up path
     from moeless.evaluation.deployment_report import is_deployments, render as render_deployments
     from moeless.evaluation.report import render
+    from moeless.evaluation.shared_pool_report import is_shared_pool, render as render_shared_pool
 
     try:
-        paths = (render_deployments if is_deployments(args.run_dir) else render)(args.run_dir, args.markdown)
+        renderer = render_deployments if is_deployments(args.run_dir) else \
+            render_shared_pool if is_shared_pool(args.run_dir) else render
+        paths = renderer(args.run_dir, args.markdown)
     except _errors() as err:
         return _fail("report", str(err))
     print(f"rendered {len(paths)} files into {args.run_dir}" + (f" and {args.markdown}" if args.markdown else ""))

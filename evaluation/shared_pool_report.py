@@ -1,0 +1,138 @@
+"""Render a `moeless eval --shared-pool` run (shared_pool_run.py): report.md, shared-pool.csv,
+report.json and gpu-seconds.png, the same bytes from the same run.json."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from moeless.evaluation.plots import _figure as figure, _save
+from moeless.evaluation.report import NOTES_FILE, RunDirError, write_markdown, write_text
+from moeless.evaluation.shared_pool_run import FORMAT, RUN_FILE
+from moeless.twin.shared_pool import WAYS
+
+TARGET_RATIO = 0.6  # expert-grain GPU-seconds / dedicated, where models sit idle half the time or more
+
+
+def is_shared_pool(run_dir: str | Path) -> bool:
+    try:
+        return json.loads((Path(run_dir) / RUN_FILE).read_text()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path]:
+    """Write the report into run_dir (and the markdown also to `markdown`); returns the files written."""
+    run_dir = Path(run_dir)
+    try:
+        run = json.loads((run_dir / RUN_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise RunDirError(f"{run_dir}: no readable {RUN_FILE} ({err})") from None
+    table = rows(run)
+    checks = acceptance(run)
+    written = [write_text(run_dir / "shared-pool.csv", _csv(table)),
+               write_text(run_dir / "report.json", json.dumps({"format": "moeless-shared-pool-report/1", "command": run["command"],
+                                                            "rows": table, "acceptance": checks}, indent=1, sort_keys=True) + "\n"),
+               _plot(run, run_dir / "gpu-seconds.png")]
+    notes = run_dir / NOTES_FILE
+    body = _markdown(run, checks) + (f"\n## Notes\n\n{notes.read_text().strip()}\n" if notes.is_file() else "")
+    return write_markdown(run_dir, body, markdown) + written
+
+
+def rows(run: dict) -> list[dict]:
+    """One row per (level, model): idle share, GB·s each way, wake-ups, cold starts outside them."""
+    out = []
+    for level in run["levels"]:
+        for m in level["models"]:
+            out.append({"requests_per_minute": level["requests_per_minute"], "model": m["model"], "requests": m["requests"],
+                        "idle_fraction": m["idle_fraction"], **{f"gb_s_{w}": m["gb_s"][w] for w in WAYS},
+                        "wake_ups": m["wake_ups"], "wake_p99_s_whole_model": m["wake_s"]["whole-model"]["p99"],
+                        "wake_p99_s_expert_grain": m["wake_s"]["expert-grain"]["p99"],
+                        "cold_starts_outside_wakes": m["cold_starts_outside_wakes"]})
+    return out
+
+
+def acceptance(run: dict) -> list[dict]:
+    """Per level, the issue's targets with the numbers that meet or miss them."""
+    out = []
+    for level in run["levels"]:
+        idle = float(sum(m["idle_fraction"] for m in level["models"]) / len(level["models"]))
+        ratio = level["gpu_s_ratio_to_dedicated"]
+        wakes = [(m["wake_s"]["expert-grain"]["p99"], m["wake_s"]["whole-model"]["p99"]) for m in level["models"] if m["wake_ups"]]
+        out.append({"requests_per_minute": level["requests_per_minute"], "mean_idle_fraction": idle,
+                    "expert_grain_ratio": ratio["expert-grain"], "whole_model_ratio": ratio["whole-model"],
+                    "fewer_than_dedicated": ratio["expert-grain"] < 1,
+                    "fewer_than_whole_model": ratio["expert-grain"] < ratio["whole-model"],
+                    "target_ratio_met": ratio["expert-grain"] <= TARGET_RATIO if idle >= 0.5 else None,
+                    "wake_ups_shorter": all(e < w for e, w in wakes) if wakes else None})
+    return out
+
+
+def _csv(table: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(table[0]) if table else ["model"], lineterminator="\n")
+    writer.writeheader()
+    for r in table:
+        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+def _plot(run: dict, path: Path) -> Path:
+    plt, fig, axes = figure(1)
+    ax = axes[0][0]
+    levels = [lv["requests_per_minute"] for lv in run["levels"]]
+    for way in WAYS:
+        ax.plot(levels, [lv["gpu_s_ratio_to_dedicated"][way] for lv in run["levels"]], marker="o", label=way, linewidth=1.2)
+    ax.axhline(TARGET_RATIO, color="grey", linestyle=":", linewidth=1)
+    ax.set(xscale="log", xlabel="requests per minute per model", ylabel="GPU-seconds / dedicated pools'",
+           title="GPU-seconds of the pool, three ways")
+    ax.legend(loc="lower right")
+    return _save(plt, fig, path)
+
+
+def _yes(value) -> str:
+    return "–" if value is None else ("yes" if value else "**no**")
+
+
+def _markdown(run: dict, checks: list[dict]) -> str:
+    s = run["settings"]
+    lines = ["# One pool for several models, in the twin", "",
+             "Written by one command (re-run it to refresh every figure here):", "", "```", run["command"], "```", "",
+             f"{len(run['models'])} models on {run['gpu']} GPUs ({run['gpu_bytes_for_weights'] / 1e9:.0f} GB of each for "
+             f"weights), a horizon of {s['horizon_s']:g} s in windows of {s['window_s']:g} s; a shared pool puts a model to "
+             f"sleep after {s['idle_delay_s']:g} s without a request; the expert-grain pool evicts an expert after "
+             f"{s['keep_alive_s']:g} s without a token. How each way is modelled, and what is not: twin/shared_pool.py.", "",
+             "## The models", "",
+             "| model | dedicated GPUs | weights GB | expert MB | layers x experts, k | whole-model wake s | routing | workload |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for m in run["models"]:
+        lines.append(f"| {m['name']} | {m['dedicated_gpus']} | {m['weight_gb']:.1f} | {m['expert_mb']:.0f} | "
+                     f"{m['layers']} x {m['experts']}, {m['top_k']} | {m['whole_load_s']:.2f} | {m['routing']} | {m['workload']} |")
+    lines += ["", "## GPU-seconds per load level", "", "![GPU-seconds](RUN/gpu-seconds.png)", "",
+              "| requests/min per model | idle share per model | " + " | ".join(f"{w} GPU-s" for w in WAYS)
+              + " | pool busy share (expert-grain) |", "| --- | --- | " + " | ".join("---" for _ in WAYS) + " | --- |"]
+    for lv in run["levels"]:
+        idle = ", ".join(f"{m['idle_fraction']:.0%}" for m in lv["models"])
+        cells = " | ".join(f"{lv['gpu_s'][w]:.0f} ({lv['gpu_s_ratio_to_dedicated'][w]:.3f}x)" for w in WAYS)
+        lines.append(f"| {lv['requests_per_minute']:g} | {idle} | {cells} | {lv['busy_fraction']['expert-grain']:.2%} |")
+    lines += ["", "## Per model: GB·s held, wake-ups, cold starts outside them", "",
+              "| requests/min | model | requests | " + " | ".join(f"GB·s {w}" for w in WAYS)
+              + " | wake-ups | wake p99 s whole-model / expert-grain | cold starts outside wake-ups (s exposed) |",
+              "| --- | --- | --- | " + " | ".join("---" for _ in WAYS) + " | --- | --- | --- |"]
+    for lv in run["levels"]:
+        for m in lv["models"]:
+            wake = m["wake_s"]
+            pair = "–" if not m["wake_ups"] else f"{wake['whole-model']['p99']:.2f} / {wake['expert-grain']['p99']:.2f}"
+            lines.append(f"| {lv['requests_per_minute']:g} | {m['model']} | {m['requests']} | "
+                         + " | ".join(f"{m['gb_s'][w]:.3g}" for w in WAYS)
+                         + f" | {m['wake_ups']} | {pair} | {m['cold_starts_outside_wakes']} ({m['cold_start_s_outside_wakes']:.2f}) |")
+    lines += ["", "## The targets", "",
+              f"| requests/min | mean idle share | expert-grain / dedicated | fewer GPU-s than dedicated | than whole-model "
+              f"| <= {TARGET_RATIO}x where idle >= 50% | wake-ups shorter |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c in checks:
+        lines.append(f"| {c['requests_per_minute']:g} | {c['mean_idle_fraction']:.0%} | {c['expert_grain_ratio']:.3f}x | "
+                     f"{_yes(c['fewer_than_dedicated'])} | {_yes(c['fewer_than_whole_model'])} | {_yes(c['target_ratio_met'])} | "
+                     f"{_yes(c['wake_ups_shorter'])} |")
+    return "\n".join(lines) + "\n"

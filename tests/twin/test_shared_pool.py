@@ -1,0 +1,65 @@
+"""Several models on one pool, three ways (twin/shared_pool.py): the module's golden example and
+properties that hold for any arrivals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeless.twin.shared_pool import (
+    PoolModel,
+    PoolSettings,
+    Requests,
+    awake_windows,
+    evaluate_pool,
+    window_tokens,
+)
+
+GB = 10**9
+
+
+def _model(name: str = "tiny", layers: int = 2, experts: int = 2, gpus: int = 1, top_k: int = 1) -> PoolModel:
+    return PoolModel(name, top_k, GB, GB, gpus, 1.0, 1.0, 1e-3, 1e-4, np.full((layers, experts), 1.0 / experts))
+
+
+def test_the_golden_example():
+    """The module docstring's example: awake in windows 0-4 of 10, so each shared pool holds half the GPU-seconds."""
+    s = PoolSettings(horizon_s=10, window_s=1, step_s=1, idle_delay_s=3, keep_alive_s=60, gpu_bytes=8 * GB)
+    run = evaluate_pool([_model()], [Requests(np.array([0.0]), np.array([4.0]), np.array([2.0]))], s)
+    assert run["gpu_s"] == {"dedicated": 10.0, "whole-model": 5.0, "expert-grain": 5.0}
+    model = run["models"][0]
+    assert model["idle_fraction"] == 0.5 and model["wake_ups"] == 1 and model["requests"] == 1
+    assert model["wake_s"]["whole-model"]["p50"] == 5.0  # 1 s of non-expert weights + 4 experts of 1 s on one GPU
+    assert model["gb_s"]["dedicated"] == 50.0 and model["gb_s"]["whole-model"] == 25.0
+
+
+def test_tokens_go_to_the_windows_a_request_runs_in_and_a_model_sleeps_after_its_delay():
+    s = PoolSettings(horizon_s=10, window_s=1, step_s=0.5)
+    tokens, busy = window_tokens(Requests(np.array([1.5]), np.array([10.0]), np.array([4.0])), s)
+    assert tokens.sum() == pytest.approx(14.0) and tokens[1] == pytest.approx(10 + 4 / 3)  # decodes over windows 1-3
+    assert busy.tolist() == [False, True, True, True] + [False] * 6
+    assert awake_windows(busy, 2).tolist() == [False, True, True, True, True, True] + [False] * 4
+
+
+def test_a_busy_pool_is_never_cheaper_than_its_memory_and_never_dearer_than_dedicated_pools():
+    rng = np.random.default_rng(3)
+    models = [_model("a", 4, 8, 2, 2), _model("b", 3, 16, 3, 1)]
+    s = PoolSettings(horizon_s=600, window_s=1, step_s=0.05, idle_delay_s=30, keep_alive_s=30, gpu_bytes=20 * GB, seed=1)
+    requests = []
+    for rate in (0.05, 0.5):
+        arrival = np.sort(rng.uniform(0, 600, rng.poisson(rate * 600)))
+        requests.append(Requests(arrival, rng.integers(1, 300, len(arrival)).astype(float),
+                                 rng.integers(1, 200, len(arrival)).astype(float)))
+    run = evaluate_pool(models, requests, s)
+    gpu_s = run["gpu_s"]
+    assert gpu_s["expert-grain"] <= gpu_s["whole-model"] + 1e-9 <= gpu_s["dedicated"] + 1e-9
+    for m in run["models"]:
+        # an expert-grain model holds at most what a whole model holds, and only while awake
+        assert m["gb_s"]["expert-grain"] <= m["gb_s"]["whole-model"] + 1e-6
+        assert m["gb_s"]["whole-model"] == pytest.approx(m["gb_s"]["dedicated"] * (1 - m["idle_fraction"]))
+        assert m["wake_s"]["expert-grain"]["count"] == m["wake_ups"]
+
+
+def test_mismatched_inputs_are_refused():
+    with pytest.raises(ValueError, match="one request list per model"):
+        evaluate_pool([_model()], [], PoolSettings())
