@@ -1,27 +1,25 @@
-"""Round trips between two processes on one machine: NIXL (UCX) against moeless's TCP channel and a
+r"""Round trips between two processes on one machine: NIXL (UCX) against moeless's TCP channel and a
 bare socket echo, for a decode-sized call (16 rows x 576 float32 = 36,864 bytes) and a prefill-sized
 one (1024 x 576 float32 = 2,359,296 bytes): the request one way, a reply of the same size back, no
 compute in between. p50 and p90 of the round trip, in microseconds.
 
-1. NIXL 1.5.1 over UCX, DRAM buffers registered once, one transfer handle per direction and size
-   made once and posted again each time, progress thread off (on, every round trip costs 12-16 ms):
-   the client WRITEs the request into the server's buffer with a notification; the server, on the
-   notification, WRITEs the same bytes back from that buffer into the client's buffer with a
-   notification. Both sides spin (get_new_notifs / check_xfer_state). Once with UCX's default
-   transports, once with UCX_TLS=tcp, set in both processes before their agents start (each
-   setting in fresh processes). On this VM the default is not shared memory: UCX_PROTO_INFO=y shows
-   the WRITE going by CMA (process_vm_writev, one kernel copy) and the notifications over tcp/lo;
-   UCX's posix/sysv transports are unreachable here (UCX_TLS=posix,cma,self: "Destination is
-   unreachable", the agent is not created).
-2. moeless's TCP channel: expert_fn/tcp_channel.py against tcp_server.py in a subprocess with an
-   identity runtime, RoutedCall.packed(0, [0], [rows], arange(rows)); poll_s 0 and 0.001 on both
-   sides. Its requests carry 44 bytes of head and 12 bytes a row beyond the rows, its replies 36.
+1. NIXL 1.5.1 over UCX, DRAM buffers registered and a transfer handle per direction and size made
+   once, progress thread off (on: 12-16 ms a round trip, ../shared/ENVIRONMENT.md): the client
+   WRITEs the request into the server's buffer with a notification; on it, the server WRITEs the
+   same bytes back from there into the client's buffer with a notification; both spin. With UCX's
+   default transports, then with UCX_TLS=tcp in both processes (fresh ones). The default here is
+   not shared memory: UCX_PROTO_INFO=y shows the WRITE by CMA (process_vm_writev, one kernel copy)
+   and notifications over tcp/lo; posix/sysv are unreachable on this VM (UCX_TLS=posix,cma,self:
+   "Destination is unreachable", no agent).
+2. moeless's TCP channel (expert_fn/tcp_channel.py against tcp_server.py in a subprocess with an
+   identity runtime), RoutedCall.packed(0, [0], [rows], arange(rows)), poll_s 0 and 0.001 on both
+   sides. A request carries 44 bytes of head and lists and 12 bytes a row beyond the rows; a reply 36.
 3. A bare Python socket echo (TCP_NODELAY, length-prefixed, recv_into a preallocated buffer): the floor.
-Every method checks that the last reply equals its request.
+Each checks that its last reply equals its request.
 
-nixl is not a dependency (its wheels are ~460 MB with a bundled UCX); in a venv of its own (the CPU
-torch wheel comes from PIP_FIND_LINKS=/opt/wheels), moeless.expert_fn importable through a tree of
-links (pyproject.toml maps package folders, see ../shared/ENVIRONMENT.md; nothing is installed):
+nixl is not a dependency (~460 MB of wheels with a bundled UCX). Its own venv (torch: the CPU wheel
+via PIP_FIND_LINKS=/opt/wheels), moeless.expert_fn importable through a tree of links (the package
+folders are mapped in pyproject.toml; ../shared/ENVIRONMENT.md), from the repository root:
     python3.11 -m venv /tmp/nixl-venv && /tmp/nixl-venv/bin/pip install nixl==1.5.1 torch==2.13.0 numpy
     mkdir -p /tmp/nixl-path/moeless && ln -sf $PWD/moeless/__init__.py /tmp/nixl-path/moeless/ \
         && ln -sfn $PWD/expert_fn /tmp/nixl-path/moeless/expert_fn
@@ -30,7 +28,36 @@ links (pyproject.toml maps package folders, see ../shared/ENVIRONMENT.md; nothin
 (tcp_channel, tcp_server and routed import only torch and numpy: no grpc.)
 
 Measured
-MEASURED_PLACEHOLDER
+2026-11-25, this 2-core no-GPU VM, two full runs back to back with nothing else busy (load average
+1/5/15 min: 0.50 0.92 1.12 before run 1, 0.58 0.92 1.12 after it; 0.79 0.96 1.13 after run 2), each
+    PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/tmp/nixl-path /tmp/nixl-venv/bin/python scripts/nixl_check.py \
+        --out /tmp/nixl-final-run1   (run 2: --out /tmp/nixl-final-run2)
+round trip p50 / p90 in us (36 KB: 300 after 50 warm-up; 2.4 MB: 100 after 20), run 1 | run 2:
+                                     36 KB                     2.4 MB
+    NIXL UCX default (cma)      28 / 33  |  28 / 34      548 / 607  |  628 / 688
+    NIXL UCX_TLS=tcp            57 / 69  |  60 / 69     1039 / 1251 | 1084 / 1337
+    TCP channel poll_s=0       255 / 348 | 270 / 682    3128 / 4273 | 3153 / 4042
+    TCP channel poll_s=0.001    98 / 160 |  94 / 160    3216 / 4332 | 3113 / 4172
+    socket echo (floor)         11 / 14  |  10 / 11     1315 / 1489 | 1118 / 1536
+Every reply matched its request. Minutes before, with a pytest run holding one of the two cores
+(load 1.45 -> 1.96), NIXL took 24.0 ms a round trip (2.4 MB by default, both sizes with
+UCX_TLS=tcp) in one run and the spinning channel (poll_s=0.001) 2.3 ms at 36 KB in the next: two
+spinning processes and a third busy one on 2 cores wait out scheduler slices; the blocking ones
+(poll_s=0, the echo) held up.
+
+What it means: on one machine the bare socket is the fastest for 36 KB (10-11 us; NIXL's WRITE by
+CMA plus a notification over tcp/lo, driven through its Python binding, takes 28 us) and NIXL is
+the fastest for 2.4 MB (550-630 us: one kernel copy straight into the peer's registered buffer,
+against 1.1-1.3 ms for the socket's copies through the kernel). NIXL with UCX_TLS=tcp, the path
+between pods without RDMA, takes 57-60 us and 1.04-1.08 ms: ~4.5x less than moeless's TCP channel
+at 36 KB with poll_s=0 (255-270 us; ~1.6x less than its 94-98 us spinning) and ~3x less at 2.4 MB
+(3.1-3.2 ms), but not less than the bare echo over the same loopback (5-6x it at 36 KB, a little
+under it at 2.4 MB). So the channel's gap to NIXL is its own per-call Python and torch work on both
+sides (framing, the row gather, the host's decode, routed run and reply; not broken down here),
+not TCP: that is what to trim first, with no 460 MB dependency. Only NIXL can move GPU memory
+without a host copy (GPUDirect RDMA between nodes, NVLink / CUDA IPC within one, through UCX's cuda
+transports); the TCP channel's rows go through host memory. That was not measured here (no GPU, no
+RDMA NIC).
 """
 from __future__ import annotations
 
@@ -38,6 +65,7 @@ import argparse
 import importlib.util
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -50,11 +78,7 @@ import numpy as np
 H = 576
 SIZES = {"36 KB": 16, "2.4 MB": 1024}  # label -> rows of H float32
 MAX_BYTES = 4 * H * max(SIZES.values())
-VENV_HINT = ("nixl is not importable here: make its venv and run the script with it (module docstring):\n"
-             "  python3.11 -m venv /tmp/nixl-venv && /tmp/nixl-venv/bin/pip install nixl==1.5.1 torch==2.13.0 numpy\n"
-             "  mkdir -p /tmp/nixl-path/moeless && ln -sf $PWD/moeless/__init__.py /tmp/nixl-path/moeless/"
-             " && ln -sfn $PWD/expert_fn /tmp/nixl-path/moeless/expert_fn\n"
-             "  PYTHONPATH=/tmp/nixl-path /tmp/nixl-venv/bin/python scripts/nixl_check.py")
+VENV_HINT = __doc__[__doc__.index("    python3.11 -m venv"):__doc__.index("(tcp_channel, tcp_server")]
 
 def repeats(rows: int, quick: bool) -> tuple[int, int]:
     """(warm-up, measured) round trips for a call of `rows` rows."""
@@ -75,7 +99,8 @@ def time_trips(trip: Callable[[], None], warm: int, n: int) -> dict:
 
 def spawn(role: str, *args: str) -> tuple[subprocess.Popen, int]:
     """This script in `role`, in a subprocess; it prints "PORT <n>" (NIXL may log to stdout first)."""
-    proc = subprocess.Popen([sys.executable, __file__, "--role", role, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, __file__, "--role", role, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("PORT "):
             return proc, int(line.split()[1])
@@ -90,23 +115,25 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
         got += n
     return True
 
-def send_msg(sock: socket.socket, data: bytes) -> None:
-    sock.sendall(len(data).to_bytes(8, "little") + data)
+def swap(sock: socket.socket, mine: tuple) -> tuple:
+    """Send `mine` to the peer over `sock` and return what it sent (both sides call this)."""
+    with sock.makefile("rwb") as f:
+        pickle.dump(mine, f)
+        f.flush()
+        return pickle.load(f)
 
-def recv_msg(sock: socket.socket) -> bytes:
-    head = bytearray(8)
-    recv_exact(sock, memoryview(head))
-    body = bytearray(int.from_bytes(head, "little"))
-    recv_exact(sock, memoryview(body))
-    return bytes(body)
-
-# --- 3. the bare socket echo -------------------------------------------------------------------
-
-def serve_echo(args: argparse.Namespace) -> None:
+def accept_one() -> socket.socket:
+    """Listen on a free loopback port, tell the parent which, and take one connection."""
     listener = socket.create_server(("127.0.0.1", 0))
     print("PORT", listener.getsockname()[1], flush=True)
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+# --- 3. the bare socket echo -------------------------------------------------------------------
+
+def serve_echo(args: argparse.Namespace) -> None:
+    conn = accept_one()
     head, buf = bytearray(4), memoryview(bytearray(MAX_BYTES))
     while recv_exact(conn, memoryview(head)):
         n = int.from_bytes(head, "little")
@@ -191,13 +218,9 @@ def finish(agent, handle, state: str) -> None:
 
 def serve_nixl(args: argparse.Namespace) -> None:
     agent, (buf,) = nixl_agent_with("server", 1)
-    listener = socket.create_server(("127.0.0.1", 0))
-    print("PORT", listener.getsockname()[1], flush=True)
-    conn, _ = listener.accept()
-    agent.add_remote_agent(recv_msg(conn))
-    client_buf = int(recv_msg(conn))
-    send_msg(conn, agent.get_agent_metadata())
-    send_msg(conn, str(buf.ctypes.data).encode())
+    conn = accept_one()  # for the metadata and the buffers' addresses
+    meta, client_buf = swap(conn, (agent.get_agent_metadata(), buf.ctypes.data))
+    agent.add_remote_agent(meta)
     replies = {4 * H * rows: write_handle(agent, buf.ctypes.data, client_buf, "client", 4 * H * rows, b"rep")
                for rows in SIZES.values()}
     while True:
@@ -211,17 +234,16 @@ def nixl_client(args: argparse.Namespace) -> None:
     proc, port = spawn("nixl-server")  # inherits this process's UCX_TLS
     agent, (send, recv) = nixl_agent_with("client", 2)
     sock = socket.create_connection(("127.0.0.1", port))
-    send_msg(sock, agent.get_agent_metadata())
-    send_msg(sock, str(recv.ctypes.data).encode())
-    agent.add_remote_agent(recv_msg(sock))
-    server_buf, out = int(recv_msg(sock)), {}
+    meta, server_buf = swap(sock, (agent.get_agent_metadata(), recv.ctypes.data))
+    agent.add_remote_agent(meta)
+    out = {}
     for label, rows in SIZES.items():
         n = 4 * H * rows
         handle = write_handle(agent, send.ctypes.data, server_buf, "server", n, str(n).encode())
 
         def trip() -> None:  # post the request, then spin until it is done and the reply's notification came
             state, replied = agent.transfer(handle), False
-            while state == "PROC" or not replied:
+            while state == "PROC" or (state == "DONE" and not replied):
                 if state == "PROC":
                     state = agent.check_xfer_state(handle)
                 if not replied:
@@ -261,10 +283,16 @@ def table(results: dict[str, dict]) -> str:
         rows.append(f"{name:<30}{cells}" + (f"  REPLY MISMATCH {bad}" if bad else ""))
     return "\n".join(rows)
 
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
 def compare(args: argparse.Namespace) -> None:
-    missing = [m for m in ("nixl", "torch", "moeless.expert_fn") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("nixl", "torch", "moeless.expert_fn") if not importable(m)]
     if missing:
-        sys.exit(f"missing {', '.join(missing)}.\n{VENV_HINT}")
+        sys.exit(f"{', '.join(missing)} not importable here; make nixl's venv, run this with it:\n{VENV_HINT}")
     load_before = os.getloadavg()
     results = {
         "NIXL UCX default (cma)": measure_nixl(None, args.quick),
@@ -287,7 +315,7 @@ ROLES = {"echo": serve_echo, "tcp-channel": serve_tcp_channel, "nixl-server": se
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Round trips between two local processes, 36 KB and 2.4 MB each "
-                                     "way: NIXL/UCX (shm, tcp) vs moeless's TCP channel vs a socket echo.")
+                                     "way: NIXL/UCX (default, tcp) vs moeless's TCP channel vs a socket echo.")
     parser.add_argument("--out", type=Path, help="write OUT/nixl-check.json")
     parser.add_argument("--quick", action="store_true", help="fewer round trips (60 and 30 instead of 300 and 100)")
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)  # this script's subprocesses
