@@ -15,6 +15,7 @@ asks poll(2) with a zero timeout instead (it drops the GIL while it asks).
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import time
@@ -39,4 +40,5 @@ class Poller:
         while not self._poll.poll(0):
             if time.perf_counter() > deadline:
                 return False
+            os.sched_yield()  # a runnable thread that needs this core gets it: the spin only uses idle time
         return True

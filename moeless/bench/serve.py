@@ -36,13 +36,13 @@ import numpy as np
 import torch
 
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
+from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, run_alone
 from moeless.bench.transport import round_trip_calls, timed_calls
 from moeless.expert_fn.routed import RoutedCall
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 from moeless.model.datasets import sharegpt_prompts
-from moeless.model.interface import ExpertExecutor, Routing
 from moeless.serving.cli import MODEL_HELP
 from moeless.serving.codec import CharCodec
 from moeless.serving.placement_source import PlacementSource
@@ -84,74 +84,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-class TimedExecutor:
-    """Wraps an executor and records (tokens, seconds) of each run_layer call."""
-
-    def __init__(self, inner: ExpertExecutor):
-        self.inner, self.samples = inner, []
-
-    def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        start = time.perf_counter()
-        out = self.inner.run_layer(layer, x, routing)
-        self.samples.append((x.shape[0], time.perf_counter() - start))
-        return out
-
-    def summary_ms(self, batch: int) -> dict[str, dict[str, float]]:
-        """Mean, median, 10th and 90th percentile ms per layer call, for all calls, prefill and decode
-        apart. A decode step carries one row per sequence (<= batch). The median resists a busy
-        machine's stalls; the 10th percentile is what the machine gives when other jobs leave it
-        alone (a path of several processes waits for the CPU at every hand-over, so contention
-        inflates it more than the single-process baseline)."""
-        phases = {"all": [s for _, s in self.samples], "prefill": [s for t, s in self.samples if t > batch],
-                  "decode": [s for t, s in self.samples if t <= batch]}
-        return {name: {"mean": 1e3 * float(np.mean(v)), "median": 1e3 * float(np.median(v)),
-                       "p10": 1e3 * float(np.percentile(v, 10)), "p90": 1e3 * float(np.percentile(v, 90)),
-                       "calls": len(v)}
-                for name, v in phases.items() if v}
-
-
 def bench_prompts(engine, count: int, prompt_tokens: int) -> list[list[int]]:
     """Token ids of `count` held-out ShareGPT prompts, each cut to prompt_tokens tokens."""
     prompts = sharegpt_prompts(count, "test")
     if isinstance(engine.codec, CharCodec):  # test models read only their small alphabet
         prompts = ["".join(c for c in p if ord(c) < engine.codec.vocab_size) or "?" for p in prompts]
     return [engine.codec.encode(p)[:prompt_tokens] for p in prompts]
-
-
-def generate_batch(engine, chunk: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy generations of one batch of prompts (token ids per prompt)."""
-    rows: list[list[int]] = [[] for _ in chunk]
-    for step in engine.token_steps(chunk, [max_tokens] * len(chunk)):
-        for r, token in enumerate(step):
-            if token is not None:
-                rows[r].append(token)
-    return rows
-
-
-class PairedExecutor:
-    """Runs every layer call on each path (name -> (TimedExecutor, torch threads)), the order
-    rotating call by call; returns the first path's output and counts, per path, the calls whose
-    output is not bit-identical to it."""
-
-    def __init__(self, paths: dict[str, tuple[TimedExecutor, int]], threads: int):
-        self.paths, self.threads = paths, threads
-        self.mismatches = dict.fromkeys(paths, 0)
-        self._calls = 0
-
-    def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        names = list(self.paths)
-        shift = self._calls % len(names)
-        self._calls += 1
-        outputs = {}
-        for name in names[shift:] + names[:shift]:
-            executor, threads = self.paths[name]
-            torch.set_num_threads(threads)
-            outputs[name] = executor.run_layer(layer, x, routing)
-        torch.set_num_threads(self.threads)
-        reference = outputs[names[0]]
-        for name, out in outputs.items():
-            self.mismatches[name] += not torch.equal(out, reference)
-        return reference
 
 
 def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
@@ -215,12 +153,13 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         paired.mismatches = dict.fromkeys(paired.paths, 0)
         from tqdm import tqdm
 
-        paired_s, generated, captures = 0.0, 0, []
+        paired_s, generated, captures, paired_rows = 0.0, 0, [], []
         for i in tqdm(range(0, len(ids), batch), desc="batches", leave=False):
             start = time.perf_counter()
             with moe.capture() as capture:  # the gate inputs (for the gate's own time)
                 rows = generate_batch(engine, ids[i:i + batch], max_tokens)
             captures.append(capture)
+            paired_rows.append(rows)
             paired_s += time.perf_counter() - start
             generated += sum(len(r) for r in rows)
             if wide_engine:  # the same batch on the wide baseline, on its own
@@ -230,19 +169,27 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                 paired.mismatches.setdefault(wide_name, 0)
                 paired.mismatches[wide_name] += sum(a != b for a, b in zip(rows, wide_rows))
         torch.set_num_threads(threads)
+        # 2. Each path alone, as serving runs it (serve_paths.py).
+        alone, alone_differ = run_alone(lambda executor: Engine(moe, executor),
+                                        {name: (executor.inner, wide if name == wide_name else threads)
+                                         for name, executor in timed.items()},
+                                        [ids[i:i + batch] for i in range(0, len(ids), batch)], max_tokens, paired_rows)
         fit = fit_alpha_beta(clients["local"][0], spec.hidden_size)
         trips = {name: {t: {k: 1e6 * v for k, v in timed_calls(lambda c=cs[0]: c.submit(call, x).result(), 50).items()}
                         for t, cs in clients.items()}
                  for name, (call, x) in round_trip_calls(spec.hidden_size).items()}
         for client in (c for cs in clients.values() for c in cs):
             client.close()
-    # 2. Figures per path against the faster in-process baseline, per phase.
+    # 3. Figures per path against the faster in-process baseline, per phase.
     layer_ms = {name: executor.summary_ms(batch) for name, executor in timed.items()}
+    alone_ms = {name: executor.summary_ms(batch) for name, executor in alone.items()}
     moe_s = {name: sum(s for _, s in executor.samples) for name, executor in timed.items()}
     outside_moe_s = paired_s - sum(moe_s[name] for name in paired.paths)  # the forward's own time
     phases = list(layer_ms[next(iter(baselines))])
     best = {stat: {phase: min(layer_ms[name][phase][stat] for name in baselines) for phase in phases}
             for stat in ("median", "p10", "p90")}
+    best_alone = {stat: {phase: min(alone_ms[name][phase][stat] for name in baselines) for phase in phases}
+                  for stat in ("median", "p90")}
     iterations = [it for capture in captures for it in capture.iterations]
     gate_ms = 1e3 * _gate_seconds(moe, iterations) / max(len(iterations) * spec.num_layers, 1)
     return {
@@ -264,6 +211,13 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                                          for name, ms in layer_ms.items()},
         "ratio_to_best_in_process_p90": {name: {phase: ms[phase]["p90"] / best["p90"][phase] for phase in phases}
                                          for name, ms in layer_ms.items()},
+        # each path alone (serve_paths.run_alone): the MoE layer as serving runs it
+        "alone_moe_layer_ms": alone_ms,
+        "alone_generations_differing": alone_differ,
+        "alone_ratio_to_best_in_process": {name: {phase: ms[phase]["median"] / best_alone["median"][phase] for phase in phases}
+                                           for name, ms in alone_ms.items()},
+        "alone_ratio_to_best_in_process_p90": {name: {phase: ms[phase]["p90"] / best_alone["p90"][phase] for phase in phases}
+                                               for name, ms in alone_ms.items()},
         "wire_per_layer_call": _wire(remotes["tcp"].times, spec.hidden_size, next(moe.hf.parameters()).dtype),
         "round_trip_us": trips,
         "breakdown_ms_per_layer": {t: _breakdown(remotes[t].times, gate_ms) for t in TRANSPORTS},
@@ -317,6 +271,13 @@ def print_report(result: dict[str, Any]) -> None:
         cells = "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p90']:.3f} "
                           f"({high[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
         print(f"{name:26s} {result['tokens_per_s'][name]:8.1f} {result['mismatches'][name]:6d}   {cells}")
+    print("each path alone, as serving runs it (hosts idle only during the model's other layers; 'differ': "
+          "generations unlike the paired run's):")
+    for name, ms in result["alone_moe_layer_ms"].items():
+        ratios, high = result["alone_ratio_to_best_in_process"][name], result["alone_ratio_to_best_in_process_p90"][name]
+        cells = "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p90']:.3f} "
+                          f"({high[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
+        print(f"{name:26s} {'':8s} {result['alone_generations_differing'][name]:6d}   {cells}")
     wire = result["wire_per_layer_call"]
     print(f"on the wire per layer call ({wire['dtype']}): {wire['rows_sent']:.1f} token rows out, {wire['rows_received']:.1f} "
           f"back for {wire['pairs']:.1f} (token, expert) pairs; {(wire['bytes_sent'] + wire['bytes_received']) / 1e3:.1f} KB, "

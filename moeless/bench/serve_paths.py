@@ -1,0 +1,98 @@
+"""How `moeless bench serve` drives its paths (serve.py): every MoE-layer call timed, the paths
+paired call by call on the same input (outputs compared bit for bit), or each path alone.
+
+Paired, a remote path's hosts sit idle while the other paths run the same layer (milliseconds),
+so every call finds them asleep; serving gives them only the model's other layers between calls.
+`run_alone` therefore also times each path by itself, batch by batch in rotating order, as
+serving runs it, and checks that it generates what the paired run generated.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from moeless.model.interface import ExpertExecutor, Routing
+
+
+class TimedExecutor:
+    """Wraps an executor and records (tokens, seconds) of each run_layer call."""
+
+    def __init__(self, inner: ExpertExecutor):
+        self.inner, self.samples = inner, []
+
+    def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.inner.run_layer(layer, x, routing)
+        self.samples.append((x.shape[0], time.perf_counter() - start))
+        return out
+
+    def summary_ms(self, batch: int) -> dict[str, dict[str, float]]:
+        """Mean, median, 10th and 90th percentile ms per layer call, for all calls, prefill and decode
+        apart. A decode step carries one row per sequence (<= batch). The median resists a busy
+        machine's stalls; the 10th percentile is what the machine gives when other jobs leave it
+        alone (a path of several processes waits for the CPU at every hand-over, so contention
+        inflates it more than the single-process baseline)."""
+        phases = {"all": [s for _, s in self.samples], "prefill": [s for t, s in self.samples if t > batch],
+                  "decode": [s for t, s in self.samples if t <= batch]}
+        return {name: {"mean": 1e3 * float(np.mean(v)), "median": 1e3 * float(np.median(v)),
+                       "p10": 1e3 * float(np.percentile(v, 10)), "p90": 1e3 * float(np.percentile(v, 90)),
+                       "calls": len(v)}
+                for name, v in phases.items() if v}
+
+
+def generate_batch(engine, chunk: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy generations of one batch of prompts (token ids per prompt)."""
+    rows: list[list[int]] = [[] for _ in chunk]
+    for step in engine.token_steps(chunk, [max_tokens] * len(chunk)):
+        for r, token in enumerate(step):
+            if token is not None:
+                rows[r].append(token)
+    return rows
+
+
+class PairedExecutor:
+    """Runs every layer call on each path (name -> (TimedExecutor, torch threads)), the order
+    rotating call by call; returns the first path's output and counts, per path, the calls whose
+    output is not bit-identical to it."""
+
+    def __init__(self, paths: dict[str, tuple[TimedExecutor, int]], threads: int):
+        self.paths, self.threads = paths, threads
+        self.mismatches = dict.fromkeys(paths, 0)
+        self._calls = 0
+
+    def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        names = list(self.paths)
+        shift = self._calls % len(names)
+        self._calls += 1
+        outputs = {}
+        for name in names[shift:] + names[:shift]:
+            executor, threads = self.paths[name]
+            torch.set_num_threads(threads)
+            outputs[name] = executor.run_layer(layer, x, routing)
+        torch.set_num_threads(self.threads)
+        reference = outputs[names[0]]
+        for name, out in outputs.items():
+            self.mismatches[name] += not torch.equal(out, reference)
+        return reference
+
+
+def run_alone(make_engine, paths: dict[str, tuple[ExpertExecutor, int]], batches: list[list[list[int]]], max_tokens: int,
+              reference: list[list[list[int]]]) -> tuple[dict[str, TimedExecutor], dict[str, int]]:
+    """Every path generates every batch by itself (path order rotating batch by batch), each on its
+    torch threads: name -> TimedExecutor of its calls, and name -> generations that differ from
+    `reference` (the paired run's rows per batch). make_engine(executor) -> an Engine."""
+    timed = {name: TimedExecutor(executor) for name, (executor, _) in paths.items()}
+    engines = {name: make_engine(executor) for name, executor in timed.items()}
+    differ = dict.fromkeys(paths, 0)
+    names = list(paths)
+    for i, chunk in enumerate(batches):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            before = torch.get_num_threads()
+            torch.set_num_threads(paths[name][1])
+            rows = generate_batch(engines[name], chunk, max_tokens)
+            torch.set_num_threads(before)
+            differ[name] += sum(a != b for a, b in zip(rows, reference[i]))
+    return timed, differ
