@@ -26,6 +26,12 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
             assert result["moe_layer_ms"][name][phase]["median"] <= result["moe_layer_ms"][name][phase]["p90"]
             assert result["ratio_to_best_in_process_p90"][name][phase] > 0
     assert min(result["ratio_to_best_in_process"][n]["decode"] for n in paths if n.startswith("in_process")) == 1.0
+    # each path alone generates what the paired run generated, every call timed
+    assert set(result["alone_moe_layer_ms"]) == paths
+    for name in ("in_process_1_threads", "expert_functions_local", "expert_functions_tcp", "expert_functions_grpc"):
+        assert result["alone_generations_differing"][name] == 0
+        assert result["alone_moe_layer_ms"][name]["all"]["calls"] == result["moe_layer_ms"][name]["all"]["calls"]
+    assert min(result["alone_ratio_to_best_in_process"][n]["decode"] for n in paths if n.startswith("in_process")) == 1.0
     for transport in ("local", "tcp", "grpc"):
         breakdown = result["breakdown_ms_per_layer"][transport]
         assert set(breakdown) == {"gate", "scatter", "invoke", "expert_compute", "transfer_and_call", "gather"}
