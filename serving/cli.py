@@ -111,7 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
         profile = CostProfile.from_json(args.profile) if args.profile else None
         serve_embedded(args.model, hosts=args.hosts, replicas=args.replicas, port=args.port, bind=args.bind, knobs=knobs,
                        profile=profile, predictor_file=args.predictor_file, batching=args.batching, limits=limits,
-                       max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo, poll_s=args.poll_us / 1e6)
+                       max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo, poll_s=args.poll_us / 1e6,
+                       knob_file=args.config)
     except (KnobError, ProfileError) as err:
         print(f"moeless serve: {err}", file=sys.stderr)
         return 2

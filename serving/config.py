@@ -52,6 +52,7 @@ class ServeConfig:
     plan_loop: str | None = None
     profile: Any = None  # moeless.placement.profile.CostProfile
     predictor_file: str | None = None
+    knob_file: str | None = None  # the knobs' YAML, followed while serving (a k8s pool: its policy instead)
     loop: tuple = ()  # (field, value) pairs of LoopSettings, e.g. (("period_s", 0.1),)
     # The expert-host pool followed while serving (controller/pool/sources.py: a PoolSource, e.g. the
     # policy's pods on Kubernetes); None: host_addresses, fixed. Read every pool_period_s.
@@ -110,4 +111,4 @@ def config_from_args(args: Mapping[str, Any]):
     fixed = isinstance(source, StaticSource)
     return ServeConfig(choice.name, choice.loader, source.addresses if fixed else (), pool=None if fixed else source,
                        num_replicas=int(args.get("replicas", 1)), placement_board=BOARD_NAME, knobs=knobs,
-                       plan_loop=LOOP_NAME)
+                       plan_loop=LOOP_NAME, knob_file=args.get("config") or None)

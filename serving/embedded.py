@@ -74,10 +74,12 @@ def free_port() -> int:
 def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1, port: int = 8000,
                    bind: str = "127.0.0.1", knobs=None, profile=None, predictor_file: str | None = None, batching: str = "continuous",
                    limits=None, max_batch: int = 8, drain_s: float = 30.0, demo: bool = False, poll_s: float = 0.0,
+                   knob_file: str | None = None,
                    demo_question: str = DEMO_QUESTION, demo_tokens: int = 40) -> str | None:
     """Run the serving path locally (see the module docstring); returns the demo's answer.
     knobs: moeless.controller.knobs.Knobs (default: the defaults); profile: a CostProfile (default: measured
-    at start); poll_s: the data plane's busy-poll, in the clients and the local hosts (expert_fn/polling.py).
+    at start); poll_s: the data plane's busy-poll, in the clients and the local hosts (expert_fn/polling.py);
+    knob_file: the knobs' YAML (`--config`), followed while serving: an edit reaches the loop within seconds.
     Raises KnobError for knobs that do not fit the model (before anything starts)."""
     import httpx
     import ray
@@ -117,7 +119,7 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
                                      limits=limits or BatchLimits(), max_batch=max_batch,
                                      placement_board=BOARD_NAME, drain_signal=SIGNAL_NAME, knobs=knobs,
                                      plan_loop=LOOP_NAME, profile=profile, predictor_file=predictor_file,
-                                     client_poll_s=poll_s)
+                                     client_poll_s=poll_s, knob_file=knob_file)
                 serve.run(build_app(config), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"
                 price = ray.get(ray.get_actor(LOOP_NAME, namespace=NAMESPACE).state.remote())["memory_price"]

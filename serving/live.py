@@ -12,7 +12,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from moeless.controller.planning.actor import LoopSettings, ReportSender, plan_loop
+from moeless.controller.planning.actor import LoopSettings, plan_loop
+from moeless.controller.planning.knob_sources import knob_source_for
+from moeless.controller.planning.report_sender import ReportSender
 from moeless.controller.planning.rules import live_planner_name
 from moeless.controller.pool.wake import wake_timeout_s
 from moeless.placement.planner import relevels
@@ -40,7 +42,7 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     settings = LoopSettings(pool=config.pool_source, num_layers=spec.num_layers,
                             num_experts=spec.num_experts, knobs=knobs, profile=profile, board=config.placement_board,
                             hidden_size=spec.hidden_size, non_expert_bytes=non_expert, replicas=config.num_replicas,
-                            **dict(config.loop))
+                            knob_source=knob_source_for(config.pool_source, config.knob_file), **dict(config.loop))
     loop = plan_loop(config.plan_loop, settings)
     # Also surfaces a loop that failed to start; one measuring the profile may first wake a pool at zero.
     waited = max(settings.first_host_wait_s, wake_timeout_s()) if profile is None else 0.0

@@ -22,6 +22,7 @@ from moeless.controller.operator.spec import GIB, PolicySpec
 
 GROUP, VERSION, KIND, PLURAL = "moeless.io", "v1alpha1", "ExpertAutoscalingPolicy", "expertautoscalingpolicies"
 API_VERSION = f"{GROUP}/{VERSION}"
+SERVING_GENERATION_ANNOTATION = "moeless.io/serving-generation"  # set by the serving pods' planning loop
 MANAGED_BY = "moeless-operator"
 POLICY_LABEL = "moeless.io/policy"
 TEMPLATE_HASH = "moeless.io/template-hash"

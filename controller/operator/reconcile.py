@@ -172,6 +172,9 @@ def reconcile(policy_name: str, policy: dict | None, observed: Observed, now: fl
         observedGeneration=generation, hostsReady=ready, hostsDesired=decision.hosts,
         replicas=sum(len(v) for v in resident_set.values()), lastActiveTime=rfc3339(last_active),
     )
+    applied = (policy["metadata"].get("annotations") or {}).get(obj.SERVING_GENERATION_ANNOTATION, "")
+    if applied.isdigit():  # what the serving pods' loop runs (controller/planning/knob_sources.py)
+        status["servingGeneration"] = int(applied)
     status.pop("pendingScale", None)
     if decision.pending:
         status["pendingScale"] = {"hosts": decision.pending.hosts, "since": rfc3339(decision.pending.since)}

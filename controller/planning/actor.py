@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -29,19 +28,19 @@ from typing import Any
 import numpy as np
 import ray
 
-from moeless.controller.knobs import Knobs
+from moeless.controller.knobs import KnobError, Knobs
 from moeless.controller.planning.board import publish_placement
 from moeless.controller.planning.calibrate import calibrate_host
 from moeless.controller.planning.cost_fit import OnlineCostFit
+from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.rules import (
     HostView,
-    is_stateful,
-    layer_cap_replicas,
-    live_planner_name,
-    memory_price,
+    LoopTerms,
+    loop_terms,
     plan_phases,
     plan_step,
     planner_config,
+    restart_knobs_changed,
     same_placement,
 )
 from moeless.controller.planning.window import PHASES, Heartbeat, IterationReport, LiveStats, ReportWindow
@@ -86,6 +85,8 @@ class LoopSettings:
     planner_extra: dict = field(default_factory=dict)
     pool_period_s: float = 1.0
     first_host_wait_s: float = 60.0  # measuring the profile needs a ready host: how long to wait for one (_first_host)
+    knob_source: Any = None  # controller/planning/knob_sources.py: knobs followed while running (None: fixed)
+    knob_period_s: float = 1.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -104,11 +105,11 @@ class PlanLoop:
                                        num_hosts)
             settings, self.host_call_s = replace(settings, profile=costs.profile), costs.host_call_s
         self.s = settings
-        self.name = live_planner_name(settings.knobs)
-        self.stateful = is_stateful(self.name)
-        self.layer_cap = layer_cap_replicas(settings.knobs, settings.num_experts, settings.profile.expert_bytes)
-        self.memory_price = memory_price(settings.knobs, settings.profile, settings.num_layers, settings.num_experts,
-                                         settings.replicas)
+        self._use(loop_terms(settings.knobs, settings.profile, settings.num_layers, settings.num_experts, settings.replicas))
+        self.generation = 0  # of the knob source, applied (0: as started)
+        self.knob_error = ""  # why the last change was refused ("": none)
+        self.restart_pending: list[str] = []  # changed knobs that only a serving restart applies
+        self._refused = -1
         self.fit = OnlineCostFit(self.host_call_s)
         self.window = ReportWindow(settings.window_s)
         self.stats = LiveStats(settings.num_layers)
@@ -134,6 +135,10 @@ class PlanLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="plan-loop", daemon=True)
         self._thread.start()
+        if settings.knob_source is not None:
+            threading.Thread(target=follow_knobs, args=(settings.knob_source, self.set_knobs, self._refuse, self._stop,
+                                                        settings.knob_period_s, lambda: (self.generation, self._refused)),
+                             name="knob-follower", daemon=True).start()
 
     # --- what the serving replicas and the ingress call ------------------------------------
 
@@ -148,10 +153,31 @@ class PlanLoop:
             if self.stateful:
                 self._actuals.append(report.actual)
 
+    def set_knobs(self, knobs: Knobs, generation: int) -> bool:
+        """Plan by `knobs` from the next pass on (generation: the source's); False, keeping the running
+        knobs, when they cannot serve this model (knob_error says why). The knobs a serving replica
+        builds into its forward (rules.RESTART_KNOBS) are listed in restart_pending instead."""
+        try:
+            terms = loop_terms(knobs, self.s.profile, self.s.num_layers, self.s.num_experts, self.s.replicas)
+        except KnobError as err:
+            self._refuse(generation, err)
+            return False
+        with self._lock:
+            self.restart_pending = restart_knobs_changed(self.s.knobs, knobs)
+            kept = {name: getattr(self.s.knobs, name) for name in self.restart_pending}
+            if terms.planner != self.name:
+                self._planner, self._actuals = None, []  # made again on the next pass
+            self.s = replace(self.s, knobs=replace(knobs, **kept))
+            self._use(terms)
+            self.generation, self.knob_error = generation, ""
+        return True
+
     def state(self) -> dict:
         """The loop's state for /healthz: heartbeat (wall clock), its age, a stall line or None."""
         with self._lock:
             return {"planner": self.name, "predictor": self.s.knobs.predictor, "memory_price": self.memory_price,
+                    "generation": self.generation, "knob_error": self.knob_error,
+                    "restart_pending": list(self.restart_pending),
                     "heartbeat_s": self.heartbeat.last,
                     "heartbeat_age_s": self.heartbeat.age(), "stalled": self.heartbeat.stalled(),
                     "stall_threshold_s": self.s.stall_s, "last_error": self.last_error, **self.counts,
@@ -216,6 +242,15 @@ class PlanLoop:
         return addresses[min(addresses)]
 
     # --- the loop ----------------------------------------------------------------------------
+
+    def _refuse(self, generation: int, err: Exception) -> None:
+        with self._lock:
+            self.knob_error, self._refused = f"generation {generation} refused: {err}", generation
+        log.warning("knobs of generation %d refused, the running ones stay: %s", generation, err)
+
+    def _use(self, terms: LoopTerms) -> None:
+        self.name, self.stateful, self.layer_cap, self.memory_price = \
+            terms.planner, terms.stateful, terms.layer_cap, terms.memory_price
 
     def _run(self) -> None:
         while not self._stop.wait(self.s.period_s):
@@ -359,43 +394,3 @@ def plan_loop(name: str, settings: LoopSettings | None = None):
     if settings is None:
         return ray.get_actor(name, namespace=NAMESPACE)
     return PlanLoop.options(name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote(settings)
-
-
-class ReportSender:
-    """Sends a serving replica's IterationReports to the loop from a thread of its own: `offer`
-    never blocks the forward; reports are dropped (counted) while the loop is not keeping up."""
-
-    def __init__(self, loop, max_queued: int = 64, max_inflight: int = 32):
-        self.loop, self.max_inflight = loop, max_inflight
-        self.sent = self.dropped = 0
-        self._queue: queue.Queue = queue.Queue(max_queued)
-        self._inflight: list = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="report-sender", daemon=True)
-        self._thread.start()
-
-    def offer(self, report: IterationReport) -> None:
-        try:
-            self._queue.put_nowait(report)
-        except queue.Full:
-            self.dropped += 1
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                report = self._queue.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if len(self._inflight) >= self.max_inflight:
-                _, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=0)
-            if len(self._inflight) >= self.max_inflight:  # the loop is stalled or slow: drop, never block
-                self.dropped += 1
-                continue
-            try:
-                self._inflight.append(self.loop.report.remote(report))
-                self.sent += 1
-            except Exception:  # the actor is gone (Ray shutting down)
-                self.dropped += 1
-
-    def close(self) -> None:
-        self._stop.set()

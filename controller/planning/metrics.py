@@ -84,6 +84,11 @@ class LoopCollector(Collector):
         accuracy = stats["accuracy"]
         yield GaugeMetricFamily(f"{PREFIX}_predictor_online_accuracy", "the predictor's load accuracy over its recent "
                                 "forecasts (NaN: none)", value=accuracy if accuracy is not None else math.nan)
+        yield GaugeMetricFamily(f"{PREFIX}_knobs_generation", "the knobs' generation the planning loop runs (its policy's "
+                                "metadata.generation on Kubernetes, the --config file's changes locally; 0: as started)",
+                                value=s.get("generation", 0))
+        yield GaugeMetricFamily(f"{PREFIX}_knobs_refused", "1 while the latest knobs were refused (the running ones stay; "
+                                "/healthz says why)", value=float(bool(s.get("knob_error"))))
         yield GaugeMetricFamily(f"{PREFIX}_memory_price", "seconds of MoE-layer time one GB·s of replica memory is "
                                 "worth to the planner (knob memoryPrice; unset: memory-neutral)", value=s["memory_price"])
         fit = s["latency_fit"]
@@ -116,6 +121,10 @@ def loop_health(state: dict | None, seen_s: float | None, now_s: float, answered
               "heartbeat_age_s": round(age, 3), "passes": state["passes"], "publishes": state["publishes"]}
     if state.get("last_error"):
         detail["last_error"] = state["last_error"]
+    detail["knobs_generation"] = state.get("generation", 0)
+    for key in ("knob_error", "restart_pending"):
+        if state.get(key):
+            detail[key] = state[key]
     if age > state["stall_threshold_s"]:
         detail["state"] = f"degraded: planning loop stalled for {age:.1f} s" + ("" if answered else " (not answering)")
         return True, detail

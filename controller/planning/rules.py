@@ -48,6 +48,33 @@ def live_planner_name(knobs: Knobs) -> str:
     return knobs.planner + ("" if knobs.scaler else "-no-scaler") + ("" if knobs.placer else "-no-placer")
 
 
+@dataclass(frozen=True)
+class LoopTerms:
+    """What the loop plans by, derived from the knobs: the planner's name (ablations applied), whether
+    it is stateful, a layer's replica cap and the memory price."""
+
+    planner: str
+    stateful: bool
+    layer_cap: int
+    memory_price: float
+
+
+RESTART_KNOBS = ("predictor", "distance")  # built into every serving replica's forward: applied on its restart
+
+
+def loop_terms(knobs: Knobs, profile: CostProfile, num_layers: int, num_experts: int, serving_replicas: int = 1) -> LoopTerms:
+    """The loop's terms for `knobs`; KnobError (naming the knob) when they cannot serve this model."""
+    knobs.check_for_model(num_layers)
+    name = live_planner_name(knobs)
+    return LoopTerms(name, is_stateful(name), layer_cap_replicas(knobs, num_experts, profile.expert_bytes),
+                     memory_price(knobs, profile, num_layers, num_experts, serving_replicas))
+
+
+def restart_knobs_changed(running: Knobs, new: Knobs) -> list[str]:
+    """The knobs of RESTART_KNOBS that differ: the loop applies the rest at once."""
+    return [name for name in RESTART_KNOBS if getattr(running, name) != getattr(new, name)]
+
+
 def is_stateful(planner_name: str) -> bool:
     """Planners that learn from every iteration's loads themselves (EPLB's window): the loop feeds
     them each reported iteration's actual loads instead of the merged forecast."""

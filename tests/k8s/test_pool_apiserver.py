@@ -255,3 +255,23 @@ def test_a_planning_loop_started_on_a_pool_at_zero_wakes_it_to_measure_the_profi
         if loops:
             loops[0].stop()
         delete_pods(core, *(p.metadata.name for p in core.list_namespaced_pod(NS).items))
+
+
+def test_the_policy_s_serving_knobs_are_read_with_their_generation_and_the_applied_one_reported(reader_kubeconfig,
+                                                                                                 policies):
+    """What a serving pod's loop does with the serving ServiceAccount's rights (get and patch the policy)."""
+    from moeless.controller.knobs import Knobs
+    from moeless.controller.planning.knob_sources import APPLIED_ANNOTATION, PolicyKnobs, as_mapping
+
+    source = PolicyKnobs(NS, POLICY, str(reader_kubeconfig))
+    generation, _ = source.read()
+    policies.patch_namespaced_custom_object("moeless.io", "v1alpha1", NS, "expertautoscalingpolicies", POLICY,
+                                            {"spec": {"serving": {"memoryPrice": 0.5, "scaler": False}}})
+    changed, doc = source.read()
+    assert changed == generation + 1
+    knobs = Knobs.from_mapping(as_mapping(doc))
+    assert knobs.memory_price == 0.5 and knobs.scaler is False
+    source.applied(changed)
+    got = policies.get_namespaced_custom_object("moeless.io", "v1alpha1", NS, "expertautoscalingpolicies", POLICY)
+    assert got["metadata"]["annotations"][APPLIED_ANNOTATION] == str(changed)
+    assert got["metadata"]["generation"] == changed  # an annotation is not a spec change

@@ -249,3 +249,15 @@ def test_non_expert_cost_bills_ready_serving_replicas_over_time():
     cluster.step(T0 + 15, serving_ready=0)
     # 2 replicas x 0.5 GiB (0.537 GB) x 10 s; nothing while none is ready.
     assert cluster.policy["status"]["cost"]["nonExpertGBSeconds"] == pytest.approx(2 * 0.5 * GIB / 1e9 * 10)
+
+
+def test_the_generation_the_serving_pods_applied_is_shown_in_status():
+    cluster = Cluster(policy())
+    cluster.step(T0)
+    assert "servingGeneration" not in cluster.policy["status"]
+    cluster.policy["metadata"]["annotations"] = {obj.SERVING_GENERATION_ANNOTATION: "1"}  # the serving pods' loop
+    cluster.step(T0 + 5)
+    assert cluster.policy["status"]["servingGeneration"] == 1
+    cluster.policy["metadata"]["annotations"] = {obj.SERVING_GENERATION_ANNOTATION: "not a number"}
+    cluster.step(T0 + 10)
+    assert cluster.policy["status"]["servingGeneration"] == 1  # a garbled annotation changes nothing

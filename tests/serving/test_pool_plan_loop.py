@@ -73,3 +73,40 @@ def test_a_loop_started_on_a_pool_at_zero_runs_and_plans_once_a_host_appears(tin
         assert loop.state()["errors"] == 0
     finally:
         loop.stop()
+
+
+def test_a_knobs_file_changed_while_the_loop_runs_is_applied_and_a_bad_one_refused(tiny_store, hosts, tmp_path):
+    from moeless.controller.planning.knob_sources import FileKnobs
+
+    model, _ = tiny_store
+    pool = tmp_path / "pool.json"
+    write_members(pool, 3, [Member(i, a) for i, a in enumerate(hosts.addresses)])
+    knobs = tmp_path / "knobs.yaml"
+    knobs.write_text("predictor: \"off\"\ndistance: 1\n")
+    settings = LoopSettings(pool=FileSource.open(str(pool)), num_layers=model.spec.num_layers,
+                            num_experts=model.spec.num_experts, knobs=Knobs(predictor="off", distance=1),
+                            profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05,
+                            knob_source=FileKnobs(str(knobs)), knob_period_s=0.05)
+    loop = PlanLoop.__ray_metadata__.modified_class(settings)
+    try:
+        _wait(lambda: loop.state()["generation"] == 1, "the file as started")
+        neutral = loop.state()["memory_price"]
+        knobs.write_text("predictor: \"off\"\ndistance: 1\nmemoryPrice: 0.25\nscaler: false\n")  # an ablation, live
+        _wait(lambda: loop.state()["generation"] == 2, "the change applied")
+        state = loop.state()
+        assert state["memory_price"] == 0.25 != neutral and state["planner"] == "moeless-no-scaler"
+        assert state["knob_error"] == "" and state["restart_pending"] == []
+        knobs.write_text("predictor: \"off\"\ndistance: 1\nplanner: static\nscaler: false\n")  # static has no scaler
+        _wait(lambda: loop.state()["knob_error"], "the refusal")
+        state = loop.state()
+        assert "generation 3 refused" in state["knob_error"] and "scaler/placer" in state["knob_error"]
+        assert state["generation"] == 2 and state["planner"] == "moeless-no-scaler"  # the running knobs stay
+        knobs.write_text("predictor: gate\ndistance: 1\n")  # built into the replicas' forward: a restart applies it
+        _wait(lambda: loop.state()["generation"] == 4, "the next change")
+        state = loop.state()
+        assert state["restart_pending"] == ["predictor"] and state["predictor"] == "off" and state["planner"] == "moeless"
+        knobs.write_text("planner: [not, a, name")
+        _wait(lambda: "not YAML" in loop.state()["knob_error"], "a file that is not YAML")
+        assert loop.state()["errors"] == 0 and loop.state()["generation"] == 4
+    finally:
+        loop.stop()
