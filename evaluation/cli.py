@@ -213,8 +213,13 @@ def _deployments(args: argparse.Namespace) -> int:
     from moeless.evaluation.deployment_report import render
     from moeless.evaluation.deployment_run import evaluate_deployments
 
+    return _evaluate_and_render(lambda: evaluate_deployments(_deployment_config(args), args.out), render, args)
+
+
+def _evaluate_and_render(evaluate, render, args: argparse.Namespace) -> int:
+    """Run evaluate(), then render(args.out, args.markdown); a bad input is one error line."""
     try:
-        evaluate_deployments(_deployment_config(args), args.out)
+        evaluate()
     except _errors() as err:
         return _fail("eval", str(err))
     paths = render(args.out, args.markdown)
@@ -251,25 +256,19 @@ def _shared_pool(args: argparse.Namespace) -> int:
     from moeless.evaluation.shared_pool_report import render
     from moeless.evaluation.shared_pool_run import evaluate_shared_pool
 
-    try:
-        evaluate_shared_pool(_shared_pool_config(args), args.out)
-    except _errors() as err:
-        return _fail("eval", str(err))
-    paths = render(args.out, args.markdown)
-    print(f"wrote {args.out}/run.json and the report: " + ", ".join(str(p) for p in paths))
-    return 0
+    return _evaluate_and_render(lambda: evaluate_shared_pool(_shared_pool_config(args), args.out), render, args)
 
 
 def report_command(args: argparse.Namespace) -> int:
     # heavy (the evaluation pipeline): kept off --help's start-up path
-    from moeless.evaluation.deployment_report import is_deployments, render as render_deployments
-    from moeless.evaluation.report import render
-    from moeless.evaluation.shared_pool_report import is_shared_pool, render as render_shared_pool
+    from moeless.evaluation import deployment_report, shared_pool_report
+    from moeless.evaluation.deployment_run import FORMAT as DEPLOYMENTS
+    from moeless.evaluation.report import render, run_format
+    from moeless.evaluation.shared_pool_run import FORMAT as SHARED_POOL
 
+    renderers = {DEPLOYMENTS: deployment_report.render, SHARED_POOL: shared_pool_report.render}
     try:
-        renderer = render_deployments if is_deployments(args.run_dir) else \
-            render_shared_pool if is_shared_pool(args.run_dir) else render
-        paths = renderer(args.run_dir, args.markdown)
+        paths = renderers.get(run_format(args.run_dir), render)(args.run_dir, args.markdown)
     except _errors() as err:
         return _fail("report", str(err))
     print(f"rendered {len(paths)} files into {args.run_dir}" + (f" and {args.markdown}" if args.markdown else ""))

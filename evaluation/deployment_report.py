@@ -8,27 +8,17 @@ paper's execution model (replicas in parallel) and its per-layer billing, as its
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from pathlib import Path
 
 from moeless.evaluation.deployment import CASES, OWN_FORECAST, PHASES, recommend
-from moeless.evaluation.deployment_run import FORMAT, RUN_FILE
+from moeless.evaluation.deployment_run import FORMAT
 from moeless.evaluation.plots import _figure as figure, _save
-from moeless.evaluation.report import NOTES_FILE, RunDirError, write_markdown, write_text
+from moeless.evaluation.report import load_run, notes_section, rows_csv, write_markdown, write_text
 
 PAPER = {"time": -0.43, "cost": -0.84}  # MoEless vs Megatron-LM EP on 8 x A6000 (the paper's headline)
 BOUND_GAP = 0.10  # acceptance: where the bound is this far below static EP, moeless must reach ...
 BOUND_SHARE = 0.70  # ... this share of the bound's gain
-
-
-def is_deployments(run_dir: str | Path) -> bool:
-    path = Path(run_dir) / RUN_FILE
-    try:
-        return json.loads(path.read_text()).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
 
 
 def rows(run: dict) -> list[dict]:
@@ -78,28 +68,15 @@ def acceptance(table: list[dict]) -> list[dict]:
 def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path]:
     """Write the report into run_dir (and the markdown also to `markdown`); returns the files written."""
     run_dir = Path(run_dir)
-    try:
-        run = json.loads((run_dir / RUN_FILE).read_text())
-    except (OSError, ValueError) as err:
-        raise RunDirError(f"{run_dir}: no readable {RUN_FILE} ({err})") from None
+    run = load_run(run_dir, FORMAT)
     table = rows(run)
     accept = acceptance(table)
-    written = [write_text(run_dir / "deployments.csv", _csv(table)),
+    written = [write_text(run_dir / "deployments.csv", rows_csv(table)),
                write_text(run_dir / "report.json", json.dumps({"format": "moeless-deployments-report/1", "command": run["command"],
                                                             "rows": table, "acceptance": accept}, indent=1, sort_keys=True) + "\n"),
                _figure(run, run_dir / "gain-by-batch-tokens.png")]
-    notes = run_dir / NOTES_FILE
-    body = _markdown(run, table, accept) + (f"\n## Notes\n\n{notes.read_text().strip()}\n" if notes.is_file() else "")
+    body = _markdown(run, table, accept) + notes_section(run_dir)
     return write_markdown(run_dir, body, markdown) + written
-
-
-def _csv(table: list[dict]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(table[0]) if table else ["model"], lineterminator="\n")
-    writer.writeheader()
-    for r in table:
-        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
-    return buf.getvalue()
 
 
 def _pct(x) -> str:

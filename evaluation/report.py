@@ -24,7 +24,16 @@ class RunDirError(ValueError):
     """A run directory without a readable run.json of this format."""
 
 
-def load_run(run_dir: str | Path) -> dict:
+def run_format(run_dir: str | Path) -> str | None:
+    """The format a run directory's run.json names (None: no readable one): which report renders it."""
+    try:
+        return json.loads((Path(run_dir) / RUN_FILE).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load_run(run_dir: str | Path, fmt: str = FORMAT) -> dict:
+    """RUN_DIR/run.json, which must be of format `fmt` (RunDirError says what is wrong)."""
     path = Path(run_dir) / RUN_FILE
     try:
         doc = json.loads(path.read_text())
@@ -32,9 +41,25 @@ def load_run(run_dir: str | Path) -> dict:
         raise RunDirError(f"{run_dir}: no {RUN_FILE}; a run directory is what `moeless eval --out DIR` writes") from None
     except (OSError, json.JSONDecodeError) as err:
         raise RunDirError(f"{path}: not a readable run file ({err}); re-run `moeless eval`") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise RunDirError(f"{path}: not a {FORMAT} run file; re-run `moeless eval` with this version")
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise RunDirError(f"{path}: not a {fmt} run file; re-run `moeless eval` with this version")
     return doc
+
+
+def rows_csv(rows: list[dict]) -> str:
+    """Report rows (dicts with the same keys) as CSV, floats to 6 significant digits."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["model"], lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+def notes_section(run_dir: Path) -> str:
+    """RUN_DIR/notes.md as the report's last section ("" without one)."""
+    notes = run_dir / NOTES_FILE
+    return f"\n## Notes\n\n{notes.read_text().strip()}\n" if notes.is_file() else ""
 
 
 def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path]:

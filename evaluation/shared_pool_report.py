@@ -3,41 +3,28 @@ report.json and gpu-seconds.png, the same bytes from the same run.json."""
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from pathlib import Path
 
 from moeless.evaluation.plots import _figure as figure, _save
-from moeless.evaluation.report import NOTES_FILE, RunDirError, write_markdown, write_text
-from moeless.evaluation.shared_pool_run import FORMAT, RUN_FILE
+from moeless.evaluation.report import load_run, notes_section, rows_csv, write_markdown, write_text
+from moeless.evaluation.shared_pool_run import FORMAT
 from moeless.twin.shared_pool import WAYS
 
 TARGET_RATIO = 0.6  # expert-grain GPU-seconds / dedicated, where models sit idle half the time or more
 
 
-def is_shared_pool(run_dir: str | Path) -> bool:
-    try:
-        return json.loads((Path(run_dir) / RUN_FILE).read_text()).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
-
-
 def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path]:
     """Write the report into run_dir (and the markdown also to `markdown`); returns the files written."""
     run_dir = Path(run_dir)
-    try:
-        run = json.loads((run_dir / RUN_FILE).read_text())
-    except (OSError, ValueError) as err:
-        raise RunDirError(f"{run_dir}: no readable {RUN_FILE} ({err})") from None
+    run = load_run(run_dir, FORMAT)
     table = rows(run)
     checks = acceptance(run)
-    written = [write_text(run_dir / "shared-pool.csv", _csv(table)),
+    written = [write_text(run_dir / "shared-pool.csv", rows_csv(table)),
                write_text(run_dir / "report.json", json.dumps({"format": "moeless-shared-pool-report/1", "command": run["command"],
                                                             "rows": table, "acceptance": checks}, indent=1, sort_keys=True) + "\n"),
                _plot(run, run_dir / "gpu-seconds.png")]
-    notes = run_dir / NOTES_FILE
-    body = _markdown(run, checks) + (f"\n## Notes\n\n{notes.read_text().strip()}\n" if notes.is_file() else "")
+    body = _markdown(run, checks) + notes_section(run_dir)
     return write_markdown(run_dir, body, markdown) + written
 
 
@@ -68,15 +55,6 @@ def acceptance(run: dict) -> list[dict]:
                     "target_ratio_met": ratio["expert-grain"] <= TARGET_RATIO if idle >= 0.5 else None,
                     "wake_ups_shorter": all(e < w for e, w in wakes) if wakes else None})
     return out
-
-
-def _csv(table: list[dict]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(table[0]) if table else ["model"], lineterminator="\n")
-    writer.writeheader()
-    for r in table:
-        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
-    return buf.getvalue()
 
 
 def _plot(run: dict, path: Path) -> Path:
