@@ -11,6 +11,11 @@
     client.health()                               # {"state": "serving", "ready": True}
     client.close()
 
+A host may serve several models from one memory (model_stores.py): a client made with
+model="NAME" addresses that model's layers (the host's offer says where they are) and its
+status() lists that model's replicas only; without a model it addresses the host's layers as
+they are (one model: its own).
+
 One invoke is one call for all the experts of a layer that this host serves; a replica not
 resident is loaded on demand (a cold start, counted by the host). `submit` sends one routed
 call (routed.py: each token once, in its own dtype, with its experts and gate weights) and
@@ -29,6 +34,8 @@ second (reconnect backoff 0.1-1 s); calls until then raise ExpertHostUnavailable
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import grpc
 import torch
@@ -82,13 +89,15 @@ class ExpertHostClient:
     """A channel to the expert host at `address` ("host:port"); every call has timeout_s."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, transport: str = "auto",
-                 poll_s: float = DEFAULT_CLIENT_POLL_S) -> None:
+                 poll_s: float = DEFAULT_CLIENT_POLL_S, model: str | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.address = address
         self.timeout_s = timeout_s
         self.transport = transport
         self.poll_s = poll_s  # the data channel spins this long for an answer before blocking (polling.py)
+        self.model = model
+        self._range: pb.ModelLayers | None = None  # the model's layers on the host (from its offer)
         self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.ExpertHostStub(self._channel)
         # The data channel: None = not asked since the last failure, False = gRPC (the host offers
@@ -107,11 +116,12 @@ class ExpertHostClient:
 
         wait=True returns once it is resident and raises ReplicaLoadError if it cannot load.
         """
-        return self._call(self._stub.Load, pb.LoadRequest(layer=layer, expert=expert, wait=wait)).state
+        request = pb.LoadRequest(layer=layer + self._first_layer(), expert=expert, wait=wait)
+        return self._call(self._stub.Load, request).state
 
     def evict(self, layer: int, expert: int) -> bool:
         """Evict (layer, expert); False if it was loading, busy (evicted when done) or absent."""
-        return self._call(self._stub.Evict, pb.ReplicaRef(layer=layer, expert=expert)).evicted
+        return self._call(self._stub.Evict, pb.ReplicaRef(layer=layer + self._first_layer(), expert=expert)).evicted
 
     def invoke(self, layer: int, batches: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Outputs of layer's experts on their tokens, in one RPC.
@@ -122,7 +132,7 @@ class ExpertHostClient:
 
     def invoke_detailed(self, layer: int, batches: dict[int, torch.Tensor]) -> InvokeResult:
         """invoke, plus the call's cold starts and the host's compute time."""
-        request = pb.InvokeRequest(layer=layer)
+        request = pb.InvokeRequest(layer=layer + self._first_layer())
         put_batches(request.batches, batches)
         reply = self._call(self._stub.Invoke, request)
         return InvokeResult(batches_from_proto(reply.outputs), reply.cold_starts, reply.compute_s)
@@ -131,6 +141,8 @@ class ExpertHostClient:
         """Start a routed call on the rows x[call.tokens] (x: [T, H] contiguous, in the dtype the
         tokens travel in); pending.result() -> RoutedResult (z: [n_out, H])."""
         channel = self._data_channel()
+        if self.model is not None:
+            call = replace(call, layer=call.layer + self._first_layer())
         if channel is not None:
             return channel.submit(call, x)
         self._calls += 1
@@ -165,6 +177,7 @@ class ExpertHostClient:
         try:
             offer = self._call(self._stub.LocalChannel, pb.LocalChannelRequest())
             socket_name, tcp_port = offer.socket, offer.tcp_port
+            self._range = None if self.model is None else self._model_range(offer)  # a restarted host says anew
         except ExpertHostUnavailable:
             raise
         except ExpertHostError:  # a host that predates the offer (UNIMPLEMENTED)
@@ -188,12 +201,34 @@ class ExpertHostClient:
     def status(self) -> dict:
         """{"device", "memory_bytes", "keep_alive_s", "health", "inflight", "replicas": [...],
         "meters": {...}}; each replica: layer, expert, state, bytes, gb_s, invocations, tokens,
-        last_load_s, error."""
+        last_load_s, error. With a model: its replicas only, at its own layer numbers (the meters
+        and memory are the host's, every model's)."""
         reply = self._call(self._stub.Status, pb.StatusRequest())
         status = {name: getattr(reply, name) for name in ("device", "memory_bytes", "keep_alive_s", "health", "inflight")}
-        status["replicas"] = [_fields(r) for r in reply.replicas]
+        first, layers = (self._first_layer(), self._range.layers) if self.model is not None else (0, None)
+        status["replicas"] = [{**_fields(r), "layer": r.layer - first} for r in reply.replicas
+                              if layers is None or first <= r.layer < first + layers]
         status["meters"] = _fields(reply.meters)
         return status
+
+    def models(self) -> list[dict]:
+        """The models the host serves: name, first_layer, layers, experts (its offer)."""
+        return [_fields(m) for m in self._call(self._stub.LocalChannel, pb.LocalChannelRequest()).models]
+
+    def _first_layer(self) -> int:
+        """Where this client's model begins in the host's layers (0 without a model)."""
+        if self.model is None:
+            return 0
+        if self._range is None:
+            self._range = self._model_range(self._call(self._stub.LocalChannel, pb.LocalChannelRequest()))
+        return self._range.first_layer
+
+    def _model_range(self, offer) -> pb.ModelLayers:
+        for m in offer.models:
+            if m.name == self.model:
+                return m
+        raise ExpertHostError(f"expert host {self.address} does not serve model {self.model!r}; it serves "
+                              f"{[m.name for m in offer.models] or 'no named model (an older host)'}")
 
     def health(self) -> dict:
         """{"state": "starting" | "serving" | "draining", "ready": bool}."""

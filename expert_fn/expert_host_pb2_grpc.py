@@ -119,7 +119,7 @@ class ExpertHostServicer:
 
     def LocalChannel(self, request, context):
         """The host's data-plane offer: its shared-memory channel for clients on the same machine
-        (local_channel.py) and its TCP channel's port (tcp_server.py).
+        (local_channel.py), its TCP channel's port (tcp_server.py), and the models it serves.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

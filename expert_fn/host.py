@@ -28,14 +28,17 @@ from moeless.expert_fn.gpu import detect_device
 from moeless.expert_fn.local_channel_server import LocalChannelServer
 from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S
 from moeless.expert_fn.tiers import add_tier_arguments, tier_config_from_args
-from moeless.model.weight_store import WeightStore, WeightStoreError
+from moeless.expert_fn.model_stores import ModelStores
+from moeless.model.weight_store import WeightStoreError
 
 log = logging.getLogger("moeless.expert_fn.host")
 
 
 def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--store", required=True, metavar="DIR", help="weight-store directory (from `moeless model export`)")
+    add("--store", required=True, action="append", metavar="[NAME=]DIR",
+        help="a weight-store directory (from `moeless model export`); repeat it to serve several models from one "
+             "memory (model_stores.py), NAME defaulting to the store's model name")
     add("--port", type=int, default=0, help="gRPC port (default 0: pick a free one and print it)")
     add("--bind", default="127.0.0.1", metavar="ADDR", help="address to listen on (default 127.0.0.1)")
     add("--keep-alive-s", type=float, default=60.0, metavar="S", help="seconds an idle replica stays warm (default 60)")
@@ -86,7 +89,7 @@ def serve(args: argparse.Namespace) -> int:
         print("expert-host: --memory-gb must be > 0, --keep-alive-s, --poll-us >= 0 and --threads >= 1", file=sys.stderr)
         return 2
     try:
-        store = WeightStore.open(args.store)
+        store = ModelStores.open([_named(s) for s in args.store])
     except WeightStoreError as err:
         print(f"expert-host: {err}", file=sys.stderr)
         return 2
@@ -111,7 +114,7 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"expert-host: cannot listen on {args.bind}:{args.tcp_port} ({err}); pick another --tcp-port", file=sys.stderr)
         return 2
-    servicer = ExpertHostServicer(runtime, local.name if local else "", tcp.port if tcp else 0)
+    servicer = ExpertHostServicer(runtime, local.name if local else "", tcp.port if tcp else 0, store.ranges())
     pb_grpc.add_ExpertHostServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{args.bind}:{args.port}")
     if port == 0:
@@ -128,7 +131,7 @@ def serve(args: argparse.Namespace) -> int:
              "metrics_port": http.server_port if http else None, "device": device.torch_device}
     print(json.dumps(ready), flush=True)
     log.info("serving %s on %s:%d (%s, %.2f GB for replicas, keep-alive %.1f s)",
-             args.store, args.bind, port, device.name, capacity / 1e9, args.keep_alive_s)
+             store.describe(), args.bind, port, device.name, capacity / 1e9, args.keep_alive_s)
     while not stop.wait(0.5):
         if args.exit_with_parent and os.getppid() != parent:  # orphans are re-parented at once
             log.warning("parent process %d is gone; stopping", parent)
@@ -149,6 +152,12 @@ def serve(args: argparse.Namespace) -> int:
         http.shutdown()
     log.info("stopped")
     return 0
+
+
+def _named(text: str) -> tuple[str | None, str]:
+    """--store [NAME=]DIR -> (NAME or None, DIR); a directory may hold '=' when NAME is given."""
+    name, sep, root = text.partition("=")
+    return (name, root) if sep and name and "/" not in name else (None, text)
 
 
 def main(argv: list[str] | None = None) -> int:

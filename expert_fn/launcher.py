@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 
 class HostStartError(RuntimeError):
@@ -155,7 +156,7 @@ def _reap(process: subprocess.Popen) -> None:
 
 def launch_local_hosts(
     num_hosts: int,
-    store_dir: str | Path,
+    store_dir: str | Path | Sequence[tuple[str, str | Path]],
     *,
     keep_alive_s: float = 60.0,
     memory_bytes: int | None = None,
@@ -167,6 +168,8 @@ def launch_local_hosts(
     poll_s: float | None = None,
 ) -> LocalHostGroup:
     """Start num_hosts expert hosts serving store_dir on loopback and wait until all are ready.
+    store_dir: a weight store, or (model name, store) pairs that every host serves from one memory
+    (model_stores.py).
 
     memory_bytes: replica memory per host (default: the host's own, 4 GB on a CPU). metrics:
     also serve /metrics, /healthz, /readyz on a free port each (group.metrics_urls).
@@ -176,9 +179,11 @@ def launch_local_hosts(
     """
     if num_hosts < 1:
         raise ValueError(f"num_hosts must be >= 1, got {num_hosts}")
-    if not Path(store_dir, "index.json").is_file():
-        raise FileNotFoundError(f"{store_dir}: no weight store (index.json); export one with `moeless model export`")
-    args = ["--store", str(store_dir), "--keep-alive-s", str(keep_alive_s), "--threads", str(threads), "--drain-s", str(drain_s),
+    stores = [(None, store_dir)] if isinstance(store_dir, (str, Path)) else list(store_dir)
+    for _, root in stores:
+        if not Path(root, "index.json").is_file():
+            raise FileNotFoundError(f"{root}: no weight store (index.json); export one with `moeless model export`")
+    args = [*(a for name, root in stores for a in ("--store", f"{name}={root}" if name else str(root))), "--keep-alive-s", str(keep_alive_s), "--threads", str(threads), "--drain-s", str(drain_s),
             "--exit-with-parent"]
     if memory_bytes is not None:
         args += ["--memory-gb", repr(memory_bytes / 1e9)]

@@ -36,7 +36,8 @@ Weights = dict[str, torch.Tensor]
 
 
 class ExpertHostRuntime:
-    """Replicas of (layer, expert) FFNs from `store`, computed on `device` in float32."""
+    """Replicas of (layer, expert) FFNs from `store` (a WeightStore, or model_stores.ModelStores: several
+    models in one layer space), computed on `device` in float32."""
 
     def __init__(
         self,
@@ -261,7 +262,7 @@ class ExpertHostRuntime:
         return self.store.expert_bytes(*key) * 4 // itemsize
 
     def _check_key(self, layer: int, expert: int) -> Key:
-        if not (0 <= layer < self.store.num_layers and 0 <= expert < self.store.num_experts):
+        if not self.store.has(layer, expert):
             raise BadRequest(
                 f"no expert (layer {layer}, expert {expert}): the store has "
                 f"{self.store.num_layers} layers x {self.store.num_experts} experts"

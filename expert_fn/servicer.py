@@ -6,11 +6,14 @@ errors.py) so the client re-raises the same class.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import grpc
 
 from moeless.expert_fn import expert_host_pb2 as pb
 from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
 from moeless.expert_fn.codec import batches_from_proto, put_batches
+from moeless.expert_fn.model_stores import ModelRange
 from moeless.expert_fn.errors import ERROR_KEY, BadRequest, ExpertHostError, HostMemoryFull, ReplicaLoadError
 from moeless.expert_fn.routed import decode_call, encode_reply, raw_bytes, run_routed
 from moeless.expert_fn.runtime import ExpertHostRuntime
@@ -28,10 +31,13 @@ def _abort(context: grpc.ServicerContext, err: ExpertHostError) -> None:
 
 
 class ExpertHostServicer(pb_grpc.ExpertHostServicer):
-    def __init__(self, runtime: ExpertHostRuntime, local_channel: str = "", tcp_port: int = 0) -> None:
+    def __init__(self, runtime: ExpertHostRuntime, local_channel: str = "", tcp_port: int = 0,
+                 models: Sequence[ModelRange] = ()) -> None:
         self.runtime = runtime
         self.local_channel = local_channel  # the abstract socket of local_channel_server, "" if none
         self.tcp_port = tcp_port  # the TCP channel's port (tcp_server.py), 0 if none
+        self.models = [pb.ModelLayers(name=m.name, first_layer=m.first_layer, layers=m.layers, experts=m.experts)
+                       for m in models]  # offered with the channels
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadReply:
         try:
@@ -65,7 +71,7 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
         return pb.RoutedFrame(frame=encode_reply(call.head.call_id, z, cold, compute) + raw_bytes(z))
 
     def LocalChannel(self, request: pb.LocalChannelRequest, context: grpc.ServicerContext) -> pb.LocalChannelReply:
-        return pb.LocalChannelReply(socket=self.local_channel, tcp_port=self.tcp_port)
+        return pb.LocalChannelReply(socket=self.local_channel, tcp_port=self.tcp_port, models=self.models)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         s = self.runtime.status()

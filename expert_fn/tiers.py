@@ -148,15 +148,14 @@ class HostTier:
         if self.config.prewarm == "none" or not self.enabled:
             return 0
         entered = 0
-        for layer in range(self.store.num_layers):
-            for expert in range(self.store.num_experts):
-                if self._full_for(self.store.expert_bytes(layer, expert)):
-                    return entered
-                try:
-                    _, source = self.get((layer, expert))
-                except Exception:  # counted in read_failures; a load of it raises the error
-                    continue
-                entered += source == "disk"
+        for layer, expert in self.store.keys():
+            if self._full_for(self.store.expert_bytes(layer, expert)):
+                return entered
+            try:
+                _, source = self.get((layer, expert))
+            except Exception:  # counted in read_failures; a load of it raises the error
+                continue
+            entered += source == "disk"
         return entered
 
     def stats(self) -> dict:

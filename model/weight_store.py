@@ -18,7 +18,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from safetensors.torch import load as parse_safetensors
@@ -80,6 +80,15 @@ class WeightStore:
 
     def expert_bytes(self, layer: int, expert: int) -> int:
         return int(self._entry(layer, expert)["bytes"])
+
+    def has(self, layer: int, expert: int) -> bool:
+        return 0 <= layer < self.num_layers and 0 <= expert < self.num_experts
+
+    def keys(self) -> Iterator[tuple[int, int]]:
+        """Every (layer, expert) of the store."""
+        for layer in range(self.num_layers):
+            for expert in range(self.num_experts):
+                yield layer, expert
 
     def _entry(self, layer: int, expert: int) -> dict:
         try:

@@ -49,7 +49,7 @@ def test_host_command_matches_the_expert_host_flags():
     from moeless.cli import build_parser
 
     args = build_parser().parse_args(argv[1:])  # the real CLI accepts exactly this
-    assert (args.store, args.keep_alive_s, args.memory_gb, args.metrics_port) == ("/s", 90.0, 1.074, 9400)
+    assert (args.store, args.keep_alive_s, args.memory_gb, args.metrics_port) == (["/s"], 90.0, 1.074, 9400)
     assert args.poll_us == 0  # the host's default: no flag unless the policy sets one
     polling = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "pollMicroseconds": 250}})
     assert build_parser().parse_args(host_command(polling)[1:]).poll_us == 250

@@ -1,0 +1,115 @@
+"""Several models' weight stores behind one host: one layer space, so replicas of every model share
+the host's memory, its keep-alive and its eviction order.
+
+Model i's layer l is the host's layer first_i + l (its layers follow the previous model's), and
+its experts are 0..E_i - 1. A client bound to a model (client.ExpertHostClient(model=...)) learns
+its range from the host's offer and adds first_i to every layer it sends, so the runtime, the
+replica table, the tiers, the meters and every transport see one model with many layers. One host
+serving one store is the case first_0 = 0.
+
+    stores = ModelStores.open([("mixtral", "/models/a"), ("phi", "/models/b")])
+    stores.ranges()          # [ModelRange("mixtral", 0, 32, 8), ModelRange("phi", 32, 32, 16)]
+    stores.load(33, 5)       # phi's layer 1, expert 5
+
+All stores must use one activation and one weight dtype (the runtime computes each call with its
+store's activation); opening others is an error that names them.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from moeless.model.weight_store import WeightStore, WeightStoreError
+
+
+@dataclass(frozen=True)
+class ModelRange:
+    """A model's place in the host's layer space."""
+
+    name: str
+    first_layer: int
+    layers: int
+    experts: int
+
+
+class ModelStores:
+    """The stores of (name, WeightStore) pairs, in order, as one store of the host's layers."""
+
+    def __init__(self, stores: Sequence[tuple[str, WeightStore]]):
+        if not stores:
+            raise WeightStoreError("an expert host needs at least one weight store (--store)")
+        names = [name for name, _ in stores]
+        if len(set(names)) != len(names):
+            raise WeightStoreError(f"model names must differ, got {names}; name them with --store NAME=DIR")
+        for what, values in (("activation", {s.act for _, s in stores}),
+                             ("weight dtype", {s.index.get("dtype") or "float32" for _, s in stores})):
+            if len(values) > 1:
+                raise WeightStoreError(f"the stores {names} use different {what}s {sorted(values)}; one host serves "
+                                       f"models of one {what}")
+        self.stores = [store for _, store in stores]
+        self._ranges, first = [], 0
+        for name, store in stores:
+            self._ranges.append(ModelRange(name, first, store.num_layers, store.num_experts))
+            first += store.num_layers
+        self._firsts = [r.first_layer for r in self._ranges]
+        first = self.stores[0]
+        self.root: Path = first.root
+        self.index = {"dtype": first.index.get("dtype") or "float32"}  # what the runtime reads of an index
+        self.act = first.act
+
+    @staticmethod
+    def open(stores: Sequence[tuple[str | None, str | Path]]) -> "ModelStores":
+        """(name or None: the store's own model name, directory) pairs, opened in order."""
+        opened = [WeightStore.open(root) for _, root in stores]
+        return ModelStores([(name or str(s.index.get("model") or Path(s.root).name), s)
+                            for (name, _), s in zip(stores, opened)])
+
+    def ranges(self) -> list[ModelRange]:
+        return list(self._ranges)
+
+    @property
+    def num_layers(self) -> int:
+        last = self._ranges[-1]
+        return last.first_layer + last.layers
+
+    @property
+    def num_experts(self) -> int:
+        return max(r.experts for r in self._ranges)
+
+    def has(self, layer: int, expert: int) -> bool:
+        if not 0 <= layer < self.num_layers:
+            return False
+        return 0 <= expert < self._ranges[self._which(layer)].experts
+
+    def keys(self) -> Iterator[tuple[int, int]]:
+        """Every (host layer, expert) of every model."""
+        for r in self._ranges:
+            for layer in range(r.first_layer, r.first_layer + r.layers):
+                for expert in range(r.experts):
+                    yield layer, expert
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        store, local = self._local(layer)
+        return store.expert_bytes(local, expert)
+
+    def load(self, layer: int, expert: int, verify: bool = True) -> dict[str, torch.Tensor]:
+        store, local = self._local(layer)
+        return store.load(local, expert, verify=verify)
+
+    def describe(self) -> str:
+        return ", ".join(f"{r.name} (layers {r.first_layer}-{r.first_layer + r.layers - 1}, {r.experts} experts)"
+                         for r in self._ranges)
+
+    def _which(self, layer: int) -> int:
+        return bisect_right(self._firsts, layer) - 1
+
+    def _local(self, layer: int) -> tuple[WeightStore, int]:
+        if not 0 <= layer < self.num_layers:
+            raise WeightStoreError(f"no layer {layer} on this host: it serves {self.describe()}")
+        i = self._which(layer)
+        return self.stores[i], layer - self._ranges[i].first_layer

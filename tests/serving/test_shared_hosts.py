@@ -1,0 +1,110 @@
+"""Two models on the same expert-host processes (expert_fn/model_stores.py): each model's forward
+through the shared hosts equals that model alone, in-process; their replicas share the hosts'
+memory; a client bound to one model sees only its own replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.errors import ExpertHostError
+from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.model.tiny import tiny_model
+from moeless.model.weight_store import export_experts
+from moeless.placement.types import Placement
+from moeless.serving.executor import RemoteExecutor
+from moeless.serving.placement_source import PlacementSource
+
+MODELS = {"tiny-mixtral": ("mixtral", 0), "tiny-qwen2": ("qwen2_moe", 1)}  # two geometries, one activation
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    models, stores = {}, []
+    for name, (arch, seed) in MODELS.items():
+        model = tiny_model(arch, seed)
+        root = tmp_path_factory.mktemp(name)
+        export_experts(model.iter_experts(), root, model=name, num_layers=model.spec.num_layers,
+                       num_experts=model.spec.num_experts, act=model.spec.act)
+        models[name] = model
+        stores.append((name, root))
+    with launch_local_hosts(2, stores, keep_alive_s=60, metrics=False) as group:
+        yield models, group
+
+
+def _batch(seed: int, vocab: int = 128):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (3, 10), generator=g)
+    return ids, torch.ones_like(ids)
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp", "grpc"])
+def test_each_model_on_shared_hosts_equals_itself_alone(two_models, transport):
+    models, group = two_models
+    for i, (name, model) in enumerate(models.items()):
+        clients = [ExpertHostClient(a, timeout_s=30, transport=transport, model=name) for a in group.addresses]
+        spec = model.spec
+        executor = RemoteExecutor(clients, PlacementSource(Placement.static(spec.num_layers, spec.num_experts, 2)))
+        try:
+            ids, mask = _batch(i)
+            reference = model.forward(ids, mask).logits
+            got = model.forward(ids, mask, executor=executor).logits
+            assert torch.equal(got, reference), name
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_the_models_share_each_host_and_each_client_sees_its_own_replicas(two_models):
+    models, group = two_models
+    with ExpertHostClient(group.addresses[0]) as host:
+        offered = {m["name"]: m for m in host.models()}
+        assert list(offered) == list(MODELS)  # in --store order, one layer space
+        first, second = offered.values()
+        assert (first["first_layer"], second["first_layer"]) == (0, first["layers"])
+        assert first["experts"] == models["tiny-mixtral"].spec.num_experts
+        assert second["experts"] == models["tiny-qwen2"].spec.num_experts
+        everything = host.status()["replicas"]
+    per_model = {}
+    for name in MODELS:
+        with ExpertHostClient(group.addresses[0], model=name) as client:
+            client.load(1, 0, wait=True)
+            per_model[name] = client.status()["replicas"]
+            assert all(0 <= r["layer"] < offered[name]["layers"] for r in per_model[name])
+            assert any(r["layer"] == 1 and r["expert"] == 0 for r in per_model[name])
+    with ExpertHostClient(group.addresses[0]) as host:
+        everything = host.status()["replicas"]
+    assert len(everything) == sum(len(v) for v in per_model.values())  # one memory, every model's replicas
+    assert {(r["layer"], r["expert"]) for r in everything} >= {(1, 0), (offered["tiny-qwen2"]["first_layer"] + 1, 0)}
+
+
+def test_a_model_the_host_does_not_serve_is_a_clear_error(two_models):
+    _, group = two_models
+    with ExpertHostClient(group.addresses[0], model="llama") as client:
+        with pytest.raises(ExpertHostError, match=r"does not serve model 'llama'; it serves \['tiny-mixtral', 'tiny-qwen2'\]"):
+            client.load(0, 0)
+
+
+def test_one_model_s_loads_evict_the_other_s_idle_replicas_from_the_shared_memory(two_models, tmp_path):
+    """One memory for both models: with room for two replicas, loading the second model's experts
+    evicts the first model's least recently used ones (the host's LRU spans models)."""
+    models, _ = two_models
+    stores = [(name, tmp_path / name) for name in MODELS]
+    for (name, root), model in zip(stores, models.values()):
+        export_experts(model.iter_experts(), root, model=name, num_layers=model.spec.num_layers,
+                       num_experts=model.spec.num_experts, act=model.spec.act)
+    biggest = max(4 * model.spec.hidden_size * model.spec.expert_ffn * 3 for model in models.values())
+    with launch_local_hosts(1, stores, keep_alive_s=600, metrics=False, memory_bytes=2 * biggest) as group:
+        a = ExpertHostClient(group.addresses[0], model="tiny-mixtral")
+        b = ExpertHostClient(group.addresses[0], model="tiny-qwen2")
+        try:
+            a.load(0, 0, wait=True)
+            a.load(0, 1, wait=True)
+            b.load(0, 0, wait=True)
+            resident = lambda client: {(r["layer"], r["expert"]) for r in client.status()["replicas"]
+                                       if r["state"] in ("idle", "warm")}
+            assert resident(b) == {(0, 0)} and resident(a) == {(0, 1)}  # a's (0, 0) was used least recently
+        finally:
+            a.close()
+            b.close()
