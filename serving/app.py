@@ -59,9 +59,10 @@ class ModelServer:
         self.pool, self.pool_follower = follow_pool(
             config.pool_source,
             lambda a: ExpertHostClient(a, timeout_s=config.host_timeout_s, transport=config.transport,
-                                       poll_s=config.client_poll_s),
+                                       poll_s=config.client_poll_s, model=config.host_model),
             config.pool_period_s)
         self._probes: dict[str, Any] = {}  # address -> a client with a short timeout: /healthz answers fast
+        self.host_model = config.host_model
         self.source = PlacementSource(config.placement or Placement.static(spec.num_layers, spec.num_experts,
                                                                              self.pool.slots))
         self.waker = waker_for(config.pool_source)  # a k8s pool at zero is woken by the request that finds it so
@@ -163,7 +164,7 @@ class ModelServer:
             self._probes.pop(gone).close()
         live = []
         for slot, address in sorted(addresses.items()):
-            probe = self._probes.setdefault(address, ExpertHostClient(address, timeout_s=2.0))
+            probe = self._probes.setdefault(address, ExpertHostClient(address, timeout_s=2.0, model=self.host_model))
             try:
                 probe.health()
                 live.append(slot)
@@ -187,18 +188,27 @@ class ModelServer:
                 **batching}
 
 
-def build_app(config: ServeConfig):
-    """The bound application, for serve.run(build_app(config), route_prefix="/")."""
-    ongoing = config.limits.max_running + config.limits.max_waiting if config.batching == "continuous" \
-        else 4 * config.max_batch
-    server = ModelServer.options(num_replicas=config.num_replicas, max_ongoing_requests=ongoing,
-                                 ray_actor_options={"num_cpus": config.replica_cpus}).bind(config)
+def build_app(configs: ServeConfig | list[ServeConfig]):
+    """The bound application, for serve.run(build_app(configs), route_prefix="/"): one ModelServer
+    deployment per config (a model), one ingress that routes each request by its `model`."""
+    configs = [configs] if isinstance(configs, ServeConfig) else list(configs)
+    if len({c.model_name for c in configs}) != len(configs):
+        raise ValueError(f"each served model needs its own name, got {[c.model_name for c in configs]}")
+    servers, admitted = {}, 0
+    for i, config in enumerate(configs):
+        ongoing = config.limits.max_running + config.limits.max_waiting if config.batching == "continuous" \
+            else 4 * config.max_batch
+        name = "ModelServer" if len(configs) == 1 else f"ModelServer-{i}"
+        servers[config.model_name] = ModelServer.options(
+            name=name, num_replicas=config.num_replicas, max_ongoing_requests=ongoing,
+            ray_actor_options={"num_cpus": config.replica_cpus}).bind(config)
+        admitted += config.num_replicas * ongoing
     # The ingress holds each streamed request until its last token: it must admit every request the
     # servers can take (Ray Serve's default of 5 ongoing would cap the running batch at 5), plus
     # room for /healthz and /metrics.
-    return Ingress.options(max_ongoing_requests=config.num_replicas * ongoing + INGRESS_SPARE,
-                           ray_actor_options={"num_cpus": config.ingress_cpus}).bind(server, config.model_name,
-                                                                                     config.plan_loop)
+    return Ingress.options(max_ongoing_requests=admitted + INGRESS_SPARE,
+                           ray_actor_options={"num_cpus": configs[0].ingress_cpus}).bind(
+        servers, {c.model_name: c.plan_loop for c in configs})
 
 
 def app_from_args(args: dict):

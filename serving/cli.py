@@ -20,7 +20,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Start local Ray, the expert hosts as local processes and the OpenAI-style HTTP app "
                     "(/v1/completions, /v1/chat/completions, /healthz, /metrics); print the URL.",
     )
-    serve.add_argument("--model", default="default", help=MODEL_HELP)
+    serve.add_argument("--model", action="append", metavar="MODEL",
+                       help=MODEL_HELP + "; repeat it to serve several models on the same expert hosts, each answering "
+                            "by its name (default: default)")
     serve.add_argument("--hosts", type=int, default=2, help="expert-host processes (default 2)")
     serve.add_argument("--replicas", type=int, default=1, help="data-parallel replicas of the non-expert layers (default 1)")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0 picks a free one)")
@@ -109,7 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         knobs = knobs_from_args(args)
         profile = CostProfile.from_json(args.profile) if args.profile else None
-        serve_embedded(args.model, hosts=args.hosts, replicas=args.replicas, port=args.port, bind=args.bind, knobs=knobs,
+        models = args.model or ["default"]
+        serve_embedded(models[0] if len(models) == 1 else models, hosts=args.hosts, replicas=args.replicas, port=args.port, bind=args.bind, knobs=knobs,
                        profile=profile, predictor_file=args.predictor_file, batching=args.batching, limits=limits,
                        max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo, poll_s=args.poll_us / 1e6,
                        knob_file=args.config)

@@ -43,6 +43,7 @@ class ServeConfig:
     host_timeout_s: float = 30.0
     transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else TCP, else gRPC
     client_poll_s: float = 0.0  # the data channels spin this long for an answer before blocking (expert_fn/polling.py)
+    host_model: str | None = None  # the name the expert hosts serve this model by (None: their only one)
     placement_board: str | None = None  # follow placements published under this name (placement_board.py)
     drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)
     # The live loop (serving/live.py, plan_loop.py): the knobs, the loop actor's name (None: no loop,

@@ -31,7 +31,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from moeless.controller.knobs import Knobs
+from moeless.controller.knobs import KnobError, Knobs
 from moeless.controller.planning.actor import LOOP_NAME, NAMESPACE
 from moeless.controller.planning.board import BOARD_NAME
 from moeless.controller.planning.rules import layer_cap_replicas, live_planner_name
@@ -71,12 +71,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1, port: int = 8000,
+def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replicas: int = 1, port: int = 8000,
                    bind: str = "127.0.0.1", knobs=None, profile=None, predictor_file: str | None = None, batching: str = "continuous",
                    limits=None, max_batch: int = 8, drain_s: float = 30.0, demo: bool = False, poll_s: float = 0.0,
                    knob_file: str | None = None,
                    demo_question: str = DEMO_QUESTION, demo_tokens: int = 40) -> str | None:
-    """Run the serving path locally (see the module docstring); returns the demo's answer.
+    """Run the serving path locally (see the module docstring); returns the demo's answer. Several
+    models (a list) share the local expert hosts, each with its own servers and planning loop, each
+    answering by its name; the demo asks the first.
     knobs: moeless.controller.knobs.Knobs (default: the defaults); profile: a CostProfile (default: measured
     at start); poll_s: the data plane's busy-poll, in the clients and the local hosts (expert_fn/polling.py);
     knob_file: the knobs' YAML (`--config`), followed while serving: an edit reaches the loop within seconds.
@@ -87,25 +89,28 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
 
     _quiet_ray_logs()  # after importing Serve: the import sets its logger's level
 
-    knobs = knobs or Knobs()
+    base_knobs = knobs or Knobs()
     remote = pool_source(os.environ[HOSTS_ENV]) if os.environ.get(HOSTS_ENV) else None
     stop = _stop_on_signals()
-    # 1. The model (its knobs checked) and its weight store.
-    choice = choose_model(model)
-    print(f"loading model {choice.name} ...", flush=True)
-    loaded = (choice.first_load or choice.loader)()
-    spec = loaded.spec
-    if knobs.distance == Knobs().distance and knobs.distance >= spec.num_layers > 1:  # the default, on a tiny model
-        knobs = replace(knobs, distance=spec.num_layers - 1)
-        print(f"distance: the default reaches past this model's {spec.num_layers} MoE layers; using {knobs.distance}",
-              flush=True)
-    knobs.check_for_model(spec.num_layers)
-    layer_cap_replicas(knobs, spec.num_experts, 3 * spec.expert_ffn * spec.hidden_size * 4)  # float32 replicas
-    live_planner_name(knobs)
-    store = None if remote else export_store(loaded, choice.name)
-    del loaded  # the replicas load their own copy (without experts)
+    models = [model] if isinstance(model, str) else list(model)
+    if remote and len(models) > 1:
+        raise KnobError(f"{HOSTS_ENV}: several models need the local expert hosts (one pool serving them all)")
+    # 1. Each model (its knobs checked) and its weight store.
+    served = []  # (choice, spec, knobs, store)
+    for name in models:
+        choice = choose_model(name)
+        print(f"loading model {choice.name} ...", flush=True)
+        loaded = (choice.first_load or choice.loader)()
+        served.append((choice, loaded.spec, _knobs_for(base_knobs, loaded.spec),
+                       None if remote else export_store(loaded, choice.name)))
+        del loaded  # the replicas load their own copy (without experts)
+    if len({choice.name for choice, *_ in served}) != len(served):
+        raise KnobError(f"--model: each model once, got {[choice.name for choice, *_ in served]}")
+    several = len(served) > 1
+    choice, spec, knobs, _ = served[0]
+    stores = None if remote else [(c.name, store) for c, _, _, store in served]
     # 2. Expert hosts: local ones kept running by the supervisor, or the remote ones given.
-    with _hosts(store, hosts, knobs.keep_alive_s, remote, poll_s) as (pool, supervisor):
+    with _hosts(stores, hosts, knobs.keep_alive_s, remote, poll_s) as (pool, supervisor):
         try:
             # 3. Ray and the app.
             ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
@@ -114,24 +119,29 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
             try:
                 port = port or free_port()
                 serve.start(http_options={"host": bind, "port": port})
-                config = ServeConfig(choice.name, choice.loader, (), pool=pool, num_replicas=replicas,
-                                     replica_cpus=0.5, ingress_cpus=0.25, batching=batching,
-                                     limits=limits or BatchLimits(), max_batch=max_batch,
-                                     placement_board=BOARD_NAME, drain_signal=SIGNAL_NAME, knobs=knobs,
-                                     plan_loop=LOOP_NAME, profile=profile, predictor_file=predictor_file,
-                                     client_poll_s=poll_s, knob_file=knob_file)
-                serve.run(build_app(config), name="moeless", route_prefix="/")
+                suffix = (lambda c: f"-{c.name}") if several else (lambda c: "")
+                configs = [ServeConfig(c.name, c.loader, (), pool=pool, num_replicas=replicas,
+                                       replica_cpus=0.5 / len(served), ingress_cpus=0.25, batching=batching,
+                                       limits=limits or BatchLimits(), max_batch=max_batch,
+                                       placement_board=BOARD_NAME + suffix(c), drain_signal=SIGNAL_NAME, knobs=k,
+                                       plan_loop=LOOP_NAME + suffix(c), profile=profile if not several else None,
+                                       predictor_file=predictor_file if not several else None,
+                                       client_poll_s=poll_s, knob_file=knob_file, host_model=c.name if several else None)
+                           for c, _, k, _ in served]
+                serve.run(build_app(configs), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"
-                price = ray.get(ray.get_actor(LOOP_NAME, namespace=NAMESPACE).state.remote())["memory_price"]
-                print(f"planning loop: planner {knobs.planner}, predictor {knobs.predictor}, distance {knobs.distance}, "
-                      f"keep-alive {knobs.keep_alive_s:g} s, memory price {price:.3g} s per GB·s"
-                      + (" (memory-neutral)" if knobs.memory_price is None else ""), flush=True)
-                print(f"moeless is serving {choice.name} at {url}  (OpenAI-style: /v1/completions, "
-                      f"/v1/chat/completions; /healthz, /metrics)", flush=True)
+                for config in configs:
+                    k = config.knobs
+                    price = ray.get(ray.get_actor(config.plan_loop, namespace=NAMESPACE).state.remote())["memory_price"]
+                    print(f"planning loop{' of ' + config.model_name if several else ''}: planner {k.planner}, predictor "
+                          f"{k.predictor}, distance {k.distance}, keep-alive {k.keep_alive_s:g} s, memory price "
+                          f"{price:.3g} s per GB·s" + (" (memory-neutral)" if k.memory_price is None else ""), flush=True)
+                print(f"moeless is serving {', '.join(c.model_name for c in configs)} at {url}  (OpenAI-style: "
+                      f"/v1/completions, /v1/chat/completions; /healthz, /metrics)", flush=True)
                 # 4. The demo request, or serve until a stop signal.
                 if demo:
                     answer = _demo(httpx, url, choice.name, demo_question, demo_tokens)
-                    _print_loop_summary(spec.num_layers * spec.num_experts)
+                    _print_loop_summary(spec.num_layers * spec.num_experts, configs[0].plan_loop)
                     print(f"next: `moeless serve` keeps serving at {url} (OpenAI-style API; `moeless serve --help` "
                           "for the knobs); docs/serving.md and docs/evaluation.md say what it does", flush=True)
                     return answer
@@ -142,9 +152,9 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
                 stop.wait()
                 # 5. Drain the replicas while the HTTP side can still tell the clients.
                 print(f"stopping: no new requests; running ones get up to {drain_s:g} s ...", flush=True)
-                outcomes = drain_replicas(replicas, drain_s)
+                outcomes = drain_replicas(replicas * len(served), drain_s)
                 failed = sum(o.get("unfinished", 0) for o in outcomes.values())
-                print(f"drained {len(outcomes)} of {replicas} replicas; {failed} requests ended unfinished "
+                print(f"drained {len(outcomes)} of {replicas * len(served)} replicas; {failed} requests ended unfinished "
                       "(their clients got a 503 saying so)", flush=True)
                 time.sleep(0.5)  # the last responses leave the ingress
                 return None
@@ -160,18 +170,32 @@ def serve_embedded(model: str = "default", *, hosts: int = 2, replicas: int = 1,
                 print("stopping the expert hosts ...", flush=True)
 
 
+def _knobs_for(knobs: Knobs, spec) -> Knobs:
+    """The knobs for a model, checked against it (the default distance shortened on a tiny model)."""
+    if knobs.distance == Knobs().distance and knobs.distance >= spec.num_layers > 1:  # the default, on a tiny model
+        knobs = replace(knobs, distance=spec.num_layers - 1)
+        print(f"distance: the default reaches past this model's {spec.num_layers} MoE layers; using {knobs.distance}",
+              flush=True)
+    knobs.check_for_model(spec.num_layers)
+    layer_cap_replicas(knobs, spec.num_experts, 3 * spec.expert_ffn * spec.hidden_size * 4)  # float32 replicas
+    live_planner_name(knobs)
+    return knobs
+
+
 @contextlib.contextmanager
-def _hosts(store: Path | None, count: int, keep_alive_s: float, remote, poll_s: float = 0.0):
-    """(the PoolSource serving follows, supervisor or None): `count` local hosts over `store`, published
-    by their supervisor to a pool file, or the remote pool given (a PoolSource)."""
+def _hosts(stores: list | None, count: int, keep_alive_s: float, remote, poll_s: float = 0.0):
+    """(the PoolSource serving follows, supervisor or None): `count` local hosts over `stores` ((model
+    name, store) pairs, every host serving every model), published by their supervisor to a pool file,
+    or the remote pool given (a PoolSource)."""
     if remote:
         fixed = getattr(remote, "addresses", None)
         print(f"using {len(fixed)} expert hosts from $MOELESS_EXPERT_HOSTS: {', '.join(fixed)}" if fixed else
               f"following the expert-host pool of $MOELESS_EXPERT_HOSTS ({remote.slots} slots): {remote}", flush=True)
         yield remote, None
         return
-    print(f"starting {count} expert hosts over {store} ...", flush=True)
-    with launch_local_hosts(count, store, keep_alive_s=keep_alive_s, poll_s=poll_s) as group, \
+    print(f"starting {count} expert hosts over {', '.join(str(store) for _, store in stores)} ...", flush=True)
+    with launch_local_hosts(count, stores if len(stores) > 1 else stores[0][1], keep_alive_s=keep_alive_s,
+                            poll_s=poll_s) as group, \
             tempfile.TemporaryDirectory(prefix="moeless-pool-") as tmp:
         path = str(Path(tmp, "pool.json"))
         supervisor = HostSupervisor(group, publish=functools.partial(write_members, path, count))
@@ -199,11 +223,11 @@ def _quiet_ray_logs() -> None:
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
 
-def _print_loop_summary(static_replicas: int) -> None:
+def _print_loop_summary(static_replicas: int, loop: str = LOOP_NAME) -> None:
     """One line on what the planning loop did while the demo ran: replicas added (or why none) and GB·s."""
     import ray
 
-    m = ray.get(ray.get_actor(LOOP_NAME, namespace=NAMESPACE).metrics.remote())
+    m = ray.get(ray.get_actor(loop, namespace=NAMESPACE).metrics.remote())
     added = max(0, int(m["resident_replicas"]) - static_replicas)
     did = (f"added {added} replicas beyond static EP's {static_replicas}" if added else
            f"stayed on static EP's {static_replicas} replicas: no extra replica paid for its cold start")

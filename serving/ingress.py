@@ -1,9 +1,11 @@
 """The HTTP ingress of the Ray Serve app: OpenAI-style routes over the ModelServer replicas.
 
-It validates requests (moeless.serving.api), streams each request's events from a ModelServer
-(plain JSON or server-sent events), and serves /healthz (ok / degraded while an expert host or
-the planning loop is down / draining / waking) and /metrics (its own counters, the servers'
-stats and the planning loop's). serving/app.py binds it to the servers.
+It validates requests (moeless.serving.api), streams each request's events from the ModelServer
+of the model the request names (one app may serve several models, each with its own servers and
+planning loop, on shared expert hosts), and serves /healthz (ok / degraded while an expert host or
+a planning loop is down / draining / waking; with several models, each model's under "models")
+and /metrics (its own counters, the servers' stats and the planning loops', each loop's labelled
+by its model when there are several). serving/app.py binds it to the servers.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real `Request` type of the routes.
@@ -18,7 +20,7 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from moeless.controller.planning.actor import NAMESPACE
-from moeless.controller.planning.metrics import LoopCollector, loop_health
+from moeless.controller.planning.metrics import LoopCollector, LoopsCollector, loop_health
 from moeless.controller.pool.wake import health_word
 from moeless.serving import api
 from moeless.serving.engine import error_event
@@ -40,20 +42,29 @@ async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
 web = FastAPI(title="moeless", description="OpenAI-style completions over serverless MoE experts")
 
 
+class _Loop:
+    """What the ingress knows of one model's planning loop: its actor (found lazily), its last state
+    and the collector /metrics reads."""
+
+    def __init__(self, name: str | None, model: str | None):
+        self.name, self.actor, self.state = name, None, None
+        self.metrics = LoopCollector(model)
+
+
 @serve.deployment
 @serve.ingress(web)
 class Ingress:
-    def __init__(self, server, model_name: str, plan_loop: str | None = None):
-        self.server = server
-        self.model_name = model_name
+    def __init__(self, servers: dict, plan_loops: dict):
+        """servers: model name -> its ModelServer handle; plan_loops: model name -> its loop actor's name (or None)."""
+        self.servers = servers
         self.metrics = IngressMetrics()
-        self.plan_loop, self._loop_actor, self._loop_state = plan_loop, None, None
-        self.loop_metrics = LoopCollector()
-        self.metrics.registry.register(self.loop_metrics)
+        several = len(servers) > 1
+        self.loops = {model: _Loop(plan_loops.get(model), model if several else None) for model in servers}
+        self.metrics.registry.register(LoopsCollector([loop.metrics for loop in self.loops.values() if loop.name]))
 
     @web.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "moeless"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "moeless"} for name in self.servers]}
 
     @web.post("/v1/completions")
     async def completions(self, request: Request):
@@ -65,48 +76,54 @@ class Ingress:
 
     @web.get("/healthz")
     async def healthz(self):
-        health = await self.server.health.remote()
-        status, word = health_word(health)
-        if self.plan_loop:
-            degraded, health["plan_loop"] = await self._loop_health()
-            if degraded and status == 200:
-                word, health["detail"] = "degraded", health["plan_loop"]["state"]
-        return JSONResponse({"status": word, **health}, status)
+        models = {}
+        for model, server in self.servers.items():
+            health = await server.health.remote()
+            status, word = health_word(health)
+            if self.loops[model].name:
+                degraded, health["plan_loop"] = await self._loop_health(self.loops[model])
+                if degraded and status == 200:
+                    word, health["detail"] = "degraded", health["plan_loop"]["state"]
+            models[model] = (status, {"status": word, **health})
+        status, body = max(models.values(), key=lambda sb: sb[0])  # the worst model's answer leads
+        if len(models) > 1:
+            body = {**body, "models": {model: doc for model, (_, doc) in models.items()}}
+        return JSONResponse(body, status)
 
-    async def _loop_health(self, method: str = "state") -> tuple[bool, dict]:
-        """What the planning loop says (waiting at most a second: a stalled loop may not answer)."""
+    async def _loop_health(self, loop: _Loop, method: str = "state") -> tuple[bool, dict]:
+        """What a planning loop says (waiting at most a second: a stalled loop may not answer)."""
         answered, result = False, None
         try:
-            if self._loop_actor is None:
-                self._loop_actor = ray.get_actor(self.plan_loop, namespace=NAMESPACE)
-            result = await asyncio.wait_for(getattr(self._loop_actor, method).remote(), timeout=1.0)
-            self._loop_state, answered = result, True
+            if loop.actor is None:
+                loop.actor = ray.get_actor(loop.name, namespace=NAMESPACE)
+            result = await asyncio.wait_for(getattr(loop.actor, method).remote(), timeout=1.0)
+            loop.state, answered = result, True
         except Exception:  # not started yet, gone, or not answering: judged on what it said last
             pass
-        degraded, detail = loop_health(self._loop_state, None, time.time(), answered)
+        degraded, detail = loop_health(loop.state, None, time.time(), answered)
         if method == "metrics":
-            age = time.time() - self._loop_state["heartbeat_s"] if self._loop_state else 0.0
-            self.loop_metrics.update(result, age, degraded)
+            age = time.time() - loop.state["heartbeat_s"] if loop.state else 0.0
+            loop.metrics.update(result, age, degraded)
         return degraded, detail
 
     @web.get("/metrics")
     async def metrics(self):
-        stats = await self.server.stats.remote()
-        self.metrics.dead_hosts.set(len(stats["dead_hosts"]))
-        self.metrics.retries.set(stats["retries"])
-        self.metrics.running.set(stats["running"])
-        self.metrics.waiting.set(stats["waiting"])
-        self.metrics.refused.set(stats["refused"])
-        self.metrics.set_wake(stats["wake"])
-        if self.plan_loop:
-            await self._loop_health("metrics")
+        stats = [await server.stats.remote() for server in self.servers.values()]
+        self.metrics.dead_hosts.set(max(len(s["dead_hosts"]) for s in stats))  # the hosts are shared
+        for gauge, key in ((self.metrics.retries, "retries"), (self.metrics.running, "running"),
+                           (self.metrics.waiting, "waiting"), (self.metrics.refused, "refused")):
+            gauge.set(sum(s[key] for s in stats))
+        self.metrics.set_wake(stats[0]["wake"])
+        for loop in self.loops.values():
+            if loop.name:
+                await self._loop_health(loop, "metrics")
         return PlainTextResponse(generate_latest(self.metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
     async def _serve(self, route: str, request: Request, parse):
         start = time.perf_counter()
         try:
-            req = parse(api.parse_json(await request.body()), [self.model_name])
+            req = parse(api.parse_json(await request.body()), list(self.servers))
             events = self._events(req)
             first = await anext(events)  # a bad prompt (too long) fails here, before any 200
             if "error" in first:
@@ -151,7 +168,7 @@ class Ingress:
     async def _events(self, req: api.GenerationRequest) -> AsyncIterator[dict]:
         """The model server's events for one request, one at a time."""
         try:
-            async for events in self.server.options(stream=True).generate.remote(req):
+            async for events in self.servers[req.model].options(stream=True).generate.remote(req):
                 for event in events:
                     if "batch" in event:
                         self.metrics.batch.observe(event["batch"])

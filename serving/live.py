@@ -42,7 +42,8 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     settings = LoopSettings(pool=config.pool_source, num_layers=spec.num_layers,
                             num_experts=spec.num_experts, knobs=knobs, profile=profile, board=config.placement_board,
                             hidden_size=spec.hidden_size, non_expert_bytes=non_expert, replicas=config.num_replicas,
-                            knob_source=knob_source_for(config.pool_source, config.knob_file), **dict(config.loop))
+                            knob_source=knob_source_for(config.pool_source, config.knob_file),
+                            host_model=config.host_model, **dict(config.loop))
     loop = plan_loop(config.plan_loop, settings)
     # Also surfaces a loop that failed to start; one measuring the profile may first wake a pool at zero.
     waited = max(settings.first_host_wait_s, wake_timeout_s()) if profile is None else 0.0

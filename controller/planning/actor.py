@@ -36,6 +36,7 @@ from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.rules import (
     HostView,
     LoopTerms,
+    held_gb_s,
     loop_terms,
     plan_phases,
     plan_step,
@@ -86,6 +87,7 @@ class LoopSettings:
     pool_period_s: float = 1.0
     first_host_wait_s: float = 60.0  # measuring the profile needs a ready host: how long to wait for one (_first_host)
     knob_source: Any = None  # controller/planning/knob_sources.py: knobs followed while running (None: fixed)
+    host_model: str | None = None  # the name the hosts serve this model by (None: their only one)
     knob_period_s: float = 1.0
 
 
@@ -95,12 +97,14 @@ class PlanLoop:
 
     def __init__(self, settings: LoopSettings):
         self.pool, self.follower = follow_pool(settings.pool,
-                                               lambda a: ExpertHostClient(a, timeout_s=settings.status_timeout_s),
+                                               lambda a: ExpertHostClient(a, timeout_s=settings.status_timeout_s,
+                                                                          model=settings.host_model),
                                                settings.pool_period_s)
         num_hosts = self.pool.slots
         self.host_call_s = 0.0  # a host call's fixed cost, when the profile was measured here
         if settings.profile is None:
-            with ExpertHostClient(self._first_host(settings.first_host_wait_s), timeout_s=60) as client:
+            with ExpertHostClient(self._first_host(settings.first_host_wait_s), timeout_s=60,
+                                  model=settings.host_model) as client:
                 costs = calibrate_host(client, settings.hidden_size, settings.non_expert_bytes, settings.num_experts,
                                        num_hosts)
             settings, self.host_call_s = replace(settings, profile=costs.profile), costs.host_call_s
@@ -289,7 +293,7 @@ class PlanLoop:
             for i, status in enumerate(statuses):
                 if status is not None:
                     self.host_meters[i] = status["meters"]
-                    self._gb_s.update(i, status["meters"]["gb_s"])
+                    self._gb_s.update(i, held_gb_s(status, s.host_model is not None))
             now = time.time()
             iteration_s = self.window.iteration_s(now)
             first, self._planned = not self._planned, True

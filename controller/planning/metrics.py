@@ -20,9 +20,11 @@ PREFIX = "moeless"
 
 
 class LoopCollector(Collector):
-    """Yields the metrics of the last snapshot the ingress fetched (`update`)."""
+    """Yields the metrics of the last snapshot the ingress fetched (`update`); with a model, every
+    sample is labelled model="NAME" (an app serving several models has one loop, one collector each)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str | None = None) -> None:
+        self.model = model
         self.snapshot: dict | None = None
         self.heartbeat_age_s = 0.0
         self.stalled = False
@@ -33,6 +35,13 @@ class LoopCollector(Collector):
         self.heartbeat_age_s, self.stalled = heartbeat_age_s, stalled
 
     def collect(self) -> Iterator[Metric]:
+        for family in self._families():
+            if self.model is not None:
+                samples = [s._replace(labels={**s.labels, "model": self.model}) for s in family.samples]
+                family.samples = samples
+            yield family
+
+    def _families(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(f"{PREFIX}_plan_loop_heartbeat_age_seconds",
                                 "seconds since the planning loop last finished a pass", value=self.heartbeat_age_s)
         yield GaugeMetricFamily(f"{PREFIX}_plan_loop_stalled", "1 while the planning loop's heartbeat is older than "
@@ -108,6 +117,24 @@ class LoopCollector(Collector):
                                   value=s["expert_gb_s"])
         yield CounterMetricFamily(f"{PREFIX}_non_expert_gb_seconds", "GB·s of non-expert weights (bytes x serving "
                                   "replicas x seconds)", value=s["non_expert_gb_s"])
+
+
+class LoopsCollector(Collector):
+    """Several loops' collectors as one (each labelled by its model): a family per metric, with
+    every loop's samples in it (Prometheus' text format wants each family once)."""
+
+    def __init__(self, collectors: list[LoopCollector]) -> None:
+        self.collectors = collectors
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for collector in self.collectors:
+            for family in collector.collect():
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
 
 
 def loop_health(state: dict | None, seen_s: float | None, now_s: float, answered: bool) -> tuple[bool, dict]:

@@ -108,3 +108,31 @@ def test_one_model_s_loads_evict_the_other_s_idle_replicas_from_the_shared_memor
         finally:
             a.close()
             b.close()
+
+
+def test_one_app_serves_both_models_by_name_each_exactly(two_models, ray_serve, reference_text):
+    """The HTTP API over two ModelServer deployments on the same hosts: each request goes to the model
+    it names and equals that model's own greedy completion."""
+    import functools
+
+    import httpx
+    from ray import serve
+
+    from moeless.serving.app import build_app
+    from moeless.serving.config import ServeConfig
+
+    models, group = two_models
+    configs = [ServeConfig(name, functools.partial(tiny_model, *MODELS[name]), tuple(group.addresses), replica_cpus=0.2,
+                           ingress_cpus=0.1, host_model=name) for name in MODELS]
+    serve.run(build_app(configs), name="moeless", route_prefix="/")
+    listed = httpx.get(ray_serve + "/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in listed] == list(MODELS)
+    for name, model in models.items():
+        r = httpx.post(ray_serve + "/v1/completions", json={"model": name, "prompt": "The cat sat", "max_tokens": 6},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == name and r.json()["choices"][0]["text"] == reference_text(model, "The cat sat", 6)
+    unknown = httpx.post(ray_serve + "/v1/completions", json={"model": "llama", "prompt": "x", "max_tokens": 1}, timeout=30)
+    assert unknown.status_code == 404 and "tiny-mixtral" in unknown.text
+    health = httpx.get(ray_serve + "/healthz", timeout=30)
+    assert health.status_code == 200 and set(health.json()["models"]) == set(MODELS)
