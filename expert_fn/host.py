@@ -55,6 +55,9 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tcp-port", type=int, default=0, metavar="P",
         help="the TCP channel's port, the data plane between machines (default 0: a free one, offered over gRPC)")
     add("--no-tcp-channel", action="store_true", help="offer no TCP channel (data calls then take gRPC or shared memory)")
+    add("--share", action="append", default=[], metavar="NAME=GB",
+        help="a model's guaranteed share of the replica memory while it is active (repeatable): another model's "
+             "load never evicts its replicas below it (shares.py); default 0 (least recently used first)")
     add("--poll-us", type=float, default=DEFAULT_HOST_POLL_S * 1e6, metavar="US",
         help="after each data-plane call, spin this many microseconds for the next before blocking: shorter "
              "wake-ups for a core's worth of CPU while calls keep coming (default %(default)g; 0: block at once)")
@@ -100,8 +103,13 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     memory = round(args.memory_gb * 1e9) if args.memory_gb is not None else None
     device, capacity = detect_device(args.gpu, memory)
+    try:
+        shares = store.shares(_share_gb(args.share), capacity, args.keep_alive_s) if args.share else None
+    except (ValueError, WeightStoreError) as err:
+        print(f"expert-host: {err}", file=sys.stderr)
+        return 2
     runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s,
-                                tier=tier)
+                                tier=tier, shares=shares)
     # 2. gRPC server and HTTP endpoints.
     # OpenMP's thread count is per thread: without the initializer, handler threads compute on every core.
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,
@@ -152,6 +160,20 @@ def serve(args: argparse.Namespace) -> int:
         http.shutdown()
     log.info("stopped")
     return 0
+
+
+def _share_gb(items: list[str]) -> dict[str, float]:
+    """--share NAME=GB items -> {NAME: GB}; ValueError names a bad one."""
+    out = {}
+    for item in items:
+        name, _, gb = item.partition("=")
+        try:
+            out[name] = float(gb)
+        except ValueError:
+            raise ValueError(f"--share {item!r}: expected NAME=GB, e.g. mixtral=12") from None
+        if not name or not out[name] >= 0:
+            raise ValueError(f"--share {item!r}: expected NAME=GB with GB >= 0")
+    return out
 
 
 def _named(text: str) -> tuple[str | None, str]:

@@ -166,6 +166,7 @@ def launch_local_hosts(
     startup_timeout_s: float = 60.0,
     local_channel: bool = True,
     poll_s: float | None = None,
+    shares: dict[str, float] | None = None,
 ) -> LocalHostGroup:
     """Start num_hosts expert hosts serving store_dir on loopback and wait until all are ready.
     store_dir: a weight store, or (model name, store) pairs that every host serves from one memory
@@ -175,6 +176,7 @@ def launch_local_hosts(
     also serve /metrics, /healthz, /readyz on a free port each (group.metrics_urls).
     local_channel: offer the shared-memory channel (False: gRPC only, as for a remote host).
     poll_s: the hosts' spin for the next data-plane call (expert-host --poll-us; None: its default).
+    shares: GB each model is guaranteed while active on every host (expert-host --share; shares.py).
     Hosts exit by themselves when this process dies without closing the group.
     """
     if num_hosts < 1:
@@ -193,4 +195,6 @@ def launch_local_hosts(
         args += ["--no-local-channel"]
     if poll_s is not None:
         args += ["--poll-us", repr(poll_s * 1e6)]
+    for name, gb in (shares or {}).items():
+        args += ["--share", f"{name}={gb!r}"]
     return LocalHostGroup(args, num_hosts, startup_timeout_s)

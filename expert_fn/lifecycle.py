@@ -11,7 +11,8 @@ States of a replica of (layer, expert):
 - warm: resident with invocations in flight; idle: resident, none in flight.
 - An idle replica stays resident for keep_alive_s after its last use, then expire() evicts it.
 - A loading replica is never evicted; a warm one is evicted only once its calls end.
-- Memory is reserved when a load begins; to make room, idle replicas go least recently used first.
+- Memory is reserved when a load begins; to make room, idle replicas go least recently used first,
+  or, on a host shared by models with guaranteed shares, in the order of shares.pick_victims.
 
 Not thread-safe: the runtime calls it under its lock. Time comes from the injected clock.
 """
@@ -24,6 +25,7 @@ from typing import Callable
 
 from moeless.expert_fn.errors import HostMemoryFull
 from moeless.expert_fn.meters import Meters
+from moeless.expert_fn.shares import Candidate, Shares, pick_victims
 
 Key = tuple[int, int]  # (layer, expert)
 Clock = Callable[[], float]  # seconds, monotonic
@@ -54,7 +56,8 @@ class Replica:
 class ReplicaTable:
     """Replica states and reserved memory of one host (capacity_bytes in all)."""
 
-    def __init__(self, capacity_bytes: int, keep_alive_s: float, clock: Clock, meters: Meters) -> None:
+    def __init__(self, capacity_bytes: int, keep_alive_s: float, clock: Clock, meters: Meters,
+                 shares: Shares | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if keep_alive_s < 0:
@@ -63,6 +66,7 @@ class ReplicaTable:
         self.keep_alive_s = keep_alive_s
         self._clock = clock
         self._meters = meters
+        self.shares = shares  # models' guaranteed shares (None: plain least recently used)
         self._replicas: dict[Key, Replica] = {}
 
     def state(self, key: Key) -> ReplicaState:
@@ -88,18 +92,16 @@ class ReplicaTable:
         """
         if not self.needs_load(key):
             raise ValueError(f"replica {key} is {self.state(key).value}; only cold or evicted replicas load")
-        # 1. Pick idle victims, least recently used first, until nbytes fit.
+        # 1. Pick idle victims until nbytes fit: least recently used first, or by the models' shares.
         free = self.capacity_bytes - self.bytes_held
-        victims: list[Key] = []
-        for victim, replica in sorted(self._idle(), key=lambda kr: kr[1].last_used):
-            if free >= nbytes:
-                break
-            victims.append(victim)
-            free += replica.bytes
-        if free < nbytes:
+        held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used) for k, r in self._replicas.items() if r.bytes]
+        shares = self.shares or Shares((0,), (0,), 0.0)
+        victims = pick_victims(held, shares, key, free, nbytes, self._clock())
+        if victims is None:
+            why = "loading, busy or within another model's guaranteed share" if self.shares else "loading or busy"
             raise HostMemoryFull(
-                f"replica {key} needs {nbytes} bytes, {free} can be freed of {self.capacity_bytes}; "
-                "the rest is loading or busy: wait, evict replicas, or give the host more memory"
+                f"replica {key} needs {nbytes} bytes of {self.capacity_bytes}; the rest is {why}: wait, evict "
+                "replicas, or give the host more memory"
             )
         # 2. Evict them, then reserve.
         for victim in victims:

@@ -24,6 +24,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from moeless.expert_fn.shares import Shares
 from moeless.model.weight_store import WeightStore, WeightStoreError
 
 
@@ -100,6 +101,18 @@ class ModelStores:
     def load(self, layer: int, expert: int, verify: bool = True) -> dict[str, torch.Tensor]:
         store, local = self._local(layer)
         return store.load(local, expert, verify=verify)
+
+    def shares(self, guaranteed_gb: dict[str, float], capacity_bytes: int, active_s: float) -> Shares:
+        """The models' guaranteed shares (shares.py) from GB per model name; WeightStoreError names a
+        model this host does not serve, or shares that add up to more than the host's memory."""
+        unknown = sorted(set(guaranteed_gb) - {r.name for r in self._ranges})
+        if unknown:
+            raise WeightStoreError(f"--share {unknown[0]}: this host serves no such model; it serves {self.describe()}")
+        guaranteed = tuple(int(guaranteed_gb.get(r.name, 0.0) * 1e9) for r in self._ranges)
+        if sum(guaranteed) > capacity_bytes:
+            raise WeightStoreError(f"--share: the shares add up to {sum(guaranteed) / 1e9:.3f} GB, more than the host's "
+                                   f"{capacity_bytes / 1e9:.3f} GB of replica memory; lower them or give the host more")
+        return Shares(tuple(self._firsts), guaranteed, active_s)
 
     def describe(self) -> str:
         return ", ".join(f"{r.name} (layers {r.first_layer}-{r.first_layer + r.layers - 1}, {r.experts} experts)"

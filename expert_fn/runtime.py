@@ -27,6 +27,7 @@ from moeless.expert_fn.errors import BadRequest, ReplicaLoadError
 from moeless.expert_fn.executor import forward_for
 from moeless.expert_fn.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
 from moeless.expert_fn.meters import Meters
+from moeless.expert_fn.shares import Shares
 from moeless.expert_fn.tiers import DeviceCopier, HostTier, TierConfig
 from moeless.model.weight_store import WeightStore, WeightStoreError
 
@@ -49,6 +50,7 @@ class ExpertHostRuntime:
         clock: Callable[[], float] = time.monotonic,
         load_workers: int = 2,
         tier: TierConfig = TierConfig(),
+        shares: Shares | None = None,
     ) -> None:
         self.store = store
         self.device = device
@@ -59,7 +61,7 @@ class ExpertHostRuntime:
         self._forward = forward_for(device)
         self._lock = threading.Lock()
         self.meters = Meters(clock)
-        self.table = ReplicaTable(capacity_bytes, keep_alive_s, clock, self.meters)
+        self.table = ReplicaTable(capacity_bytes, keep_alive_s, clock, self.meters, shares)
         self._weights: dict[Key, Weights] = {}
         self._loads: dict[Key, Future] = {}
         self._ahead: set[Key] = set()  # loaded or loading ahead of any invocation (prefetch, pre-warm)

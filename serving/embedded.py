@@ -21,6 +21,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import os
 import re
 import signal
@@ -109,8 +110,11 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     several = len(served) > 1
     choice, spec, knobs, _ = served[0]
     stores = None if remote else [(c.name, store) for c, _, _, store in served]
+    # Several models: each is guaranteed its static replicas' memory on every host while active.
+    shares = {c.name: math.ceil(s.num_layers * s.num_experts / hosts) * 3 * s.expert_ffn * s.hidden_size * 4 / 1e9
+              for c, s, _, _ in served} if several else None
     # 2. Expert hosts: local ones kept running by the supervisor, or the remote ones given.
-    with _hosts(stores, hosts, knobs.keep_alive_s, remote, poll_s) as (pool, supervisor):
+    with _hosts(stores, hosts, knobs.keep_alive_s, remote, poll_s, shares) as (pool, supervisor):
         try:
             # 3. Ray and the app.
             ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
@@ -183,7 +187,8 @@ def _knobs_for(knobs: Knobs, spec) -> Knobs:
 
 
 @contextlib.contextmanager
-def _hosts(stores: list | None, count: int, keep_alive_s: float, remote, poll_s: float = 0.0):
+def _hosts(stores: list | None, count: int, keep_alive_s: float, remote, poll_s: float = 0.0,
+           shares: dict[str, float] | None = None):
     """(the PoolSource serving follows, supervisor or None): `count` local hosts over `stores` ((model
     name, store) pairs, every host serving every model), published by their supervisor to a pool file,
     or the remote pool given (a PoolSource)."""
@@ -195,7 +200,7 @@ def _hosts(stores: list | None, count: int, keep_alive_s: float, remote, poll_s:
         return
     print(f"starting {count} expert hosts over {', '.join(str(store) for _, store in stores)} ...", flush=True)
     with launch_local_hosts(count, stores if len(stores) > 1 else stores[0][1], keep_alive_s=keep_alive_s,
-                            poll_s=poll_s) as group, \
+                            poll_s=poll_s, shares=shares) as group, \
             tempfile.TemporaryDirectory(prefix="moeless-pool-") as tmp:
         path = str(Path(tmp, "pool.json"))
         supervisor = HostSupervisor(group, publish=functools.partial(write_members, path, count))

@@ -1,0 +1,81 @@
+"""Who yields memory on a host shared by models: guaranteed shares, then least recently used.
+
+Each model on the host (model_stores.py: a range of its layers) may have a guaranteed share of the
+host's bytes: what its static replicas need while it is active. A load that needs room evicts idle
+replicas in this order:
+
+1. replicas of models holding more than their share, or of models not active (no replica used
+   within `active_s`: a sleeping model keeps no guarantee), least recently used first, whichever
+   model owns them;
+2. then the loading model's own replicas, least recently used first;
+never an active model's replica that its share still covers for another model's load: no model can
+take another's guaranteed share. As victims go, a model's held bytes fall; once they reach its
+share, its remaining replicas are protected from the others.
+
+Pure: the replica table (lifecycle.py) calls `pick_victims` under the runtime's lock. Shares of 0
+(the default) give plain least-recently-used eviction, as before shares existed.
+
+Tiny example (the golden test): models A (layers 0-1) and B (layers 2-3), each guaranteed 2 bytes,
+replicas of 1 byte: A holds (0,0) used at t=1 and (1,0) at t=2, B holds (2,0) at t=3, (3,0) at t=4
+and (2,1) at t=5, all idle, on a host of 5 bytes. A load of A's (0, 1) needing 1 byte evicts B's
+(2,0) (B is over its share, and it is the least recently used there), not A's older (0,0).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Sequence
+
+Key = tuple[int, int]  # (host layer, expert)
+
+
+@dataclass(frozen=True)
+class Shares:
+    """first_layers: each model's first host layer, ascending (model i owns layers first_layers[i]
+    up to the next one's); guaranteed: each model's guaranteed bytes while active; active_s: a
+    model with no replica used for this long is asleep (no guarantee)."""
+
+    first_layers: tuple[int, ...]
+    guaranteed: tuple[int, ...]
+    active_s: float
+
+    def model_of(self, layer: int) -> int:
+        return max(bisect_right(self.first_layers, layer) - 1, 0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A replica the table could evict: key, bytes, idle (evictable now), last_used."""
+
+    key: Key
+    bytes: int
+    idle: bool
+    last_used: float
+
+
+def pick_victims(replicas: Sequence[Candidate], shares: Shares, requester: Key, free: int, need: int,
+                 now: float) -> list[Key] | None:
+    """The idle replicas to evict so that `need` bytes fit (free: bytes free now), in the module
+    docstring's order; None when they cannot be found without taking a share."""
+    # 1. Each model's held bytes and whether it is active (any replica, idle or busy, counts).
+    models = len(shares.first_layers)
+    held, active = [0] * models, [False] * models
+    for r in replicas:
+        m = shares.model_of(r.key[0])
+        held[m] += r.bytes
+        active[m] |= not r.idle or now - r.last_used < shares.active_s
+    mine = shares.model_of(requester[0])
+    # 2. Idle candidates: the requester's own replicas after everyone else's, LRU within.
+    order = sorted((r for r in replicas if r.idle), key=lambda r: (shares.model_of(r.key[0]) == mine, r.last_used))
+    victims: list[Key] = []
+    for r in order:
+        if free >= need:
+            break
+        m = shares.model_of(r.key[0])
+        if m != mine and active[m] and held[m] - r.bytes < shares.guaranteed[m]:
+            continue  # within another active model's share
+        victims.append(r.key)
+        held[m] -= r.bytes
+        free += r.bytes
+    return victims if free >= need else None

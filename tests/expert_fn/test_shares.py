@@ -1,0 +1,78 @@
+"""Who yields memory on a host shared by models (expert_fn/shares.py): the module's golden example,
+and a property: one model's eviction storm never takes another active model's guaranteed share."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from moeless.expert_fn.errors import HostMemoryFull
+from moeless.expert_fn.lifecycle import ReplicaTable
+from moeless.expert_fn.meters import Meters
+from moeless.expert_fn.shares import Candidate, Shares, pick_victims
+
+
+def test_the_golden_example():
+    shares = Shares((0, 2), (2, 2), 60.0)
+    held = [Candidate((0, 0), 1, True, 1.0), Candidate((1, 0), 1, True, 2.0), Candidate((2, 0), 1, True, 3.0),
+            Candidate((3, 0), 1, True, 4.0), Candidate((2, 1), 1, True, 5.0)]
+    assert pick_victims(held, shares, (0, 1), free=0, need=1, now=6.0) == [(2, 0)]
+    # B down to its share: A's own least recently used replica goes next, never B's
+    assert pick_victims(held, shares, (0, 1), free=0, need=2, now=6.0) == [(2, 0), (0, 0)]
+    assert pick_victims(held, shares, (0, 1), free=0, need=3, now=6.0) == [(2, 0), (0, 0), (1, 0)]  # its own share too
+    assert pick_victims(held, shares, (0, 1), free=0, need=4, now=6.0) is None  # but never B's
+    # a sleeping B (nothing used for active_s) keeps no guarantee
+    assert pick_victims(held, shares, (0, 1), free=0, need=3, now=100.0) == [(2, 0), (3, 0), (2, 1)]
+    # without shares: least recently used, whoever owns it
+    assert pick_victims(held, Shares((0,), (0,), 0.0), (0, 1), free=0, need=2, now=6.0) == [(0, 0), (1, 0)]
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+@settings(max_examples=150, deadline=None)
+@given(b_keys=st.integers(1, 6), share=st.integers(0, 6), storm=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 7)),
+                                                                        min_size=1, max_size=40))
+def test_an_eviction_storm_never_takes_another_active_model_s_share(b_keys, share, storm):
+    """Model A (layers 0-1) loads and uses replicas at will; model B (layers 2-3) loaded b_keys replicas
+    and keeps using them: B never holds less than min(its share, what it loaded)."""
+    clock = _Clock()
+    table = ReplicaTable(8, keep_alive_s=1e9, clock=clock, meters=Meters(clock),
+                         shares=Shares((0, 2), (0, share), active_s=1e9))
+    b_loaded = [(2 + i % 2, i // 2) for i in range(b_keys)]
+    for key in b_loaded:
+        table.begin_load(key, 1)
+        table.finish_load(key)
+    for key in storm:
+        if table.needs_load(key):
+            try:
+                table.begin_load(key, 1)
+            except HostMemoryFull:
+                continue
+            table.finish_load(key)
+        table.acquire(key)
+        table.release(key)
+        b_held = sum(r.bytes for k, r in table.replicas().items() if k[0] >= 2)
+        assert b_held >= min(share, b_keys)
+        assert table.bytes_held <= 8
+
+
+def test_a_host_with_shares_keeps_a_quiet_model_s_replicas_and_refuses_shares_it_cannot_hold(tmp_path):
+    import subprocess
+    import sys
+
+    from expert_fn_support import random_store
+
+    a, b = random_store(tmp_path / "a", 2, 4, 16, 8), random_store(tmp_path / "b", 2, 4, 16, 8)
+    run = subprocess.run([sys.executable, "-m", "moeless.cli", "expert-host", "--store", f"a={a.root}",
+                          "--store", f"b={b.root}", "--memory-gb", "0.001", "--share", "a=0.0009", "--share", "b=0.0009"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--share: the shares add up to 0.002 GB, more than the host's 0.001 GB" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "moeless.cli", "expert-host", "--store", f"a={a.root}",
+                          "--share", "c=1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--share c: this host serves no such model" in run.stderr
