@@ -136,3 +136,46 @@ def test_one_app_serves_both_models_by_name_each_exactly(two_models, ray_serve, 
     assert unknown.status_code == 404 and "tiny-mixtral" in unknown.text
     health = httpx.get(ray_serve + "/healthz", timeout=30)
     assert health.status_code == 200 and set(health.json()["models"]) == set(MODELS)
+
+
+def test_a_quiet_model_gives_its_memory_back_while_the_other_serves_and_its_next_request_wakes_it(two_models, tmp_path):
+    """Expert grain: with a keep-alive of 1 s, the quiet model's replicas leave the shared hosts while
+    the busy one keeps its own; the quiet model's next forward loads its experts again (cold starts)
+    and still equals the model alone."""
+    import time
+
+    models, _ = two_models
+    stores = [(name, tmp_path / name) for name in MODELS]
+    for (name, root), model in zip(stores, models.values()):
+        export_experts(model.iter_experts(), root, model=name, num_layers=model.spec.num_layers,
+                       num_experts=model.spec.num_experts, act=model.spec.act)
+    busy_name, quiet_name = MODELS
+    with launch_local_hosts(2, stores, keep_alive_s=1.0, metrics=False) as group:
+        executors, clients = {}, []
+        for name, model in models.items():
+            bound = [ExpertHostClient(a, timeout_s=30, model=name) for a in group.addresses]
+            clients += bound
+            spec = model.spec
+            executors[name] = RemoteExecutor(bound, PlacementSource(Placement.static(spec.num_layers, spec.num_experts, 2)))
+
+        def forward(name, seed):
+            ids, mask = _batch(seed)
+            model = models[name]
+            assert torch.equal(model.forward(ids, mask, executor=executors[name]).logits, model.forward(ids, mask).logits)
+
+        def resident(name):
+            return sum(r["state"] in ("idle", "warm") for c in clients if c.model == name for r in c.status()["replicas"])
+
+        try:
+            forward(quiet_name, 0)
+            woken_before = executors[quiet_name].times.cold_starts
+            assert resident(quiet_name) > 0
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:  # the busy model keeps serving past the quiet one's keep-alive
+                forward(busy_name, 1)
+            assert resident(quiet_name) == 0 and resident(busy_name) > 0
+            forward(quiet_name, 2)  # its next request wakes it
+            assert executors[quiet_name].times.cold_starts > woken_before and resident(quiet_name) > 0
+        finally:
+            for c in clients:
+                c.close()
