@@ -78,6 +78,8 @@ def _markdown(run: dict, checks: list[dict]) -> str:
     s = run["settings"]
     lines = ["# One pool for several models, in the twin", "",
              "Written by one command (re-run it to refresh every figure here):", "", "```", run["command"], "```", "",
+             "**Simulated**: every figure below is the digital twin's, with load times and expert compute priced by the "
+             "GPUs' roofline (estimates, not measurements); arrivals and prompt lengths are real traces.", "",
              f"{len(run['models'])} models on {run['gpu']} GPUs ({run['gpu_bytes_for_weights'] / 1e9:.0f} GB of each for "
              f"weights), a horizon of {s['horizon_s']:g} s in windows of {s['window_s']:g} s; a shared pool puts a model to "
              f"sleep after {s['idle_delay_s']:g} s without a request; the expert-grain pool evicts an expert after "
