@@ -20,7 +20,9 @@
    prefill-sized (2.4 MB) call over each transport (bench/transport.py); tokens/s each path would give (the
    generation's time outside the MoE layers plus that path's MoE time); each remote path's layer
    broken into gate, scatter (plan + pack + send), invoke (of which the slowest host's expert
-   compute; the rest is transfer and call overhead) and gather.
+   compute; the rest is transfer and call overhead) and gather; each path also alone, as serving
+   runs it (serve_paths.run_alone); and what two micro-batches in flight would give on cores of
+   their own (twin/overlap.py on this run's figures: modelled, not run).
 3. The latency model's constants, fitted on single-expert calls of T tokens over the local
    channel: host compute = alpha * T, and round trip - compute = overhead + 2 * beta * T.
 """
@@ -38,6 +40,7 @@ import torch
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
 from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, run_alone
 from moeless.bench.transport import round_trip_calls, timed_calls
+from moeless.twin.overlap import LayerCosts, hidden_fraction, pingpong_s, serial_s
 from moeless.expert_fn.routed import RoutedCall
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
@@ -221,6 +224,8 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         "wire_per_layer_call": _wire(remotes["tcp"].times, spec.hidden_size, next(moe.hf.parameters()).dtype),
         "round_trip_us": trips,
         "breakdown_ms_per_layer": {t: _breakdown(remotes[t].times, gate_ms) for t in TRANSPORTS},
+        "pingpong": {t: _pingpong(_breakdown(remotes[t].times, gate_ms), 1e3 * outside_moe_s / max(len(timed["in_process_1_threads"].samples), 1),
+                                  trips["round_trip_decode"][t], spec.num_layers) for t in TRANSPORTS},
         "tokens_moved_per_layer": remotes["local"].times.tokens_moved / max(remotes["local"].times.layers, 1),
         "latency_model": fit,
     }
@@ -245,6 +250,19 @@ def _breakdown(t, gate_ms: float) -> dict[str, float]:
     return {"gate": gate_ms, "scatter": per_call(t.scatter_s), "invoke": per_call(t.invoke_s),
             "expert_compute": per_call(t.compute_s), "transfer_and_call": per_call(t.invoke_s - t.compute_s),
             "gather": per_call(t.gather_s)}
+
+
+def _pingpong(breakdown: dict[str, float], outside_ms: float, trip_us: dict[str, float], layers: int) -> dict:
+    """Two micro-batches in flight, modelled from this run's figures (twin/overlap.py), per layer call
+    averaged over both phases: the replica's side is the forward outside the MoE layer plus gate,
+    scatter and gather; the expert call is `invoke`, of which transfer_and_call is not host compute;
+    each micro-batch's call pays again the decode-sized round trip's time beyond the host's compute."""
+    costs = LayerCosts(attention_s=(outside_ms + breakdown["gate"] + breakdown["scatter"] + breakdown["gather"]) / 1e3,
+                       remote_s=breakdown["invoke"] / 1e3, transfer_s=breakdown["transfer_and_call"] / 1e3,
+                       call_s=max(trip_us["p50"] - trip_us["compute_p50"], 0.0) / 1e6)
+    return {"serial_ms_per_layer": 1e3 * serial_s(costs, layers) / layers,
+            "pingpong_ms_per_layer": 1e3 * pingpong_s(costs, layers) / layers,
+            "hidden_fraction": hidden_fraction(costs, layers), "call_ms": 1e3 * costs.call_s}
 
 
 def _gate_seconds(moe, iterations) -> float:
@@ -285,6 +303,11 @@ def print_report(result: dict[str, Any]) -> None:
           f"({wire['bytes_one_row_per_pair_float32'] / 1e3:.1f} KB)")
     for name, row in result["round_trip_us"].items():
         print(f"{name} (us p50 / p90): " + "  ".join(f"{t} {v['p50']:.0f} / {v['p90']:.0f}" for t, v in row.items()))
+    for transport, pp in result["pingpong"].items():
+        print(f"ping-pong over {transport}, 2 micro-batches (twin/overlap.py on this run's figures, the replica and "
+              f"the hosts on cores of their own; not run): "
+              f"{pp['serial_ms_per_layer']:.3f} -> {pp['pingpong_ms_per_layer']:.3f} ms per layer (forward and MoE), "
+              f"{pp['hidden_fraction']:.0%} of the transfer hidden (each call pays {pp['call_ms']:.3f} ms again)")
     for transport, br in result["breakdown_ms_per_layer"].items():
         print(f"breakdown over {transport} (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
     print(f"latency model ({fit['transport']}): alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), "

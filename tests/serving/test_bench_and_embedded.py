@@ -33,6 +33,8 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
         assert result["alone_moe_layer_ms"][name]["all"]["calls"] == result["moe_layer_ms"][name]["all"]["calls"]
     assert min(result["alone_ratio_to_best_in_process"][n]["decode"] for n in paths if n.startswith("in_process")) == 1.0
     for transport in ("local", "tcp", "grpc"):
+        pingpong = result["pingpong"][transport]  # twin/overlap.py on this run's figures
+        assert 0 < pingpong["pingpong_ms_per_layer"] and 0 <= pingpong["hidden_fraction"] <= 1
         breakdown = result["breakdown_ms_per_layer"][transport]
         assert set(breakdown) == {"gate", "scatter", "invoke", "expert_compute", "transfer_and_call", "gather"}
         assert 0 < breakdown["expert_compute"] <= breakdown["invoke"]
