@@ -422,6 +422,7 @@ class Run:
         start = time.monotonic()
         example = yaml.safe_load((ROOT / "manifests" / "examples" / "ablation-no-scaler.yaml").read_text())
         generation = self.eap()["metadata"]["generation"]
+        identity = self.serving_identity()
         self.apply_policy(lambda spec: spec.setdefault("serving", {}).update(example["spec"]["serving"]))
         log(f"kubectl apply: the ablation's serving knobs {example['spec']['serving']} on policy {RELEASE}")
 
@@ -436,6 +437,22 @@ class Run:
         except AssertionError as err:
             ok, detail = False, str(err)
         self.checks.record("kubectl apply (an ablation) followed by the operator", ok, detail, time.monotonic() - start)
+        # The serving pod's planning loop applies it live (controller/planning/knob_sources.py): the policy's
+        # status.servingGeneration reaches the new generation, the same pod (uid, restarts) still serving.
+        start = time.monotonic()
+        try:
+            applied = wait_for(lambda: (self.eap().get("status") or {}).get("servingGeneration", 0) > generation and
+                               (self.eap().get("status") or {}).get("servingGeneration"),
+                               timeout=60, every=1, what="the serving pod reporting the new knobs' generation")
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
+            gauge = next((line for line in metrics.splitlines() if line.startswith("moeless_knobs_generation")), "")
+            ok = self.serving_identity() == identity and gauge.endswith(f" {float(applied)}")
+            detail = (f"status.servingGeneration {applied} (was {generation}), /metrics {gauge!r}, serving pod "
+                      f"{identity[0][:8]} with {identity[1]} restarts before and {self.serving_identity()} after")
+        except AssertionError as err:
+            ok, detail = False, str(err)
+        self.checks.record("the knobs reach the serving pod live (no restart, generation reported)", ok, detail,
+                           time.monotonic() - start)
         print(self.get_eap_table(), flush=True)
 
     def check_delete_during_burst(self, reference: dict[str, str]) -> None:
