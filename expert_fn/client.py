@@ -151,12 +151,15 @@ class ExpertHostClient:
 
     @property
     def path(self) -> str:
-        """The data path calls take now: "local", "tcp" or "grpc"."""
+        """The data path calls take now: "local", "tcp" or "grpc"; "unopened" before the first data call
+        and after a channel broke (the next call asks the host's offer again)."""
+        if self._channel_now is False:
+            return "grpc"
         if isinstance(self._channel_now, LocalChannel) and not self._channel_now.broken:
             return "local"
         if isinstance(self._channel_now, TcpChannel) and not self._channel_now.broken:
             return "tcp"
-        return "grpc"
+        return "unopened"
 
     @property
     def uses_local_channel(self) -> bool:

@@ -128,17 +128,20 @@ def build_images(bin_dir: Path, work: Path, ref: str) -> str:
 
 # 2. The model, in this process ----------------------------------------------------------------------------
 
-def reference_answers(model) -> dict[str, str]:
-    """The unmodified default model's greedy answers (no expert host), as tests/serving checks them."""
+def reference_answers(model) -> tuple[dict[str, str], dict[str, float]]:
+    """The unmodified default model's greedy answers (no expert host), as tests/serving checks them,
+    and its in-process MoE-layer seconds per call by phase (mean; the baseline of the pod's ratio)."""
+    from moeless.bench.serve_paths import TimedExecutor
     from moeless.serving.api import ChatMessage, GenerationRequest
     from moeless.serving.engine import Engine
 
-    out = {}
+    out, timed = {}, TimedExecutor(model.local_executor())
     for q in QUESTIONS:
         request = GenerationRequest(MODEL_NAME, MAX_TOKENS, False, messages=(ChatMessage("user", q),))
-        events = [e for step in Engine(model).run([request]) for e in step[0]]
+        events = [e for step in Engine(model, timed).run([request]) for e in step[0]]
         out[q] = "".join(e.get("text", "") for e in events)
-    return out
+    phases = timed.summary_ms(batch=1)
+    return out, {phase: phases[phase]["mean"] / 1e3 for phase in ("prefill", "decode") if phase in phases}
 
 
 # Helpers ----------------------------------------------------------------------------------------------------
@@ -283,7 +286,7 @@ class Run:
         for path in (store, model_dir):  # the pods run as user 10001
             sh("chmod", "-R", "a+rX", str(path))
         os.chmod(cache, os.stat(cache).st_mode | 0o055)
-        reference = reference_answers(model)
+        reference, self.in_process_moe_s = reference_answers(model)
         log(f"default model ready: store {store}, cache {cache}; reference answers computed in process "
             f"(e.g. {QUESTIONS[0]!r} -> {reference[QUESTIONS[0]]!r})")
         del model
@@ -339,6 +342,7 @@ class Run:
 
         self.check_chat(reference)
         self.check_more_hosts(reference)
+        self.check_paths()
         self.check_ablation()
         self.check_delete_during_burst(reference)
         self.check_eap_moved()
@@ -393,6 +397,26 @@ class Run:
         time.sleep(6)  # an operator pass or two (resync 2 s) reads the hosts' meters
         self.snapshots = [("installed", before_eap), ("scaled out", self.eap().get("status") or {})]
         print(self.get_eap_table(), flush=True)
+
+    def check_paths(self) -> None:
+        """Which data path the serving pod's calls to each host take, and its MoE layer against the same model's
+        in process here (mean per call by phase, over every call so far; the same 2 cores)."""
+        start = time.monotonic()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
+        paths, sums, counts = {}, {}, {}
+        for line in text.splitlines():
+            if line.startswith("moeless_expert_host_path{") and line.endswith(" 1.0"):
+                labels = dict(part.split("=") for part in line[line.index("{") + 1:line.index("}")].replace('"', "").split(","))
+                paths[int(labels["slot"])] = labels["path"]
+            for kind, into in (("_sum{", sums), ("_count{", counts)):
+                if line.startswith("moeless_moe_layer_seconds" + kind):
+                    into[line.split('phase="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        ratios = {p: sums[p] / counts[p] / self.in_process_moe_s[p] for p in self.in_process_moe_s if counts.get(p)}
+        detail = ", ".join(f"host {slot} {path}" for slot, path in sorted(paths.items())) + "; MoE layer / in process: " + \
+            ", ".join(f"{p} {sums[p] / counts[p] * 1e3:.2f} ms / {self.in_process_moe_s[p] * 1e3:.2f} ms = {r:.2f}x"
+                      for p, r in ratios.items())
+        self.checks.record("each host's data path and the MoE layer against in-process", sorted(paths) == [0, 1] and
+                           bool(ratios), detail, time.monotonic() - start)
 
     def check_eap_moved(self) -> None:
         """kubectl get eap's columns over the run: hosts and replicas grow with the pool, GB·s all along, cold

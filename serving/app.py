@@ -184,6 +184,7 @@ class ModelServer:
         return {**self.executor.times.as_dict(), "dead_hosts": sorted(self.executor.dead_hosts),
                 "placement_version": self.source.version, "pool_version": self.pool.version,
                 "local_channels": sum(c.uses_local_channel for c in self.pool.clients().values()),
+                "paths": {slot: c.path for slot, c in self.pool.clients().items()},  # each host's data path now
                 "wake": self.waker.stats() if self.waker else None,
                 **batching}
 

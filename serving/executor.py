@@ -51,7 +51,7 @@ class HostClient(Protocol):
 
     @property
     def path(self) -> str:
-        """The data path calls take: "local" (shared memory), "tcp" or "grpc"."""
+        """The data path calls take: "local" (shared memory), "tcp", "grpc" or "unopened" (not called yet)."""
         ...
 
 

@@ -114,6 +114,7 @@ class Ingress:
                            (self.metrics.waiting, "waiting"), (self.metrics.refused, "refused")):
             gauge.set(sum(s[key] for s in stats))
         self.metrics.set_wake(stats[0]["wake"])
+        self.metrics.set_paths({slot: path for s in stats for slot, path in s["paths"].items()})
         for loop in self.loops.values():
             if loop.name:
                 await self._loop_health(loop, "metrics")

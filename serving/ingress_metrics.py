@@ -34,6 +34,16 @@ class IngressMetrics:
         self.wake_seconds = Gauge("moeless_pool_wake_seconds", "seconds the last wake took, from the first request "
                                   "that found the pool empty to a ready host (one replica)", registry=self.registry)
 
+        self.paths = Gauge("moeless_expert_host_path", "1 for the data path (local: shared memory, tcp, grpc) the "
+                           "serving replica's calls to the expert host in this slot take", ["slot", "path"],
+                           registry=self.registry)
+
+    def set_paths(self, paths: dict) -> None:
+        """From a replica's stats: slot -> "local" | "tcp" | "grpc"."""
+        self.paths.clear()
+        for slot, path in paths.items():
+            self.paths.labels(str(slot), path).set(1)
+
     def set_wake(self, wake: dict | None) -> None:
         """From the replica's Waker.stats() (None: a pool that is not woken by requests)."""
         if wake:

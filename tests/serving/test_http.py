@@ -170,3 +170,11 @@ def test_load_generator_measures_each_request_of_a_replay_and_of_closed_loop_cli
     assert figures["succeeded"] == 6 and figures["failed"] == 1 and "not served here" in figures["errors"][0]
     assert figures["completion_tokens"] == 24 and figures["tokens_per_s"] > 0
     assert 0 < figures["ttft_s"]["p50"] <= figures["ttft_s"]["p99"]
+
+
+def test_metrics_show_the_data_path_to_each_host(url):
+    assert _post(url, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+    lines = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("moeless_expert_host_path{")]
+    slots = sorted(line.split('slot="')[1].split('"')[0] for line in lines if line.endswith(" 1.0"))
+    # hosts on this machine: shared memory, once the replica that answers /metrics has called them
+    assert slots == ["0", "1", "2"] and all('path="local"' in line or 'path="unopened"' in line for line in lines), lines
