@@ -178,7 +178,7 @@ class ExpertHostClient:
         if self.transport == "grpc":
             return False
         try:
-            offer = self._call(self._stub.LocalChannel, pb.LocalChannelRequest())
+            offer = self._offer()
             socket_name, tcp_port = offer.socket, offer.tcp_port
             self._range = None if self.model is None else self._model_range(offer)  # a restarted host says anew
         except ExpertHostUnavailable:
@@ -216,15 +216,19 @@ class ExpertHostClient:
 
     def models(self) -> list[dict]:
         """The models the host serves: name, first_layer, layers, experts (its offer)."""
-        return [_fields(m) for m in self._call(self._stub.LocalChannel, pb.LocalChannelRequest()).models]
+        return [_fields(m) for m in self._offer().models]
 
     def _first_layer(self) -> int:
         """Where this client's model begins in the host's layers (0 without a model)."""
         if self.model is None:
             return 0
         if self._range is None:
-            self._range = self._model_range(self._call(self._stub.LocalChannel, pb.LocalChannelRequest()))
+            self._range = self._model_range(self._offer())
         return self._range.first_layer
+
+    def _offer(self) -> pb.LocalChannelReply:
+        """The host's offer: its data channels and the models it serves (the LocalChannel RPC)."""
+        return self._call(self._stub.LocalChannel, pb.LocalChannelRequest())
 
     def _model_range(self, offer) -> pb.ModelLayers:
         for m in offer.models:

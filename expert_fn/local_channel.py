@@ -37,8 +37,8 @@ from moeless.expert_fn.routed import (
     RoutedCall,
     RoutedResult,
     decode_reply_head,
-    lists_bytes,
     split_error,
+    write_call,
 )
 
 INITIAL_BYTES = 4 << 20  # grows by doubling when a call needs more (a long prefill)
@@ -71,16 +71,10 @@ class LocalChannel:
             if self.broken:
                 raise ExpertHostUnavailable(f"local channel {self.name} is closed; open a new one")
             self._calls += 1
-            hidden, item = int(x.shape[1]), x.element_size()
-            lists = lists_bytes(self._calls, call, hidden, x.dtype)
-            rows = int(call.tokens.numel())
-            frame = len(lists) + rows * hidden * item
+            frame = call.request_bytes(x.shape[1], x.dtype)
             z_at = z_offset(frame)
-            self._reserve(z_at + call.n_out * hidden * item)
-            self._buffer[:len(lists)] = lists
-            if rows:
-                out = torch.frombuffer(self._buffer, dtype=x.dtype, offset=len(lists), count=rows * hidden)
-                torch.index_select(x, 0, call.tokens, out=out.view(rows, hidden))
+            self._reserve(z_at + call.n_out * x.shape[1] * x.element_size())
+            write_call(self._buffer, self._calls, call, x)
             self._send(CALL.pack(CALL_MAGIC, frame, z_at))
             return HeldCall(self._lock, functools.partial(self._wait, self._calls, call.layer, z_at))
         except BaseException:

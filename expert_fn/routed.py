@@ -38,6 +38,11 @@ REPLY = struct.Struct("<4sIB3xidiiB3x")  # b"MRR1", call id, ok, cold_starts, co
 CALL_MAGIC, REPLY_MAGIC = b"MRC1", b"MRR1"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the head's dtype code is the index
 ITEM_BYTES = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in DTYPES}
+
+
+def item_bytes(dtype: torch.dtype) -> int:
+    """Bytes of one value of dtype (no tensor made for the dtypes that travel: sizing a frame is per call)."""
+    return ITEM_BYTES.get(dtype) or torch.empty(0, dtype=dtype).element_size()
 MAX_FRAME_BYTES = 1 << 31  # a call larger than this is refused: no prefill needs 2 GiB per host
 
 
@@ -113,11 +118,11 @@ class RoutedCall:
 
     def request_bytes(self, hidden: int, dtype: torch.dtype) -> int:
         """Bytes of this call's frame on the wire."""
-        item = torch.empty(0, dtype=dtype).element_size()
+        item = item_bytes(dtype)
         return HEAD.size + 8 * len(self.experts) + 8 * self.pairs + item * (self.pairs + int(self.tokens.numel()) * hidden)
 
     def reply_bytes(self, hidden: int, dtype: torch.dtype) -> int:
-        return REPLY.size + torch.empty(0, dtype=dtype).element_size() * self.n_out * hidden
+        return REPLY.size + item_bytes(dtype) * self.n_out * hidden
 
 
 def lists_bytes(call_id: int, call: RoutedCall, hidden: int, dtype: torch.dtype) -> bytes:
@@ -129,10 +134,23 @@ def lists_bytes(call_id: int, call: RoutedCall, hidden: int, dtype: torch.dtype)
             + call.out.numpy().astype("<i4", copy=False).tobytes() + raw_bytes(call.weight.to(dtype)))
 
 
+def write_call(buffer, call_id: int, call: RoutedCall, x: torch.Tensor) -> int:
+    """Write the whole frame of `call` on the caller's x [T, H] (its rows call.tokens, copied straight
+    from x) at the start of `buffer` (writable, at least call.request_bytes long); returns its bytes."""
+    lists = lists_bytes(call_id, call, x.shape[1], x.dtype)
+    buffer[:len(lists)] = lists
+    rows = int(call.tokens.numel())
+    if rows:
+        out = torch.frombuffer(buffer, dtype=x.dtype, offset=len(lists), count=rows * x.shape[1])
+        torch.index_select(x, 0, call.tokens, out=out.view(rows, x.shape[1]))
+    return len(lists) + rows * x.shape[1] * x.element_size()
+
+
 def encode_call(call_id: int, call: RoutedCall, x: torch.Tensor) -> bytearray:
-    """The whole frame of `call` on the caller's x [T, H] (its rows call.tokens)."""
-    rows = x.index_select(0, call.tokens)
-    return bytearray(lists_bytes(call_id, call, x.shape[1], x.dtype) + raw_bytes(rows))
+    """The whole frame of `call` on the caller's x [T, H], as one new buffer."""
+    frame = bytearray(call.request_bytes(x.shape[1], x.dtype))
+    write_call(frame, call_id, call, x)
+    return frame
 
 
 def decode_call(data: bytes | memoryview) -> "Decoded":
@@ -162,7 +180,7 @@ class Head:
 
     @property
     def item(self) -> int:
-        return ITEM_BYTES[self.dtype]
+        return item_bytes(self.dtype)
 
     @property
     def body_bytes(self) -> int:
@@ -294,7 +312,7 @@ class ReplyHead:
 
     @property
     def body_bytes(self) -> int:
-        return self.n_out * self.hidden * torch.empty(0, dtype=self.dtype).element_size() if self.ok else self.n_out
+        return self.n_out * self.hidden * item_bytes(self.dtype) if self.ok else self.n_out
 
 
 def decode_reply_head(data: bytes | memoryview) -> ReplyHead:

@@ -29,8 +29,8 @@ from moeless.expert_fn.routed import (
     RoutedCall,
     RoutedResult,
     decode_reply_head,
-    lists_bytes,
     split_error,
+    write_call,
 )
 from moeless.expert_fn.tcp_server import receive_into, send_parts
 
@@ -64,15 +64,10 @@ class TcpChannel:
             if self.broken:
                 raise ExpertHostUnavailable(f"TCP channel {self.address} is closed; open a new one")
             self._calls += 1
-            lists = lists_bytes(self._calls, call, x.shape[1], x.dtype)
-            rows = int(call.tokens.numel())
-            total = len(lists) + rows * x.shape[1] * x.element_size()
+            total = call.request_bytes(x.shape[1], x.dtype)
             if len(self._send) < total:
                 self._send = bytearray(1 << (total - 1).bit_length())
-            self._send[:len(lists)] = lists
-            if rows:
-                out = torch.frombuffer(self._send, dtype=x.dtype, offset=len(lists), count=rows * x.shape[1])
-                torch.index_select(x, 0, call.tokens, out=out.view(rows, x.shape[1]))
+            write_call(self._send, self._calls, call, x)
             try:
                 send_parts(self._sock, [memoryview(self._send)[:total]])
             except OSError as err:

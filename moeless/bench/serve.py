@@ -274,6 +274,14 @@ def _gate_seconds(moe, iterations) -> float:
     return time.perf_counter() - start
 
 
+def _cells(result: dict[str, Any], prefix: str, name: str) -> str:
+    """A path's MoE-layer ms and ratios per phase, p50 / p90, from the paired ("") or alone ("alone_") figures."""
+    ms = result[f"{prefix}moe_layer_ms"][name]
+    ratios, high = result[f"{prefix}ratio_to_best_in_process"][name], result[f"{prefix}ratio_to_best_in_process_p90"][name]
+    return "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p90']:.3f} "
+                     f"({high[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
+
+
 def print_report(result: dict[str, Any]) -> None:
     fit = result["latency_model"]
     print(f"model {result['model']} (E={result['experts']}, k={result['top_k']}, F={result['expert_ffn']}): "
@@ -284,18 +292,12 @@ def print_report(result: dict[str, Any]) -> None:
           f"in-process one (for the wide baseline: generations that differ; 2 threads round differently)")
     print(f"{'path':26s} {'tokens/s':>8s} {'differ':>6s}   MoE layer ms: p50 (ratio to the faster in-process) / "
           f"p90 (ratio)")
-    for name, ms in result["moe_layer_ms"].items():
-        ratios, high = result["ratio_to_best_in_process"][name], result["ratio_to_best_in_process_p90"][name]
-        cells = "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p90']:.3f} "
-                          f"({high[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
-        print(f"{name:26s} {result['tokens_per_s'][name]:8.1f} {result['mismatches'][name]:6d}   {cells}")
+    for name in result["moe_layer_ms"]:
+        print(f"{name:26s} {result['tokens_per_s'][name]:8.1f} {result['mismatches'][name]:6d}   {_cells(result, '', name)}")
     print("each path alone, as serving runs it (hosts idle only during the model's other layers; 'differ': "
           "generations unlike the paired run's):")
-    for name, ms in result["alone_moe_layer_ms"].items():
-        ratios, high = result["alone_ratio_to_best_in_process"][name], result["alone_ratio_to_best_in_process_p90"][name]
-        cells = "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p90']:.3f} "
-                          f"({high[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
-        print(f"{name:26s} {'':8s} {result['alone_generations_differing'][name]:6d}   {cells}")
+    for name in result["alone_moe_layer_ms"]:
+        print(f"{name:26s} {'':8s} {result['alone_generations_differing'][name]:6d}   {_cells(result, 'alone_', name)}")
     wire = result["wire_per_layer_call"]
     print(f"on the wire per layer call ({wire['dtype']}): {wire['rows_sent']:.1f} token rows out, {wire['rows_received']:.1f} "
           f"back for {wire['pairs']:.1f} (token, expert) pairs; {(wire['bytes_sent'] + wire['bytes_received']) / 1e3:.1f} KB, "
