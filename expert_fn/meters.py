@@ -56,6 +56,17 @@ class HostTotals:
 
 
 @dataclass
+class ModelTotals:
+    """One model's part of a host's totals (a host serving several models: model_stores.py)."""
+
+    gb_s: float = 0.0
+    bytes_held: int = 0
+    loads: int = 0
+    cold_starts: int = 0
+    tokens: int = 0
+
+
+@dataclass
 class LayerColdMeters:
     """Cold starts of one MoE layer on this host: seconds hidden by prefetch and exposed (waited)."""
 
@@ -138,20 +149,34 @@ class Meters:
             m.invocations += 1
             m.tokens += n
 
-    def gb_s(self, key: Key) -> float:
-        """GB·s held by key so far, including the interval still open."""
+    def gb_s(self, key: Key, now: float | None = None) -> float:
+        """GB·s held by key so far, including the interval still open (until now, default the clock)."""
         m = self._of(key)
-        open_part = m.bytes * (self.clock() - m.held_since) if m.bytes else 0.0
+        open_part = m.bytes * ((self.clock() if now is None else now) - m.held_since) if m.bytes else 0.0
         return (m.byte_seconds + open_part) / GB
 
-    def totals(self) -> HostTotals:
+    def by_model(self, model_of: Callable[[int], str], now: float | None = None) -> dict[str, ModelTotals]:
+        """Totals per model, model_of(layer) naming the model of a host layer; they add up to totals(now)."""
+        now = self.clock() if now is None else now
+        out: dict[str, ModelTotals] = {}
+        for key, m in self.replicas.items():
+            t = out.setdefault(model_of(key[0]), ModelTotals())
+            t.gb_s += self.gb_s(key, now)
+            t.bytes_held += m.bytes
+            t.loads += m.loads
+            t.cold_starts += m.cold_starts
+            t.tokens += m.tokens
+        return out
+
+    def totals(self, now: float | None = None) -> HostTotals:
+        now = self.clock() if now is None else now
         layers = self.cold.layers.values()
         t = HostTotals(invocations=self.host_invocations, load_s_sum=self.load_s_sum,
                        cold_hidden_s=sum(m.hidden_s for m in layers), cold_exposed_s=sum(m.exposed_s for m in layers),
                        cold_waits=sum(m.waits for m in layers), prefetched=sum(m.prefetched for m in layers),
                        prefetch_wasted=self.cold.prefetch_wasted)
         for key, m in self.replicas.items():
-            t.gb_s += self.gb_s(key)
+            t.gb_s += self.gb_s(key, now)
             t.bytes_held += m.bytes
             t.loads += m.loads
             t.load_failures += m.load_failures

@@ -1,6 +1,8 @@
 """Prometheus exposition of a host's meters: a collector read at scrape time.
 
-Per replica (labels layer, expert): GB·s, bytes held, loads, cold starts, invocations, tokens.
+Per replica (labels model, layer, expert; the layer is the model's own): GB·s, bytes held, loads,
+cold starts, invocations, tokens. Per model (label model; a host may serve several, model_stores.py):
+GB·s, bytes held, loads, cold starts, tokens, which add up to the host's.
 Per layer (label layer): cold-start seconds hidden by prefetch and exposed (waited for).
 Per host: the same totals, load seconds, evictions, Invoke calls and calls in flight, prefetches
 never used, device copies, and the host memory tier's hits, misses, reads and bytes.
@@ -34,10 +36,24 @@ class RuntimeCollector(Collector):
             "loads": (CounterMetricFamily, "loads of the replica from the weight store", "loads"),
             "cold_starts": (CounterMetricFamily, "invocations that waited for the replica to load", "cold_starts"),
         }
+        models = self._runtime.models
         for name, (family, doc, field) in per_replica.items():
-            metric = family(f"{PREFIX}_replica_{name}", doc, labels=["layer", "expert"])
+            metric = family(f"{PREFIX}_replica_{name}", doc, labels=["model", "layer", "expert"])
             for r in status["replicas"]:
-                metric.add_metric([str(r["layer"]), str(r["expert"])], r[field])
+                model = models.model_of(r["layer"])
+                metric.add_metric([model.name, str(r["layer"] - model.first_layer), str(r["expert"])], r[field])
+            yield metric
+        per_model = {
+            "gb_seconds": (CounterMetricFamily, "GB·s of the model's replica memory on this host", "gb_s"),
+            "bytes_held": (GaugeMetricFamily, "bytes the model's replicas hold now", "bytes_held"),
+            "loads": (CounterMetricFamily, "loads of the model's replicas", "loads"),
+            "cold_starts": (CounterMetricFamily, "invocations that waited for one of the model's replicas", "cold_starts"),
+            "tokens": (CounterMetricFamily, "tokens the model's replicas computed", "tokens"),
+        }
+        for name, (family, doc, field) in per_model.items():
+            metric = family(f"{PREFIX}_model_{name}", doc, labels=["model"])
+            for model, totals in sorted(status["models"].items()):
+                metric.add_metric([model], totals[field])
             yield metric
         totals = status["meters"]
         host = {

@@ -114,6 +114,10 @@ class ModelStores:
                                    f"{capacity_bytes / 1e9:.3f} GB of replica memory; lower them or give the host more")
         return Shares(tuple(self._firsts), guaranteed, active_s)
 
+    def model_of(self, layer: int) -> ModelRange:
+        """The model whose layers include host layer `layer`."""
+        return self._ranges[self._which(layer)]
+
     def describe(self) -> str:
         return ", ".join(f"{r.name} (layers {r.first_layer}-{r.first_layer + r.layers - 1}, {r.experts} experts)"
                          for r in self._ranges)
@@ -126,3 +130,10 @@ class ModelStores:
             raise WeightStoreError(f"no layer {layer} on this host: it serves {self.describe()}")
         i = self._which(layer)
         return self.stores[i], layer - self._ranges[i].first_layer
+
+
+def as_model_stores(store: "WeightStore | ModelStores") -> ModelStores:
+    """A host's store as ModelStores (one plain WeightStore: one model, named as ModelStores.open names it)."""
+    if isinstance(store, ModelStores):
+        return store
+    return ModelStores([(str(store.index.get("model") or Path(store.root).name), store)])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import asdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -27,6 +28,7 @@ from moeless.expert_fn.errors import BadRequest, ReplicaLoadError
 from moeless.expert_fn.executor import forward_for
 from moeless.expert_fn.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
 from moeless.expert_fn.meters import Meters
+from moeless.expert_fn.model_stores import as_model_stores
 from moeless.expert_fn.shares import Shares
 from moeless.expert_fn.tiers import DeviceCopier, HostTier, TierConfig
 from moeless.model.weight_store import WeightStore, WeightStoreError
@@ -53,6 +55,7 @@ class ExpertHostRuntime:
         shares: Shares | None = None,
     ) -> None:
         self.store = store
+        self.models = as_model_stores(store)  # which model each host layer belongs to (meters per model)
         self.device = device
         self.tier = HostTier(store, tier, pin=device.startswith("cuda") and torch.cuda.is_available())
         self._copier = DeviceCopier(device)
@@ -173,19 +176,22 @@ class ExpertHostRuntime:
         """Host facts, every replica seen (state, bytes, GB·s, counts), the host's totals, the
         cold-start meters ("cold": per layer hidden / exposed seconds) and the host tier's counters."""
         with self._lock:
+            now = self.meters.clock()  # one reading: the models' GB·s add up to the host's
             replicas = []
             for (layer, expert), r in sorted(self.table.replicas().items()):
                 m = self.meters.replicas[(layer, expert)]
                 replicas.append({
                     "layer": layer, "expert": expert, "state": r.state.value, "bytes": r.bytes,
-                    "gb_s": self.meters.gb_s((layer, expert)), "invocations": m.invocations,
+                    "gb_s": self.meters.gb_s((layer, expert), now), "invocations": m.invocations,
                     "tokens": m.tokens, "last_load_s": m.last_load_s, "error": r.error, "loads": m.loads,
                     "cold_starts": m.cold_starts, "evictions": m.evictions,
                 })
             return {
                 "device": self.device, "memory_bytes": self.table.capacity_bytes,
                 "keep_alive_s": self.keep_alive_s, "health": self.health, "inflight": self._inflight,
-                "replicas": replicas, "meters": self.meters.totals().as_dict(),
+                "replicas": replicas, "meters": self.meters.totals(now).as_dict(),
+                "models": {name: asdict(t) for name, t in
+                           self.meters.by_model(lambda layer: self.models.model_of(layer).name, now).items()},
                 "cold": self.meters.cold.as_dict(), "host_tier": self.tier.stats(),
             }
 

@@ -94,7 +94,7 @@ def test_metrics_health_and_readiness_over_http(clients, hosts):
     clients[1].invoke(1, {1: torch.randn(6, HIDDEN)})
     base = hosts.metrics_urls[1]
     text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-    assert 'moeless_expert_replica_tokens_total{expert="1",layer="1"} 6.0' in text
+    assert 'moeless_expert_replica_tokens_total{expert="1",layer="1",model="random"} 6.0' in text
     for name in ("replica_gb_seconds_total", "host_cold_starts_total", "host_load_seconds_total",
                  "host_invocations_total", "host_bytes_held"):
         assert f"moeless_expert_{name}" in text

@@ -179,3 +179,29 @@ def test_a_quiet_model_gives_its_memory_back_while_the_other_serves_and_its_next
         finally:
             for c in clients:
                 c.close()
+
+
+def test_a_shared_host_meters_each_model_and_the_models_add_up_to_the_host(two_models, tmp_path):
+    """/metrics of a host serving two models: each model's GB·s, tokens and replicas under its own name
+    and its own layer numbers (what the operator bills each policy on a shared pool from)."""
+    from moeless.controller.operator.meters import parse_host_metrics
+    import urllib.request
+
+    models, _ = two_models
+    stores = [(name, tmp_path / name) for name in MODELS]
+    for (name, root), model in zip(stores, models.values()):
+        export_experts(model.iter_experts(), root, model=name, num_layers=model.spec.num_layers,
+                       num_experts=model.spec.num_experts, act=model.spec.act)
+    with launch_local_hosts(1, stores, keep_alive_s=600) as group:
+        hidden = {name: m.spec.hidden_size for name, m in models.items()}
+        with ExpertHostClient(group.addresses[0], model="tiny-mixtral") as a, \
+                ExpertHostClient(group.addresses[0], model="tiny-qwen2") as b:
+            a.invoke(1, {0: torch.randn(5, hidden["tiny-mixtral"])})
+            b.invoke(1, {2: torch.randn(3, hidden["tiny-qwen2"]), 3: torch.randn(4, hidden["tiny-qwen2"])})
+        reading = parse_host_metrics(urllib.request.urlopen(f"{group.metrics_urls[0]}/metrics", timeout=10).read().decode())
+    assert {name: m.tokens for name, m in reading.models.items()} == {"tiny-mixtral": 5, "tiny-qwen2": 7}
+    assert {(r.model, r.layer, r.expert) for r in reading.replicas if r.bytes_held > 0} == {
+        ("tiny-mixtral", 1, 0), ("tiny-qwen2", 1, 2), ("tiny-qwen2", 1, 3)}  # each model's own layer 1
+    assert all(m.gb_seconds > 0 for m in reading.models.values())
+    assert sum(m.bytes_held for m in reading.models.values()) == reading.bytes_held
+    assert sum(m.gb_seconds for m in reading.models.values()) == pytest.approx(reading.gb_seconds, rel=1e-9)
