@@ -112,4 +112,5 @@ def config_from_args(args: Mapping[str, Any]):
     fixed = isinstance(source, StaticSource)
     return ServeConfig(choice.name, choice.loader, source.addresses if fixed else (), pool=None if fixed else source,
                        num_replicas=int(args.get("replicas", 1)), placement_board=BOARD_NAME, knobs=knobs,
-                       plan_loop=LOOP_NAME, knob_file=args.get("config") or None)
+                       plan_loop=LOOP_NAME, knob_file=args.get("config") or None,
+                       host_model=getattr(source, "model", None))

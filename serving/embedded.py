@@ -130,7 +130,8 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                                        placement_board=BOARD_NAME + suffix(c), drain_signal=SIGNAL_NAME, knobs=k,
                                        plan_loop=LOOP_NAME + suffix(c), profile=profile if not several else None,
                                        predictor_file=predictor_file if not several else None,
-                                       client_poll_s=poll_s, knob_file=knob_file, host_model=c.name if several else None)
+                                       client_poll_s=poll_s, knob_file=knob_file,
+                                       host_model=c.name if several else getattr(remote, "model", None))
                            for c, _, k, _ in served]
                 serve.run(build_app(configs), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"

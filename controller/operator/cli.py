@@ -16,9 +16,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "operator",
         help="run the Kubernetes operator of ExpertAutoscalingPolicy resources",
-        description="Reconcile ExpertAutoscalingPolicy resources (moeless.io/v1alpha1, `kubectl get eap`): size each "
-        "policy's expert-host StatefulSet, write its serving and placement ConfigMaps, read the hosts' meters into "
-        "its status. Runs until SIGTERM. Needs the CRD (manifests/crd.yaml) installed.",
+        description="Reconcile ExpertAutoscalingPolicy and ExpertPool resources (moeless.io/v1alpha1, `kubectl get "
+        "eap`, `kubectl get epool`): size each policy's (or shared pool's) expert-host StatefulSet, write each "
+        "policy's serving and placement ConfigMaps, read the hosts' meters into their status (per model on a "
+        "shared pool). Runs until SIGTERM. Needs the CRDs (manifests/crd.yaml) installed.",
     )
     add = parser.add_argument
     add("--kubeconfig", metavar="PATH", help="kubeconfig file (default: in-cluster config, else $KUBECONFIG or ~/.kube/config)")

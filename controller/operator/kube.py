@@ -18,10 +18,11 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from moeless.controller.operator import objects as obj
-from moeless.controller.operator.meters import parse_host_metrics
-from moeless.controller.operator.reconcile import (Action, Create, Delete, Emit, Observed, Scale, Update, UpdateStatus,
-                                                   pod_ready, rfc3339)
-from moeless.controller.operator.spec import SpecError, parse_spec
+from moeless.controller.operator.actions import (Action, Create, Delete, Emit, Observed, Scale, Update, UpdateStatus,
+                                                 pod_ready, rfc3339)
+from moeless.controller.operator.meters import HostMeters, parse_host_metrics
+from moeless.controller.operator.pool_spec import parse_pool_spec
+from moeless.controller.operator.spec import HostPool, SpecError, parse_spec
 
 log = logging.getLogger("moeless.operator")
 
@@ -53,56 +54,102 @@ class Kube:
         self.scrape, self.component = scrape, component
 
     # -- reads --------------------------------------------------------------------------------
-    def list_policies(self, namespace: str | None) -> list[dict]:
+    def list_policies(self, namespace: str | None, plural: str = obj.PLURAL) -> list[dict]:
+        """The policies (or, plural expertpools, the pools) of a namespace (None: all)."""
         if namespace:
-            doc = raw(self.custom.list_namespaced_custom_object, obj.GROUP, obj.VERSION, namespace, obj.PLURAL)
+            doc = raw(self.custom.list_namespaced_custom_object, obj.GROUP, obj.VERSION, namespace, plural)
         else:
-            doc = raw(self.custom.list_cluster_custom_object, obj.GROUP, obj.VERSION, obj.PLURAL)
+            doc = raw(self.custom.list_cluster_custom_object, obj.GROUP, obj.VERSION, plural)
         return (doc or {}).get("items", [])
 
-    def managed_pools(self, namespace: str | None) -> set[tuple[str, str]]:
-        """(namespace, policy) of every StatefulSet the operator made (to find those of deleted policies)."""
+    def list_pools(self, namespace: str | None) -> list[dict]:
+        """The ExpertPools; none (not an error) where their CRD is not installed yet."""
+        try:
+            return self.list_policies(namespace, obj.POOL_PLURAL)
+        except ApiException as err:
+            if err.status == 404:
+                return []
+            raise
+
+    def managed_pools(self, namespace: str | None, kind: str = obj.KIND) -> set[tuple[str, str]]:
+        """(namespace, owner) of every StatefulSet the operator made for a policy (or, kind ExpertPool,
+        a pool): to find those of deleted owners."""
         selector = f"app.kubernetes.io/managed-by={obj.MANAGED_BY}"
         if namespace:
             doc = raw(self.apps.list_namespaced_stateful_set, namespace, label_selector=selector)
         else:
             doc = raw(self.apps.list_stateful_set_for_all_namespaces, label_selector=selector)
-        return {(s["metadata"]["namespace"], s["metadata"]["labels"][obj.POLICY_LABEL])
-                for s in (doc or {}).get("items", []) if obj.POLICY_LABEL in s["metadata"].get("labels", {})}
+        label = obj.OWNER_LABELS[kind]
+        return {(s["metadata"]["namespace"], s["metadata"]["labels"][label])
+                for s in (doc or {}).get("items", []) if label in s["metadata"].get("labels", {})}
 
     def _get(self, kind: str, namespace: str, name: str) -> dict | None:
         read = {"StatefulSet": self.apps.read_namespaced_stateful_set, "Service": self.core.read_namespaced_service,
                 "ConfigMap": self.core.read_namespaced_config_map, "Deployment": self.apps.read_namespaced_deployment}[kind]
         return raw(read, name, namespace)
 
-    def observe(self, namespace: str, policy_name: str, policy: dict | None) -> Observed:
+    def _objects(self, namespace: str, owner_name: str, kind: str) -> dict[tuple[str, str], dict]:
         objects = {}
-        for kind, name in obj.names(policy_name).values():
-            found = self._get(kind, namespace, name)
+        for k, name in obj.names(owner_name, kind).values():
+            found = self._get(k, namespace, name)
             if found is not None:
-                objects[(kind, name)] = found
-        if policy is None:
-            return Observed(objects=objects)
-        selector = f"{obj.POLICY_LABEL}={policy_name},app.kubernetes.io/component=expert-host"
+                objects[(k, name)] = found
+        return objects
+
+    def _hosts(self, namespace: str, owner_name: str, kind: str, hosts: HostPool | None) -> tuple[list, dict]:
+        """The owner's host pods and the meters of those that answered (none without a valid hosts block)."""
+        selector = ",".join(f"{k}={v}" for k, v in obj.host_selector(owner_name, kind).items())
         pods = (raw(self.core.list_namespaced_pod, namespace, label_selector=selector) or {}).get("items", [])
-        try:
-            spec = parse_spec(policy.get("spec"))
-        except SpecError:
-            return Observed(objects=objects, pods=pods)
-        meters = {}
-        for pod in pods:
-            url = metrics_url(pod, spec.hosts.metrics_port, spec.hosts.host_network)
+        meters: dict[str, HostMeters] = {}
+        for pod in pods if hosts is not None else ():
+            url = metrics_url(pod, hosts.metrics_port, hosts.host_network)
             if url is None:
                 continue
             try:
                 meters[pod["metadata"]["name"]] = parse_host_metrics(self.scrape(url))
             except (OSError, ValueError) as err:  # an unreachable host shows as Degraded/MetersUnavailable
                 log.info("cannot read %s: %s", url, err)
+        return pods, meters
+
+    def observe(self, namespace: str, policy_name: str, policy: dict | None, policies: list[dict] = ()) -> Observed:
+        """What one policy's reconcile needs (policies: the namespace's, for a policy on a pool)."""
+        objects = self._objects(namespace, policy_name, obj.KIND)
+        if policy is None:
+            return Observed(objects=objects)
+        try:
+            spec = parse_spec(policy.get("spec"))
+        except SpecError:
+            return Observed(objects=objects, pods=self._hosts(namespace, policy_name, obj.KIND, None)[0])
+        pool = None
+        if spec.pool is not None:  # its hosts are the pool's
+            pool = raw(self.custom.get_namespaced_custom_object, obj.GROUP, obj.VERSION, namespace, obj.POOL_PLURAL,
+                       spec.pool)
+            try:
+                hosts = parse_pool_spec((pool or {}).get("spec")).hosts if pool else None
+            except SpecError:
+                hosts = None
+            pods, meters = self._hosts(namespace, spec.pool, obj.POOL_KIND, hosts)
+        else:
+            pods, meters = self._hosts(namespace, policy_name, obj.KIND, spec.hosts)
         serving = None
         if spec.non_expert_deployment:
             deployment = self._get("Deployment", namespace, spec.non_expert_deployment)
             serving = None if deployment is None else int((deployment.get("status") or {}).get("readyReplicas") or 0)
-        return Observed(objects=objects, pods=pods, meters=meters, serving_ready=serving)
+        return Observed(objects=objects, pods=pods, meters=meters, serving_ready=serving, pool=pool,
+                        policies=[p for p in policies if p["metadata"]["namespace"] == namespace])
+
+    def observe_pool(self, namespace: str, pool_name: str, pool: dict | None, policies: list[dict]) -> Observed:
+        """What one ExpertPool's reconcile needs: its objects, hosts, meters and the namespace's policies."""
+        objects = self._objects(namespace, pool_name, obj.POOL_KIND)
+        if pool is None:
+            return Observed(objects=objects)
+        try:
+            hosts = parse_pool_spec(pool.get("spec")).hosts
+        except SpecError:
+            hosts = None
+        pods, meters = self._hosts(namespace, pool_name, obj.POOL_KIND, hosts)
+        return Observed(objects=objects, pods=pods, meters=meters,
+                        policies=[p for p in policies if p["metadata"]["namespace"] == namespace])
 
     # -- writes -------------------------------------------------------------------------------
     def apply(self, namespace: str, policy: dict | None, actions: list[Action], now: float) -> list[tuple[Action, int]]:
@@ -143,8 +190,8 @@ class Kube:
         elif isinstance(action, UpdateStatus):
             body = {"apiVersion": policy["apiVersion"], "kind": policy["kind"], "metadata": policy["metadata"],
                     "status": action.status}
-            self.custom.replace_namespaced_custom_object_status(obj.GROUP, obj.VERSION, namespace, obj.PLURAL,
-                                                                policy["metadata"]["name"], body)
+            self.custom.replace_namespaced_custom_object_status(obj.GROUP, obj.VERSION, namespace,
+                                                                obj.PLURALS[policy["kind"]], policy["metadata"]["name"], body)
         elif isinstance(action, Emit):
             self.core.create_namespaced_event(namespace, event(policy, action, now, self.component))
 
@@ -165,7 +212,7 @@ def event(policy: dict, action: Emit, now: float, component: str) -> dict[str, A
     return {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": obj.API_VERSION, "kind": obj.KIND, "name": meta["name"],
+        "involvedObject": {"apiVersion": obj.API_VERSION, "kind": policy.get("kind", obj.KIND), "name": meta["name"],
                            "namespace": meta["namespace"], "uid": meta["uid"]},
         "type": action.type, "reason": action.reason, "message": action.message,
         "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1, "source": {"component": component},

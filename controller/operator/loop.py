@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from moeless.controller.operator import objects as obj
 from moeless.controller.operator.kube import UNREACHABLE, Kube
 from moeless.controller.operator.leader import LeaderElector
+from moeless.controller.operator.pool_reconcile import reconcile_pool
 from moeless.controller.operator.reconcile import reconcile
 
 log = logging.getLogger("moeless.operator")
@@ -50,23 +51,29 @@ class Operator:
         self.kube, self.namespace, self.resync_s, self.clock, self.elector = kube, namespace, resync_s, clock, elector
         self.metrics = OperatorMetrics()
         self._wake = threading.Event()
-        self._watch: watch.Watch | None = None
+        self._watches: dict[str, watch.Watch] = {}
 
     # -- one pass -------------------------------------------------------------------------------
     def pass_once(self) -> int:
-        """Reconcile every policy (and the leftovers of deleted ones); returns how many failed."""
+        """Reconcile every ExpertPool, then every policy (and the leftovers of deleted ones: a
+        policy's copy of its pool's figures is then at most one pass old); returns how many failed."""
         failed = 0
         policies = self.kube.list_policies(self.namespace)
+        pools = self.kube.list_pools(self.namespace)
         self.metrics.policies.set(len(policies))
-        live = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in policies}
-        work = [(key, p) for key, p in zip(sorted(live), sorted(policies, key=_key))]
-        work += [(key, None) for key in sorted(self.kube.managed_pools(self.namespace) - live)]
-        for (namespace, name), policy in work:
+        work = []
+        for kind, items in ((obj.POOL_KIND, pools), (obj.KIND, policies)):
+            live = {_key(p): p for p in items}
+            work += [(kind, key, live[key]) for key in sorted(live)]
+            work += [(kind, key, None) for key in sorted(self.kube.managed_pools(self.namespace, kind) - set(live))]
+        for kind, (namespace, name), owner in work:
             try:
-                observed = self.kube.observe(namespace, name, policy)
                 now = self.clock()
-                actions = reconcile(name, policy, observed, now)
-                refused = self.kube.apply(namespace, policy, actions, now)
+                if kind == obj.POOL_KIND:
+                    actions = reconcile_pool(name, owner, self.kube.observe_pool(namespace, name, owner, policies), now)
+                else:
+                    actions = reconcile(name, owner, self.kube.observe(namespace, name, owner, policies), now)
+                refused = self.kube.apply(namespace, owner, actions, now)
                 for action in actions:
                     log.debug("%s/%s: %s", namespace, name, action)
                 self.metrics.reconciles.labels("conflict" if refused else "ok").inc()
@@ -78,7 +85,8 @@ class Operator:
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        threading.Thread(target=self._watch_policies, args=(stop,), name="watch-policies", daemon=True).start()
+        for plural in (obj.PLURAL, obj.POOL_PLURAL):
+            threading.Thread(target=self._watch, args=(stop, plural), name=f"watch-{plural}", daemon=True).start()
         if self.elector is not None:
             threading.Thread(target=self.elector.run, args=(stop,), name="leader-election", daemon=True).start()
         while not stop.is_set():
@@ -92,23 +100,24 @@ class Operator:
                     log.warning("listing policies: %s (retrying)", describe(err))
             self._wake.wait(self.resync_s if leading else 1.0)
             self._wake.clear()
-        if self._watch is not None:
-            self._watch.stop()
+        for watcher in self._watches.values():
+            watcher.stop()
         if self.elector is not None:
             self.elector.release()
 
-    def _watch_policies(self, stop: threading.Event) -> None:
-        """Wake the loop when a policy is added, deleted or changed; restart the watch when it ends or fails."""
+    def _watch(self, stop: threading.Event, plural: str) -> None:
+        """Wake the loop when a policy (or pool) is added, deleted or changed; restart the watch when it
+        ends or fails (retried every second, e.g. while the ExpertPool CRD is not installed)."""
         custom = self.kube.custom
         while not stop.is_set():
-            self._watch = watch.Watch()
+            watcher = self._watches[plural] = watch.Watch()
             try:
                 if self.namespace:
-                    stream = self._watch.stream(custom.list_namespaced_custom_object, obj.GROUP, obj.VERSION,
-                                                self.namespace, obj.PLURAL, timeout_seconds=60)
+                    stream = watcher.stream(custom.list_namespaced_custom_object, obj.GROUP, obj.VERSION,
+                                            self.namespace, plural, timeout_seconds=60)
                 else:
-                    stream = self._watch.stream(custom.list_cluster_custom_object, obj.GROUP, obj.VERSION, obj.PLURAL,
-                                                timeout_seconds=60)
+                    stream = watcher.stream(custom.list_cluster_custom_object, obj.GROUP, obj.VERSION, plural,
+                                            timeout_seconds=60)
                 seen: dict[str, tuple] = {}
                 for event in stream:
                     meta = event["object"].get("metadata", {})
@@ -118,7 +127,7 @@ class Operator:
                         self._wake.set()
                     seen[meta.get("uid")] = mark
             except (ApiException, ValueError, *UNREACHABLE) as err:
-                log.info("policy watch ended: %s", getattr(err, "reason", err))
+                log.info("%s watch ended: %s", plural, getattr(err, "reason", err))
                 stop.wait(1.0)
 
 

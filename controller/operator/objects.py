@@ -1,78 +1,96 @@
-"""The objects one policy owns, as the API wants them (pure builders, no client).
+"""The objects a policy or an ExpertPool owns, as the API wants them (pure builders, no client).
 
 For a policy NAME in a namespace:
 - StatefulSet NAME-hosts: the expert-host pool (stable names: host i is GPU i of the placement;
   scale-in removes the highest ordinals). Its size moves only through the scale subresource.
-- Service NAME-hosts: headless, so the serving app reaches each host by name.
+  Not for a policy on an ExpertPool (spec.pool): its model is served on the pool's hosts.
+- Service NAME-hosts: headless, so the serving app reaches each host by name (same).
 - ConfigMap NAME-serving: config.yaml, the serving knobs (a `moeless serve --config` file).
 - ConfigMap NAME-placement: resident.json, the replicas resident on each host.
-Every object carries the policy as its controller owner (deleting the policy deletes them) and
-the labels below; an object with one of these names that is not owned by the policy is left alone.
+For an ExpertPool NAME: StatefulSet and Service NAME-hosts, as above, whose hosts serve every
+admitted model (one --store NAME=DIR each). Every object carries its policy or pool as its
+controller owner (deleting it deletes them) and the labels below; an object with one of these
+names that is not owned by it is left alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
+from moeless.controller.operator.pool_spec import Member, PoolSpec
 from moeless.controller.operator.spec import GIB, PolicySpec
 
 GROUP, VERSION, KIND, PLURAL = "moeless.io", "v1alpha1", "ExpertAutoscalingPolicy", "expertautoscalingpolicies"
+POOL_KIND, POOL_PLURAL = "ExpertPool", "expertpools"
+PLURALS = {KIND: PLURAL, POOL_KIND: POOL_PLURAL}
 API_VERSION = f"{GROUP}/{VERSION}"
 SERVING_GENERATION_ANNOTATION = "moeless.io/serving-generation"  # set by the serving pods' planning loop
 MANAGED_BY = "moeless-operator"
 POLICY_LABEL = "moeless.io/policy"
+POOL_LABEL = "moeless.io/pool"
+OWNER_LABELS = {KIND: POLICY_LABEL, POOL_KIND: POOL_LABEL}
 TEMPLATE_HASH = "moeless.io/template-hash"
 WAKE_ANNOTATION = "moeless.io/wake"  # set (any value, e.g. a timestamp) to wake a pool scaled to zero
 
 
-def names(policy_name: str) -> dict[str, tuple[str, str]]:
-    """role -> (kind, name) of the objects a policy owns."""
-    return {
-        "hosts": ("StatefulSet", f"{policy_name}-hosts"),
-        "service": ("Service", f"{policy_name}-hosts"),
-        "serving": ("ConfigMap", f"{policy_name}-serving"),
-        "placement": ("ConfigMap", f"{policy_name}-placement"),
-    }
+def names(owner_name: str, kind: str = KIND) -> dict[str, tuple[str, str]]:
+    """role -> (kind, name) of the objects a policy (or, kind POOL_KIND, an ExpertPool) owns."""
+    hosts = {"hosts": ("StatefulSet", f"{owner_name}-hosts"), "service": ("Service", f"{owner_name}-hosts")}
+    if kind == POOL_KIND:
+        return hosts
+    return {**hosts, "serving": ("ConfigMap", f"{owner_name}-serving"),
+            "placement": ("ConfigMap", f"{owner_name}-placement")}
 
 
-def labels(policy_name: str, component: str) -> dict[str, str]:
+def labels(owner_name: str, component: str, kind: str = KIND) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "moeless",
         "app.kubernetes.io/component": component,
         "app.kubernetes.io/managed-by": MANAGED_BY,
-        POLICY_LABEL: policy_name,
+        OWNER_LABELS[kind]: owner_name,
     }
 
 
-def owner_reference(policy: dict) -> dict[str, Any]:
-    meta = policy["metadata"]
-    return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+def owner_reference(owner: dict) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {"apiVersion": API_VERSION, "kind": owner.get("kind", KIND), "name": meta["name"], "uid": meta["uid"],
             "controller": True, "blockOwnerDeletion": True}
 
 
-def owned_by(obj: dict, policy_name: str, uid: str | None) -> bool:
-    """Whether obj's controller is this policy (by uid; by name when the policy is gone, uid None)."""
+def owned_by(obj: dict, owner_name: str, uid: str | None, kind: str = KIND) -> bool:
+    """Whether obj's controller is this policy or pool (by uid; by name when it is gone, uid None)."""
     for ref in obj.get("metadata", {}).get("ownerReferences") or ():
-        if ref.get("kind") == KIND and ref.get("controller") and ref.get("name") == policy_name:
+        if ref.get("kind") == kind and ref.get("controller") and ref.get("name") == owner_name:
             if uid is None or ref.get("uid") == uid:
                 return True
     return False
 
 
-def _meta(policy: dict, name: str, component: str) -> dict[str, Any]:
-    return {"name": name, "namespace": policy["metadata"]["namespace"], "labels": labels(policy["metadata"]["name"], component),
-            "ownerReferences": [owner_reference(policy)]}
+def _meta(owner: dict, name: str, component: str) -> dict[str, Any]:
+    kind = owner.get("kind", KIND)
+    return {"name": name, "namespace": owner["metadata"]["namespace"],
+            "labels": labels(owner["metadata"]["name"], component, kind), "ownerReferences": [owner_reference(owner)]}
 
 
-def host_command(spec: PolicySpec) -> list[str]:
-    """The expert host's command line; on the node's network host i listens on port + i."""
+def host_command(spec: PolicySpec | PoolSpec, members: Sequence[Member] = ()) -> list[str]:
+    """The expert host's command line: a policy's own store, or every admitted member's store on an
+    ExpertPool (--store NAME=DIR) with their guaranteed shares (--share NAME=GB); on the node's
+    network host i listens on port + i."""
     pool = spec.hosts
+    assert pool is not None
     memory_gb = round(pool.memory_gib_per_host * GIB / 1e9, 3)
-    tail = (f"--store {spec.store} --bind 0.0.0.0 --keep-alive-s {spec.knobs.keep_alive_s:g} "
+    if isinstance(spec, PoolSpec):
+        admitted = [m for m in members if m.admitted]
+        stores = " ".join(f"--store {m.model}={m.store}" for m in admitted)
+        stores += "".join(f" --share {m.model}={round(m.guaranteed_gib * GIB / 1e9, 3):g}"
+                          for m in admitted if m.guaranteed_gib)
+    else:
+        stores = f"--store {spec.store}"
+    tail = (f"{stores} --bind 0.0.0.0 --keep-alive-s {spec.keep_alive_s:g} "
             f"--memory-gb {memory_gb:g} --drain-s {pool.drain_seconds}")
     if pool.poll_microseconds:
         tail += f" --poll-us {pool.poll_microseconds:g}"
@@ -94,21 +112,23 @@ def _probe(spec: PolicySpec, path: str) -> dict[str, Any]:
     return {"exec": {"command": ["python", "-c", check]}, **timing}
 
 
-def pod_template(policy: dict, spec: PolicySpec) -> dict[str, Any]:
-    name, pool = policy["metadata"]["name"], spec.hosts
+def pod_template(owner: dict, spec: PolicySpec | PoolSpec, members: Sequence[Member] = ()) -> dict[str, Any]:
+    name, pool, kind = owner["metadata"]["name"], spec.hosts, owner.get("kind", KIND)
+    assert pool is not None
     volumes = [{"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
     if spec.pvc or spec.host_path:
         source = ({"persistentVolumeClaim": {"claimName": spec.pvc, "readOnly": True}} if spec.pvc
                   else {"hostPath": {"path": spec.host_path, "type": "Directory"}})
         volumes.append({"name": "store", **source})
-        mounts.append({"name": "store", "mountPath": spec.store, "readOnly": True})
+        mount = spec.mount_path if isinstance(spec, PoolSpec) else spec.store
+        mounts.append({"name": "store", "mountPath": mount, "readOnly": True})
     resources: dict[str, Any] = {"requests": {"cpu": pool.cpu}}
     if pool.gpus_per_host:
         resources["limits"] = {"nvidia.com/gpu": pool.gpus_per_host}
     container = {
         "name": "expert-host", "image": pool.image, "imagePullPolicy": pool.image_pull_policy,
-        "command": host_command(spec),
+        "command": host_command(spec, members),
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "HOME", "value": "/tmp"}, {"name": "MOELESS_CACHE", "value": "/tmp/moeless-cache"},
                 {"name": "NUMBA_CACHE_DIR", "value": "/tmp/numba"}],
@@ -133,7 +153,7 @@ def pod_template(policy: dict, spec: PolicySpec) -> dict[str, Any]:
     }
     if pool.host_network:
         pod_spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
-    meta = {"labels": labels(name, "expert-host"),
+    meta = {"labels": labels(name, "expert-host", kind),
             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(pool.metrics_port)}}
     return {"metadata": meta, "spec": pod_spec}
 
@@ -142,26 +162,32 @@ def template_hash(template: dict) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def stateful_set(policy: dict, spec: PolicySpec, replicas: int) -> dict[str, Any]:
-    kind, name = names(policy["metadata"]["name"])["hosts"]
-    template = pod_template(policy, spec)
-    meta = _meta(policy, name, "expert-host")
+def host_selector(owner_name: str, kind: str = KIND) -> dict[str, str]:
+    """The labels of a policy's (or a pool's) expert-host pods."""
+    return {OWNER_LABELS[kind]: owner_name, "app.kubernetes.io/component": "expert-host"}
+
+
+def stateful_set(owner: dict, spec: PolicySpec | PoolSpec, replicas: int, members: Sequence[Member] = ()) -> dict[str, Any]:
+    owner_kind = owner.get("kind", KIND)
+    kind, name = names(owner["metadata"]["name"], owner_kind)["hosts"]
+    template = pod_template(owner, spec, members)
+    meta = _meta(owner, name, "expert-host")
     meta["annotations"] = {TEMPLATE_HASH: template_hash(template)}
     return {
         "apiVersion": "apps/v1", "kind": kind, "metadata": meta,
         "spec": {"replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",
-                 "selector": {"matchLabels": {POLICY_LABEL: policy["metadata"]["name"],
-                                              "app.kubernetes.io/component": "expert-host"}},
+                 "selector": {"matchLabels": host_selector(owner["metadata"]["name"], owner_kind)},
                  "template": template},
     }
 
 
-def service(policy: dict, spec: PolicySpec) -> dict[str, Any]:
-    kind, name = names(policy["metadata"]["name"])["service"]
+def service(owner: dict, spec: PolicySpec | PoolSpec) -> dict[str, Any]:
+    owner_kind = owner.get("kind", KIND)
+    kind, name = names(owner["metadata"]["name"], owner_kind)["service"]
+    assert spec.hosts is not None
     return {
-        "apiVersion": "v1", "kind": kind, "metadata": _meta(policy, name, "expert-host"),
-        "spec": {"clusterIP": "None",
-                 "selector": {POLICY_LABEL: policy["metadata"]["name"], "app.kubernetes.io/component": "expert-host"},
+        "apiVersion": "v1", "kind": kind, "metadata": _meta(owner, name, "expert-host"),
+        "spec": {"clusterIP": "None", "selector": host_selector(owner["metadata"]["name"], owner_kind),
                  "ports": [{"name": "grpc", "port": spec.hosts.grpc_port},
                            {"name": "metrics", "port": spec.hosts.metrics_port}]},
     }

@@ -1,4 +1,4 @@
-"""The operator's reconcile: (policy, observed objects, meters, clock) -> actions. Pure.
+"""The operator's reconcile of one policy: (policy, observed objects, meters, clock) -> actions. Pure.
 
 Level-triggered: every call compares what the policy wants with what exists, whatever happened
 before, so a missed watch event, an operator restart or an API-server restart loses nothing. What
@@ -9,251 +9,162 @@ Steps of reconcile():
 1. Policy gone: delete what it owned (the garbage collector would too; this also covers a
    cluster without one).
 2. Spec invalid: report it (status Degraded/InvalidSpec and an Event); touch nothing else.
+   A policy on an ExpertPool (spec.pool) goes on in on_pool() below.
 3. Meters: add each host's new GB·s, cold starts and tokens to the totals; tokens or the wake
    annotation mark the pool active.
 4. Scale: decide the pool's size (scaling.decide_hosts); create or scale the StatefulSet.
 5. Owned objects: create what is missing, update what differs; an object with our name that the
    policy does not own is never touched (Degraded/NameConflict).
 6. Status.
+
+on_pool(): the pool's reconcile (pool_reconcile.py) sizes the hosts and meters every model; the
+policy owns its serving and placement ConfigMaps, and its status shows the pool's hosts and its
+own model's replicas, cold starts and GB·s (copied from the pool's status, so that the models'
+add up to the pool's), or why the pool did not admit it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Mapping, Sequence
-
 from moeless.controller.operator import objects as obj
-from moeless.controller.operator.meters import HostMeters, increase, layer_cv_percentiles, resident
-from moeless.controller.operator.scaling import Pending, decide_hosts
+from moeless.controller.operator.actions import (Action, Delete, Observed, UpdateStatus, conflicts, degraded,
+                                                 delete_owned, hosts_readiness, invalid, meter_increases, pod_ready,
+                                                 rfc3339, scale_hosts, scale_status, seconds, set_conditions,
+                                                 sync_objects, woken)
+from moeless.controller.operator.meters import layer_cv_percentiles, resident
+from moeless.controller.operator.pool_spec import admit, member_of, parse_pool_spec
 from moeless.controller.operator.spec import GIB, PolicySpec, SpecError, parse_spec
-
-
-# -- actions ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Create:
-    obj: dict
-
-
-@dataclass(frozen=True)
-class Update:
-    """Set top-level fields (e.g. spec.template and annotations, or data) of an existing object."""
-
-    kind: str
-    name: str
-    fields: dict
-
-
-@dataclass(frozen=True)
-class Scale:
-    """Resize the StatefulSet through its scale subresource."""
-
-    name: str
-    replicas: int
-
-
-@dataclass(frozen=True)
-class Delete:
-    kind: str
-    name: str
-
-
-@dataclass(frozen=True)
-class UpdateStatus:
-    status: dict
-
-
-@dataclass(frozen=True)
-class Emit:
-    """An Event on the policy."""
-
-    type: str  # Normal or Warning
-    reason: str
-    message: str
-
-
-Action = Create | Update | Scale | Delete | UpdateStatus | Emit
-
-
-@dataclass(frozen=True)
-class Observed:
-    """What the shell read for one policy.
-
-    objects: (kind, name) -> object, for the names in objects.names() and any object labelled with
-    the policy; pods: the host pods; meters: pod name -> reading, for pods whose /metrics answered;
-    serving_ready: ready replicas of spec.nonExpert.deployment (None: not set or not found).
-    """
-
-    objects: Mapping[tuple[str, str], dict] = field(default_factory=dict)
-    pods: Sequence[dict] = ()
-    meters: Mapping[str, HostMeters] = field(default_factory=dict)
-    serving_ready: int | None = None
-
-
-def rfc3339(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def seconds(text: str | None) -> float | None:
-    if not text:
-        return None
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
-
-
-def pod_ready(pod: dict) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or ()
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def reconcile(policy_name: str, policy: dict | None, observed: Observed, now: float) -> list[Action]:
     """Actions that bring the cluster to what the policy wants (see the module docstring)."""
     # 1. Policy gone (or going): delete what it owned by name.
     if policy is None or policy["metadata"].get("deletionTimestamp"):
-        return [Delete(kind, name) for (kind, name), o in sorted(observed.objects.items())
-                if obj.owned_by(o, policy_name, None)]
-    uid, status = policy["metadata"]["uid"], dict(policy.get("status") or {})
+        return delete_owned(policy_name, observed)
+    old, status = policy.get("status") or {}, dict(policy.get("status") or {})
     generation = policy["metadata"].get("generation")
     # 2. Invalid spec: say so, change nothing.
     try:
         spec = parse_spec(policy.get("spec"))
     except SpecError as err:
-        return _invalid(status, generation, str(err), now)
-    actions: list[Action] = []
+        return invalid(status, generation, str(err), now)
+    if spec.pool is not None:
+        return on_pool(policy_name, policy, spec, observed, now)
     # 3. Meters.
-    status, active = _meter(spec, policy, status, observed, now)
+    added, readings = meter_increases(status.get("meters") or {}, observed.pods, observed.meters)
+    cost = _cost(status)
+    cost["expertGBSeconds"] += added.get("gbSeconds", 0.0)
+    _bill_non_expert(spec, status, cost, observed, now)
+    inflight = sum(m.inflight for m in observed.meters.values())
+    active = added.get("tokens", 0) + inflight > 0 or woken(policy, status)
+    if woken(policy, status):
+        status["wokenBy"] = (policy["metadata"].get("annotations") or {})[obj.WAKE_ANNOTATION]
+    status.update(meters=readings, cost=_rounded(cost), coldStarts=int(status.get("coldStarts") or 0) +
+                  int(added.get("coldStarts", 0)), meterTime=rfc3339(now))
     # 4. Scale.
-    roles = obj.names(policy_name)
-    sts = observed.objects.get(roles["hosts"])
-    conflicts = [f"{kind} {name}" for kind, name in roles.values()
-                 if (kind, name) in observed.objects and not obj.owned_by(observed.objects[(kind, name)], policy_name, uid)]
-    current = None if sts is None else int(sts["spec"].get("replicas") or 0)
-    last_active = seconds(status.get("lastActiveTime")) or now
-    if active:
-        last_active = now
-    pending = status.get("pendingScale")
-    pending = Pending(pending["hosts"], seconds(pending["since"])) if pending else None
-    held = sum(m.bytes_held for m in observed.meters.values())
-    decision = decide_hosts(spec, current, held, now - last_active, pending, now)
+    conflicted = conflicts(policy, observed)
+    actions, decision, last_active = scale_hosts(spec, policy, status, observed, active, now, conflicted)
     # 5. Owned objects (the StatefulSet is created at its decided size, then only scaled).
-    resident_set: dict[str, list[list[int]]] = {}
-    for pod, r in resident(observed.meters):
-        resident_set.setdefault(pod, []).append([r.layer, r.expert])
+    resident_set = _resident_set(observed)
+    roles = obj.names(policy_name)
     desired = {
         roles["hosts"]: obj.stateful_set(policy, spec, decision.hosts),
         roles["service"]: obj.service(policy, spec),
         roles["serving"]: obj.serving_config_map(policy, spec),
         roles["placement"]: obj.placement_config_map(policy, resident_set),
     }
-    plan_changed = False
-    for key, want in desired.items():
-        have = observed.objects.get(key)
-        if f"{key[0]} {key[1]}" in conflicts:
-            continue
-        if have is None:
-            actions.append(Create(want))
-            plan_changed |= key == roles["placement"]
-        elif key[0] == "StatefulSet":
-            want_hash = want["metadata"]["annotations"][obj.TEMPLATE_HASH]
-            if (have["metadata"].get("annotations") or {}).get(obj.TEMPLATE_HASH) != want_hash:
-                annotations = {**(have["metadata"].get("annotations") or {}), obj.TEMPLATE_HASH: want_hash}
-                actions.append(Update(*key, {"metadata": {"annotations": annotations},
-                                             "spec": {"template": want["spec"]["template"]}}))
-        elif key[0] == "ConfigMap" and have.get("data") != want["data"]:
-            actions.append(Update(*key, {"data": want["data"]}))
-            plan_changed |= key == roles["placement"]
-    if sts is not None and "StatefulSet " + roles["hosts"][1] not in conflicts and decision.hosts != current:
-        actions.append(Scale(roles["hosts"][1], decision.hosts))
-    if decision.reason not in ("Steady", "Waiting"):
-        actions.append(Emit("Normal", decision.reason, f"expert hosts {current or 0} -> {decision.hosts}"))
+    synced, changed = sync_objects(desired, observed, conflicted)
+    actions = synced + actions
     # 6. Status.
     ready = sum(pod_ready(p) for p in observed.pods)
-    cv = layer_cv_percentiles(observed.meters)
-    status.update(
-        observedGeneration=generation, hostsReady=ready, hostsDesired=decision.hosts,
-        replicas=sum(len(v) for v in resident_set.values()), lastActiveTime=rfc3339(last_active),
-    )
-    applied = (policy["metadata"].get("annotations") or {}).get(obj.SERVING_GENERATION_ANNOTATION, "")
-    if applied.isdigit():  # what the serving pods' loop runs (controller/planning/knob_sources.py)
-        status["servingGeneration"] = int(applied)
-    status.pop("pendingScale", None)
-    if decision.pending:
-        status["pendingScale"] = {"hosts": decision.pending.hosts, "since": rfc3339(decision.pending.since)}
-    if cv is not None:
-        status["layerCV"] = {"p50": round(cv[0], 4), "p95": round(cv[1], 4)}
-    if plan_changed:
-        status["lastPlanTime"] = rfc3339(now)
-    unread = [p["metadata"]["name"] for p in observed.pods if pod_ready(p) and p["metadata"]["name"] not in observed.meters]
-    if conflicts:
-        degraded = ("True", "NameConflict", f"not owned by this policy, left alone: {', '.join(conflicts)}")
-    elif unread:
-        degraded = ("True", "MetersUnavailable", f"cannot read /metrics of {', '.join(sorted(unread))}")
-    else:
-        degraded = ("False", "AsExpected", "")
-    if decision.hosts == 0:
-        readiness = ("True", "ScaledToZero", "no expert host: the next token or the wake annotation starts them")
-    elif ready >= decision.hosts:
-        readiness = ("True", "HostsReady", f"{ready} of {decision.hosts} expert hosts ready")
-    else:
-        readiness = ("False", "HostsStarting", f"{ready} of {decision.hosts} expert hosts ready")
-    old_degraded = _condition(status, "Degraded")
-    status["conditions"] = [_transition(status, "Ready", *readiness, now), _transition(status, "Degraded", *degraded, now)]
-    if conflicts and (old_degraded or {}).get("reason") != "NameConflict":
-        actions.append(Emit("Warning", "NameConflict", degraded[2]))
-    if status != (policy.get("status") or {}):
+    status.update(observedGeneration=generation, hostsReady=ready,
+                  replicas=sum(len(v) for v in resident_set.values()))
+    scale_status(status, decision, last_active)
+    _serving_status(policy, status, observed, changed, roles, None, now)
+    readiness = hosts_readiness(decision.hosts, ready, "the next token or the wake annotation starts them")
+    actions += set_conditions(status, readiness, degraded(conflicted, observed), now, old)
+    if status != old:
         actions.append(UpdateStatus(status))
     return actions
 
 
-def _meter(spec: PolicySpec, policy: dict, status: dict, observed: Observed, now: float) -> tuple[dict, bool]:
-    """Add the hosts' new readings to the totals; active: a host computed a token, or the policy was woken."""
-    last = status.get("meters") or {}
-    uids = {p["metadata"]["name"]: p["metadata"].get("uid", "") for p in observed.pods}
-    cost = dict(status.get("cost") or {"expertGBSeconds": 0.0, "nonExpertGBSeconds": 0.0})
-    cold, new_tokens, readings = int(status.get("coldStarts") or 0), 0, {}
-    for pod, m in sorted(observed.meters.items()):
-        uid, before = uids.get(pod, ""), last.get(pod)
-        cost["expertGBSeconds"] += increase(m.gb_seconds, before, "gbSeconds", uid)
-        cold += int(increase(m.cold_starts, before, "coldStarts", uid))
-        new_tokens += int(increase(m.tokens, before, "tokens", uid)) + m.inflight
-        readings[pod] = {"uid": uid, "gbSeconds": m.gb_seconds, "coldStarts": m.cold_starts, "tokens": m.tokens}
-    # Non-expert weights: the serving app's ready replicas since the last pass.
+def on_pool(policy_name: str, policy: dict, spec: PolicySpec, observed: Observed, now: float) -> list[Action]:
+    """A policy whose model is served on ExpertPool spec.pool (the module docstring)."""
+    old, status = policy.get("status") or {}, dict(policy.get("status") or {})
+    generation = policy["metadata"].get("generation")
+    pool = observed.pool
+    if pool is None or pool["metadata"].get("deletionTimestamp"):
+        return invalid(status, generation, f"spec.pool: no ExpertPool {spec.pool} in this namespace; create it "
+                       f"(kubectl get expertpools) or name another", now, reason="PoolNotFound")
+    try:
+        members = admit(spec.pool, parse_pool_spec(pool.get("spec")), observed.policies)
+    except SpecError as err:
+        return invalid(status, generation, f"spec.pool: ExpertPool {spec.pool} is invalid ({err})", now,
+                       reason="PoolInvalid")
+    me = member_of(policy_name, members)
+    if me is None or not me.admitted:
+        message = me.message if me else f"spec.pool: ExpertPool {spec.pool} has not listed this policy yet"
+        return invalid(status, generation, message, now, reason="NotAdmitted")
+    # Owned objects: its knobs and its resident set; hosts of its own (from before it joined the pool) go.
+    conflicted = conflicts(policy, observed)
+    roles = obj.names(policy_name)
+    resident_set = _resident_set(observed, me.model)
+    desired = {roles["serving"]: obj.serving_config_map(policy, spec),
+               roles["placement"]: obj.placement_config_map(policy, resident_set)}
+    actions, changed = sync_objects(desired, observed, conflicted)
+    for role in ("hosts", "service"):
+        if roles[role] in observed.objects and f"{roles[role][0]} {roles[role][1]}" not in conflicted:
+            actions.append(Delete(*roles[role]))
+    # Status: the pool's hosts, this model's share of its meters.
+    pool_status = pool.get("status") or {}
+    row = next((m for m in pool_status.get("models") or () if m.get("policy") == policy_name), {})
+    cost = _cost(status)
+    cost["expertGBSeconds"] = float(row.get("expertGBSeconds") or 0.0)
+    _bill_non_expert(spec, status, cost, observed, now)
+    status.pop("meters", None)
+    status.update(observedGeneration=generation, cost=_rounded(cost), meterTime=rfc3339(now),
+                  coldStarts=int(row.get("coldStarts") or 0), hostsReady=int(pool_status.get("hostsReady") or 0),
+                  hostsDesired=int(pool_status.get("hostsDesired") or 0),
+                  replicas=sum(len(v) for v in resident_set.values()))
+    _serving_status(policy, status, observed, changed, roles, me.model, now)
+    readiness = hosts_readiness(status["hostsDesired"], status["hostsReady"],
+                                f"ExpertPool {spec.pool} is scaled to zero; the next request wakes it")
+    actions += set_conditions(status, readiness, degraded(conflicted, observed), now, old)
+    if status != old:
+        actions.append(UpdateStatus(status))
+    return actions
+
+
+def _resident_set(observed: Observed, model: str | None = None) -> dict[str, list[list[int]]]:
+    out: dict[str, list[list[int]]] = {}
+    for pod, r in resident(observed.meters, model):
+        out.setdefault(pod, []).append([r.layer, r.expert])
+    return out
+
+
+def _cost(status: dict) -> dict[str, float]:
+    return dict(status.get("cost") or {"expertGBSeconds": 0.0, "nonExpertGBSeconds": 0.0})
+
+
+def _rounded(cost: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 9) for k, v in cost.items()}
+
+
+def _bill_non_expert(spec: PolicySpec, status: dict, cost: dict[str, float], observed: Observed, now: float) -> None:
+    """Non-expert weights: the serving app's ready replicas since the last pass."""
     metered_at = seconds(status.get("meterTime"))
     if metered_at is not None and observed.serving_ready and spec.non_expert_gib_per_replica:
-        cost["nonExpertGBSeconds"] += observed.serving_ready * spec.non_expert_gib_per_replica * GIB / 1e9 * (now - metered_at)
-    cost = {k: round(v, 9) for k, v in cost.items()}
-    wake = (policy["metadata"].get("annotations") or {}).get(obj.WAKE_ANNOTATION)
-    woken = bool(wake) and wake != status.get("wokenBy")
-    # Pods gone since the last reading are forgotten (their last interval is not billed); pods not read
-    # this pass keep their last reading, so nothing is counted twice when they answer again.
-    status.update(meters={**{p: v for p, v in last.items() if p in uids and p not in readings}, **readings},
-                  cost=cost, coldStarts=cold, meterTime=rfc3339(now))
-    if woken:
-        status["wokenBy"] = wake
-    return status, new_tokens > 0 or woken
+        cost["nonExpertGBSeconds"] = cost.get("nonExpertGBSeconds", 0.0) + \
+            observed.serving_ready * spec.non_expert_gib_per_replica * GIB / 1e9 * (now - metered_at)
 
 
-def _condition(status: dict, kind: str) -> dict | None:
-    return next((c for c in status.get("conditions") or () if c.get("type") == kind), None)
-
-
-def _transition(status: dict, kind: str, value: str, reason: str, message: str, now: float) -> dict[str, Any]:
-    old = _condition(status, kind)
-    since = old["lastTransitionTime"] if old and old.get("status") == value else rfc3339(now)
-    condition = {"type": kind, "status": value, "reason": reason, "lastTransitionTime": since}
-    if message:  # the client sends an empty string as null, which the schema refuses
-        condition["message"] = message
-    return condition
-
-
-def _invalid(status: dict, generation: Any, message: str, now: float) -> list[Action]:
-    old = _condition(status, "Degraded")
-    new = dict(status, observedGeneration=generation, conditions=[
-        _transition(status, "Ready", "False", "InvalidSpec", message, now),
-        _transition(status, "Degraded", "True", "InvalidSpec", message, now),
-    ])
-    actions: list[Action] = []
-    if not old or old.get("message") != message:
-        actions.append(Emit("Warning", "InvalidSpec", message))
-    if new != status:
-        actions.append(UpdateStatus(new))
-    return actions
+def _serving_status(policy: dict, status: dict, observed: Observed, changed: set, roles: dict, model: str | None,
+                    now: float) -> None:
+    """What the serving pods run (their annotation), the layers' balance, when the resident set changed."""
+    applied = (policy["metadata"].get("annotations") or {}).get(obj.SERVING_GENERATION_ANNOTATION, "")
+    if applied.isdigit():  # what the serving pods' loop runs (controller/planning/knob_sources.py)
+        status["servingGeneration"] = int(applied)
+    cv = layer_cv_percentiles(observed.meters, model)
+    if cv is not None:
+        status["layerCV"] = {"p50": round(cv[0], 4), "p95": round(cv[1], 4)}
+    if roles["placement"] in changed:
+        status["lastPlanTime"] = rfc3339(now)

@@ -15,8 +15,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
-from moeless.controller.operator.spec import PolicySpec
+from moeless.controller.operator.spec import GIB, HostPool, Scaling
+
+
+class Sized(Protocol):
+    """What sizes a pool: a policy with its own hosts (spec.PolicySpec) or an ExpertPool (pool_spec.PoolSpec)."""
+
+    @property
+    def hosts(self) -> HostPool | None: ...
+
+    @property
+    def scaling(self) -> Scaling: ...
+
+    @property
+    def scale_in_delay_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -35,26 +49,28 @@ class ScaleDecision:
     reason: str  # Steady, Waiting, Created, Woke, ScaledOut, ScaledIn, ScaledToZero
 
 
-def needed_hosts(spec: PolicySpec, held_bytes: float) -> int:
+def needed_hosts(hosts: HostPool, held_bytes: float) -> int:
     """Hosts for held_bytes of resident replicas at the target utilisation, within the pool's bounds."""
-    per_host = spec.host_capacity_bytes * spec.hosts.target_memory_utilization
+    per_host = hosts.memory_gib_per_host * GIB * hosts.target_memory_utilization
     need = math.ceil(held_bytes / per_host) if held_bytes > 0 else 0
-    return min(spec.hosts.max_hosts, max(need, spec.hosts.min_hosts, 1))
+    return min(hosts.max_hosts, max(need, hosts.min_hosts, 1))
 
 
-def decide_hosts(spec: PolicySpec, current: int | None, held_bytes: float, idle_s: float,
+def decide_hosts(spec: Sized, current: int | None, held_bytes: float, idle_s: float,
                  pending: Pending | None, now: float) -> ScaleDecision:
     """current: the pool's size (None: not created yet); idle_s: seconds since the last token."""
+    hosts, scaling = spec.hosts, spec.scaling
+    assert hosts is not None, "a policy on an ExpertPool is sized by its pool"
     # 1. Idle long enough: scale to zero.
-    if spec.scale_to_zero and idle_s >= spec.scale_to_zero_delay_s:
+    if scaling.scale_to_zero and idle_s >= scaling.scale_to_zero_delay_s:
         if current == 0:
             return ScaleDecision(0, 0, None, "Steady")
         return ScaleDecision(0, 0, None, "ScaledToZero" if current is not None else "Created")
     # 2. In use: what the resident replicas need.
-    wanted = needed_hosts(spec, held_bytes)
+    wanted = needed_hosts(hosts, held_bytes)
     # 3. From nothing: now, pre-warmed.
     if not current:
-        wanted = min(spec.hosts.max_hosts, max(wanted, spec.prewarm_hosts))
+        wanted = min(hosts.max_hosts, max(wanted, scaling.prewarm_hosts))
         return ScaleDecision(wanted, wanted, None, "Created" if current is None else "Woke")
     if wanted == current:
         return ScaleDecision(current, wanted, None, "Steady")
@@ -64,7 +80,7 @@ def decide_hosts(spec: PolicySpec, current: int | None, held_bytes: float, idle_
         pending = Pending(wanted, now)
     else:
         pending = Pending(wanted, pending.since)
-    delay = spec.upscale_delay_s if up else spec.scale_in_delay_s
+    delay = scaling.upscale_delay_s if up else spec.scale_in_delay_s
     if now - pending.since >= delay:
         return ScaleDecision(wanted, wanted, None, "ScaledOut" if up else "ScaledIn")
     return ScaleDecision(current, wanted, pending, "Waiting")

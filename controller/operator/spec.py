@@ -38,29 +38,54 @@ class HostPool:
 
 
 @dataclass(frozen=True)
-class PolicySpec:
-    """Everything the reconcile needs from spec, with defaults filled in."""
+class Scaling:
+    """How a pool of hosts grows and shrinks (scaling.decide_hosts): a policy's own pool or an ExpertPool."""
 
-    store: str
-    hosts: HostPool
-    knobs: Knobs
-    pvc: str | None = None
-    host_path: str | None = None
     prewarm_hosts: int = 0
     scale_to_zero: bool = False
     scale_to_zero_delay_s: float = 300.0
     upscale_delay_s: float = 30.0
-    downscale_delay_s: float | None = None  # None: knobs.keep_alive_s
+    downscale_delay_s: float | None = None  # None: the keep-alive
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Everything the reconcile needs from spec, with defaults filled in.
+
+    A policy has its own pool (hosts set) or joins an ExpertPool (pool set, hosts None): then its
+    model is served on the pool's hosts by model_name, with guaranteed_gib of each host's memory
+    kept for it while it is active (expert_fn/shares.py).
+    """
+
+    store: str
+    hosts: HostPool | None
+    knobs: Knobs
+    pvc: str | None = None
+    host_path: str | None = None
+    scaling: Scaling = Scaling()
     non_expert_deployment: str | None = None
     non_expert_gib_per_replica: float = 0.0
+    pool: str | None = None
+    model_name: str | None = None
+    guaranteed_gib: float = 0.0
+
+    @property
+    def keep_alive_s(self) -> float:
+        return self.knobs.keep_alive_s
 
     @property
     def scale_in_delay_s(self) -> float:
-        return self.knobs.keep_alive_s if self.downscale_delay_s is None else self.downscale_delay_s
+        delay = self.scaling.downscale_delay_s
+        return self.keep_alive_s if delay is None else delay
 
     @property
     def host_capacity_bytes(self) -> int:
+        assert self.hosts is not None, "a policy on an ExpertPool has no hosts of its own"
         return int(self.hosts.memory_gib_per_host * GIB)
+
+    def served_as(self, policy_name: str) -> str:
+        """The name the pool's hosts serve this model by (spec.model.name, default the policy's name)."""
+        return self.model_name or policy_name
 
 
 _POOL_KEYS = {
@@ -88,17 +113,8 @@ def _block(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return block
 
 
-def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
-    """spec (the object's .spec) -> PolicySpec; raises SpecError naming the first bad field."""
-    if not isinstance(spec, Mapping):
-        raise SpecError("spec: missing; a policy needs spec.model and spec.hosts")
-    # 1. Model: where the weight store is.
-    model = _block(spec, "model")
-    if not isinstance(model.get("store"), str) or not model["store"]:
-        raise SpecError("spec.model.store: required, the weight store's path inside the host pods")
-    if model.get("persistentVolumeClaim") and model.get("hostPath"):
-        raise SpecError("spec.model: set persistentVolumeClaim or hostPath, not both")
-    # 2. Host pool.
+def parse_hosts(spec: Mapping[str, Any]) -> HostPool:
+    """spec.hosts -> HostPool; SpecError names the first bad field."""
     raw_pool = _block(spec, "hosts")
     unknown = sorted(set(raw_pool) - set(_POOL_KEYS))
     if unknown:
@@ -112,26 +128,76 @@ def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
         raise SpecError(f"spec.hosts.pollMicroseconds: {pool.poll_microseconds:g} is outside 0..100000")
     if pool.min_hosts > pool.max_hosts:
         raise SpecError(f"spec.hosts.minHosts: {pool.min_hosts} exceeds maxHosts {pool.max_hosts}")
-    # 3. Serving knobs: exactly a `moeless serve --config` file.
-    try:
-        knobs = Knobs.from_mapping(_block(spec, "serving"), where="spec.serving")
-    except KnobError as err:
-        raise SpecError(str(err)) from None
-    # 4. Scaling behaviour and billing.
-    prewarm, to_zero, non_expert = _block(spec, "prewarm"), _block(spec, "scaleToZero"), _block(spec, "nonExpert")
+    return pool
+
+
+SCALING_KEYS = ("prewarm", "scaleToZero", "upscaleDelaySeconds", "downscaleDelaySeconds")
+
+
+def parse_scaling(spec: Mapping[str, Any], max_hosts: int) -> Scaling:
+    """spec.prewarm, scaleToZero, upscaleDelaySeconds, downscaleDelaySeconds -> Scaling."""
+    prewarm, to_zero = _block(spec, "prewarm"), _block(spec, "scaleToZero")
     prewarm_hosts = _typed(prewarm.get("hosts", 0), int, "spec.prewarm.hosts")
-    if prewarm_hosts > pool.max_hosts:
-        raise SpecError(f"spec.prewarm.hosts: {prewarm_hosts} exceeds hosts.maxHosts {pool.max_hosts}")
+    if prewarm_hosts > max_hosts:
+        raise SpecError(f"spec.prewarm.hosts: {prewarm_hosts} exceeds hosts.maxHosts {max_hosts}")
     downscale = spec.get("downscaleDelaySeconds")
-    return PolicySpec(
-        store=model["store"], hosts=pool, knobs=knobs,
-        pvc=model.get("persistentVolumeClaim") or None, host_path=model.get("hostPath") or None,
+    return Scaling(
         prewarm_hosts=prewarm_hosts,
         scale_to_zero=_typed(to_zero.get("enabled", False), bool, "spec.scaleToZero.enabled"),
         scale_to_zero_delay_s=_typed(to_zero.get("delaySeconds", 300.0), float, "spec.scaleToZero.delaySeconds"),
         upscale_delay_s=_typed(spec.get("upscaleDelaySeconds", 30.0), float, "spec.upscaleDelaySeconds"),
         downscale_delay_s=None if downscale is None else _typed(downscale, float, "spec.downscaleDelaySeconds"),
+    )
+
+
+def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
+    """spec (the object's .spec) -> PolicySpec; raises SpecError naming the first bad field."""
+    if not isinstance(spec, Mapping):
+        raise SpecError("spec: missing; a policy needs spec.model and spec.hosts (or spec.pool)")
+    # 1. Model: where the weight store is.
+    model = _block(spec, "model")
+    if not isinstance(model.get("store"), str) or not model["store"]:
+        raise SpecError("spec.model.store: required, the weight store's path inside the host pods")
+    if model.get("persistentVolumeClaim") and model.get("hostPath"):
+        raise SpecError("spec.model: set persistentVolumeClaim or hostPath, not both")
+    # 2. Hosts: its own pool, or a share of an ExpertPool's.
+    pool_name = spec.get("pool") or None
+    if pool_name is not None:
+        if not isinstance(pool_name, str):
+            raise SpecError(f"spec.pool: expected the name of an ExpertPool, got {pool_name!r}")
+        for key in ("hosts", *SCALING_KEYS):
+            if key in spec:
+                raise SpecError(f"spec.{key}: a policy on an ExpertPool (spec.pool: {pool_name}) takes its hosts and "
+                                f"their scaling from the pool; set it on ExpertPool {pool_name}")
+        for key in ("persistentVolumeClaim", "hostPath"):
+            if model.get(key):
+                raise SpecError(f"spec.model.{key}: on an ExpertPool the pool's spec.storage holds every model's store")
+        hosts, scaling = None, Scaling()
+    else:
+        for key in ("name", "guaranteedGiB"):
+            if key in model:
+                raise SpecError(f"spec.model.{key}: only for a policy on an ExpertPool (spec.pool)")
+        hosts = parse_hosts(spec)
+        scaling = parse_scaling(spec, hosts.max_hosts)
+    name = model.get("name") or None
+    if name is not None and (not isinstance(name, str) or "=" in name or "," in name):
+        raise SpecError(f"spec.model.name: {name!r} is not a model name (no '=' or ',')")
+    guaranteed = _typed(model.get("guaranteedGiB", 0.0), float, "spec.model.guaranteedGiB")
+    if guaranteed < 0:
+        raise SpecError(f"spec.model.guaranteedGiB: {guaranteed:g} is negative")
+    # 3. Serving knobs: exactly a `moeless serve --config` file.
+    try:
+        knobs = Knobs.from_mapping(_block(spec, "serving"), where="spec.serving")
+    except KnobError as err:
+        raise SpecError(str(err)) from None
+    # 4. Billing.
+    non_expert = _block(spec, "nonExpert")
+    return PolicySpec(
+        store=model["store"], hosts=hosts, knobs=knobs,
+        pvc=model.get("persistentVolumeClaim") or None, host_path=model.get("hostPath") or None,
+        scaling=scaling,
         non_expert_deployment=non_expert.get("deployment") or None,
         non_expert_gib_per_replica=_typed(non_expert.get("memoryGiBPerReplica", 0.0), float,
                                           "spec.nonExpert.memoryGiBPerReplica"),
+        pool=pool_name, model_name=name, guaranteed_gib=guaranteed,
     )

@@ -4,8 +4,10 @@
 placement's GPU count) and `source.members()` the members now (controller/pool/members.py applies them):
 
     host:port[,host:port...] | dns:///NAME:PORT     a fixed list (controller/pool/addresses.py)
-    k8s://NAMESPACE/POLICY:PORT?slots=N[&hostNetwork=true]
-                                                    the pods of the policy's StatefulSet (below)
+    k8s://NAMESPACE/POLICY:PORT?slots=N[&hostNetwork=true][&pool=POOL[&model=NAME]]
+                                                    the pods of the policy's StatefulSet (below), or
+                                                    of ExpertPool POOL's, which serve the policy's
+                                                    model by NAME (default: the policy's name)
     file://PATH                                     a JSON file a local supervisor rewrites
 
 On Kubernetes the source of truth is the **pods of the operator's StatefulSet, read from the API
@@ -97,11 +99,14 @@ class KubePodSource:
     slots: int
     host_network: bool = False  # on the node's network host i listens on port + i
     kubeconfig: str | None = None
+    pool: str | None = None  # the ExpertPool whose hosts serve the policy's model (None: the policy's own)
+    model: str | None = None  # the name the pool's hosts serve the model by (None: their only one)
 
     def members(self) -> list[Member]:
         from kubernetes import client
 
-        selector = f"moeless.io/policy={self.policy},app.kubernetes.io/component=expert-host"
+        owner = f"moeless.io/pool={self.pool}" if self.pool else f"moeless.io/policy={self.policy}"
+        selector = f"{owner},app.kubernetes.io/component=expert-host"
         reply = client.CoreV1Api(_api_client(self.kubeconfig)).list_namespaced_pod(
             self.namespace, label_selector=selector, _preload_content=False, _request_timeout=5)
         return [m for m in (pod_member(p, self.port, self.host_network) for p in json.loads(reply.data)["items"]) if m]
@@ -156,10 +161,14 @@ def pool_source(value: str) -> PoolSource:
     policy, _, port = rest.rpartition(":")
     query = {k: v[-1] for k, v in parse_qs(url.query).items()}
     if not (namespace and policy and port.isdigit() and query.get("slots", "").isdigit() and int(query["slots"]) > 0):
-        raise KnobError(f"{HOSTS_ENV}: {value!r} is not {K8S}NAMESPACE/POLICY:PORT?slots=N[&hostNetwork=true] "
-                        "(N: the policy's hosts.maxHosts)")
+        raise KnobError(f"{HOSTS_ENV}: {value!r} is not {K8S}NAMESPACE/POLICY:PORT?slots=N[&hostNetwork=true]"
+                        "[&pool=POOL[&model=NAME]] (N: the pool's hosts.maxHosts)")
+    if query.get("model") and not query.get("pool"):
+        raise KnobError(f"{HOSTS_ENV}: {value!r} names a model without a pool (&pool=POOL&model=NAME)")
+    pool = query.get("pool") or None
     return KubePodSource(namespace, policy, int(port), int(query["slots"]),
-                         query.get("hostNetwork", "false").lower() in ("1", "true", "yes"))
+                         query.get("hostNetwork", "false").lower() in ("1", "true", "yes"),
+                         pool=pool, model=(query.get("model") or policy) if pool else None)
 
 
 class PoolFollower:

@@ -1,7 +1,8 @@
 """Waking an expert-host pool scaled to zero from the request that finds it empty.
 
-The operator scales a policy's pool to zero after its idle delay and starts it again when the
-policy's annotation `moeless.io/wake` takes a value other than its status.wokenBy
+The operator scales a policy's pool (or an ExpertPool, for every model on it) to zero after its
+idle delay and starts it again when the policy's (the pool's) annotation `moeless.io/wake` takes a
+value other than its status.wokenBy
 (controller/operator/reconcile.py). A layer call that finds no ready host in a pool followed on
 Kubernetes (controller/pool/sources.py KubePodSource) does not fail: the `Waker` sets that
 annotation to the wall-clock time and holds the call until the pool follower sees a ready host,
@@ -68,16 +69,22 @@ class WakeTarget(Protocol):
 
 @dataclass(frozen=True)
 class KubePolicy:
-    """The ExpertAutoscalingPolicy via the API server (needs get and patch on it; kubeconfig as
-    KubePodSource's)."""
+    """The ExpertAutoscalingPolicy (or, plural expertpools, the ExpertPool) via the API server (needs
+    get and patch on it; kubeconfig as KubePodSource's)."""
 
     namespace: str
     policy: str
     kubeconfig: str | None = None
+    plural: str = "expertautoscalingpolicies"
 
     @property
     def name(self) -> str:
         return f"{self.namespace}/{self.policy}"
+
+    @property
+    def selector(self) -> str:
+        """The label of its expert-host pods."""
+        return f"moeless.io/{'pool' if self.plural == 'expertpools' else 'policy'}={self.policy}"
 
     def _api(self):
         from kubernetes import client
@@ -86,13 +93,13 @@ class KubePolicy:
 
     def read(self) -> tuple[str | None, str | None]:
         doc = self._api().get_namespaced_custom_object("moeless.io", "v1alpha1", self.namespace,
-                                                       "expertautoscalingpolicies", self.policy, _request_timeout=5)
+                                                       self.plural, self.policy, _request_timeout=5)
         return ((doc["metadata"].get("annotations") or {}).get(WAKE_ANNOTATION),
                 (doc.get("status") or {}).get("wokenBy"))
 
     def write(self, value: str) -> None:
         self._api().patch_namespaced_custom_object(  # a dict body: a merge patch, only this annotation
-            "moeless.io", "v1alpha1", self.namespace, "expertautoscalingpolicies", self.policy,
+            "moeless.io", "v1alpha1", self.namespace, self.plural, self.policy,
             {"metadata": {"annotations": {WAKE_ANNOTATION: value}}}, _request_timeout=5)
 
 
@@ -136,7 +143,7 @@ class Waker:
                     f"the expert-host pool {self.target.name} did not wake within {self.timeout_s:g} s "
                     f"({TIMEOUT_ENV}); check that the operator runs (acting on the {WAKE_ANNOTATION} annotation, "
                     f"it copies it into the policy's status.wokenBy) and why the pods are not Ready (kubectl "
-                    f"describe pods -l moeless.io/policy={self.target.name.partition('/')[2]})"
+                    f"describe pods -l {getattr(self.target, 'selector', 'moeless.io/policy=' + self.target.name.partition('/')[2])})"
                     + (f"; last error: {self._error}" if self._error else ""))
             self._poke(starting())
             self.sleep(self.poll_s)
@@ -162,7 +169,7 @@ class Waker:
             except Exception as err:  # API server away, or no RBAC: retried next interval, named in the 503
                 self._error = f"{type(err).__name__}: {getattr(err, 'reason', None) or err}"
                 if getattr(err, "status", None) == 403:
-                    self._error += " (serving's service account needs get and patch on expertautoscalingpolicies)"
+                    self._error += f" (serving's service account needs get and patch on {getattr(self.target, 'plural', 'expertautoscalingpolicies')})"
                 log.warning("cannot wake the expert-host pool %s (%s)", self.target.name, self._error)
 
 
@@ -171,6 +178,8 @@ def waker_for(source) -> Waker | None:
     other sources (nothing to wake: an empty pool is a 503 at once)."""
     if not isinstance(source, KubePodSource):
         return None
+    if source.pool:  # a shared pool wakes for every model at once
+        return Waker(KubePolicy(source.namespace, source.pool, source.kubeconfig, "expertpools"), wake_timeout_s())
     return Waker(KubePolicy(source.namespace, source.policy, source.kubeconfig), wake_timeout_s())
 
 

@@ -235,3 +235,32 @@ def wait_for(check: Callable[[], object], timeout: float = 30.0, what: str = "co
             pass
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def service_account_kubeconfig(cluster: "ControlPlane", namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig at `path` with a service account's token (its RBAC as deployed)."""
+    from kubernetes import client, config
+
+    core = client.CoreV1Api(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
+
+    def token():
+        for secret in core.list_namespaced_secret(namespace).items:
+            if (secret.metadata.annotations or {}).get("kubernetes.io/service-account.name") == account:
+                import base64
+
+                return base64.b64decode(secret.data["token"]).decode()
+
+    path.write_text(kubeconfig(cluster.server, cluster.run_dir / "certs" / "apiserver.crt",
+                               wait_for(token, what=f"the {account} service-account token")))
+    return path
+
+
+def start_operator(kubeconfig_path: Path, identity: str, log_dir: Path, *extra: str,
+                   lease_namespace: str = "moeless-system") -> tuple[subprocess.Popen, int]:
+    """`moeless operator` as a process (resync 0.5 s, `extra` flags); returns it and its metrics port."""
+    port = free_port()
+    log = open(log_dir / f"{identity}.log", "ab")
+    args = [sys.executable, "-m", "moeless", "operator", "--kubeconfig", str(kubeconfig_path), "--resync-s", "0.5",
+            "--metrics-port", str(port), "--metrics-bind", "127.0.0.1", "--lease-namespace", lease_namespace,
+            "--identity", identity, "-v", *extra]
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), port

@@ -8,17 +8,34 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeless.controller.operator.spec import HostPool, PolicySpec, _POOL_KEYS
+from moeless.controller.operator.spec import HostPool, PolicySpec, Scaling, _POOL_KEYS
+from moeless.controller.operator.pool_spec import PoolSpec
 from moeless.controller.knobs import BY_KEY, PREDICTORS, KnobError, Knobs
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "manifests" / "crd.yaml"
-CHART_CRD = ROOT / "helm" / "moeless" / "crds" / "expertautoscalingpolicies.yaml"
+CHART_CRD = ROOT / "helm" / "moeless" / "crds" / "moeless.io.yaml"
 
 
-def schema() -> dict:
-    crd = yaml.safe_load(CRD.read_text())
+def schema(kind: str = "ExpertAutoscalingPolicy") -> dict:
+    crd = next(d for d in yaml.safe_load_all(CRD.read_text()) if d["spec"]["names"]["kind"] == kind)
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+
+
+def test_an_expert_pool_sizes_its_hosts_with_the_policy_s_own_blocks():
+    policy, pool = schema(), schema("ExpertPool")
+    for key in ("prewarm", "scaleToZero", "upscaleDelaySeconds"):
+        assert _no_descriptions(pool[key]) == _no_descriptions(policy[key]), key
+    assert _no_descriptions(pool["hosts"]) == _no_descriptions(policy["hosts"])
+    pool_defaults = {f.name: f.default for f in dataclasses.fields(PoolSpec) if f.default is not dataclasses.MISSING}
+    assert pool["keepAliveSeconds"]["default"] == pool_defaults["keep_alive_s"] == Knobs().keep_alive_s
+    assert pool["storage"]["properties"]["mountPath"]["default"] == pool_defaults["mount_path"]
+
+
+def _no_descriptions(node):
+    if isinstance(node, dict):
+        return {k: _no_descriptions(v) for k, v in node.items() if k != "description"}
+    return node
 
 
 def accepts(key: str, value) -> bool:
@@ -83,9 +100,12 @@ def test_crd_defaults_are_the_operators_defaults():
         else:
             assert "default" not in hosts[key] and key in props["hosts"]["required"]
     spec_defaults = {f.name: f.default for f in dataclasses.fields(PolicySpec)}
-    assert props["prewarm"]["properties"]["hosts"]["default"] == spec_defaults["prewarm_hosts"]
-    assert props["scaleToZero"]["properties"]["enabled"]["default"] == spec_defaults["scale_to_zero"]
-    assert props["scaleToZero"]["properties"]["delaySeconds"]["default"] == spec_defaults["scale_to_zero_delay_s"]
-    assert props["upscaleDelaySeconds"]["default"] == spec_defaults["upscale_delay_s"]
+    scaling = {f.name: f.default for f in dataclasses.fields(Scaling)}
+    assert props["prewarm"]["properties"]["hosts"]["default"] == scaling["prewarm_hosts"]
+    assert props["scaleToZero"]["properties"]["enabled"]["default"] == scaling["scale_to_zero"]
+    assert props["scaleToZero"]["properties"]["delaySeconds"]["default"] == scaling["scale_to_zero_delay_s"]
+    # Top-level scaling fields have no schema default: the API server would set them on a policy on an
+    # ExpertPool too, where they belong to the pool (spec.py refuses them there). The operator's default:
+    assert "default" not in props["upscaleDelaySeconds"] and scaling["upscale_delay_s"] == 30.0
     assert "default" not in props["downscaleDelaySeconds"]  # unset: keepAliveSeconds
     assert props["nonExpert"]["properties"]["memoryGiBPerReplica"]["default"] == spec_defaults["non_expert_gib_per_replica"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -31,10 +32,23 @@ def helm_run(helm, *args: str, kubeconfig=None, check: bool = True) -> subproces
     return result
 
 
-def render(helm, *sets: str) -> list[dict]:
-    args = [a for s in sets for a in ("--set", s)]
+def render(helm, *sets: str, values: Path | None = None) -> list[dict]:
+    args = [a for s in sets for a in ("--set", s)] + (["-f", str(values)] if values else [])
     out = helm_run(helm, "template", "t", str(CHART), "--namespace", NS, *args).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+POOL_VALUES = {"pool": {"enabled": True, "storage": {"hostPath": "/srv/models", "mountPath": "/models"},
+                        "models": [{"name": "smollm", "store": "/models/smollm", "guaranteedGiB": 1},
+                                   {"name": "mixtral-tiny", "store": "/models/mixtral-tiny", "model": "tiny:mixtral",
+                                    "serving": {"planner": "static"}}]}}
+
+
+@pytest.fixture
+def pool_values(tmp_path) -> Path:
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(POOL_VALUES))
+    return path
 
 
 def kinds(docs: list[dict]) -> list[str]:
@@ -52,7 +66,8 @@ def pod_specs(docs: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("sets", [(), ("serving.kuberay=true", "serviceMonitor.enabled=true"),
-                                  ("policy.model.hostPath=/srv/store", "policy.scaleToZero.enabled=true")])
+                                  ("policy.model.hostPath=/srv/store", "policy.scaleToZero.enabled=true"),
+                                  ("pool.enabled=true", "serviceMonitor.enabled=true")])
 def test_lint(helm, sets):
     args = [a for s in sets for a in ("--set", s)]
     result = helm_run(helm, "lint", "--strict", str(CHART), *args)
@@ -72,7 +87,7 @@ def test_template_default_is_a_deployment_and_a_gpu_pool_policy(helm):
     assert serving["spec"]["template"]["spec"]["serviceAccountName"] == "t-moeless-serving"
     role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "t-moeless-serving")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                             {"apiGroups": ["moeless.io"], "resources": ["expertautoscalingpolicies"],
+                             {"apiGroups": ["moeless.io"], "resources": ["expertautoscalingpolicies", "expertpools"],
                               "verbs": ["get", "patch"]}]
     for spec in pod_specs(docs):  # non-root, read-only root filesystem everywhere
         assert spec["securityContext"]["runAsNonRoot"] is True
@@ -112,13 +127,51 @@ def test_template_with_kuberay_and_service_monitors(helm):
         assert spec["securityContext"]["runAsNonRoot"] is True
 
 
-def test_every_rendered_object_passes_a_server_side_dry_run(helm, kubectl):
+def test_template_of_one_pool_for_several_models(helm, pool_values):
+    """pool.enabled: an ExpertPool, a policy per model on it, a serving Deployment and Service per model that
+    follows the pool's pods and addresses its model on the shared hosts; the operator admits both."""
+    from moeless.controller.operator.actions import Create, Observed
+    from moeless.controller.operator.pool_reconcile import reconcile_pool
+    from moeless.controller.operator.pool_spec import parse_pool_spec
+
+    docs = render(helm, values=pool_values)
+    assert kinds(docs).count("ExpertAutoscalingPolicy") == 2 and kinds(docs).count("ExpertPool") == 1
+    pool = next(d for d in docs if d["kind"] == "ExpertPool")
+    assert pool["metadata"]["name"] == "t-pool" and parse_pool_spec(pool["spec"]).host_path == "/srv/models"
+    policies = [d for d in docs if d["kind"] == "ExpertAutoscalingPolicy"]
+    for policy in policies:
+        spec = parse_spec(policy["spec"])  # what the operator will accept
+        assert spec.pool == "t-pool" and spec.non_expert_deployment == f"t-moeless-serving-{policy['metadata']['name']}"
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    for name, model_flag in (("smollm", []), ("mixtral-tiny", ["--model", "tiny:mixtral"])):
+        container = deployments[f"t-moeless-serving-{name}"]["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["MOELESS_EXPERT_HOSTS"] == f"k8s://{NS}/{name}:50051?slots=8&pool=t-pool&model={name}"
+        assert container["command"][container["command"].index("--port") + 2:] == model_flag
+        volumes = deployments[f"t-moeless-serving-{name}"]["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "knobs", "configMap": {"name": f"{name}-serving"}} in volumes
+        service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == f"t-moeless-serving-{name}")
+        assert service["spec"]["selector"]["moeless.io/serves"] == name
+    assert "t-moeless-serving" not in deployments  # no single-model app beside them
+    # What the operator makes of the rendered pool: hosts that serve both stores, the first one's share kept.
+    for i, d in enumerate([pool, *policies]):
+        d["metadata"].update(namespace=NS, uid=f"u{i}", creationTimestamp=f"2026-01-0{i + 1}T00:00:00Z")
+    actions = reconcile_pool("t-pool", pool, Observed(policies=policies), 1_700_000_000.0)
+    sts = next(a.obj for a in actions if isinstance(a, Create) and a.obj["kind"] == "StatefulSet")
+    command = " ".join(sts["spec"]["template"]["spec"]["containers"][0]["command"])
+    assert "--store smollm=/models/smollm --store mixtral-tiny=/models/mixtral-tiny --share smollm=1.074" in command
+
+
+def test_every_rendered_object_passes_a_server_side_dry_run(helm, kubectl, pool_values):
     kubectl("apply", "-f", str(CHART / "crds"))
-    kubectl("wait", "--for=condition=Established", "crd/expertautoscalingpolicies.moeless.io", "--timeout=30s")
+    for crd in ("expertautoscalingpolicies", "expertpools"):
+        kubectl("wait", "--for=condition=Established", f"crd/{crd}.moeless.io", "--timeout=30s")
     kubectl("create", "namespace", NS, check=False)
-    for sets in [(), ("policy.model.hostPath=/srv/store", "policy.scaleToZero.enabled=true", "operator.replicas=2",
-                      "policy.serving.planner=static", "policy.serving.predictor=history")]:
-        docs = render(helm, *sets)
+    for sets, values in [((), None), (("policy.model.hostPath=/srv/store", "policy.scaleToZero.enabled=true",
+                                       "operator.replicas=2", "policy.serving.planner=static",
+                                       "policy.serving.predictor=history"), None),
+                         (("pool.scaleToZero.enabled=true",), pool_values)]:
+        docs = render(helm, *sets, values=values)
         result = kubectl("apply", "--dry-run=server", "-n", NS, "-f", "-", stdin=yaml.safe_dump_all(docs))
         assert result.stdout.count("(server dry run)") == len(docs)
 

@@ -10,10 +10,8 @@ one operator.
 
 from __future__ import annotations
 
-import base64
 import copy
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -24,14 +22,15 @@ import yaml
 from kubernetes import client, config
 
 from moeless.controller.operator.kube import Kube
-from moeless.controller.operator.reconcile import UpdateStatus, reconcile
+from moeless.controller.operator.actions import UpdateStatus
+from moeless.controller.operator.reconcile import reconcile
 from moeless.controller.operator.spec import GIB
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.controller.knobs import Knobs
 from moeless.model.weight_store import export_experts
 
-from k8s_support import ROOT, free_port, kubeconfig, wait_for
+from k8s_support import ROOT, service_account_kubeconfig, start_operator, wait_for
 
 pytestmark = pytest.mark.k8s
 NS = "ml"
@@ -41,7 +40,8 @@ HIDDEN, FFN = 16, 8
 @pytest.fixture(scope="module")
 def api(cluster, kubectl):
     kubectl("apply", "-f", str(ROOT / "manifests" / "crd.yaml"), "-f", str(ROOT / "manifests" / "rbac.yaml"))
-    kubectl("wait", "--for=condition=Established", "crd/expertautoscalingpolicies.moeless.io", "--timeout=30s")
+    for crd in ("expertautoscalingpolicies", "expertpools"):
+        kubectl("wait", "--for=condition=Established", f"crd/{crd}.moeless.io", "--timeout=30s")
     kubectl("create", "namespace", NS)
     return config.new_client_from_config(config_file=str(cluster.kubeconfig))
 
@@ -49,17 +49,8 @@ def api(cluster, kubectl):
 @pytest.fixture(scope="module")
 def operator_kubeconfig(cluster, api, tmp_path_factory) -> Path:
     """A kubeconfig with the operator service account's token (RBAC as deployed)."""
-    core = client.CoreV1Api(api)
-
-    def token():
-        for secret in core.list_namespaced_secret("moeless-system").items:
-            if (secret.metadata.annotations or {}).get("kubernetes.io/service-account.name") == "moeless-operator":
-                return base64.b64decode(secret.data["token"]).decode()
-
-    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
-    path.write_text(kubeconfig(cluster.server, cluster.run_dir / "certs" / "apiserver.crt",
-                               wait_for(token, what="the operator's service-account token")))
-    return path
+    return service_account_kubeconfig(cluster, "moeless-system", "moeless-operator",
+                                      tmp_path_factory.mktemp("operator") / "kubeconfig")
 
 
 @pytest.fixture(scope="module")
@@ -76,16 +67,6 @@ def host(tmp_path_factory):
             c.invoke(1, {0: torch.randn(12, HIDDEN), 3: torch.randn(12, HIDDEN)})
             status = c.status()
         yield group, status
-
-
-def start_operator(kubeconfig_path: Path, identity: str, tmp: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    log = open(tmp / f"{identity}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "moeless", "operator", "--kubeconfig", str(kubeconfig_path),
-                             "--resync-s", "0.5", "--metrics-port", str(port), "--metrics-bind", "127.0.0.1",
-                             "--lease-namespace", "moeless-system", "--identity", identity, "-v"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    return proc, port
 
 
 def metric(port: int, name: str) -> float:
@@ -255,4 +236,5 @@ def test_manifests_and_examples_pass_a_server_side_dry_run(kubectl, api):
     operator = kubectl("apply", "--dry-run=server", "-f", str(manifests / "operator.yaml"))
     examples = kubectl("apply", "--dry-run=server", "-n", NS, "-f", str(manifests / "examples"))
     assert operator.stdout.count("(server dry run)") == 1
-    assert examples.stdout.count("(server dry run)") == len(list((manifests / "examples").glob("*.yaml"))) == 4
+    documents = [d for f in sorted((manifests / "examples").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    assert examples.stdout.count("(server dry run)") == len(documents) == 7

@@ -12,8 +12,8 @@ import pytest
 
 from moeless.controller.operator import objects as obj
 from moeless.controller.operator.meters import HostMeters, Replica
-from moeless.controller.operator.reconcile import (Create, Delete, Emit, Observed, Scale, Update, UpdateStatus,
-                                                   reconcile)
+from moeless.controller.operator.actions import Create, Delete, Emit, Observed, Scale, Update, UpdateStatus
+from moeless.controller.operator.reconcile import reconcile
 from moeless.controller.operator.spec import GIB
 
 T0 = 1_700_000_000.0

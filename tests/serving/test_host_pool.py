@@ -158,7 +158,12 @@ def test_pool_source_parses_each_form(tmp_path):
     assert pool_source("a:1,b:2") == StaticSource(("a:1", "b:2"))
     assert pool_source("k8s://moeless/smollm:50051?slots=8&hostNetwork=true") == KubePodSource(
         "moeless", "smollm", 50051, 8, True)
-    for bad in ("k8s://moeless/smollm:50051", "k8s://smollm:50051?slots=2", "k8s://ns/p:x?slots=2", "file:///nope"):
+    # A policy on an ExpertPool: the pool's pods, its model by the policy's name unless named.
+    assert pool_source("k8s://ml/phi:50051?slots=4&pool=shared") == KubePodSource(
+        "ml", "phi", 50051, 4, pool="shared", model="phi")
+    assert pool_source("k8s://ml/phi:50051?slots=4&pool=shared&model=phi-3.5").model == "phi-3.5"
+    for bad in ("k8s://moeless/smollm:50051", "k8s://smollm:50051?slots=2", "k8s://ns/p:x?slots=2", "file:///nope",
+                "k8s://ml/phi:50051?slots=4&model=phi"):
         with pytest.raises(KnobError, match="MOELESS_EXPERT_HOSTS"):
             pool_source(bad)
     path = tmp_path / "pool.json"
@@ -173,5 +178,8 @@ def test_app_args_and_serve_config_take_a_pool():
     config = config_from_args({"hosts": "k8s://moeless/smollm:50051?slots=4", "model": "tiny:mixtral"})
     assert config.pool == KubePodSource("moeless", "smollm", 50051, 4) and config.host_addresses == ()
     assert config.pool_source.slots == 4
+    assert config.host_model is None  # its own pool: the hosts' only model
+    shared = config_from_args({"hosts": "k8s://ml/phi:50051?slots=4&pool=shared", "model": "tiny:mixtral"})
+    assert shared.host_model == "phi"  # addressed by its name on the pool's hosts
     fixed = config_from_args({"hosts": "a:1,b:2", "model": "tiny:mixtral"})
     assert fixed.pool is None and fixed.pool_source == StaticSource(("a:1", "b:2"))

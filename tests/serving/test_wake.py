@@ -120,6 +120,8 @@ def test_only_a_kubernetes_pool_is_woken_and_the_timeout_knob_is_checked(monkeyp
     kube = KubePodSource("ns", "tiny", 50051, 3)
     assert waker_for(StaticSource(("a:1",))) is None
     assert waker_for(kube).timeout_s == 180.0 and waker_for(kube).target.name == "ns/tiny"
+    shared = waker_for(KubePodSource("ns", "tiny", 50051, 3, pool="shared", model="tiny")).target
+    assert (shared.name, shared.plural, shared.selector) == ("ns/shared", "expertpools", "moeless.io/pool=shared")
     monkeypatch.setenv("MOELESS_WAKE_TIMEOUT_S", "30")
     assert waker_for(kube).timeout_s == 30.0
     monkeypatch.setenv("MOELESS_WAKE_TIMEOUT_S", "soon")

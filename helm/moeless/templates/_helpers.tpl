@@ -7,6 +7,10 @@
 {{- default .Release.Name .Values.policy.name | trunc 40 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- define "moeless.poolName" -}}
+{{- default (printf "%s-pool" .Release.Name) .Values.pool.name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "moeless.labels" -}}
 app.kubernetes.io/name: moeless
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -25,10 +29,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
-{{/* KubeRay's RayService when asked, or when "auto" and the cluster serves ray.io/v1. */}}
+{{/* KubeRay's RayService when asked, or when "auto" and the cluster serves ray.io/v1; a shared pool's models
+are served by plain Deployments (one per model). */}}
 {{- define "moeless.kuberay" -}}
 {{- $mode := toString .Values.serving.kuberay -}}
-{{- if or (eq $mode "true") (and (eq $mode "auto") (.Capabilities.APIVersions.Has "ray.io/v1/RayService")) -}}true{{- end -}}
+{{- if and .Values.pool.enabled (eq $mode "true") -}}{{ fail "pool.enabled serves each model with a plain Deployment: set serving.kuberay to auto or false" }}{{- end -}}
+{{- if and (not .Values.pool.enabled) (or (eq $mode "true") (and (eq $mode "auto") (.Capabilities.APIVersions.Has "ray.io/v1/RayService"))) -}}true{{- end -}}
 {{- end -}}
 
 {{/* MOELESS_EXPERT_HOSTS of the serving pods: serving.expertHosts, else the policy's pool as its pods in the API

@@ -1,0 +1,120 @@
+"""An ExpertPool's spec, parsed and checked, and which policies its hosts serve (admission). Pure.
+
+An ExpertPool is a pool of expert hosts that several models share at the grain of experts: every
+ExpertAutoscalingPolicy with `spec.pool: NAME` adds its model (`spec.model.store`, a path inside
+the pool's storage volume, served by `spec.model.name`). The hosts run one `--store NAME=DIR` per
+admitted model and one `--share NAME=GB` per guaranteed share (expert_fn/shares.py).
+
+Admission (`admit`), in order of creation (then name), so an older model never loses its place to
+a newer one:
+1. a policy whose spec is invalid is left to its own reconcile (it reports InvalidSpec);
+2. a model name another admitted policy serves already is refused;
+3. a guaranteed share that does not fit beside the admitted ones in one host's memory is refused,
+   naming spec.model.guaranteedGiB and what is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from moeless.controller.operator.spec import (GIB, SCALING_KEYS, HostPool, PolicySpec, Scaling, SpecError, _block,
+                                              _typed, parse_hosts, parse_scaling, parse_spec)
+
+_KEYS = {"hosts", "storage", "keepAliveSeconds", *SCALING_KEYS}
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Everything the pool's reconcile needs from spec, with defaults filled in."""
+
+    hosts: HostPool
+    scaling: Scaling = Scaling()
+    keep_alive_s: float = 60.0
+    pvc: str | None = None
+    host_path: str | None = None
+    mount_path: str = "/models"
+
+    @property
+    def scale_in_delay_s(self) -> float:
+        delay = self.scaling.downscale_delay_s
+        return self.keep_alive_s if delay is None else delay
+
+    @property
+    def host_capacity_bytes(self) -> int:
+        return int(self.hosts.memory_gib_per_host * GIB)
+
+
+def parse_pool_spec(spec: Mapping[str, Any]) -> PoolSpec:
+    """An ExpertPool's .spec -> PoolSpec; SpecError names the first bad field."""
+    if not isinstance(spec, Mapping):
+        raise SpecError("spec: missing; a pool needs spec.hosts")
+    unknown = sorted(set(spec) - _KEYS)
+    if unknown:
+        raise SpecError(f"spec.{unknown[0]}: unknown field; known: {', '.join(sorted(_KEYS))}")
+    hosts = parse_hosts(spec)
+    storage = _block(spec, "storage")
+    if storage.get("persistentVolumeClaim") and storage.get("hostPath"):
+        raise SpecError("spec.storage: set persistentVolumeClaim or hostPath, not both")
+    mount = _typed(storage.get("mountPath", "/models"), str, "spec.storage.mountPath")
+    if not mount.startswith("/"):
+        raise SpecError(f"spec.storage.mountPath: {mount!r} is not an absolute path")
+    keep_alive = _typed(spec.get("keepAliveSeconds", 60.0), float, "spec.keepAliveSeconds")
+    if keep_alive < 0:
+        raise SpecError(f"spec.keepAliveSeconds: {keep_alive:g} is negative")
+    return PoolSpec(hosts=hosts, scaling=parse_scaling(spec, hosts.max_hosts), keep_alive_s=keep_alive,
+                    pvc=storage.get("persistentVolumeClaim") or None, host_path=storage.get("hostPath") or None,
+                    mount_path=mount)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A policy on the pool as the pool sees it."""
+
+    policy: str
+    model: str  # the name the hosts serve it by
+    store: str
+    guaranteed_gib: float
+    admitted: bool
+    message: str = ""  # why not admitted
+
+
+def admit(pool_name: str, pool: PoolSpec, policies: Sequence[dict]) -> list[Member]:
+    """The members of pool_name among policies (any policies; those of other pools are skipped), in
+    order of creation, each admitted or refused with a message naming the field (module docstring)."""
+    ordered = sorted(policies, key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
+    members: list[Member] = []
+    served: dict[str, str] = {}
+    left_gib = pool.hosts.memory_gib_per_host
+    for policy in ordered:
+        name = policy["metadata"]["name"]
+        raw = policy.get("spec") or {}
+        if not isinstance(raw, Mapping) or raw.get("pool") != pool_name:
+            continue
+        try:
+            spec = parse_spec(raw)
+        except SpecError:
+            continue  # 1. its own reconcile reports it
+        model = spec.served_as(name)
+        if model in served:  # 2.
+            message = (f"spec.model.name: model {model!r} is served on ExpertPool {pool_name} by policy "
+                       f"{served[model]} already; give this one another name")
+        elif spec.guaranteed_gib > left_gib + 1e-9:  # 3.
+            message = (f"spec.model.guaranteedGiB: {spec.guaranteed_gib:g} GiB does not fit: ExpertPool {pool_name}'s "
+                       f"hosts have {pool.hosts.memory_gib_per_host:g} GiB each and the models admitted before it "
+                       f"keep {pool.hosts.memory_gib_per_host - left_gib:g}; at most {max(left_gib, 0):g} is left")
+        else:
+            served[model] = name
+            left_gib -= spec.guaranteed_gib
+            members.append(Member(name, model, spec.store, spec.guaranteed_gib, True))
+            continue
+        members.append(Member(name, model, spec.store, spec.guaranteed_gib, False, message))
+    return members
+
+
+def member_of(policy_name: str, members: Sequence[Member]) -> Member | None:
+    return next((m for m in members if m.policy == policy_name), None)
+
+
+def on_pool(spec: PolicySpec) -> bool:
+    return spec.pool is not None
