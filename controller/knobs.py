@@ -168,6 +168,16 @@ class Knobs:
         """YAML-style keys -> values (the inverse of from_mapping)."""
         return {BY_ATTR[f.name].key: getattr(self, f.name) for f in fields(self)}
 
+    def for_model(self, num_layers: int) -> "Knobs":
+        """These knobs fitted to a model of num_layers MoE layers: the default distance, where it reaches
+        past a tiny model's layers, shortened to the last one (a distance set on purpose is kept, and
+        checked); KnobError names what cannot fit. At start-up and for every live change alike."""
+        knobs = self
+        if knobs.distance == Knobs().distance and knobs.distance >= num_layers > 1:
+            knobs = replace(knobs, distance=num_layers - 1)
+        knobs.check_for_model(num_layers)
+        return knobs
+
     def check_for_model(self, num_layers: int) -> None:
         """Checks that need the model: a forecast must land on a layer that exists."""
         if self.predictor != "off" and self.distance >= num_layers:

@@ -175,6 +175,8 @@ class PoolRun(Run):
         self.check_idle_model_gives_memory_back()
         self.check_live_knob()
         self.check_pool_sleeps_and_wakes()
+        if not self.checks.ok:
+            self.dump()  # the pods' logs, before the uninstall takes them
         self.check_uninstall_pool()
         return 0
 
@@ -248,7 +250,10 @@ class PoolRun(Run):
             detail = (f"{policy}: status.servingGeneration {applied} (was {generation}), /metrics {gauge!r}; pod uid and "
                       f"restarts {identity} -> {self.identity_of(policy)}")
         except AssertionError as err:
-            ok, detail = False, str(err)
+            _, port = MODELS[policy]
+            refused = [line for line in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+                       .decode().splitlines() if line.startswith("moeless_knobs_")]
+            ok, detail = False, f"{err}; /metrics {refused}"
         self.checks.record("kubectl apply of a knob reaches the model's serving pod live", ok, detail,
                            time.monotonic() - start)
 

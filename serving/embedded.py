@@ -29,7 +29,6 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from moeless.controller.knobs import KnobError, Knobs
@@ -177,11 +176,11 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
 
 def _knobs_for(knobs: Knobs, spec) -> Knobs:
     """The knobs for a model, checked against it (the default distance shortened on a tiny model)."""
-    if knobs.distance == Knobs().distance and knobs.distance >= spec.num_layers > 1:  # the default, on a tiny model
-        knobs = replace(knobs, distance=spec.num_layers - 1)
-        print(f"distance: the default reaches past this model's {spec.num_layers} MoE layers; using {knobs.distance}",
+    fitted = knobs.for_model(spec.num_layers)
+    if fitted.distance != knobs.distance:
+        print(f"distance: the default reaches past this model's {spec.num_layers} MoE layers; using {fitted.distance}",
               flush=True)
-    knobs.check_for_model(spec.num_layers)
+    knobs = fitted
     layer_cap_replicas(knobs, spec.num_experts, 3 * spec.expert_ffn * spec.hidden_size * 4)  # float32 replicas
     live_planner_name(knobs)
     return knobs

@@ -162,6 +162,7 @@ class PlanLoop:
         knobs, when they cannot serve this model (knob_error says why). The knobs a serving replica
         builds into its forward (rules.RESTART_KNOBS) are listed in restart_pending instead."""
         try:
+            knobs = knobs.for_model(self.s.num_layers)  # as at start-up: a tiny model's default distance shortened
             terms = loop_terms(knobs, self.s.profile, self.s.num_layers, self.s.num_experts, self.s.replicas)
         except KnobError as err:
             self._refuse(generation, err)

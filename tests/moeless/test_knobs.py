@@ -70,3 +70,11 @@ def test_distance_beyond_the_model_is_refused():
     with pytest.raises(KnobError, match="distance: 30 layers reaches past the model's 30 MoE layers"):
         Knobs(distance=30).check_for_model(30)
     Knobs(distance=30, predictor="off").check_for_model(30)  # no forecast, nothing to reach
+
+
+def test_the_default_distance_is_fitted_to_a_tiny_model_and_a_chosen_one_is_not():
+    default = Knobs().distance
+    assert Knobs().for_model(default).distance == default - 1  # reaches past: shortened to the last layer
+    assert Knobs().for_model(30).distance == default
+    with pytest.raises(KnobError, match="distance: 5 layers reaches past"):
+        Knobs(distance=5).for_model(5)

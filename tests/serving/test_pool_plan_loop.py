@@ -105,8 +105,13 @@ def test_a_knobs_file_changed_while_the_loop_runs_is_applied_and_a_bad_one_refus
         _wait(lambda: loop.state()["generation"] == 4, "the next change")
         state = loop.state()
         assert state["restart_pending"] == ["predictor"] and state["predictor"] == "off" and state["planner"] == "moeless"
+        # The default distance reaches past this tiny model's layers: shortened, as at start-up, not refused.
+        assert Knobs().distance >= model.spec.num_layers
+        knobs.write_text("predictor: \"off\"\nkeepAliveSeconds: 30\n")
+        _wait(lambda: loop.state()["generation"] == 5, "a change that keeps the default distance")
+        assert loop.state()["restart_pending"] == [] and loop.state()["knob_error"] == ""
         knobs.write_text("planner: [not, a, name")
         _wait(lambda: "not YAML" in loop.state()["knob_error"], "a file that is not YAML")
-        assert loop.state()["errors"] == 0 and loop.state()["generation"] == 4
+        assert loop.state()["errors"] == 0 and loop.state()["generation"] == 5
     finally:
         loop.stop()
