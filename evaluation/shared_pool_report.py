@@ -12,6 +12,7 @@ from moeless.evaluation.shared_pool_run import FORMAT
 from moeless.twin.shared_pool import WAYS
 
 TARGET_RATIO = 0.6  # expert-grain GPU-seconds / dedicated, where models sit idle half the time or more
+TARGET_P99 = 1.1  # each model's p99 MoE time per step outside wake-ups / its dedicated pool's
 
 
 def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path]:
@@ -37,8 +38,17 @@ def rows(run: dict) -> list[dict]:
                         "idle_fraction": m["idle_fraction"], **{f"gb_s_{w}": m["gb_s"][w] for w in WAYS},
                         "wake_ups": m["wake_ups"], "wake_p99_s_whole_model": m["wake_s"]["whole-model"]["p99"],
                         "wake_p99_s_expert_grain": m["wake_s"]["expert-grain"]["p99"],
-                        "cold_starts_outside_wakes": m["cold_starts_outside_wakes"]})
+                        "cold_starts_outside_wakes": m["cold_starts_outside_wakes"],
+                        "step_p99_s_dedicated": m["step_p99_s"]["dedicated"],
+                        "step_p99_s_expert_grain": m["step_p99_s"]["expert-grain"],
+                        "step_p99_ratio": _p99_ratio(m)})
     return out
+
+
+def _p99_ratio(m: dict) -> float | None:
+    """Expert-grain p99 step time / dedicated (None: the model never computed outside a wake-up)."""
+    base = m["step_p99_s"]["dedicated"]
+    return m["step_p99_s"]["expert-grain"] / base if base else None
 
 
 def acceptance(run: dict) -> list[dict]:
@@ -48,11 +58,14 @@ def acceptance(run: dict) -> list[dict]:
         idle = float(sum(m["idle_fraction"] for m in level["models"]) / len(level["models"]))
         ratio = level["gpu_s_ratio_to_dedicated"]
         wakes = [(m["wake_s"]["expert-grain"]["p99"], m["wake_s"]["whole-model"]["p99"]) for m in level["models"] if m["wake_ups"]]
+        p99s = [r for r in map(_p99_ratio, level["models"]) if r is not None]
         out.append({"requests_per_minute": level["requests_per_minute"], "mean_idle_fraction": idle,
                     "expert_grain_ratio": ratio["expert-grain"], "whole_model_ratio": ratio["whole-model"],
                     "fewer_than_dedicated": ratio["expert-grain"] < 1,
                     "fewer_than_whole_model": ratio["expert-grain"] < ratio["whole-model"],
                     "target_ratio_met": ratio["expert-grain"] <= TARGET_RATIO if idle >= 0.5 else None,
+                    "p99_within_target": all(r <= TARGET_P99 for r in p99s) if p99s else None,
+                    "p99_worst_ratio": max(p99s) if p99s else None,
                     "wake_ups_shorter": all(e < w for e, w in wakes) if wakes else None})
     return out
 
@@ -68,6 +81,13 @@ def _plot(run: dict, path: Path) -> Path:
            title="GPU-seconds of the pool, three ways")
     ax.legend(loc="lower right")
     return _save(plt, fig, path)
+
+
+def _p99_cell(m: dict) -> str:
+    ratio = _p99_ratio(m)
+    if ratio is None:
+        return "–"
+    return f"{m['step_p99_s']['dedicated'] * 1e3:.2f} / {m['step_p99_s']['expert-grain'] * 1e3:.2f} ({ratio:.2f}x)"
 
 
 def _yes(value) -> str:
@@ -99,20 +119,24 @@ def _markdown(run: dict, checks: list[dict]) -> str:
         lines.append(f"| {lv['requests_per_minute']:g} | {idle} | {cells} | {lv['busy_fraction']['expert-grain']:.2%} |")
     lines += ["", "## Per model: GB·s held, wake-ups, cold starts outside them", "",
               "| requests/min | model | requests | " + " | ".join(f"GB·s {w}" for w in WAYS)
-              + " | wake-ups | wake p99 s whole-model / expert-grain | cold starts outside wake-ups (s exposed) |",
-              "| --- | --- | --- | " + " | ".join("---" for _ in WAYS) + " | --- | --- | --- |"]
+              + " | wake-ups | wake p99 s whole-model / expert-grain | cold starts outside wake-ups (s exposed) "
+              "| p99 MoE ms per step outside wake-ups, dedicated / expert-grain |",
+              "| --- | --- | --- | " + " | ".join("---" for _ in WAYS) + " | --- | --- | --- | --- |"]
     for lv in run["levels"]:
         for m in lv["models"]:
             wake = m["wake_s"]
             pair = "–" if not m["wake_ups"] else f"{wake['whole-model']['p99']:.2f} / {wake['expert-grain']['p99']:.2f}"
             lines.append(f"| {lv['requests_per_minute']:g} | {m['model']} | {m['requests']} | "
                          + " | ".join(f"{m['gb_s'][w]:.3g}" for w in WAYS)
-                         + f" | {m['wake_ups']} | {pair} | {m['cold_starts_outside_wakes']} ({m['cold_start_s_outside_wakes']:.2f}) |")
+                         + f" | {m['wake_ups']} | {pair} | {m['cold_starts_outside_wakes']} ({m['cold_start_s_outside_wakes']:.2f}) | "
+                         + _p99_cell(m) + " |")
     lines += ["", "## The targets", "",
               f"| requests/min | mean idle share | expert-grain / dedicated | fewer GPU-s than dedicated | than whole-model "
-              f"| <= {TARGET_RATIO}x where idle >= 50% | wake-ups shorter |", "| --- | --- | --- | --- | --- | --- | --- |"]
+              f"| <= {TARGET_RATIO}x where idle >= 50% | p99 per step <= {TARGET_P99}x dedicated (worst) | wake-ups shorter |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in checks:
         lines.append(f"| {c['requests_per_minute']:g} | {c['mean_idle_fraction']:.0%} | {c['expert_grain_ratio']:.3f}x | "
                      f"{_yes(c['fewer_than_dedicated'])} | {_yes(c['fewer_than_whole_model'])} | {_yes(c['target_ratio_met'])} | "
-                     f"{_yes(c['wake_ups_shorter'])} |")
+                     f"{_yes(c['p99_within_target'])}" + (f" ({c['p99_worst_ratio']:.2f}x)" if c["p99_worst_ratio"] else "")
+                     + f" | {_yes(c['wake_ups_shorter'])} |")
     return "\n".join(lines) + "\n"

@@ -8,8 +8,10 @@ The three ways (docs/shared-pool.md):
 - expert-grain (moeless): one pool shared at the grain of experts: an awake model holds its
   non-expert weights and the experts that got a token within `keep_alive_s`; asleep (idle for
   `idle_delay_s`) it holds nothing; a wake-up loads the non-expert weights and, layer by layer,
-  the experts its first window routes to; an expert evicted while its model is awake and then
-  routed to again is a cold start outside a wake-up (its load time exposed, not hidden).
+  the experts its first window routes to (the wake's time), and then the rest of its experts behind
+  them, as moeless's planning loop prefetches its static share on its first pass (held, and billed,
+  until the keep-alive evicts those that get no token); an expert evicted while its model is awake
+  and then routed to again is a cold start outside a wake-up (its load time exposed, not hidden).
 
 In numbered steps, per model (windows of window_s over horizon_s):
 1. Tokens per window from the requests (arrival, prompt, output): the prompt in the window it
@@ -23,6 +25,11 @@ Then the pool: GPUs held per window = max(ceil(bytes held / a GPU's usable bytes
 G_m of the models serving a request) for the shared ways (a model computing spreads over as many
 GPUs as its dedicated pool, so its MoE layer runs on as many GPUs as there), G_m per model for the
 dedicated.
+
+Per model, the p99 over decode steps outside wake-ups of its MoE time per step (step_time_p99): its
+experts' compute of each busy window spread evenly over its G GPUs and steps; in the expert-grain
+pool each cold start outside a wake-up stalls a step of its window by one expert's load (each its
+own step: the most steps slowed). The same in both other ways, without the stalls.
 
 Not modelled: two models computing on one GPU at once (each pool's busy share is reported
 instead: the share of its GPU-seconds its experts compute, each step's calls and pairs), bin-packing losses
@@ -170,6 +177,7 @@ def timeline(model: PoolModel, requests: Requests, s: PoolSettings, rng: np.rand
             wakes.append(w)
             per_layer = np.ceil(hit.sum(axis=1) / model.gpus)  # each layer's experts, G loads at once
             wake_expert.append(model.non_expert_load_s + per_layer.sum() * model.expert_load_s)
+            last_hit[:] = w  # the rest load behind the routed ones (the loop's first pass: its static share)
         else:
             cold[w] = int((hit & ~warm).sum())
         last_hit[hit] = w
@@ -177,6 +185,30 @@ def timeline(model: PoolModel, requests: Requests, s: PoolSettings, rng: np.rand
     wake_windows = np.asarray(wakes, np.int64)
     return ModelTimeline(tokens, busy, awake, resident, cold, wake_windows, np.full(len(wakes), model.whole_load_s),
                          np.asarray(wake_expert, float), expert_seconds(model, tokens, busy, s))
+
+
+def step_time_p99(model: PoolModel, line: ModelTimeline, s: PoolSettings) -> dict[str, float]:
+    """p99 MoE seconds per decode step outside wake-ups, each way (the module docstring); 0.0 when
+    the model never computed outside a wake-up."""
+    windows = np.flatnonzero(line.busy)
+    windows = windows[~np.isin(windows, line.wake_windows)]
+    steps = s.window_s / s.step_s
+    base = line.compute_s[windows] / (steps * model.gpus)
+    stalled = np.minimum(line.cold_starts[windows], steps)
+    plain = _weighted_p99(base, np.full(len(base), steps))
+    grain = _weighted_p99(np.concatenate([base, base + model.expert_load_s]),
+                          np.concatenate([steps - stalled, stalled]))
+    return {"dedicated": plain, "whole-model": plain, "expert-grain": grain}
+
+
+def _weighted_p99(values: np.ndarray, weights: np.ndarray) -> float:
+    """The 99th percentile of `values`, each counted `weights` times (the lowest value at or above 99%)."""
+    keep = weights > 0
+    if not keep.any():
+        return 0.0
+    order = np.argsort(values[keep], kind="stable")
+    cum = np.cumsum(weights[keep][order])
+    return float(values[keep][order][np.searchsorted(cum, 0.99 * cum[-1])])
 
 
 def held_bytes(model: PoolModel, line: ModelTimeline) -> dict[str, np.ndarray]:
@@ -220,6 +252,7 @@ def evaluate_pool(models: list[PoolModel], requests: list[Requests], s: PoolSett
             "cold_starts_outside_wakes": int(line.cold_starts.sum()),
             "cold_start_s_outside_wakes": float(line.cold_starts.sum() * m.expert_load_s),
             "mean_resident_experts_awake": float(line.resident[line.awake].mean()) if line.awake.any() else 0.0,
+            "step_p99_s": step_time_p99(m, line, s),
         })
     gpu_s = {way: float(g.sum() * s.window_s) for way, g in gpus.items()}
     return {"gpu_s": gpu_s, "gpu_s_ratio_to_dedicated": {way: v / gpu_s["dedicated"] for way, v in gpu_s.items()},

@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from moeless.twin.shared_pool import (
+    ModelTimeline,
     PoolModel,
     PoolSettings,
     Requests,
     awake_windows,
     evaluate_pool,
+    step_time_p99,
     window_tokens,
 )
 
@@ -58,6 +60,26 @@ def test_a_busy_pool_is_never_cheaper_than_its_memory_and_never_dearer_than_dedi
         assert m["gb_s"]["expert-grain"] <= m["gb_s"]["whole-model"] + 1e-6
         assert m["gb_s"]["whole-model"] == pytest.approx(m["gb_s"]["dedicated"] * (1 - m["idle_fraction"]))
         assert m["wake_s"]["expert-grain"]["count"] == m["wake_ups"]
+        # stalls only slow steps down; the other ways have none
+        assert m["step_p99_s"]["expert-grain"] >= m["step_p99_s"]["dedicated"] == m["step_p99_s"]["whole-model"] > 0
+
+
+def test_p99_step_time_outside_wake_ups_counts_each_cold_start_as_a_stalled_step():
+    """3 busy windows of 100 steps on 2 GPUs, window 0 a wake-up (left out): 100 steps of 0.01 s and 100 of
+    0.02 s; 3 cold starts of 1 s in window 2 are 1.5% of the steps, so they set the expert-grain p99; one
+    (0.5%) would not."""
+    s = PoolSettings(horizon_s=3, window_s=1, step_s=0.01)
+    ones = np.ones(3)
+
+    def line(cold):
+        return ModelTimeline(ones, ones > 0, ones > 0, np.zeros(3, np.int64), np.asarray(cold), np.array([0]),
+                             ones[:1], ones[:1], np.array([9.0, 2.0, 4.0]))
+
+    model = _model(gpus=2)  # expert_load_s 1.0
+    assert step_time_p99(model, line([0, 0, 3]), s) == pytest.approx(
+        {"dedicated": 0.02, "whole-model": 0.02, "expert-grain": 1.02})
+    assert step_time_p99(model, line([0, 0, 1]), s)["expert-grain"] == pytest.approx(0.02)
+    assert step_time_p99(model, line([50, 0, 0]), s)["expert-grain"] == pytest.approx(0.02)  # in the wake-up
 
 
 def test_mismatched_inputs_are_refused():
