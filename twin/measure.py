@@ -2,7 +2,7 @@
 
 At the expert shape of the model whose loads are replayed (placement/profile.py):
 alpha and the call overhead from a least-squares fit of `expert_forward` time over 1..256
-tokens; beta from serialising and copying a [T, H] float32 batch; one replica's load from disk
+tokens; beta from copying a decode-sized [T, H] float32 batch through a preallocated send buffer; one replica's load from disk
 (read, sha256, parse, copy: the expert host's path with its host tier off) and from the host
 memory tier (the copy alone); expert and non-expert bytes; the serving replica's re-level of one
 layer's shares on its actual loads and the check whether it pays (placement/timing.py). Each time
@@ -51,11 +51,19 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
             ffn_s = [fastest_seconds(lambda x=torch.randn(t, hidden): expert_forward(weights, x), repeats) for t in token_counts]
         alpha, call = fit_line(token_counts, ffn_s)
 
-        # 2. beta: serialise a [T, H] float32 batch and copy it back into a tensor (one direction).
-        def move(x: torch.Tensor) -> torch.Tensor:
-            return torch.frombuffer(bytearray(x.numpy().tobytes()), dtype=torch.float32).reshape(x.shape)
+        # 2. beta: copy a [T, H] float32 batch into a send buffer and out of it into a tensor (one
+        #    direction), both preallocated as the data plane's channels hold them (expert_fn/routed.py).
+        #    Decode-sized batches, whose three buffers stay in cache on any CPU with 1 MB of L2: with 256
+        #    tokens (1.8 MB) and a fresh buffer per call the slope measured page faults and the memory level
+        #    the batch spilled to (0.26-0.29x the roofline's beta on a 2 MB L2), not the per-token copy.
+        moved = [16, 32, 64]
+        wire, landed = torch.empty(max(moved) * hidden), torch.empty(max(moved), hidden)
 
-        moved = [16, 64, 256]  # a GPU's tokens per layer here; 1024 tokens (2.4 MB) measured page faults, not copies
+        def move(x: torch.Tensor) -> torch.Tensor:
+            n = x.numel()
+            wire[:n].copy_(x.reshape(-1))
+            return landed[:x.shape[0]].copy_(wire[:n].view(x.shape))
+
         move_s = [fastest_seconds(lambda x=torch.randn(t, hidden): move(x), repeats) for t in moved]
         beta, _ = fit_line(moved, move_s)
         # 3. One replica's load, as the expert host runs it: from disk (tier off) and from host memory.

@@ -104,8 +104,11 @@ def test_a_real_profile_file_wins(tmp_path: Path):
 def test_cpu_roofline_predicts_the_measured_profile():
     """The roofline's formulas with this CPU's measured peaks (matmul FLOP/s, copy bandwidth in cache
     and from memory, an op's dispatch, sha256) against `bench planner`'s profile, both on one thread,
-    each timing the fastest of its repeats (measured up to twice more if a ratio is off). Seen here: predicted/measured 0.91-0.98 (alpha), 0.70-0.76
-    (call overhead), 0.72-0.86 (beta), 0.90-1.04 (host load), 0.73-0.85 (disk load). The band, 2.5x
+    each timing the fastest of its repeats (measured up to twice more if a ratio is off). Seen here
+    (predicted/measured; a Xeon with 2 MB of L2 per core): 0.82 (alpha), 0.66-0.77 (call overhead),
+    1.01-1.10 (beta, decode-sized batches into preallocated buffers; 0.26-0.29 when the bench moved
+    256-token batches through a fresh buffer, which measured page faults), 0.97-1.05 (host load),
+    0.57-0.60 (disk load). The band, 2.5x
     either way, is wider than that for this shared 2-core machine (other processes' load moves a
     fastest-of-20 by up to ~1.5x), and narrow enough to catch a wrong formula: FLOPs counted for one
     GEMM instead of three (alpha x 0.33), the weight read priced at main-memory bandwidth while the bench's
