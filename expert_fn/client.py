@@ -214,6 +214,10 @@ class ExpertHostClient:
         status["meters"] = _fields(reply.meters)
         return status
 
+    def configure(self, keep_alive_s: float) -> float:
+        """Set the host's keep-alive while it serves (every model's on a shared host); returns it."""
+        return self._call(self._stub.Configure, pb.ConfigureRequest(keep_alive_s=keep_alive_s)).keep_alive_s
+
     def models(self) -> list[dict]:
         """The models the host serves: name, first_layer, layers, experts (its offer)."""
         return [_fields(m) for m in self._offer().models]

@@ -69,6 +69,11 @@ class ExpertHostStub:
                 request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelRequest.SerializeToString,
                 response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelReply.FromString,
                 _registered_method=True)
+        self.Configure = channel.unary_unary(
+                '/moeless.expert_fn.ExpertHost/Configure',
+                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureReply.FromString,
+                _registered_method=True)
 
 
 class ExpertHostServicer:
@@ -125,6 +130,13 @@ class ExpertHostServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Configure(self, request, context):
+        """Change the host's settings while it serves (a live knob: no restart, nothing resident lost).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertHostServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +174,11 @@ def add_ExpertHostServicer_to_server(servicer, server):
                     servicer.LocalChannel,
                     request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelRequest.FromString,
                     response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelReply.SerializeToString,
+            ),
+            'Configure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Configure,
+                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +370,33 @@ class ExpertHost:
             '/moeless.expert_fn.ExpertHost/LocalChannel',
             moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelRequest.SerializeToString,
             moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Configure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moeless.expert_fn.ExpertHost/Configure',
+            moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -172,6 +172,15 @@ class ExpertHostRuntime:
                 self.meters.cold.used(layer, load_s, waited[key] if key in cold else 0.0, prefetched=key in ahead)
             return cold, [self._weights[key] for key in keys]
 
+    def set_keep_alive(self, keep_alive_s: float) -> float:
+        """Idle replicas stay keep_alive_s from now on (the sweeper's next pass uses it); BadRequest below 0."""
+        if not keep_alive_s >= 0:
+            raise BadRequest(f"keep_alive_s must be >= 0, got {keep_alive_s}")
+        with self._lock:
+            self.keep_alive_s = self.table.keep_alive_s = keep_alive_s
+        log.info("keep-alive now %g s", keep_alive_s)
+        return keep_alive_s
+
     def status(self) -> dict:
         """Host facts, every replica seen (state, bytes, GB·s, counts), the host's totals, the
         cold-start meters ("cold": per layer hidden / exposed seconds) and the host tier's counters."""

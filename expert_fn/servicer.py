@@ -73,6 +73,12 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
     def LocalChannel(self, request: pb.LocalChannelRequest, context: grpc.ServicerContext) -> pb.LocalChannelReply:
         return pb.LocalChannelReply(socket=self.local_channel, tcp_port=self.tcp_port, models=self.models)
 
+    def Configure(self, request: pb.ConfigureRequest, context: grpc.ServicerContext) -> pb.ConfigureReply:
+        try:
+            return pb.ConfigureReply(keep_alive_s=self.runtime.set_keep_alive(request.keep_alive_s))
+        except ExpertHostError as err:
+            _abort(context, err)
+
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         s = self.runtime.status()
         return pb.StatusReply(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from typing import Any, Sequence
 
 import yaml
@@ -171,8 +172,12 @@ def stateful_set(owner: dict, spec: PolicySpec | PoolSpec, replicas: int, member
     owner_kind = owner.get("kind", KIND)
     kind, name = names(owner["metadata"]["name"], owner_kind)["hosts"]
     template = pod_template(owner, spec, members)
+    # A policy's keep-alive reaches its hosts live (the planning loop's Configure RPC): a change of it
+    # alone must not roll them (every resident replica lost), so the hash leaves it out.
+    hashed = template if isinstance(spec, PoolSpec) else pod_template(
+        owner, replace(spec, knobs=replace(spec.knobs, keep_alive_s=0.0)), members)
     meta = _meta(owner, name, "expert-host")
-    meta["annotations"] = {TEMPLATE_HASH: template_hash(template)}
+    meta["annotations"] = {TEMPLATE_HASH: template_hash(hashed)}
     return {
         "apiVersion": "apps/v1", "kind": kind, "metadata": meta,
         "spec": {"replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",

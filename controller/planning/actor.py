@@ -33,17 +33,9 @@ from moeless.controller.planning.board import publish_placement
 from moeless.controller.planning.calibrate import calibrate_host
 from moeless.controller.planning.cost_fit import OnlineCostFit
 from moeless.controller.planning.knob_sources import follow_knobs
-from moeless.controller.planning.rules import (
-    HostView,
-    LoopTerms,
-    held_gb_s,
-    loop_terms,
-    plan_phases,
-    plan_step,
-    planner_config,
-    restart_knobs_changed,
-    same_placement,
-)
+from moeless.controller.planning.rules import (HostView, LoopTerms, held_gb_s, hosts_to_configure, loop_terms,
+                                               plan_phases, plan_step, planner_config, restart_knobs_changed,
+                                               same_placement)
 from moeless.controller.planning.window import PHASES, Heartbeat, IterationReport, LiveStats, ReportWindow
 from moeless.controller.pool.sources import follow_pool
 from moeless.controller.pool.wake import waker_for
@@ -285,6 +277,8 @@ class PlanLoop:
         self._refreshed = time.monotonic()
         # 1. What the hosts hold (the truth of what is resident), their meters.
         statuses = [self._status(i) for i in range(self.pool.slots)]  # an empty slot: None, planned around
+        for i in hosts_to_configure(statuses, s.knobs.keep_alive_s, s.host_model is not None):
+            self._configure(i, s.knobs.keep_alive_s)
         view = HostView.from_status(statuses, s.num_layers, s.num_experts)
         self._memory = np.where(view.live, view.memory, self._memory)
         with self._lock:
@@ -370,6 +364,12 @@ class PlanLoop:
         elif not self.stateful:
             self._planner = replace(self._planner, config=config)
         return self._planner
+
+    def _configure(self, i: int, keep_alive_s: float) -> None:
+        try:  # the knobs' keep-alive on a host that runs another (a live change, or a host that restarted)
+            self.pool.client(i).configure(keep_alive_s)
+        except Exception as err:  # gone meanwhile: the next pass tries again
+            log.warning("cannot set host %d's keep-alive to %g s: %s", i, keep_alive_s, err)
 
     def _status(self, i: int) -> dict | None:
         client = self.pool.client(i)

@@ -70,6 +70,15 @@ def loop_terms(knobs: Knobs, profile: CostProfile, num_layers: int, num_experts:
                      memory_price(knobs, profile, num_layers, num_experts, serving_replicas))
 
 
+def hosts_to_configure(statuses: list[dict | None], keep_alive_s: float, shared: bool) -> list[int]:
+    """The hosts whose keep-alive is not the knobs' (statuses: each slot's Status, None for an empty
+    one). A model alone on its hosts owns their keep-alive, so a live change reaches them without a
+    restart; hosts shared by models keep the pool's (shared: none)."""
+    if shared:
+        return []
+    return [i for i, st in enumerate(statuses) if st is not None and abs(st["keep_alive_s"] - keep_alive_s) > 1e-9]
+
+
 def restart_knobs_changed(running: Knobs, new: Knobs) -> list[str]:
     """The knobs of RESTART_KNOBS that differ: the loop applies the rest at once."""
     return [name for name in RESTART_KNOBS if getattr(running, name) != getattr(new, name)]

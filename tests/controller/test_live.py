@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeless.controller.planning.rules import (
-    HostView, held_gb_s, layer_cap_replicas, live_planner_name, loads_to_send, memory_price, plan_phases, plan_step, planner_config,
+    HostView, held_gb_s, hosts_to_configure, layer_cap_replicas, live_planner_name, loads_to_send, memory_price, plan_phases, plan_step, planner_config,
     publishable,
     resident_placement, same_placement, union_placement,
 )
@@ -44,6 +44,13 @@ def test_planner_names_from_knobs():
     with pytest.raises(KnobError, match="scaler/placer: only the moeless and paper planners"):
         live_planner_name(Knobs(planner="static", placer=False))
     assert relevels("moeless-no-placer") and not relevels("eplb-window") and not relevels("paper")
+
+
+def test_hosts_whose_keep_alive_differs_are_configured_unless_the_hosts_are_shared():
+    statuses = [{"keep_alive_s": 60.0}, None, {"keep_alive_s": 30.0}, {"keep_alive_s": 30.0 + 1e-12}]
+    assert hosts_to_configure(statuses, 30.0, shared=False) == [0]  # slot 1 is empty
+    assert hosts_to_configure(statuses, 60.0, shared=False) == [2, 3]
+    assert hosts_to_configure(statuses, 30.0, shared=True) == []  # a shared pool's keep-alive is the pool's
 
 
 def test_layer_cap_from_knobs():

@@ -113,3 +113,18 @@ def test_a_bad_host_tier_flag_is_one_clear_line_and_exit_2(store):
     bad = subprocess.run([sys.executable, "-m", "moeless.expert_fn.host", "--store", str(store.root),
                           "--host-tier-gb", "-1"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("expert-host: host tier capacity must be >= 0")
+
+
+def test_the_keep_alive_is_set_while_serving_and_a_bad_one_refused(clients):
+    """Configure: a live knob, the replicas resident stay; a negative keep-alive is one clear error."""
+    client = clients[0]
+    client.load(0, 1, wait=True)
+    before = client.status()["keep_alive_s"]
+    try:
+        assert client.configure(5.0) == 5.0 and client.status()["keep_alive_s"] == 5.0
+        assert any((r["layer"], r["expert"]) == (0, 1) and r["state"] in ("idle", "warm") for r in client.status()["replicas"])
+        with pytest.raises(BadRequest, match="keep_alive_s must be >= 0, got -1"):
+            client.configure(-1.0)
+        assert client.status()["keep_alive_s"] == 5.0
+    finally:
+        client.configure(before)

@@ -213,6 +213,21 @@ def test_a_spec_change_updates_the_pod_template_and_the_serving_config():
     assert cluster.policy["status"]["observedGeneration"] == 2
 
 
+def test_a_keep_alive_change_alone_does_not_roll_the_hosts():
+    """The serving pods' loop sets the hosts' keep-alive live (Configure); restarting the hosts would
+    drop every resident replica for a knob. The serving config still changes."""
+    cluster = Cluster(policy())
+    cluster.step(T0)
+    cluster.policy["spec"]["serving"] = {"keepAliveSeconds": 30}
+    actions = cluster.step(T0 + 5)
+    assert {(a.kind, a.name) for a in of(actions, Update)} == {("ConfigMap", "mix-serving")}
+    cluster.policy["spec"]["hosts"]["cpu"] = "2"  # any other change rolls them, with the keep-alive of now
+    actions = cluster.step(T0 + 10)
+    assert ("StatefulSet", "mix-hosts") in {(a.kind, a.name) for a in of(actions, Update)}
+    assert "--keep-alive-s 30" in " ".join(
+        cluster.objects[("StatefulSet", "mix-hosts")]["spec"]["template"]["spec"]["containers"][0]["command"])
+
+
 def test_meters_add_what_is_new_and_survive_a_host_restart():
     cluster = Cluster(policy())
     cluster.step(T0)

@@ -28,6 +28,11 @@ def _wait(check, what, timeout=20.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _keep_alive(address):
+    with ExpertHostClient(address, timeout_s=10) as client:
+        return client.status()["keep_alive_s"]
+
+
 def _resident(address):
     with ExpertHostClient(address, timeout_s=10) as client:
         return sum(r["state"] in ("warm", "idle", "loading") for r in client.status()["replicas"])
@@ -110,6 +115,10 @@ def test_a_knobs_file_changed_while_the_loop_runs_is_applied_and_a_bad_one_refus
         knobs.write_text("predictor: \"off\"\nkeepAliveSeconds: 30\n")
         _wait(lambda: loop.state()["generation"] == 5, "a change that keeps the default distance")
         assert loop.state()["restart_pending"] == [] and loop.state()["knob_error"] == ""
+        # The keep-alive reaches the hosts live (Configure), each of them, without a restart.
+        pids = [hosts.pid(i) for i in range(len(hosts))]
+        _wait(lambda: all(_keep_alive(a) == 30.0 for a in hosts.addresses), "the hosts' keep-alive set live")
+        assert [hosts.pid(i) for i in range(len(hosts))] == pids
         knobs.write_text("planner: [not, a, name")
         _wait(lambda: "not YAML" in loop.state()["knob_error"], "a file that is not YAML")
         assert loop.state()["errors"] == 0 and loop.state()["generation"] == 5
