@@ -95,6 +95,8 @@ class RuntimeCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_host_tier_bytes", "bytes of verified weights in host memory", value=tier["bytes"])
         yield GaugeMetricFamily(f"{PREFIX}_host_inflight", "Invoke calls running now", value=status["inflight"])
         yield GaugeMetricFamily(f"{PREFIX}_host_memory_bytes", "replica memory capacity", value=status["memory_bytes"])
+        yield GaugeMetricFamily(f"{PREFIX}_host_keep_alive_seconds", "seconds an idle replica stays resident",
+                                value=status["keep_alive_s"])
         ready = status["health"] == "serving"
         yield GaugeMetricFamily(f"{PREFIX}_host_ready", "1 while serving, 0 starting or draining", value=ready)
 

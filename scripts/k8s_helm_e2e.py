@@ -344,6 +344,7 @@ class Run:
         self.check_more_hosts(reference)
         self.check_paths()
         self.check_ablation()
+        self.check_keep_alive_live()
         self.check_delete_during_burst(reference)
         self.check_eap_moved()
         self.check_scale_to_zero(reference)
@@ -478,6 +479,31 @@ class Run:
         self.checks.record("the knobs reach the serving pod live (no restart, generation reported)", ok, detail,
                            time.monotonic() - start)
         print(self.get_eap_table(), flush=True)
+
+    def check_keep_alive_live(self) -> None:
+        """`kubectl apply` of keepAliveSeconds: the serving pod's loop sets it on every host (Configure), the
+        host pods are not rolled (same uids), the serving pod not restarted."""
+        start = time.monotonic()
+        hosts_before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in self.pods("expert-host")}
+        identity = self.serving_identity()
+        self.apply_policy(lambda spec: spec.setdefault("serving", {}).update(keepAliveSeconds=900))
+        log("kubectl apply: keepAliveSeconds 600 -> 900")
+
+        def keep_alive(i: int) -> float:
+            return host_metrics(i).get("moeless_expert_host_keep_alive_seconds", -1.0)
+        try:
+            wait_for(lambda: all(keep_alive(i) == 900.0 for i in range(len(hosts_before))), timeout=90, every=1,
+                     what="every host's keep-alive at 900 s")
+            time.sleep(6)  # the operator passes (resync 2 s) that would roll the pods if the template changed
+            hosts_after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in self.pods("expert-host")}
+            ok = hosts_after == hosts_before and self.serving_identity() == identity
+            detail = (f"hosts' keep-alive {[keep_alive(i) for i in range(len(hosts_before))]} s after "
+                      f"{time.monotonic() - start:.1f} s; host pods unchanged: {hosts_after == hosts_before}; serving pod "
+                      f"unchanged: {self.serving_identity() == identity}")
+        except AssertionError as err:
+            ok, detail = False, str(err)
+        self.checks.record("kubectl apply of keepAliveSeconds reaches the hosts live (no pod rolled)", ok, detail,
+                           time.monotonic() - start)
 
     def check_delete_during_burst(self, reference: dict[str, str]) -> None:
         start = time.monotonic()

@@ -115,13 +115,15 @@ def test_a_bad_host_tier_flag_is_one_clear_line_and_exit_2(store):
     assert bad.returncode == 2 and bad.stderr.strip().startswith("expert-host: host tier capacity must be >= 0")
 
 
-def test_the_keep_alive_is_set_while_serving_and_a_bad_one_refused(clients):
+def test_the_keep_alive_is_set_while_serving_and_a_bad_one_refused(clients, hosts):
     """Configure: a live knob, the replicas resident stay; a negative keep-alive is one clear error."""
     client = clients[0]
     client.load(0, 1, wait=True)
     before = client.status()["keep_alive_s"]
     try:
         assert client.configure(5.0) == 5.0 and client.status()["keep_alive_s"] == 5.0
+        text = urllib.request.urlopen(f"{hosts.metrics_urls[0]}/metrics", timeout=10).read().decode()
+        assert "moeless_expert_host_keep_alive_seconds 5.0" in text
         assert any((r["layer"], r["expert"]) == (0, 1) and r["state"] in ("idle", "warm") for r in client.status()["replicas"])
         with pytest.raises(BadRequest, match="keep_alive_s must be >= 0, got -1"):
             client.configure(-1.0)
