@@ -56,6 +56,7 @@ from moeless.expert_fn.errors import (
     ReplicaLoadError,  # noqa: F401 (re-exported: callers catch it from here)
 )
 from moeless.expert_fn.local_channel import LocalChannel
+from moeless.expert_fn.meters import ModelTotals
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S
 from moeless.expert_fn.routed import Pending, RoutedCall, RoutedResult, decode_reply_head, encode_call, split_error
 from moeless.expert_fn.tcp_channel import TcpChannel
@@ -204,14 +205,18 @@ class ExpertHostClient:
     def status(self) -> dict:
         """{"device", "memory_bytes", "keep_alive_s", "health", "inflight", "replicas": [...],
         "meters": {...}}; each replica: layer, expert, state, bytes, gb_s, invocations, tokens,
-        last_load_s, error. With a model: its replicas only, at its own layer numbers (the meters
-        and memory are the host's, every model's)."""
+        last_load_s, error. With a model: its replicas only, at its own layer numbers, and its own
+        part of the meters (GB·s, bytes, loads, cold starts, tokens, cold-start seconds); the memory
+        and the other meters are the host's, every model's."""
         reply = self._call(self._stub.Status, pb.StatusRequest())
         status = {name: getattr(reply, name) for name in ("device", "memory_bytes", "keep_alive_s", "health", "inflight")}
         first, layers = (self._first_layer(), self._range.layers) if self.model is not None else (0, None)
         status["replicas"] = [{**_fields(r), "layer": r.layer - first} for r in reply.replicas
                               if layers is None or first <= r.layer < first + layers]
         status["meters"] = _fields(reply.meters)
+        if self.model is not None and self.model in reply.models:  # its own part where the host has one
+            part = _fields(reply.models[self.model])
+            status["meters"].update({k: part[k] for k in ModelTotals.FIELDS})
         return status
 
     def configure(self, keep_alive_s: float) -> float:

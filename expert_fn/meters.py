@@ -64,6 +64,10 @@ class ModelTotals:
     loads: int = 0
     cold_starts: int = 0
     tokens: int = 0
+    cold_hidden_s: float = 0.0
+    cold_exposed_s: float = 0.0
+
+    FIELDS = ("gb_s", "bytes_held", "loads", "cold_starts", "tokens", "cold_hidden_s", "cold_exposed_s")
 
 
 @dataclass
@@ -166,6 +170,10 @@ class Meters:
             t.loads += m.loads
             t.cold_starts += m.cold_starts
             t.tokens += m.tokens
+        for layer, c in self.cold.layers.items():
+            t = out.setdefault(model_of(layer), ModelTotals())
+            t.cold_hidden_s += c.hidden_s
+            t.cold_exposed_s += c.exposed_s
         return out
 
     def totals(self, now: float | None = None) -> HostTotals:

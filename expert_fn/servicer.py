@@ -86,6 +86,7 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
             health=s["health"], inflight=s["inflight"],
             replicas=[pb.ReplicaStatus(**r) for r in s["replicas"]],
             meters=pb.HostMeters(**s["meters"]),
+            models={name: pb.HostMeters(**part) for name, part in s["models"].items()},
         )
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:

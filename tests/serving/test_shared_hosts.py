@@ -198,6 +198,11 @@ def test_a_shared_host_meters_each_model_and_the_models_add_up_to_the_host(two_m
                 ExpertHostClient(group.addresses[0], model="tiny-qwen2") as b:
             a.invoke(1, {0: torch.randn(5, hidden["tiny-mixtral"])})
             b.invoke(1, {2: torch.randn(3, hidden["tiny-qwen2"]), 3: torch.randn(4, hidden["tiny-qwen2"])})
+            # A client bound to a model reads its model's part of the meters (what its planning loop reports).
+            assert (a.status()["meters"]["tokens"], b.status()["meters"]["tokens"]) == (5, 7)
+            assert (a.status()["meters"]["cold_starts"], b.status()["meters"]["cold_starts"]) == (1, 2)
+            with ExpertHostClient(group.addresses[0]) as host:
+                assert host.status()["meters"]["tokens"] == 12 and host.status()["meters"]["cold_starts"] == 3
         reading = parse_host_metrics(urllib.request.urlopen(f"{group.metrics_urls[0]}/metrics", timeout=10).read().decode())
     assert {name: m.tokens for name, m in reading.models.items()} == {"tiny-mixtral": 5, "tiny-qwen2": 7}
     assert {(r.model, r.layer, r.expert) for r in reading.replicas if r.bytes_held > 0} == {
