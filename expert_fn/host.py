@@ -58,6 +58,9 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add("--share", action="append", default=[], metavar="NAME=GB",
         help="a model's guaranteed share of the replica memory while it is active (repeatable): another model's "
              "load never evicts its replicas below it (shares.py); default 0 (least recently used first)")
+    add("--keep-warm", action="append", default=[], metavar="NAME=GB",
+        help="a model's hottest replicas (most tokens) kept resident past the keep-alive, up to GB (repeatable): it "
+             "wakes with them after a quiet spell; not guaranteed (a load that needs room evicts them); default 0")
     add("--poll-us", type=float, default=DEFAULT_HOST_POLL_S * 1e6, metavar="US",
         help="after each data-plane call, spin this many microseconds for the next before blocking: shorter "
              "wake-ups for a core's worth of CPU while calls keep coming (default %(default)g; 0: block at once)")
@@ -104,7 +107,8 @@ def serve(args: argparse.Namespace) -> int:
     memory = round(args.memory_gb * 1e9) if args.memory_gb is not None else None
     device, capacity = detect_device(args.gpu, memory)
     try:
-        shares = store.shares(_share_gb(args.share), capacity, args.keep_alive_s) if args.share else None
+        shares = (store.shares(_gb_items(args.share, "--share"), capacity, args.keep_alive_s,
+                               _gb_items(args.keep_warm, "--keep-warm")) if args.share or args.keep_warm else None)
     except (ValueError, WeightStoreError) as err:
         print(f"expert-host: {err}", file=sys.stderr)
         return 2
@@ -162,17 +166,17 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _share_gb(items: list[str]) -> dict[str, float]:
-    """--share NAME=GB items -> {NAME: GB}; ValueError names a bad one."""
+def _gb_items(items: list[str], flag: str) -> dict[str, float]:
+    """--share / --keep-warm NAME=GB items -> {NAME: GB}; ValueError names a bad one."""
     out = {}
     for item in items:
         name, _, gb = item.partition("=")
         try:
             out[name] = float(gb)
         except ValueError:
-            raise ValueError(f"--share {item!r}: expected NAME=GB, e.g. mixtral=12") from None
+            raise ValueError(f"{flag} {item!r}: expected NAME=GB, e.g. mixtral=12") from None
         if not name or not out[name] >= 0:
-            raise ValueError(f"--share {item!r}: expected NAME=GB with GB >= 0")
+            raise ValueError(f"{flag} {item!r}: expected NAME=GB with GB >= 0")
     return out
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 from moeless.expert_fn.errors import HostMemoryFull
 from moeless.expert_fn.meters import Meters
-from moeless.expert_fn.shares import Candidate, Shares, pick_victims
+from moeless.expert_fn.shares import Candidate, Shares, pick_victims, warm_set
 
 Key = tuple[int, int]  # (layer, expert)
 Clock = Callable[[], float]  # seconds, monotonic
@@ -152,9 +152,13 @@ class ReplicaTable:
         return False
 
     def expire(self) -> list[Key]:
-        """Evict the idle replicas unused for keep_alive_s; returns their keys."""
+        """Evict the idle replicas unused for keep_alive_s, except the models' keep-warm sets; returns their keys."""
         now = self._clock()
         expired = [key for key, r in self._idle() if now - r.last_used >= self.keep_alive_s]
+        if expired and self.shares is not None:  # models' keep-warm sets stay (shares.warm_set)
+            warm = warm_set([(k, r.bytes, self._meters.replicas[k].tokens) for k, r in self._replicas.items() if r.bytes],
+                            self.shares)
+            expired = [key for key in expired if key not in warm]
         for key in expired:
             self._evict_now(key)
         return expired

@@ -102,17 +102,22 @@ class ModelStores:
         store, local = self._local(layer)
         return store.load(local, expert, verify=verify)
 
-    def shares(self, guaranteed_gb: dict[str, float], capacity_bytes: int, active_s: float) -> Shares:
-        """The models' guaranteed shares (shares.py) from GB per model name; WeightStoreError names a
-        model this host does not serve, or shares that add up to more than the host's memory."""
-        unknown = sorted(set(guaranteed_gb) - {r.name for r in self._ranges})
-        if unknown:
-            raise WeightStoreError(f"--share {unknown[0]}: this host serves no such model; it serves {self.describe()}")
+    def shares(self, guaranteed_gb: dict[str, float], capacity_bytes: int, active_s: float,
+               warm_gb: dict[str, float] | None = None) -> Shares:
+        """The models' guaranteed shares and keep-warm sets (shares.py) from GB per model name;
+        WeightStoreError names a model this host does not serve, or GB that exceed the host's memory."""
+        warm_gb = warm_gb or {}
+        for flag, given in (("--share", guaranteed_gb), ("--keep-warm", warm_gb)):
+            unknown = sorted(set(given) - {r.name for r in self._ranges})
+            if unknown:
+                raise WeightStoreError(f"{flag} {unknown[0]}: this host serves no such model; it serves {self.describe()}")
         guaranteed = tuple(int(guaranteed_gb.get(r.name, 0.0) * 1e9) for r in self._ranges)
-        if sum(guaranteed) > capacity_bytes:
-            raise WeightStoreError(f"--share: the shares add up to {sum(guaranteed) / 1e9:.3f} GB, more than the host's "
-                                   f"{capacity_bytes / 1e9:.3f} GB of replica memory; lower them or give the host more")
-        return Shares(tuple(self._firsts), guaranteed, active_s)
+        warm = tuple(int(warm_gb.get(r.name, 0.0) * 1e9) for r in self._ranges)
+        for flag, gb in (("--share: the shares add", guaranteed), ("--keep-warm: the keep-warm sets add", warm)):
+            if sum(gb) > capacity_bytes:
+                raise WeightStoreError(f"{flag} up to {sum(gb) / 1e9:.3f} GB, more than the host's "
+                                       f"{capacity_bytes / 1e9:.3f} GB of replica memory; lower them or give the host more")
+        return Shares(tuple(self._firsts), guaranteed, active_s, warm)
 
     def model_of(self, layer: int) -> ModelRange:
         """The model whose layers include host layer `layer`."""

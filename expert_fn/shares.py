@@ -1,4 +1,5 @@
-"""Who yields memory on a host shared by models: guaranteed shares, then least recently used.
+"""Who yields memory on a host shared by models: guaranteed shares, then least recently used; and
+what a model keeps warm past the keep-alive.
 
 Each model on the host (model_stores.py: a range of its layers) may have a guaranteed share of the
 host's bytes: what its static replicas need while it is active. A load that needs room evicts idle
@@ -12,7 +13,11 @@ never an active model's replica that its share still covers for another model's 
 take another's guaranteed share. As victims go, a model's held bytes fall; once they reach its
 share, its remaining replicas are protected from the others.
 
-Pure: the replica table (lifecycle.py) calls `pick_victims` under the runtime's lock. Shares of 0
+Keep-warm (`warm_set`): a model may keep its hottest replicas (most tokens computed), up to its
+warm bytes, resident past the keep-alive, so that it wakes with them when it has been quiet; they
+are not guaranteed (a load that needs room evicts them like any idle replica).
+
+Pure: the replica table (lifecycle.py) calls `pick_victims` and `warm_set` under the runtime's lock. Shares of 0
 (the default) give plain least-recently-used eviction, as before shares existed.
 
 Tiny example (the golden test): models A (layers 0-1) and B (layers 2-3), each guaranteed 2 bytes,
@@ -39,6 +44,7 @@ class Shares:
     first_layers: tuple[int, ...]
     guaranteed: tuple[int, ...]
     active_s: float
+    warm: tuple[int, ...] = ()  # bytes of each model's hottest replicas kept past the keep-alive (empty: none)
 
     def model_of(self, layer: int) -> int:
         return max(bisect_right(self.first_layers, layer) - 1, 0)
@@ -79,3 +85,19 @@ def pick_victims(replicas: Sequence[Candidate], shares: Shares, requester: Key, 
         held[m] -= r.bytes
         free += r.bytes
     return victims if free >= need else None
+
+
+def warm_set(held: Sequence[tuple[Key, int, int]], shares: Shares) -> set[Key]:
+    """The replicas the keep-alive leaves resident: held is (key, bytes, tokens) of every replica
+    holding memory; per model, its hottest (most tokens, then key) while their bytes add up to at
+    most its warm bytes (a replica that does not fit is skipped, a smaller hot one may follow)."""
+    if not any(shares.warm):
+        return set()
+    left = list(shares.warm)
+    keep: set[Key] = set()
+    for key, nbytes, _ in sorted(held, key=lambda h: (-h[2], h[0])):
+        m = shares.model_of(key[0])
+        if m < len(left) and nbytes <= left[m]:
+            keep.add(key)
+            left[m] -= nbytes
+    return keep

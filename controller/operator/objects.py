@@ -79,7 +79,8 @@ def _meta(owner: dict, name: str, component: str) -> dict[str, Any]:
 
 def host_command(spec: PolicySpec | PoolSpec, members: Sequence[Member] = ()) -> list[str]:
     """The expert host's command line: a policy's own store, or every admitted member's store on an
-    ExpertPool (--store NAME=DIR) with their guaranteed shares (--share NAME=GB); on the node's
+    ExpertPool (--store NAME=DIR) with their guaranteed shares (--share NAME=GB) and keep-warm sets
+    (--keep-warm NAME=GB); on the node's
     network host i listens on port + i."""
     pool = spec.hosts
     assert pool is not None
@@ -89,6 +90,8 @@ def host_command(spec: PolicySpec | PoolSpec, members: Sequence[Member] = ()) ->
         stores = " ".join(f"--store {m.model}={m.store}" for m in admitted)
         stores += "".join(f" --share {m.model}={round(m.guaranteed_gib * GIB / 1e9, 3):g}"
                           for m in admitted if m.guaranteed_gib)
+        stores += "".join(f" --keep-warm {m.model}={round(m.keep_warm_gib * GIB / 1e9, 3):g}"
+                          for m in admitted if m.keep_warm_gib)
     else:
         stores = f"--store {spec.store}"
     tail = (f"{stores} --bind 0.0.0.0 --keep-alive-s {spec.keep_alive_s:g} "

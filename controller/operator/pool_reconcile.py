@@ -102,6 +102,7 @@ def _rows(members: Sequence[Member], status: dict, added: dict[str, float], obse
     for m in [*members, *left]:
         last = before.get(m.model) or {}
         row = {"name": m.model, "policy": m.policy, "admitted": m.admitted, "guaranteedGiB": m.guaranteed_gib,
+               "keepWarmGiB": m.keep_warm_gib,
                "expertGBSeconds": round(float(last.get("expertGBSeconds") or 0.0) + added.get(f"{m.model}/gbSeconds", 0.0), 9),
                "coldStarts": int(last.get("coldStarts") or 0) + int(added.get(f"{m.model}/coldStarts", 0)),
                "replicas": len(resident(observed.meters, m.model)),

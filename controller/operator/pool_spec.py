@@ -3,14 +3,16 @@
 An ExpertPool is a pool of expert hosts that several models share at the grain of experts: every
 ExpertAutoscalingPolicy with `spec.pool: NAME` adds its model (`spec.model.store`, a path inside
 the pool's storage volume, served by `spec.model.name`). The hosts run one `--store NAME=DIR` per
-admitted model and one `--share NAME=GB` per guaranteed share (expert_fn/shares.py).
+admitted model, one `--share NAME=GB` per guaranteed share and one `--keep-warm NAME=GB` per
+keep-warm set (expert_fn/shares.py).
 
 Admission (`admit`), in order of creation (then name), so an older model never loses its place to
 a newer one:
 1. a policy whose spec is invalid is left to its own reconcile (it reports InvalidSpec);
 2. a model name another admitted policy serves already is refused;
 3. a guaranteed share that does not fit beside the admitted ones in one host's memory is refused,
-   naming spec.model.guaranteedGiB and what is left.
+   naming spec.model.guaranteedGiB and what is left; so is a keep-warm set (spec.model.keepWarmGiB)
+   that does not fit beside the admitted ones' (kept warm, not guaranteed: they may overlap shares).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from moeless.controller.operator.spec import (GIB, SCALING_KEYS, HostPool, PolicySpec, Scaling, SpecError, _block,
-                                              _typed, parse_hosts, parse_scaling, parse_spec)
+from moeless.controller.operator.spec import (GIB, SCALING_KEYS, HostPool, Scaling, SpecError, _block, _typed,
+                                              parse_hosts, parse_scaling, parse_spec)
 
 _KEYS = {"hosts", "storage", "keepAliveSeconds", *SCALING_KEYS}
 
@@ -77,6 +79,7 @@ class Member:
     guaranteed_gib: float
     admitted: bool
     message: str = ""  # why not admitted
+    keep_warm_gib: float = 0.0
 
 
 def admit(pool_name: str, pool: PoolSpec, policies: Sequence[dict]) -> list[Member]:
@@ -85,7 +88,7 @@ def admit(pool_name: str, pool: PoolSpec, policies: Sequence[dict]) -> list[Memb
     ordered = sorted(policies, key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
     members: list[Member] = []
     served: dict[str, str] = {}
-    left_gib = pool.hosts.memory_gib_per_host
+    left_gib = warm_left_gib = pool.hosts.memory_gib_per_host
     for policy in ordered:
         name = policy["metadata"]["name"]
         raw = policy.get("spec") or {}
@@ -103,18 +106,19 @@ def admit(pool_name: str, pool: PoolSpec, policies: Sequence[dict]) -> list[Memb
             message = (f"spec.model.guaranteedGiB: {spec.guaranteed_gib:g} GiB does not fit: ExpertPool {pool_name}'s "
                        f"hosts have {pool.hosts.memory_gib_per_host:g} GiB each and the models admitted before it "
                        f"keep {pool.hosts.memory_gib_per_host - left_gib:g}; at most {max(left_gib, 0):g} is left")
+        elif spec.keep_warm_gib > warm_left_gib + 1e-9:
+            message = (f"spec.model.keepWarmGiB: {spec.keep_warm_gib:g} GiB does not fit: ExpertPool {pool_name}'s "
+                       f"hosts have {pool.hosts.memory_gib_per_host:g} GiB each and the models admitted before it keep "
+                       f"{pool.hosts.memory_gib_per_host - warm_left_gib:g} warm; at most {max(warm_left_gib, 0):g} is left")
         else:
             served[model] = name
             left_gib -= spec.guaranteed_gib
-            members.append(Member(name, model, spec.store, spec.guaranteed_gib, True))
+            warm_left_gib -= spec.keep_warm_gib
+            members.append(Member(name, model, spec.store, spec.guaranteed_gib, True, "", spec.keep_warm_gib))
             continue
-        members.append(Member(name, model, spec.store, spec.guaranteed_gib, False, message))
+        members.append(Member(name, model, spec.store, spec.guaranteed_gib, False, message, spec.keep_warm_gib))
     return members
 
 
 def member_of(policy_name: str, members: Sequence[Member]) -> Member | None:
     return next((m for m in members if m.policy == policy_name), None)
-
-
-def on_pool(spec: PolicySpec) -> bool:
-    return spec.pool is not None

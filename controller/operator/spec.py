@@ -54,7 +54,8 @@ class PolicySpec:
 
     A policy has its own pool (hosts set) or joins an ExpertPool (pool set, hosts None): then its
     model is served on the pool's hosts by model_name, with guaranteed_gib of each host's memory
-    kept for it while it is active (expert_fn/shares.py).
+    kept for it while it is active and its hottest replicas up to keep_warm_gib per host kept past
+    the keep-alive (expert_fn/shares.py).
     """
 
     store: str
@@ -68,6 +69,7 @@ class PolicySpec:
     pool: str | None = None
     model_name: str | None = None
     guaranteed_gib: float = 0.0
+    keep_warm_gib: float = 0.0
 
     @property
     def keep_alive_s(self) -> float:
@@ -174,7 +176,7 @@ def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
                 raise SpecError(f"spec.model.{key}: on an ExpertPool the pool's spec.storage holds every model's store")
         hosts, scaling = None, Scaling()
     else:
-        for key in ("name", "guaranteedGiB"):
+        for key in ("name", "guaranteedGiB", "keepWarmGiB"):
             if key in model:
                 raise SpecError(f"spec.model.{key}: only for a policy on an ExpertPool (spec.pool)")
         hosts = parse_hosts(spec)
@@ -183,8 +185,10 @@ def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
     if name is not None and (not isinstance(name, str) or "=" in name or "," in name):
         raise SpecError(f"spec.model.name: {name!r} is not a model name (no '=' or ',')")
     guaranteed = _typed(model.get("guaranteedGiB", 0.0), float, "spec.model.guaranteedGiB")
-    if guaranteed < 0:
-        raise SpecError(f"spec.model.guaranteedGiB: {guaranteed:g} is negative")
+    warm = _typed(model.get("keepWarmGiB", 0.0), float, "spec.model.keepWarmGiB")
+    for key, value in (("guaranteedGiB", guaranteed), ("keepWarmGiB", warm)):
+        if value < 0:
+            raise SpecError(f"spec.model.{key}: {value:g} is negative")
     # 3. Serving knobs: exactly a `moeless serve --config` file.
     try:
         knobs = Knobs.from_mapping(_block(spec, "serving"), where="spec.serving")
@@ -199,5 +203,5 @@ def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
         non_expert_deployment=non_expert.get("deployment") or None,
         non_expert_gib_per_replica=_typed(non_expert.get("memoryGiBPerReplica", 0.0), float,
                                           "spec.nonExpert.memoryGiBPerReplica"),
-        pool=pool_name, model_name=name, guaranteed_gib=guaranteed,
+        pool=pool_name, model_name=name, guaranteed_gib=guaranteed, keep_warm_gib=warm,
     )

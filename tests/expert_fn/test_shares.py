@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from moeless.expert_fn.errors import HostMemoryFull
 from moeless.expert_fn.lifecycle import ReplicaTable
 from moeless.expert_fn.meters import Meters
-from moeless.expert_fn.shares import Candidate, Shares, pick_victims
+from moeless.expert_fn.shares import Candidate, Shares, pick_victims, warm_set
 
 
 def test_the_golden_example():
@@ -76,3 +76,47 @@ def test_a_host_with_shares_keeps_a_quiet_model_s_replicas_and_refuses_shares_it
     run = subprocess.run([sys.executable, "-m", "moeless.cli", "expert-host", "--store", f"a={a.root}",
                           "--share", "c=1"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--share c: this host serves no such model" in run.stderr
+
+
+def test_warm_set_keeps_each_model_s_hottest_replicas_up_to_its_bytes():
+    shares = Shares((0, 2), (0, 0), 60.0, warm=(2, 0))
+    held = [((0, 0), 1, 50), ((0, 1), 1, 10), ((1, 0), 1, 90), ((1, 1), 2, 99), ((2, 0), 1, 500)]
+    # A's hottest is (1, 1) but 2 bytes fill its warm set alone; B keeps nothing warm.
+    assert warm_set(held, shares) == {(1, 1)}
+    assert warm_set(held, Shares((0, 2), (0, 0), 60.0, warm=(3, 0))) == {(1, 1), (1, 0)}
+    assert warm_set(held, Shares((0, 2), (0, 0), 60.0)) == set()
+
+
+def test_the_keep_alive_leaves_a_model_s_keep_warm_set_and_a_load_may_still_evict_it():
+    clock = _Clock()
+    meters = Meters(clock)
+    table = ReplicaTable(4, keep_alive_s=10.0, clock=clock, meters=meters,
+                         shares=Shares((0, 2), (0, 0), active_s=1e9, warm=(1, 0)))
+    for key, tokens in (((0, 0), 5), ((0, 1), 50), ((2, 0), 80)):
+        table.begin_load(key, 1)
+        table.finish_load(key)
+        table.acquire(key)
+        meters.invoked(key[0], {key[1]: tokens})
+        table.release(key)
+    clock.t += 100.0
+    assert sorted(table.expire()) == [(0, 0), (2, 0)]  # A's hottest (0, 1) stays; B keeps nothing warm
+    assert [k for k, r in table.replicas().items() if r.bytes] == [(0, 1)]
+    for key in ((2, 1), (3, 0), (3, 1)):  # B fills the host: A's warm replica is not guaranteed
+        table.begin_load(key, 1)
+        table.finish_load(key)
+    table.begin_load((2, 2), 1)
+    assert table.state((0, 1)).value == "evicted"
+
+
+def test_a_bad_keep_warm_flag_is_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+
+    from expert_fn_support import random_store
+
+    a = random_store(tmp_path / "a", 2, 4, 16, 8)
+    for flag, says in (("a=lots", "--keep-warm 'a=lots': expected NAME=GB"), ("c=1", "--keep-warm c: this host serves no such model"),
+                       ("a=0.002", "--keep-warm: the keep-warm sets add up to 0.002 GB, more than the host's 0.001 GB")):
+        run = subprocess.run([sys.executable, "-m", "moeless.cli", "expert-host", "--store", f"a={a.root}",
+                              "--memory-gb", "0.001", "--keep-warm", flag], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and says in run.stderr, run.stderr

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from moeless.controller.operator import objects as obj
 from moeless.controller.operator.actions import Create, Delete, Emit, Observed, Scale, Update, UpdateStatus
 from moeless.controller.operator.meters import HostMeters, ModelMeters, Replica
@@ -25,8 +27,9 @@ def pool(**spec) -> dict:
             "metadata": {"name": POOL, "namespace": "ml", "uid": "pool-uid", "generation": 1}, "spec": body}
 
 
-def member(name: str, created: str, guaranteed: float = 0.0, model: str | None = None, **spec) -> dict:
-    m = {"store": f"/models/{name}", "guaranteedGiB": guaranteed}
+def member(name: str, created: str, guaranteed: float = 0.0, model: str | None = None, warm: float = 0.0,
+           **spec) -> dict:
+    m = {"store": f"/models/{name}", "guaranteedGiB": guaranteed, "keepWarmGiB": warm}
     if model:
         m["name"] = model
     body = {"pool": POOL, "model": m, "serving": {"planner": "moeless"}, **spec}
@@ -136,6 +139,18 @@ def test_a_share_that_does_not_fit_and_a_name_taken_are_refused_naming_the_field
     assert ("b", "NotAdmitted", rows["b"]["message"]) in cluster.events
 
 
+def test_keep_warm_sets_reach_the_hosts_and_one_that_does_not_fit_is_refused():
+    cluster = Cluster(pool(), [member("a", "2026-01-01T00:00:00Z", warm=1.5), member("b", "2026-01-02T00:00:00Z", warm=0.25),
+                               member("c", "2026-01-03T00:00:00Z", warm=0.5)])
+    cluster.step_pool(T0)
+    command = cluster.command()
+    assert "--keep-warm a=1.611 --keep-warm b=0.268" in command
+    assert "--store c=" not in command and "--keep-warm c=" not in command
+    rows = {r["policy"]: r for r in cluster.pool["status"]["models"]}
+    assert rows["c"]["admitted"] is False and rows["c"]["message"].startswith("spec.model.keepWarmGiB: 0.5 GiB does not fit")
+    assert rows["a"]["keepWarmGiB"] == 1.5
+
+
 def test_each_model_is_billed_its_own_gb_seconds_and_they_add_up_to_the_pool():
     cluster = Cluster(pool(), [member("mixtral", "2026-01-01T00:00:00Z"), member("phi", "2026-01-02T00:00:00Z")])
     cluster.step_pool(T0)
@@ -223,6 +238,16 @@ def test_a_policy_that_joins_a_pool_gives_up_its_own_hosts():
     actions = cluster.step_policy("a", T0 + 2)
     assert set(of(actions, Delete)) == {Delete("StatefulSet", "a-hosts"), Delete("Service", "a-hosts")}
     assert "--store a=/models/a" in cluster.command()
+
+
+def test_pool_fields_on_a_policy_with_hosts_of_its_own_are_refused():
+    from moeless.controller.operator.spec import SpecError, parse_spec
+
+    for key in ("name", "guaranteedGiB", "keepWarmGiB"):
+        with pytest.raises(SpecError, match=f"spec.model.{key}: only for a policy on an ExpertPool"):
+            parse_spec({"model": {"store": "/m", key: 1 if key != "name" else "x"}, "hosts": {"image": "i", "maxHosts": 1}})
+    with pytest.raises(SpecError, match="spec.model.keepWarmGiB: -1 is negative"):
+        parse_spec({"pool": POOL, "model": {"store": "/m", "keepWarmGiB": -1}})
 
 
 def test_a_deleted_pool_deletes_its_hosts():
