@@ -91,6 +91,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     sp.add_argument("--horizon", type=float, metavar="S", help="seconds replayed (default 3600; 600 with --quick)")
     sp.add_argument("--idle-delay", type=float, metavar="S",
                     help="a model without a request this long sleeps in a shared pool (default 60)")
+    sp.add_argument("--keep-warm", type=float, metavar="SHARE", default=0.0,
+                    help="share of each layer's experts (the most popular) a model keeps resident while asleep in the "
+                         "expert-grain pool, 0..1 (default 0)")
     add_knob_flags(p)
     p.add_argument("--out", metavar="DIR", default="moeless-eval", help="the run directory (default ./moeless-eval)")
     p.add_argument("--markdown", metavar="FILE", help="also write the report's markdown here (links relative to it)")
@@ -241,8 +244,10 @@ def _shared_pool_config(args: argparse.Namespace):
     bad = [k for k, v in picked.items() if v is not None and not v > 0]
     if bad or not args.step_ms > 0:
         raise DeploymentError(f"--{(bad[0] if bad else 'step_ms').removesuffix('_s').replace('_', '-')} must be positive")
+    if not 0 <= args.keep_warm <= 1:
+        raise DeploymentError(f"--keep-warm: a share of each layer's experts, 0..1; got {args.keep_warm:g}")
     settings = PoolSettings(**{k: (v if v is not None else getattr(settings, k)) for k, v in picked.items()},
-                            step_s=args.step_ms / 1e3, seed=args.seed)
+                            step_s=args.step_ms / 1e3, seed=args.seed, keep_warm=args.keep_warm)
     gpus = args.gpu or [base.gpu]
     if len(gpus) != 1:
         raise DeploymentError(f"--gpu: the shared pool takes one GPU type, got {gpus}")

@@ -103,7 +103,10 @@ def _markdown(run: dict, checks: list[dict]) -> str:
              f"{len(run['models'])} models on {run['gpu']} GPUs ({run['gpu_bytes_for_weights'] / 1e9:.0f} GB of each for "
              f"weights), a horizon of {s['horizon_s']:g} s in windows of {s['window_s']:g} s; a shared pool puts a model to "
              f"sleep after {s['idle_delay_s']:g} s without a request; the expert-grain pool evicts an expert after "
-             f"{s['keep_alive_s']:g} s without a token. How each way is modelled, and what is not: twin/shared_pool.py.", "",
+             f"{s['keep_alive_s']:g} s without a token"
+             + (f"; each model keeps {s['keep_warm']:.0%} of each layer's experts (its most popular) warm while asleep"
+                if s.get("keep_warm") else "")
+             + ". How each way is modelled, and what is not: twin/shared_pool.py.", "",
              "## The models", "",
              "| model | dedicated GPUs | weights GB | expert MB | layers x experts, k | whole-model wake s | routing | workload |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

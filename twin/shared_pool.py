@@ -12,6 +12,8 @@ The three ways (docs/shared-pool.md):
   them, as moeless's planning loop prefetches its static share on its first pass (held, and billed,
   until the keep-alive evicts those that get no token); an expert evicted while its model is awake
   and then routed to again is a cold start outside a wake-up (its load time exposed, not hidden).
+  With `keep_warm` > 0 a model keeps that share of each layer's experts, its most popular, resident
+  all the time (asleep too, billed): a wake-up loads only the routed experts outside that set.
 
 In numbered steps, per model (windows of window_s over horizon_s):
 1. Tokens per window from the requests (arrival, prompt, output): the prompt in the window it
@@ -104,6 +106,7 @@ class PoolSettings:
     keep_alive_s: float = 60.0  # an expert without a token this long is evicted (expert-grain)
     gpu_bytes: float = 64e9  # a GPU's bytes for weights
     seed: int = 0
+    keep_warm: float = 0.0  # share of each layer's experts (the most popular) kept resident while asleep
 
     @property
     def windows(self) -> int:
@@ -150,6 +153,16 @@ class ModelTimeline:
     wake_whole_s: np.ndarray
     wake_expert_s: np.ndarray
     compute_s: np.ndarray
+    warm_experts: int = 0  # experts kept resident while asleep (expert-grain)
+
+
+def warm_mask(popularity: np.ndarray, share: float) -> np.ndarray:
+    """[L, E] bool: each layer's ceil(share x E) most popular experts (ties: the lower index)."""
+    keep = int(math.ceil(share * popularity.shape[1] - 1e-9))
+    order = np.argsort(-popularity, axis=1, kind="stable")[:, :keep]
+    mask = np.zeros(popularity.shape, bool)
+    np.put_along_axis(mask, order, True, axis=1)
+    return mask
 
 
 def expert_seconds(model: PoolModel, tokens: np.ndarray, busy: np.ndarray, s: "PoolSettings") -> np.ndarray:
@@ -167,24 +180,25 @@ def timeline(model: PoolModel, requests: Requests, s: PoolSettings, rng: np.rand
     awake = awake_windows(busy, int(round(s.idle_delay_s / s.window_s)))
     keep = int(round(s.keep_alive_s / s.window_s))
     last_hit = np.full(model.popularity.shape, -10**9)
+    kept = warm_mask(model.popularity, s.keep_warm)  # resident all along
     resident, cold = np.zeros(s.windows, np.int64), np.zeros(s.windows, np.int64)
     wakes, wake_expert = [], []
     for w in np.flatnonzero(awake):
         waking = w == 0 or not awake[w - 1]
         hit = rng.random(model.popularity.shape) < -np.expm1(-tokens[w] * model.top_k * model.popularity)
-        warm = (w - last_hit <= keep) & ~waking  # a wake-up finds nothing resident
+        warm = ((w - last_hit <= keep) & ~waking) | kept  # a wake-up finds only the keep-warm set resident
         if waking:
             wakes.append(w)
-            per_layer = np.ceil(hit.sum(axis=1) / model.gpus)  # each layer's experts, G loads at once
+            per_layer = np.ceil((hit & ~kept).sum(axis=1) / model.gpus)  # each layer's experts, G loads at once
             wake_expert.append(model.non_expert_load_s + per_layer.sum() * model.expert_load_s)
             last_hit[:] = w  # the rest load behind the routed ones (the loop's first pass: its static share)
         else:
             cold[w] = int((hit & ~warm).sum())
         last_hit[hit] = w
-        resident[w] = int((w - last_hit <= keep).sum())
+        resident[w] = int(((w - last_hit <= keep) | kept).sum())
     wake_windows = np.asarray(wakes, np.int64)
     return ModelTimeline(tokens, busy, awake, resident, cold, wake_windows, np.full(len(wakes), model.whole_load_s),
-                         np.asarray(wake_expert, float), expert_seconds(model, tokens, busy, s))
+                         np.asarray(wake_expert, float), expert_seconds(model, tokens, busy, s), int(kept.sum()))
 
 
 def step_time_p99(model: PoolModel, line: ModelTimeline, s: PoolSettings) -> dict[str, float]:
@@ -216,7 +230,8 @@ def held_bytes(model: PoolModel, line: ModelTimeline) -> dict[str, np.ndarray]:
     w = len(line.awake)
     return {"dedicated": np.full(w, float(model.weight_bytes)),
             "whole-model": np.where(line.awake, float(model.weight_bytes), 0.0),
-            "expert-grain": np.where(line.awake, model.non_expert_bytes + line.resident * float(model.expert_bytes), 0.0)}
+            "expert-grain": np.where(line.awake, model.non_expert_bytes + line.resident * float(model.expert_bytes),
+                                     line.warm_experts * float(model.expert_bytes))}
 
 
 def pool_gpus(models: list[PoolModel], lines: list[ModelTimeline], held: list[dict[str, np.ndarray]],

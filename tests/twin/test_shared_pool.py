@@ -14,6 +14,7 @@ from moeless.twin.shared_pool import (
     awake_windows,
     evaluate_pool,
     step_time_p99,
+    warm_mask,
     window_tokens,
 )
 
@@ -80,6 +81,24 @@ def test_p99_step_time_outside_wake_ups_counts_each_cold_start_as_a_stalled_step
         {"dedicated": 0.02, "whole-model": 0.02, "expert-grain": 1.02})
     assert step_time_p99(model, line([0, 0, 1]), s)["expert-grain"] == pytest.approx(0.02)
     assert step_time_p99(model, line([50, 0, 0]), s)["expert-grain"] == pytest.approx(0.02)  # in the wake-up
+
+
+def test_a_keep_warm_set_shortens_wake_ups_and_is_paid_for_while_asleep():
+    assert warm_mask(np.array([[0.1, 0.5, 0.2, 0.2], [0.4, 0.3, 0.2, 0.1]]), 0.5).tolist() == [
+        [False, True, True, False], [True, True, False, False]]  # ties: the lower index
+    rng = np.random.default_rng(5)
+    model = _model("a", 4, 8, 2, 2)
+    arrival = np.sort(rng.uniform(0, 1200, 12))
+    requests = [Requests(arrival, np.full(12, 400.0), np.full(12, 50.0))]
+    runs = {share: evaluate_pool([model], requests, PoolSettings(horizon_s=1200, window_s=1, step_s=0.05,
+                                                                 idle_delay_s=30, keep_alive_s=30, gpu_bytes=40 * GB,
+                                                                 keep_warm=share))["models"][0]
+            for share in (0.0, 0.5, 1.0)}
+    waits = {share: run["wake_s"]["expert-grain"]["p50"] for share, run in runs.items()}
+    assert waits[1.0] == 1.0 < waits[0.5] < waits[0.0]  # all warm: only the non-expert weights load
+    gb_s = {share: run["gb_s"]["expert-grain"] for share, run in runs.items()}
+    assert gb_s[0.0] < gb_s[0.5] < gb_s[1.0]  # the warm experts are held (and billed) while asleep
+    assert runs[0.0]["gb_s"]["whole-model"] == runs[1.0]["gb_s"]["whole-model"]  # the other ways unchanged
 
 
 def test_mismatched_inputs_are_refused():
