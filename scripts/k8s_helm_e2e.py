@@ -627,10 +627,13 @@ def main() -> int:
                         "default planner)")
     parser.add_argument("--expert-hosts", default="", help="serving.expertHosts (default: the chart's)")
     parser.add_argument("--keep", action="store_true", help="leave the cluster running after the checks (Ctrl-C stops it)")
-    args = parser.parse_args()
+    return run_checks(Run(parser.parse_args()), "k8s_helm_e2e")
+
+
+def run_checks(run: Run, name: str) -> int:
+    """Run the checks, dump the pods' logs on a failure, always stop what was started; 0 if every check passed."""
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop everything on the way out (the finally below)
         signal.signal(sig, lambda *_: sys.exit(130))
-    run = Run(args)
     code = 1
     try:
         code = run.run()
@@ -647,9 +650,8 @@ def main() -> int:
         run.cleanup()
     print("\nchecks:\n" + run.checks.summary(), flush=True)
     ok = code == 0 and run.checks.ok
-    print(f"k8s_helm_e2e: {'every check passed' if ok else 'FAILED'} in {time.monotonic() - T0:.0f} s", flush=True)
+    print(f"{name}: {'every check passed' if ok else 'FAILED'} in {time.monotonic() - T0:.0f} s", flush=True)
     return 0 if ok else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

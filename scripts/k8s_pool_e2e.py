@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -31,8 +30,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from k8s_helm_e2e import (DOCKER, GRPC_PORT, METRICS_PORT, NS, OPERATOR_PORT, RELEASE, ROOT, ControlPlane,  # noqa: E402
-                          Kubectl, Run, build_images, k8s_binaries, log, pod_ready, port_free, sh, start_node,
-                          strip_for_apply, wait_for)
+                          Kubectl, Run, build_images, k8s_binaries, log, pod_ready, port_free, run_checks, sh,
+                          start_node, strip_for_apply, wait_for)
 
 POOL = f"{RELEASE}-pool"
 MODELS = {"moeless-default": ("default", 18000), "tiny-mixtral": ("tiny:mixtral", 18001)}  # policy: (--model, port)
@@ -299,28 +298,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ref", default="HEAD", help="git ref whose sources go into the image (default HEAD; "
                         "'worktree': the working tree as it is)")
-    args = parser.parse_args()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: sys.exit(130))
-    run = PoolRun(args)
-    code = 1
-    try:
-        code = run.run()
-    except BaseException as err:  # noqa: BLE001 - report, dump, clean up
-        if not isinstance(err, SystemExit):
-            log(f"ABORTED: {type(err).__name__}: {err}")
-        code = 1 if not isinstance(err, SystemExit) else (err.code or 1)
-    finally:
-        if not run.checks.ok or code:
-            try:
-                run.dump()
-            except Exception as err:  # noqa: BLE001
-                log(f"dump failed: {err}")
-        run.cleanup()
-    print("\nchecks:\n" + run.checks.summary(), flush=True)
-    ok = code == 0 and run.checks.ok
-    print(f"k8s_pool_e2e: {'every check passed' if ok else 'FAILED'}", flush=True)
-    return 0 if ok else 1
+    return run_checks(PoolRun(parser.parse_args()), "k8s_pool_e2e")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from moeless.controller.operator import objects as obj
 from moeless.controller.operator.meters import HostMeters, increase
-from moeless.controller.operator.scaling import Pending, ScaleDecision, Sized, decide_hosts
+from moeless.controller.operator.scaling import Pending, ScaleDecision, decide_hosts
+from moeless.controller.operator.spec import Sizing
 
 
 # -- actions ---------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def woken(owner: dict, status: dict) -> bool:
 
 
 # -- scaling ---------------------------------------------------------------------------------
-def scale_hosts(spec: Sized, owner: dict, status: dict, observed: Observed, active: bool, now: float,
+def scale_hosts(spec: Sizing, owner: dict, status: dict, observed: Observed, active: bool, now: float,
                 conflicted: Sequence[str]) -> tuple[list[Action], ScaleDecision, float]:
     """Decide the host StatefulSet's size (scaling.decide_hosts) and the Scale and Event actions;
     returns them with the decision and the last active time. The StatefulSet is created at its

@@ -20,14 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from moeless.controller.operator.spec import (GIB, SCALING_KEYS, HostPool, Scaling, SpecError, _block, _typed,
+from moeless.controller.operator.spec import (SCALING_KEYS, HostPool, Scaling, SpecError, Sizing, _block, _typed,
                                               parse_hosts, parse_scaling, parse_spec)
 
 _KEYS = {"hosts", "storage", "keepAliveSeconds", *SCALING_KEYS}
 
 
 @dataclass(frozen=True)
-class PoolSpec:
+class PoolSpec(Sizing):
     """Everything the pool's reconcile needs from spec, with defaults filled in."""
 
     hosts: HostPool
@@ -36,15 +36,6 @@ class PoolSpec:
     pvc: str | None = None
     host_path: str | None = None
     mount_path: str = "/models"
-
-    @property
-    def scale_in_delay_s(self) -> float:
-        delay = self.scaling.downscale_delay_s
-        return self.keep_alive_s if delay is None else delay
-
-    @property
-    def host_capacity_bytes(self) -> int:
-        return int(self.hosts.memory_gib_per_host * GIB)
 
 
 def parse_pool_spec(spec: Mapping[str, Any]) -> PoolSpec:

@@ -15,22 +15,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
-from moeless.controller.operator.spec import GIB, HostPool, Scaling
-
-
-class Sized(Protocol):
-    """What sizes a pool: a policy with its own hosts (spec.PolicySpec) or an ExpertPool (pool_spec.PoolSpec)."""
-
-    @property
-    def hosts(self) -> HostPool | None: ...
-
-    @property
-    def scaling(self) -> Scaling: ...
-
-    @property
-    def scale_in_delay_s(self) -> float: ...
+from moeless.controller.operator.spec import GIB, HostPool, Sizing
 
 
 @dataclass(frozen=True)
@@ -56,9 +42,10 @@ def needed_hosts(hosts: HostPool, held_bytes: float) -> int:
     return min(hosts.max_hosts, max(need, hosts.min_hosts, 1))
 
 
-def decide_hosts(spec: Sized, current: int | None, held_bytes: float, idle_s: float,
+def decide_hosts(spec: Sizing, current: int | None, held_bytes: float, idle_s: float,
                  pending: Pending | None, now: float) -> ScaleDecision:
-    """current: the pool's size (None: not created yet); idle_s: seconds since the last token."""
+    """spec: a policy with its own hosts (spec.PolicySpec) or an ExpertPool (pool_spec.PoolSpec);
+    current: the pool's size (None: not created yet); idle_s: seconds since the last token."""
     hosts, scaling = spec.hosts, spec.scaling
     assert hosts is not None, "a policy on an ExpertPool is sized by its pool"
     # 1. Idle long enough: scale to zero.

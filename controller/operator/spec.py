@@ -48,8 +48,26 @@ class Scaling:
     downscale_delay_s: float | None = None  # None: the keep-alive
 
 
+class Sizing:
+    """What a spec with hosts, scaling and a keep-alive derives (a policy's own pool, or an ExpertPool)."""
+
+    hosts: HostPool | None
+    scaling: Scaling
+    keep_alive_s: float
+
+    @property
+    def scale_in_delay_s(self) -> float:
+        delay = self.scaling.downscale_delay_s
+        return self.keep_alive_s if delay is None else delay
+
+    @property
+    def host_capacity_bytes(self) -> int:
+        assert self.hosts is not None, "a policy on an ExpertPool has no hosts of its own"
+        return int(self.hosts.memory_gib_per_host * GIB)
+
+
 @dataclass(frozen=True)
-class PolicySpec:
+class PolicySpec(Sizing):
     """Everything the reconcile needs from spec, with defaults filled in.
 
     A policy has its own pool (hosts set) or joins an ExpertPool (pool set, hosts None): then its
@@ -72,18 +90,8 @@ class PolicySpec:
     keep_warm_gib: float = 0.0
 
     @property
-    def keep_alive_s(self) -> float:
+    def keep_alive_s(self) -> float:  # type: ignore[override]
         return self.knobs.keep_alive_s
-
-    @property
-    def scale_in_delay_s(self) -> float:
-        delay = self.scaling.downscale_delay_s
-        return self.keep_alive_s if delay is None else delay
-
-    @property
-    def host_capacity_bytes(self) -> int:
-        assert self.hosts is not None, "a policy on an ExpertPool has no hosts of its own"
-        return int(self.hosts.memory_gib_per_host * GIB)
 
     def served_as(self, policy_name: str) -> str:
         """The name the pool's hosts serve this model by (spec.model.name, default the policy's name)."""

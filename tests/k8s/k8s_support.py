@@ -264,3 +264,11 @@ def start_operator(kubeconfig_path: Path, identity: str, log_dir: Path, *extra: 
             "--metrics-port", str(port), "--metrics-bind", "127.0.0.1", "--lease-namespace", lease_namespace,
             "--identity", identity, "-v", *extra]
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), port
+
+
+def install_moeless(kubectl: "Kubectl", namespace: str) -> None:
+    """The CRDs (both Established) and the operator's RBAC of manifests/, and a namespace for the test."""
+    kubectl("apply", "-f", str(ROOT / "manifests" / "crd.yaml"), "-f", str(ROOT / "manifests" / "rbac.yaml"))
+    for crd in ("expertautoscalingpolicies", "expertpools"):
+        kubectl("wait", "--for=condition=Established", f"crd/{crd}.moeless.io", "--timeout=30s")
+    kubectl("create", "namespace", namespace)

@@ -10,7 +10,6 @@ one operator.
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import time
 import urllib.request
@@ -30,7 +29,7 @@ from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.controller.knobs import Knobs
 from moeless.model.weight_store import export_experts
 
-from k8s_support import ROOT, service_account_kubeconfig, start_operator, wait_for
+from k8s_support import ROOT, install_moeless, service_account_kubeconfig, start_operator, wait_for
 
 pytestmark = pytest.mark.k8s
 NS = "ml"
@@ -39,10 +38,7 @@ HIDDEN, FFN = 16, 8
 
 @pytest.fixture(scope="module")
 def api(cluster, kubectl):
-    kubectl("apply", "-f", str(ROOT / "manifests" / "crd.yaml"), "-f", str(ROOT / "manifests" / "rbac.yaml"))
-    for crd in ("expertautoscalingpolicies", "expertpools"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}.moeless.io", "--timeout=30s")
-    kubectl("create", "namespace", NS)
+    install_moeless(kubectl, NS)
     return config.new_client_from_config(config_file=str(cluster.kubeconfig))
 
 

@@ -9,11 +9,13 @@ import copy
 import pytest
 
 from moeless.controller.operator import objects as obj
-from moeless.controller.operator.actions import Create, Delete, Emit, Observed, Scale, Update, UpdateStatus
+from moeless.controller.operator.actions import Create, Delete, Observed, Scale, Update
 from moeless.controller.operator.meters import HostMeters, ModelMeters, Replica
 from moeless.controller.operator.pool_reconcile import reconcile_pool
 from moeless.controller.operator.reconcile import reconcile
 from moeless.controller.operator.spec import GIB
+
+from fake_api import apply_actions
 
 T0 = 1_700_000_000.0
 POOL = "shared"
@@ -72,21 +74,7 @@ class Cluster:
         return actions
 
     def _apply(self, actions: list, owner: dict) -> None:
-        for a in actions:
-            if isinstance(a, Create):
-                self.objects[(a.obj["kind"], a.obj["metadata"]["name"])] = copy.deepcopy(a.obj)
-            elif isinstance(a, Update):
-                target = self.objects[(a.kind, a.name)]
-                for key, value in a.fields.items():
-                    target[key] = {**target.get(key, {}), **value} if key != "data" else value
-            elif isinstance(a, Scale):
-                self.objects[("StatefulSet", a.name)]["spec"]["replicas"] = a.replicas
-            elif isinstance(a, Delete):
-                self.objects.pop((a.kind, a.name))
-            elif isinstance(a, UpdateStatus):
-                owner["status"] = copy.deepcopy(a.status)
-            elif isinstance(a, Emit):
-                self.events.append((owner["metadata"]["name"], a.reason, a.message))
+        apply_actions(self.objects, owner, actions, self.events)
 
     def command(self) -> str:
         return " ".join(self.objects[("StatefulSet", f"{POOL}-hosts")]["spec"]["template"]["spec"]["containers"][0]["command"])

@@ -14,6 +14,8 @@ from moeless.controller.operator import objects as obj
 from moeless.controller.operator.meters import HostMeters, Replica
 from moeless.controller.operator.actions import Create, Delete, Emit, Observed, Scale, Update, UpdateStatus
 from moeless.controller.operator.reconcile import reconcile
+
+from fake_api import apply_actions
 from moeless.controller.operator.spec import GIB
 
 T0 = 1_700_000_000.0
@@ -44,21 +46,9 @@ class Cluster:
 
     def step(self, now: float, meters: dict[str, HostMeters] | None = None, serving_ready: int | None = None) -> list:
         actions = reconcile(NAME, copy.deepcopy(self.policy), self.observe(meters, serving_ready), now)
-        for a in actions:
-            if isinstance(a, Create):
-                self.objects[(a.obj["kind"], a.obj["metadata"]["name"])] = copy.deepcopy(a.obj)
-            elif isinstance(a, Update):
-                target = self.objects[(a.kind, a.name)]
-                for key, value in a.fields.items():
-                    target[key] = {**target.get(key, {}), **value} if key != "data" else value
-            elif isinstance(a, Scale):
-                self.objects[("StatefulSet", a.name)]["spec"]["replicas"] = a.replicas
-            elif isinstance(a, Delete):
-                self.objects.pop((a.kind, a.name))
-            elif isinstance(a, UpdateStatus):
-                self.policy["status"] = copy.deepcopy(a.status)
-            elif isinstance(a, Emit):
-                self.events.append(a.reason)
+        emitted: list = []
+        apply_actions(self.objects, self.policy, actions, emitted)
+        self.events += [reason for _, reason, _ in emitted]
         return actions
 
     @property
