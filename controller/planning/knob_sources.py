@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
@@ -39,17 +40,24 @@ class KnobSource(Protocol):
 
 @dataclass
 class FileKnobs:
-    """A knobs YAML file (a `moeless serve --config` file)."""
+    """A knobs YAML file (a `moeless serve --config` file). New contents count as a new generation
+    once two reads settle_s apart agree: a file being rewritten in place (truncated, then written)
+    is read empty in between, and an empty file is every default."""
 
     path: str
+    settle_s: float = 0.05
     _generation: int = 0
     _digest: bytes = field(default=b"", repr=False)
+    _data: bytes = field(default=b"", repr=False)
 
     def read(self) -> tuple[int, str]:
         data = Path(self.path).read_bytes()
         digest = hashlib.sha256(data).digest()
         if digest != self._digest:
-            self._digest, self._generation = digest, self._generation + 1
+            time.sleep(self.settle_s)
+            if Path(self.path).read_bytes() != data:  # still being written: the next read decides
+                return self._generation, self._data.decode(errors="replace")
+            self._digest, self._data, self._generation = digest, data, self._generation + 1
         return self._generation, data.decode(errors="replace")
 
     def applied(self, generation: int) -> None:

@@ -124,3 +124,19 @@ def test_a_knobs_file_changed_while_the_loop_runs_is_applied_and_a_bad_one_refus
         assert loop.state()["errors"] == 0 and loop.state()["generation"] == 5
     finally:
         loop.stop()
+
+
+def test_a_knobs_file_read_while_it_is_rewritten_is_not_a_generation(tmp_path, monkeypatch):
+    """A file rewritten in place reads empty for a moment, and an empty file is every default: a new
+    content counts only once two reads settle_s apart agree."""
+    from pathlib import Path
+
+    from moeless.controller.planning.knob_sources import FileKnobs
+
+    path = tmp_path / "knobs.yaml"
+    source = FileKnobs(str(path), settle_s=0.0)
+    reads = iter([b"scaler: false\n", b"scaler: false\n", b"", b"scaler: true\n", b"scaler: true\n", b"scaler: true\n"])
+    monkeypatch.setattr(Path, "read_bytes", lambda self: next(reads))
+    assert source.read() == (1, "scaler: false\n")
+    assert source.read() == (1, "scaler: false\n")  # empty, then changed again: still being written
+    assert source.read() == (2, "scaler: true\n")
