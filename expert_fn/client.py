@@ -35,7 +35,7 @@ second (reconnect backoff 0.1-1 s); calls until then raise ExpertHostUnavailable
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import grpc
 import torch
@@ -216,7 +216,7 @@ class ExpertHostClient:
         status["meters"] = _fields(reply.meters)
         if self.model is not None and self.model in reply.models:  # its own part where the host has one
             part = _fields(reply.models[self.model])
-            status["meters"].update({k: part[k] for k in ModelTotals.FIELDS})
+            status["meters"].update({f.name: part[f.name] for f in fields(ModelTotals)})
         return status
 
     def configure(self, keep_alive_s: float) -> float:

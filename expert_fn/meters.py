@@ -67,8 +67,6 @@ class ModelTotals:
     cold_hidden_s: float = 0.0
     cold_exposed_s: float = 0.0
 
-    FIELDS = ("gb_s", "bytes_held", "loads", "cold_starts", "tokens", "cold_hidden_s", "cold_exposed_s")
-
 
 @dataclass
 class LayerColdMeters:

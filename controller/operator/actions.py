@@ -161,10 +161,13 @@ def meter_increases(last: Mapping[str, Mapping], pods: Sequence[dict], meters: M
     return added, {**kept, **readings}
 
 
-def woken(owner: dict, status: dict) -> bool:
-    """Whether the wake annotation holds a value not acted on yet (status.wokenBy)."""
+def take_wake(owner: dict, status: dict) -> bool:
+    """Whether the wake annotation holds a value not acted on yet; if so, status.wokenBy records it."""
     wake = (owner["metadata"].get("annotations") or {}).get(obj.WAKE_ANNOTATION)
-    return bool(wake) and wake != status.get("wokenBy")
+    if not wake or wake == status.get("wokenBy"):
+        return False
+    status["wokenBy"] = wake
+    return True
 
 
 # -- scaling ---------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import urllib.request
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import urllib3
 from kubernetes import client
@@ -111,8 +111,10 @@ class Kube:
                 log.info("cannot read %s: %s", url, err)
         return pods, meters
 
-    def observe(self, namespace: str, policy_name: str, policy: dict | None, policies: list[dict] = ()) -> Observed:
-        """What one policy's reconcile needs (policies: the namespace's, for a policy on a pool)."""
+    def observe(self, namespace: str, policy_name: str, policy: dict | None, policies: list[dict] = (),
+                pool_hosts: Mapping[tuple[str, str], tuple[list, dict]] | None = None) -> Observed:
+        """What one policy's reconcile needs (policies: the namespace's, for a policy on a pool;
+        pool_hosts: (namespace, pool) -> (pods, meters) read this pass, which its policies reuse)."""
         objects = self._objects(namespace, policy_name, obj.KIND)
         if policy is None:
             return Observed(objects=objects)
@@ -124,11 +126,8 @@ class Kube:
         if spec.pool is not None:  # its hosts are the pool's
             pool = raw(self.custom.get_namespaced_custom_object, obj.GROUP, obj.VERSION, namespace, obj.POOL_PLURAL,
                        spec.pool)
-            try:
-                hosts = parse_pool_spec((pool or {}).get("spec")).hosts if pool else None
-            except SpecError:
-                hosts = None
-            pods, meters = self._hosts(namespace, spec.pool, obj.POOL_KIND, hosts)
+            seen = (pool_hosts or {}).get((namespace, spec.pool))
+            pods, meters = seen or self._hosts(namespace, spec.pool, obj.POOL_KIND, _pool_hosts(pool))
         else:
             pods, meters = self._hosts(namespace, policy_name, obj.KIND, spec.hosts)
         serving = None
@@ -143,11 +142,7 @@ class Kube:
         objects = self._objects(namespace, pool_name, obj.POOL_KIND)
         if pool is None:
             return Observed(objects=objects)
-        try:
-            hosts = parse_pool_spec(pool.get("spec")).hosts
-        except SpecError:
-            hosts = None
-        pods, meters = self._hosts(namespace, pool_name, obj.POOL_KIND, hosts)
+        pods, meters = self._hosts(namespace, pool_name, obj.POOL_KIND, _pool_hosts(pool))
         return Observed(objects=objects, pods=pods, meters=meters,
                         policies=[p for p in policies if p["metadata"]["namespace"] == namespace])
 
@@ -194,6 +189,14 @@ class Kube:
                                                                 obj.PLURALS[policy["kind"]], policy["metadata"]["name"], body)
         elif isinstance(action, Emit):
             self.core.create_namespaced_event(namespace, event(policy, action, now, self.component))
+
+
+def _pool_hosts(pool: dict | None) -> HostPool | None:
+    """An ExpertPool's hosts block (None: no pool, or an invalid spec, which its own reconcile reports)."""
+    try:
+        return parse_pool_spec(pool.get("spec")).hosts if pool else None
+    except SpecError:
+        return None
 
 
 def metrics_url(pod: dict, port: int, host_network: bool) -> str | None:

@@ -66,13 +66,17 @@ class Operator:
             live = {_key(p): p for p in items}
             work += [(kind, key, live[key]) for key in sorted(live)]
             work += [(kind, key, None) for key in sorted(self.kube.managed_pools(self.namespace, kind) - set(live))]
+        pool_hosts: dict[tuple[str, str], tuple[list, dict]] = {}  # read once a pass: the pool's policies reuse them
         for kind, (namespace, name), owner in work:
             try:
                 now = self.clock()
                 if kind == obj.POOL_KIND:
-                    actions = reconcile_pool(name, owner, self.kube.observe_pool(namespace, name, owner, policies), now)
+                    observed = self.kube.observe_pool(namespace, name, owner, policies)
+                    pool_hosts[(namespace, name)] = (list(observed.pods), dict(observed.meters))
+                    actions = reconcile_pool(name, owner, observed, now)
                 else:
-                    actions = reconcile(name, owner, self.kube.observe(namespace, name, owner, policies), now)
+                    observed = self.kube.observe(namespace, name, owner, policies, pool_hosts)
+                    actions = reconcile(name, owner, observed, now)
                 refused = self.kube.apply(namespace, owner, actions, now)
                 for action in actions:
                     log.debug("%s/%s: %s", namespace, name, action)

@@ -22,8 +22,9 @@ from typing import Sequence
 
 from moeless.controller.operator import objects as obj
 from moeless.controller.operator.actions import (Action, Observed, UpdateStatus, conflicts, degraded, delete_owned,
-                                                 hosts_readiness, invalid, meter_increases, pod_ready, rfc3339,
-                                                 scale_hosts, scale_status, set_conditions, sync_objects, woken)
+                                                 host_reading, hosts_readiness, invalid, meter_increases, pod_ready,
+                                                 rfc3339, scale_hosts, scale_status, set_conditions, sync_objects,
+                                                 take_wake)
 from moeless.controller.operator.meters import HostMeters, resident
 from moeless.controller.operator.pool_spec import Member, admit, parse_pool_spec
 from moeless.controller.operator.spec import SpecError
@@ -32,7 +33,7 @@ from moeless.controller.operator.spec import SpecError
 def model_readings(models: Sequence[str]):
     """A meter reading (actions.meter_increases) of each model's counters on a host, keyed MODEL/counter."""
     def read(m: HostMeters) -> dict[str, float]:
-        out = {"gbSeconds": m.gb_seconds, "coldStarts": m.cold_starts, "tokens": m.tokens}
+        out = host_reading(m)
         for name in models:
             mm = m.models.get(name)
             if mm is not None:
@@ -61,9 +62,7 @@ def reconcile_pool(pool_name: str, pool: dict | None, observed: Observed, now: f
     known = sorted({m.model for m in members} | {row["name"] for row in status.get("models") or ()})
     added, readings = meter_increases(status.get("meters") or {}, observed.pods, observed.meters, model_readings(known))
     inflight = sum(m.inflight for m in observed.meters.values())
-    active = added.get("tokens", 0) + inflight > 0 or woken(pool, status)
-    if woken(pool, status):
-        status["wokenBy"] = (pool["metadata"].get("annotations") or {})[obj.WAKE_ANNOTATION]
+    active = take_wake(pool, status) or added.get("tokens", 0) + inflight > 0
     total = float((status.get("cost") or {}).get("expertGBSeconds") or 0.0) + added.get("gbSeconds", 0.0)
     status.update(meters=readings, cost={"expertGBSeconds": round(total, 9)}, meterTime=rfc3339(now),
                   coldStarts=int(status.get("coldStarts") or 0) + int(added.get("coldStarts", 0)))

@@ -79,7 +79,8 @@ def admit(pool_name: str, pool: PoolSpec, policies: Sequence[dict]) -> list[Memb
     ordered = sorted(policies, key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
     members: list[Member] = []
     served: dict[str, str] = {}
-    left_gib = warm_left_gib = pool.hosts.memory_gib_per_host
+    capacity = pool.hosts.memory_gib_per_host
+    left = {"guaranteedGiB": capacity, "keepWarmGiB": capacity}  # each host's GiB not yet promised, per field
     for policy in ordered:
         name = policy["metadata"]["name"]
         raw = policy.get("spec") or {}
@@ -90,24 +91,21 @@ def admit(pool_name: str, pool: PoolSpec, policies: Sequence[dict]) -> list[Memb
         except SpecError:
             continue  # 1. its own reconcile reports it
         model = spec.served_as(name)
+        asks = {"guaranteedGiB": spec.guaranteed_gib, "keepWarmGiB": spec.keep_warm_gib}
+        misfit = next((key for key, gib in asks.items() if gib > left[key] + 1e-9), None)
+        message = ""
         if model in served:  # 2.
             message = (f"spec.model.name: model {model!r} is served on ExpertPool {pool_name} by policy "
                        f"{served[model]} already; give this one another name")
-        elif spec.guaranteed_gib > left_gib + 1e-9:  # 3.
-            message = (f"spec.model.guaranteedGiB: {spec.guaranteed_gib:g} GiB does not fit: ExpertPool {pool_name}'s "
-                       f"hosts have {pool.hosts.memory_gib_per_host:g} GiB each and the models admitted before it "
-                       f"keep {pool.hosts.memory_gib_per_host - left_gib:g}; at most {max(left_gib, 0):g} is left")
-        elif spec.keep_warm_gib > warm_left_gib + 1e-9:
-            message = (f"spec.model.keepWarmGiB: {spec.keep_warm_gib:g} GiB does not fit: ExpertPool {pool_name}'s "
-                       f"hosts have {pool.hosts.memory_gib_per_host:g} GiB each and the models admitted before it keep "
-                       f"{pool.hosts.memory_gib_per_host - warm_left_gib:g} warm; at most {max(warm_left_gib, 0):g} is left")
+        elif misfit is not None:  # 3.
+            kept = " warm" if misfit == "keepWarmGiB" else ""
+            message = (f"spec.model.{misfit}: {asks[misfit]:g} GiB does not fit: ExpertPool {pool_name}'s hosts have "
+                       f"{capacity:g} GiB each and the models admitted before it keep {capacity - left[misfit]:g}{kept}; "
+                       f"at most {max(left[misfit], 0):g} is left")
         else:
             served[model] = name
-            left_gib -= spec.guaranteed_gib
-            warm_left_gib -= spec.keep_warm_gib
-            members.append(Member(name, model, spec.store, spec.guaranteed_gib, True, "", spec.keep_warm_gib))
-            continue
-        members.append(Member(name, model, spec.store, spec.guaranteed_gib, False, message, spec.keep_warm_gib))
+            left = {key: left[key] - gib for key, gib in asks.items()}
+        members.append(Member(name, model, spec.store, spec.guaranteed_gib, not message, message, spec.keep_warm_gib))
     return members
 
 

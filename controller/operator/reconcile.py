@@ -29,7 +29,7 @@ from moeless.controller.operator import objects as obj
 from moeless.controller.operator.actions import (Action, Delete, Observed, UpdateStatus, conflicts, degraded,
                                                  delete_owned, hosts_readiness, invalid, meter_increases, pod_ready,
                                                  rfc3339, scale_hosts, scale_status, seconds, set_conditions,
-                                                 sync_objects, woken)
+                                                 sync_objects, take_wake)
 from moeless.controller.operator.meters import layer_cv_percentiles, resident
 from moeless.controller.operator.pool_spec import admit, member_of, parse_pool_spec
 from moeless.controller.operator.spec import GIB, PolicySpec, SpecError, parse_spec
@@ -55,9 +55,7 @@ def reconcile(policy_name: str, policy: dict | None, observed: Observed, now: fl
     cost["expertGBSeconds"] += added.get("gbSeconds", 0.0)
     _bill_non_expert(spec, status, cost, observed, now)
     inflight = sum(m.inflight for m in observed.meters.values())
-    active = added.get("tokens", 0) + inflight > 0 or woken(policy, status)
-    if woken(policy, status):
-        status["wokenBy"] = (policy["metadata"].get("annotations") or {})[obj.WAKE_ANNOTATION]
+    active = take_wake(policy, status) or added.get("tokens", 0) + inflight > 0
     status.update(meters=readings, cost=_rounded(cost), coldStarts=int(status.get("coldStarts") or 0) +
                   int(added.get("coldStarts", 0)), meterTime=rfc3339(now))
     # 4. Scale.

@@ -33,7 +33,7 @@ from moeless.controller.planning.board import publish_placement
 from moeless.controller.planning.calibrate import calibrate_host
 from moeless.controller.planning.cost_fit import OnlineCostFit
 from moeless.controller.planning.knob_sources import follow_knobs
-from moeless.controller.planning.rules import (HostView, LoopTerms, held_gb_s, hosts_to_configure, loop_terms,
+from moeless.controller.planning.rules import (HostView, LoopTerms, hosts_to_configure, loop_terms,
                                                plan_phases, plan_step, planner_config, restart_knobs_changed,
                                                same_placement)
 from moeless.controller.planning.window import PHASES, Heartbeat, IterationReport, LiveStats, ReportWindow
@@ -288,7 +288,7 @@ class PlanLoop:
             for i, status in enumerate(statuses):
                 if status is not None:
                     self.host_meters[i] = status["meters"]
-                    self._gb_s.update(i, held_gb_s(status, s.host_model is not None))
+                    self._gb_s.update(i, status["meters"]["gb_s"])  # a model-bound client's: its own part
             now = time.time()
             iteration_s = self.window.iteration_s(now)
             first, self._planned = not self._planned, True

@@ -84,12 +84,6 @@ def restart_knobs_changed(running: Knobs, new: Knobs) -> list[str]:
     return [name for name in RESTART_KNOBS if getattr(running, name) != getattr(new, name)]
 
 
-def held_gb_s(status: dict, shared: bool) -> float:
-    """A host's GB·s this model pays for, from its Status: the host's meter, or on a host shared by
-    models (a model-bound client's status) the sum over the model's own replicas."""
-    return sum(r["gb_s"] for r in status["replicas"]) if shared else status["meters"]["gb_s"]
-
-
 def is_stateful(planner_name: str) -> bool:
     """Planners that learn from every iteration's loads themselves (EPLB's window): the loop feeds
     them each reported iteration's actual loads instead of the merged forecast."""

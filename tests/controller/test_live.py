@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeless.controller.planning.rules import (
-    HostView, held_gb_s, hosts_to_configure, layer_cap_replicas, live_planner_name, loads_to_send, memory_price, plan_phases, plan_step, planner_config,
+    HostView, hosts_to_configure, layer_cap_replicas, live_planner_name, loads_to_send, memory_price, plan_phases, plan_step, planner_config,
     publishable,
     resident_placement, same_placement, union_placement,
 )
@@ -303,9 +303,3 @@ def test_route_check_floor_is_below_every_split_and_the_choice_below_planned_and
     chosen, did = actual_shares(whole, layer, model, 2, np.inf)
     assert not did
     assert model.layer_time(whole, chosen, 2, "serial") <= min(model.layer_time(whole, layer, 2, "serial"), static) + 1e-9
-
-
-def test_a_model_on_shared_hosts_pays_for_its_own_replicas_only():
-    status = {"meters": {"gb_s": 10.0}, "replicas": [{"gb_s": 1.5}, {"gb_s": 2.0}]}  # a model-bound client's status
-    assert held_gb_s(status, shared=False) == 10.0 and held_gb_s(status, shared=True) == 3.5
-

@@ -4,9 +4,12 @@ memory; a client bound to one model sees only its own replicas."""
 
 from __future__ import annotations
 
+import urllib.request
+
 import pytest
 import torch
 
+from moeless.controller.operator.meters import parse_host_metrics
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.errors import ExpertHostError
 from moeless.expert_fn.launcher import launch_local_hosts
@@ -184,9 +187,6 @@ def test_a_quiet_model_gives_its_memory_back_while_the_other_serves_and_its_next
 def test_a_shared_host_meters_each_model_and_the_models_add_up_to_the_host(two_models, tmp_path):
     """/metrics of a host serving two models: each model's GB·s, tokens and replicas under its own name
     and its own layer numbers (what the operator bills each policy on a shared pool from)."""
-    from moeless.controller.operator.meters import parse_host_metrics
-    import urllib.request
-
     models, _ = two_models
     stores = [(name, tmp_path / name) for name in MODELS]
     for (name, root), model in zip(stores, models.values()):
@@ -201,6 +201,9 @@ def test_a_shared_host_meters_each_model_and_the_models_add_up_to_the_host(two_m
             # A client bound to a model reads its model's part of the meters (what its planning loop reports).
             assert (a.status()["meters"]["tokens"], b.status()["meters"]["tokens"]) == (5, 7)
             assert (a.status()["meters"]["cold_starts"], b.status()["meters"]["cold_starts"]) == (1, 2)
+            for client in (a, b):  # it pays for its own replicas only (one clock reading per Status)
+                st = client.status()
+                assert st["meters"]["gb_s"] == pytest.approx(sum(r["gb_s"] for r in st["replicas"]), rel=1e-9)
             with ExpertHostClient(group.addresses[0]) as host:
                 assert host.status()["meters"]["tokens"] == 12 and host.status()["meters"]["cold_starts"] == 3
         reading = parse_host_metrics(urllib.request.urlopen(f"{group.metrics_urls[0]}/metrics", timeout=10).read().decode())
