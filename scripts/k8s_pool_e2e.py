@@ -42,6 +42,7 @@ KEEP_ALIVE_S = 20
 
 def references() -> tuple[dict[str, dict[str, str]], dict[str, Path]]:
     """Each model's greedy completions in process (no expert host) and its weight store."""
+    # torch and the models load here, once the docker engine and the ports are checked (as k8s_helm_e2e)
     from moeless.serving.api import GenerationRequest
     from moeless.serving.config import choose_model
     from moeless.serving.embedded import export_store
@@ -72,7 +73,7 @@ def model_meters(name: str) -> dict[str, float]:
 
 class PoolRun(Run):
     def complete(self, policy: str, prompt: str, timeout: float = 300) -> tuple[str, float]:
-        from openai import OpenAI
+        from openai import OpenAI  # the test extra; the checks above run without it
 
         flag, port = MODELS[policy]
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=timeout, max_retries=0)
@@ -110,7 +111,7 @@ class PoolRun(Run):
             return 2
         bin_dir = k8s_binaries()
         tag = build_images(bin_dir, self.work, self.args.ref)
-        import torch
+        import torch  # heavy: only once the checks above passed (as k8s_helm_e2e)
 
         from moeless.core.paths import cache_dir
         from moeless.model.default import BuildConfig, model_path

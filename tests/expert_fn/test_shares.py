@@ -3,12 +3,17 @@ and a property: one model's eviction storm never takes another active model's gu
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from hypothesis import given, settings, strategies as st
 
 from moeless.expert_fn.errors import HostMemoryFull
 from moeless.expert_fn.lifecycle import ReplicaTable
 from moeless.expert_fn.meters import Meters
 from moeless.expert_fn.shares import Candidate, Shares, pick_victims, warm_set
+
+from expert_fn_support import random_store
 
 
 def test_the_golden_example():
@@ -63,11 +68,6 @@ def test_an_eviction_storm_never_takes_another_active_model_s_share(b_keys, shar
 
 
 def test_a_host_with_shares_keeps_a_quiet_model_s_replicas_and_refuses_shares_it_cannot_hold(tmp_path):
-    import subprocess
-    import sys
-
-    from expert_fn_support import random_store
-
     a, b = random_store(tmp_path / "a", 2, 4, 16, 8), random_store(tmp_path / "b", 2, 4, 16, 8)
     run = subprocess.run([sys.executable, "-m", "moeless.cli", "expert-host", "--store", f"a={a.root}",
                           "--store", f"b={b.root}", "--memory-gb", "0.001", "--share", "a=0.0009", "--share", "b=0.0009"],
@@ -109,11 +109,6 @@ def test_the_keep_alive_leaves_a_model_s_keep_warm_set_and_a_load_may_still_evic
 
 
 def test_a_bad_keep_warm_flag_is_one_clear_line(tmp_path):
-    import subprocess
-    import sys
-
-    from expert_fn_support import random_store
-
     a = random_store(tmp_path / "a", 2, 4, 16, 8)
     for flag, says in (("a=lots", "--keep-warm 'a=lots': expected NAME=GB"), ("c=1", "--keep-warm c: this host serves no such model"),
                        ("a=0.002", "--keep-warm: the keep-warm sets add up to 0.002 GB, more than the host's 0.001 GB")):

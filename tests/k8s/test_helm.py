@@ -15,6 +15,9 @@ import pytest
 import yaml
 
 from moeless.controller.operator import objects
+from moeless.controller.operator.actions import Create, Observed
+from moeless.controller.operator.pool_reconcile import reconcile_pool
+from moeless.controller.operator.pool_spec import parse_pool_spec
 from moeless.controller.operator.spec import parse_spec
 
 from k8s_support import ROOT, wait_for
@@ -130,10 +133,6 @@ def test_template_with_kuberay_and_service_monitors(helm):
 def test_template_of_one_pool_for_several_models(helm, pool_values):
     """pool.enabled: an ExpertPool, a policy per model on it, a serving Deployment and Service per model that
     follows the pool's pods and addresses its model on the shared hosts; the operator admits both."""
-    from moeless.controller.operator.actions import Create, Observed
-    from moeless.controller.operator.pool_reconcile import reconcile_pool
-    from moeless.controller.operator.pool_spec import parse_pool_spec
-
     docs = render(helm, values=pool_values)
     assert kinds(docs).count("ExpertAutoscalingPolicy") == 2 and kinds(docs).count("ExpertPool") == 1
     pool = next(d for d in docs if d["kind"] == "ExpertPool")

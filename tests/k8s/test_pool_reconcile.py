@@ -13,7 +13,7 @@ from moeless.controller.operator.actions import Create, Delete, Observed, Scale,
 from moeless.controller.operator.meters import HostMeters, ModelMeters, Replica
 from moeless.controller.operator.pool_reconcile import reconcile_pool
 from moeless.controller.operator.reconcile import reconcile
-from moeless.controller.operator.spec import GIB
+from moeless.controller.operator.spec import GIB, SpecError, parse_spec
 
 from fake_api import apply_actions
 
@@ -229,8 +229,6 @@ def test_a_policy_that_joins_a_pool_gives_up_its_own_hosts():
 
 
 def test_pool_fields_on_a_policy_with_hosts_of_its_own_are_refused():
-    from moeless.controller.operator.spec import SpecError, parse_spec
-
     for key in ("name", "guaranteedGiB", "keepWarmGiB"):
         with pytest.raises(SpecError, match=f"spec.model.{key}: only for a policy on an ExpertPool"):
             parse_spec({"model": {"store": "/m", key: 1 if key != "name" else "x"}, "hosts": {"image": "i", "maxHosts": 1}})

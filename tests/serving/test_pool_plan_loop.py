@@ -7,11 +7,13 @@ over real expert-host processes and a pool file, as `moeless serve`'s supervisor
 """
 
 import time
+from pathlib import Path
 
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.controller.knobs import Knobs
 from moeless.controller.pool.members import Member
 from moeless.controller.planning.actor import LoopSettings, PlanLoop
+from moeless.controller.planning.knob_sources import FileKnobs
 from moeless.controller.pool.sources import FileSource, write_members
 from moeless.placement.profile import CostProfile
 
@@ -81,7 +83,6 @@ def test_a_loop_started_on_a_pool_at_zero_runs_and_plans_once_a_host_appears(tin
 
 
 def test_a_knobs_file_changed_while_the_loop_runs_is_applied_and_a_bad_one_refused(tiny_store, hosts, tmp_path):
-    from moeless.controller.planning.knob_sources import FileKnobs
 
     model, _ = tiny_store
     pool = tmp_path / "pool.json"
@@ -129,10 +130,6 @@ def test_a_knobs_file_changed_while_the_loop_runs_is_applied_and_a_bad_one_refus
 def test_a_knobs_file_read_while_it_is_rewritten_is_not_a_generation(tmp_path, monkeypatch):
     """A file rewritten in place reads empty for a moment, and an empty file is every default: a new
     content counts only once two reads settle_s apart agree."""
-    from pathlib import Path
-
-    from moeless.controller.planning.knob_sources import FileKnobs
-
     path = tmp_path / "knobs.yaml"
     source = FileKnobs(str(path), settle_s=0.0)
     reads = iter([b"scaler: false\n", b"scaler: false\n", b"", b"scaler: true\n", b"scaler: true\n", b"scaler: true\n"])
