@@ -11,8 +11,9 @@ States of a replica of (layer, expert):
 - warm: resident with invocations in flight; idle: resident, none in flight.
 - An idle replica stays resident for keep_alive_s after its last use, then expire() evicts it.
 - A loading replica is never evicted; a warm one is evicted only once its calls end.
-- Memory is reserved when a load begins; to make room, idle replicas go least recently used first,
-  or, on a host shared by models with guaranteed shares, in the order of shares.pick_victims.
+- Memory is reserved when a load begins; to make room, idle replicas go in the order of
+  shares.pick_victims: the least saving per GB·s first (LRU where reloads cost the same per byte),
+  never into another active model's guaranteed share.
 
 Not thread-safe: the runtime calls it under its lock. Time comes from the injected clock.
 """
@@ -92,9 +93,10 @@ class ReplicaTable:
         """
         if not self.needs_load(key):
             raise ValueError(f"replica {key} is {self.state(key).value}; only cold or evicted replicas load")
-        # 1. Pick idle victims until nbytes fit: least recently used first, or by the models' shares.
+        # 1. Pick idle victims until nbytes fit: the least saving per GB·s first, within the models' shares.
         free = self.capacity_bytes - self.bytes_held
-        held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used) for k, r in self._replicas.items() if r.bytes]
+        held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used, self._meters.replicas[k].last_load_s)
+                for k, r in self._replicas.items() if r.bytes]
         shares = self.shares or Shares((0,), (0,), 0.0)
         victims = pick_victims(held, shares, key, free, nbytes, self._clock())
         if victims is None:

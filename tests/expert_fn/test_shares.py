@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
+
+import pytest
 
 from hypothesis import given, settings, strategies as st
 
 from moeless.expert_fn.errors import HostMemoryFull
 from moeless.expert_fn.lifecycle import ReplicaTable
 from moeless.expert_fn.meters import Meters
-from moeless.expert_fn.shares import Candidate, Shares, pick_victims, warm_set
+from moeless.expert_fn.shares import Candidate, Shares, pick_victims, saving_per_gb_s, warm_set
 
 from expert_fn_support import random_store
 
@@ -29,6 +32,10 @@ def test_the_golden_example():
     assert pick_victims(held, shares, (0, 1), free=0, need=3, now=100.0) == [(2, 0), (3, 0), (2, 1)]
     # without shares: least recently used, whoever owns it
     assert pick_victims(held, Shares((0,), (0,), 0.0), (0, 1), free=0, need=2, now=6.0) == [(0, 0), (1, 0)]
+    # with load times, the least saving per GB·s: (1,0) reloads in 1 s, (0,0) in 4 s (per byte alike)
+    timed = [replace(c, reload_s={(0, 0): 4.0, (1, 0): 1.0}.get(c.key, 0.0)) for c in held]
+    assert pick_victims(timed, shares, (0, 1), free=0, need=3, now=6.0) == [(2, 0), (1, 0), (0, 0)]
+    assert saving_per_gb_s(timed[0], 6.0) == pytest.approx(0.8e9) and saving_per_gb_s(timed[1], 6.0) == pytest.approx(0.25e9)
 
 
 class _Clock:
