@@ -21,9 +21,9 @@ A replica's saving per GB·s (`saving_per_gb_s`): what keeping it resident saves
 reload it avoids (`reload_s`, its last measured load: shorter from the host tier than from the
 store) times how often it is used, per GB it holds. Its use rate is estimated from its idle time,
 1 / idle seconds, the estimate least recently used eviction makes: with every reload costing the
-same per byte the order is LRU's. A decayed call count was tried instead, on the default model's
-real routing with two models sharing a host: with its horizon tuned it made 2-10% fewer cold
-starts than LRU, with it 10x too long 16-32% more; the idle time needs no horizon to tune.
+same per byte the order is LRU's. A decayed call count, measured instead on real routing, needs a
+horizon tuned to the host's memory and costs 16-32% more cold starts when it is 10x off
+(docs/shared-pool/notes.md); the idle time needs none.
 
 Pure: the replica table (lifecycle.py) calls `pick_victims` and `warm_set` under the runtime's lock. Shares of 0
 (the default) give plain least-recently-used eviction, as before shares existed.
