@@ -59,7 +59,16 @@ class Emit:
     message: str
 
 
-Action = Create | Update | Scale | Delete | UpdateStatus | Emit
+@dataclass(frozen=True)
+class Configure:
+    """Set a running host's keep-alive (its Configure RPC): a change that must not roll the pods."""
+
+    pod: str
+    address: str  # host:port of its gRPC server
+    keep_alive_s: float
+
+
+Action = Create | Update | Scale | Delete | UpdateStatus | Emit | Configure
 
 
 @dataclass(frozen=True)

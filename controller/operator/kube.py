@@ -13,16 +13,18 @@ import logging
 import urllib.request
 from typing import Any, Callable, Mapping
 
+import grpc
 import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from moeless.controller.operator import objects as obj
-from moeless.controller.operator.actions import (Action, Create, Delete, Emit, Observed, Scale, Update, UpdateStatus,
-                                                 pod_ready, rfc3339)
+from moeless.controller.operator.actions import (Action, Configure, Create, Delete, Emit, Observed, Scale, Update,
+                                                 UpdateStatus, pod_ready, rfc3339)
 from moeless.controller.operator.meters import HostMeters, parse_host_metrics
 from moeless.controller.operator.pool_spec import parse_pool_spec
 from moeless.controller.operator.spec import HostPool, SpecError, parse_spec
+from moeless.expert_fn.control import configure_keep_alive
 
 log = logging.getLogger("moeless.operator")
 
@@ -189,6 +191,11 @@ class Kube:
                                                                 obj.PLURALS[policy["kind"]], policy["metadata"]["name"], body)
         elif isinstance(action, Emit):
             self.core.create_namespaced_event(namespace, event(policy, action, now, self.component))
+        elif isinstance(action, Configure):
+            try:
+                configure_keep_alive(action.address, action.keep_alive_s)
+            except grpc.RpcError as err:  # gone or restarting meanwhile: the next pass sees its reading again
+                log.info("cannot set %s's keep-alive to %g s: %s", action.pod, action.keep_alive_s, err.code())
 
 
 def _pool_hosts(pool: dict | None) -> HostPool | None:

@@ -50,6 +50,7 @@ class HostMeters:
     ready: bool = False
     replicas: tuple[Replica, ...] = field(default_factory=tuple)
     models: Mapping[str, ModelMeters] = field(default_factory=dict)
+    keep_alive_s: float | None = None  # what the host runs now (None: it does not say)
 
 
 def parse_host_metrics(text: str) -> HostMeters:
@@ -80,6 +81,7 @@ def parse_host_metrics(text: str) -> HostMeters:
         tokens=int(host.get("tokens", 0)), inflight=int(host.get("inflight", 0)),
         bytes_held=host.get("bytes_held", 0.0), memory_bytes=host.get("memory_bytes", 0.0),
         ready=host.get("ready", 0.0) == 1.0, replicas=replicas, models=models,
+        keep_alive_s=host.get("keep_alive_seconds"),
     )
 
 

@@ -175,10 +175,12 @@ def stateful_set(owner: dict, spec: PolicySpec | PoolSpec, replicas: int, member
     owner_kind = owner.get("kind", KIND)
     kind, name = names(owner["metadata"]["name"], owner_kind)["hosts"]
     template = pod_template(owner, spec, members)
-    # A policy's keep-alive reaches its hosts live (the planning loop's Configure RPC): a change of it
-    # alone must not roll them (every resident replica lost), so the hash leaves it out.
-    hashed = template if isinstance(spec, PoolSpec) else pod_template(
-        owner, replace(spec, knobs=replace(spec.knobs, keep_alive_s=0.0)), members)
+    # A keep-alive reaches running hosts live (a policy's: its planning loop's Configure RPC; a pool's:
+    # the operator's): a change of it alone must not roll them (every resident replica lost), so the
+    # hash leaves it out.
+    unkept = replace(spec, keep_alive_s=0.0) if isinstance(spec, PoolSpec) else \
+        replace(spec, knobs=replace(spec.knobs, keep_alive_s=0.0))
+    hashed = pod_template(owner, unkept, members)
     meta = _meta(owner, name, "expert-host")
     meta["annotations"] = {TEMPLATE_HASH: template_hash(hashed)}
     return {

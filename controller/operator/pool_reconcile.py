@@ -11,7 +11,8 @@ Level-triggered like reconcile.py, whose steps it shares (actions.py). Steps of 
 5. Scale: one size for every model (scaling.decide_hosts on what all of them hold).
 6. Owned objects: the StatefulSet (its hosts serve every admitted model: --store NAME=DIR, with
    --share NAME=GB for guaranteed shares; admitting a model changes the pod template, which rolls
-   the hosts) and its headless Service.
+   the hosts) and its headless Service. A new keep-alive does not roll them: each running host
+   whose /metrics shows another one is told the pool's (a Configure action, its gRPC Configure).
 7. Status: hosts, one row per model (admitted, refused and why, or left; replicas, cold starts,
    GB·s), the pool's totals, which the rows add up to.
 """
@@ -21,12 +22,13 @@ from __future__ import annotations
 from typing import Sequence
 
 from moeless.controller.operator import objects as obj
-from moeless.controller.operator.actions import (Action, Observed, UpdateStatus, conflicts, degraded, delete_owned,
+from moeless.controller.operator.actions import (Action, Configure, Observed, UpdateStatus, conflicts, degraded, delete_owned,
                                                  host_reading, hosts_readiness, invalid, meter_increases, pod_ready,
                                                  rfc3339, scale_hosts, scale_status, set_conditions, sync_objects,
                                                  take_wake)
 from moeless.controller.operator.meters import HostMeters, resident
-from moeless.controller.operator.pool_spec import Member, admit, parse_pool_spec
+from moeless.controller.operator.pool_spec import Member, PoolSpec, admit, parse_pool_spec
+from moeless.controller.pool.sources import pod_member
 from moeless.controller.operator.spec import SpecError
 
 
@@ -74,7 +76,7 @@ def reconcile_pool(pool_name: str, pool: dict | None, observed: Observed, now: f
     desired = {roles["hosts"]: obj.stateful_set(pool, spec, decision.hosts, admitted),
                roles["service"]: obj.service(pool, spec)}
     synced, _ = sync_objects(desired, observed, conflicted)
-    actions = synced + actions
+    actions = synced + actions + keep_alive_changes(spec, observed)
     # 7. Status.
     ready = sum(pod_ready(p) for p in observed.pods)
     rows = _rows(members, status, added, observed)
@@ -90,6 +92,18 @@ def reconcile_pool(pool_name: str, pool: dict | None, observed: Observed, now: f
     if status != old:
         actions.append(UpdateStatus(status))
     return actions
+
+
+def keep_alive_changes(spec: PoolSpec, observed: Observed) -> list[Configure]:
+    """A Configure for each ready host whose reading shows a keep-alive other than the pool's."""
+    out = []
+    for pod in observed.pods:
+        reading, member = observed.meters.get(pod["metadata"]["name"]), pod_member(pod, spec.hosts.grpc_port,
+                                                                                  spec.hosts.host_network)
+        if (reading is not None and reading.keep_alive_s is not None and member is not None and member.ready
+                and abs(reading.keep_alive_s - spec.keep_alive_s) > 1e-9):
+            out.append(Configure(pod["metadata"]["name"], member.address, spec.keep_alive_s))
+    return out
 
 
 def _rows(members: Sequence[Member], status: dict, added: dict[str, float], observed: Observed) -> list[dict]:

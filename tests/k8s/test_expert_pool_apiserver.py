@@ -67,10 +67,10 @@ def apply(kubectl, *docs: dict) -> None:
     kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump_all(docs))
 
 
-def pool_doc(metrics_port: int, **spec) -> dict:
+def pool_doc(metrics_port: int, grpc_port: int, **spec) -> dict:
     return {"apiVersion": "moeless.io/v1alpha1", "kind": "ExpertPool", "metadata": {"name": "shared"},
             "spec": {"hosts": {"image": "moeless:test", "minHosts": 1, "maxHosts": 2, "gpusPerHost": 0,
-                               "memoryGiBPerHost": 1, "metricsPort": metrics_port},
+                               "memoryGiBPerHost": 1, "metricsPort": metrics_port, "grpcPort": grpc_port},
                      "storage": {"hostPath": "/srv/models"}, "keepAliveSeconds": 300, **spec}}
 
 
@@ -90,7 +90,8 @@ def condition(doc: dict, kind: str) -> dict:
 
 def test_one_pool_serves_two_models_bills_each_and_refuses_what_cannot_fit(api, kubectl, host, operator):
     metrics_port = int(host.metrics_urls[0].rsplit(":", 1)[1].split("/")[0])
-    apply(kubectl, pool_doc(metrics_port), policy_doc("a", 0.5), policy_doc("b"))
+    apply(kubectl, pool_doc(metrics_port, int(host.addresses[0].rsplit(":", 1)[1])), policy_doc("a", 0.5),
+          policy_doc("b"))
     # 1. The pool's hosts serve both stores; a's share is kept on each host.
     sts = wait_for(lambda: get(kubectl, "statefulset", "shared-hosts"), what="the pool's StatefulSet")
     command = " ".join(sts["spec"]["template"]["spec"]["containers"][0]["command"])
@@ -134,6 +135,23 @@ def test_one_pool_serves_two_models_bills_each_and_refuses_what_cannot_fit(api, 
     wait_for(lambda: condition(get(kubectl, "expertpool", "shared"), "Degraded")["reason"] == "PolicyRefused",
              what="the pool naming the refused policy")
     kubectl("delete", "eap", "c", "-n", NS)
+
+
+def keep_alive(host) -> float:
+    with ExpertHostClient(host.addresses[0], timeout_s=10) as c:
+        return c.status()["keep_alive_s"]
+
+
+def test_a_pool_s_new_keep_alive_reaches_its_running_host_without_a_roll(api, kubectl, host, operator):
+    # The host started with 600 s; the pool says 300 and the operator told the running host so.
+    wait_for(lambda: keep_alive(host) == 300.0, what="the host running the pool's keep-alive")
+    before, pod = get(kubectl, "statefulset", "shared-hosts"), get(kubectl, "pod", "shared-hosts-0")
+    kubectl("patch", "expertpool", "shared", "-n", NS, "--type=merge", "-p", '{"spec": {"keepAliveSeconds": 45}}')
+    wait_for(lambda: keep_alive(host) == 45.0, what="the new keep-alive on the running host")
+    after = get(kubectl, "statefulset", "shared-hosts")
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]  # the pods were not rolled
+    assert after["metadata"]["annotations"] == before["metadata"]["annotations"]
+    assert get(kubectl, "pod", "shared-hosts-0")["metadata"]["uid"] == pod["metadata"]["uid"]
 
 
 def test_the_pool_sleeps_when_no_model_is_busy_and_any_model_s_request_wakes_it(api, kubectl, host, operator, cluster):

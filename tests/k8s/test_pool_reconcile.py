@@ -5,11 +5,12 @@ policy refused naming the field, scale to zero and wake for every model at once.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 
 from moeless.controller.operator import objects as obj
-from moeless.controller.operator.actions import Create, Delete, Observed, Scale, Update
+from moeless.controller.operator.actions import Configure, Create, Delete, Observed, Scale, Update
 from moeless.controller.operator.meters import HostMeters, ModelMeters, Replica
 from moeless.controller.operator.pool_reconcile import reconcile_pool
 from moeless.controller.operator.reconcile import reconcile
@@ -56,7 +57,7 @@ class Cluster:
     def pods(self) -> list[dict]:
         sts = self.objects.get(("StatefulSet", f"{POOL}-hosts"))
         return [{"metadata": {"name": f"{POOL}-hosts-{i}", "uid": f"pod-{i}"},
-                 "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+                 "status": {"podIP": f"10.0.0.{i + 1}", "conditions": [{"type": "Ready", "status": "True"}]}}
                 for i in range(sts["spec"]["replicas"] if sts else 0)]
 
     def observe(self, meters=None) -> Observed:
@@ -104,6 +105,24 @@ def test_the_pool_serves_every_admitted_model_from_its_own_store_with_its_share(
     actions = cluster.step_policy("phi", T0 + 1)
     assert {a.obj["metadata"]["name"] for a in of(actions, Create)} == {"phi-serving", "phi-placement"}
     assert cluster.policies["phi"]["status"]["hostsDesired"] == 1
+
+
+def test_a_new_keep_alive_reaches_the_running_hosts_without_rolling_them():
+    cluster = Cluster(pool(), [member("mixtral", "2026-01-01T00:00:00Z")])
+    cluster.step_pool(T0)
+    template = copy.deepcopy(cluster.objects[("StatefulSet", "shared-hosts")]["spec"]["template"])
+    running = {"shared-hosts-0": replace(host({"mixtral": 0}, {"mixtral": 0.0}, {"mixtral": 0.0}), keep_alive_s=90.0)}
+    assert not of(cluster.step_pool(T0 + 1, running), Configure)  # the hosts run the pool's keep-alive
+    cluster.pool["spec"]["keepAliveSeconds"] = 20
+    actions = cluster.step_pool(T0 + 2, running)
+    assert of(actions, Configure) == [Configure("shared-hosts-0", "10.0.0.1:50051", 20.0)]
+    assert not of(actions, Update)  # the pods keep running: their template is not changed
+    assert cluster.objects[("StatefulSet", "shared-hosts")]["spec"]["template"] == template
+    # A host that says it runs 20 s is left alone; one that does not say (an older host) too.
+    assert not of(cluster.step_pool(T0 + 3, {"shared-hosts-0": replace(running["shared-hosts-0"], keep_alive_s=20.0)}),
+                  Configure)
+    assert not of(cluster.step_pool(T0 + 4, {"shared-hosts-0": replace(running["shared-hosts-0"], keep_alive_s=None)}),
+                  Configure)
 
 
 def test_a_share_that_does_not_fit_and_a_name_taken_are_refused_naming_the_field():
