@@ -69,6 +69,7 @@ class ReplicaTable:
         self._meters = meters
         self.shares = shares  # models' guaranteed shares (None: plain least recently used)
         self._replicas: dict[Key, Replica] = {}
+        self._loaded: dict[int, tuple[float, int]] = {}  # model -> (seconds, bytes) of its loads so far
 
     def state(self, key: Key) -> ReplicaState:
         replica = self._replicas.get(key)
@@ -95,9 +96,9 @@ class ReplicaTable:
             raise ValueError(f"replica {key} is {self.state(key).value}; only cold or evicted replicas load")
         # 1. Pick idle victims until nbytes fit: the least saving per GB·s first, within the models' shares.
         free = self.capacity_bytes - self.bytes_held
-        held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used, self._meters.replicas[k].last_load_s)
-                for k, r in self._replicas.items() if r.bytes]
         shares = self.shares or Shares((0,), (0,), 0.0)
+        held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used, self._reload_s(shares, k, r.bytes))
+                for k, r in self._replicas.items() if r.bytes]
         victims = pick_victims(held, shares, key, free, nbytes, self._clock())
         if victims is None:
             why = "loading, busy or within another model's guaranteed share" if self.shares else "loading or busy"
@@ -119,6 +120,9 @@ class ReplicaTable:
         self._meters.loaded(key, now - replica.load_started, ok=error is None)
         if error is None:
             replica.state, replica.last_used, replica.error = ReplicaState.IDLE, now, ""
+            m = (self.shares or Shares((0,), (0,), 0.0)).model_of(key[0])
+            seconds, nbytes = self._loaded.get(m, (0.0, 0))
+            self._loaded[m] = (seconds + now - replica.load_started, nbytes + replica.bytes)
         else:
             replica.state, replica.bytes, replica.error = ReplicaState.COLD, 0, error
             self._meters.free(key)
@@ -164,6 +168,12 @@ class ReplicaTable:
         for key in expired:
             self._evict_now(key)
         return expired
+
+    def _reload_s(self, shares: Shares, key: Key, nbytes: int) -> float:
+        """What loading key again would take: its model's mean load seconds per byte so far, times its
+        bytes (one load's own time is noisy: a file's first read is slower than the next ones)."""
+        seconds, loaded = self._loaded.get(shares.model_of(key[0]), (0.0, 0))
+        return seconds / loaded * nbytes if loaded else 0.0
 
     def _idle(self) -> list[tuple[Key, Replica]]:
         return [(key, r) for key, r in self._replicas.items() if r.state is ReplicaState.IDLE]

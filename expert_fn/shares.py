@@ -18,8 +18,9 @@ warm bytes, resident past the keep-alive, so that it wakes with them when it has
 are not guaranteed (a load that needs room evicts them like any idle replica).
 
 A replica's saving per GB·s (`saving_per_gb_s`): what keeping it resident saves per second, the
-reload it avoids (`reload_s`, its last measured load: shorter from the host tier than from the
-store) times how often it is used, per GB it holds. Its use rate is estimated from its idle time,
+reload it avoids (`reload_s`: the replica table prices it at its model's measured load seconds per
+byte, so a model whose store is slower keeps its replicas longer) times how often it is used, per
+GB it holds. Its use rate is estimated from its idle time,
 1 / idle seconds, the estimate least recently used eviction makes: with every reload costing the
 same per byte the order is LRU's. A decayed call count, measured instead on real routing, needs a
 horizon tuned to the host's memory and costs 16-32% more cold starts when it is 10x off
@@ -63,8 +64,8 @@ class Shares:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A replica the table could evict: key, bytes, idle (evictable now), last_used; reload_s: its
-    last load's seconds (0: not measured)."""
+    """A replica the table could evict: key, bytes, idle (evictable now), last_used; reload_s: what
+    loading it again would take (0: not known)."""
 
     key: Key
     bytes: int

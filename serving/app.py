@@ -93,10 +93,19 @@ class ModelServer:
             yield [error_event(api.ApiError(503, "the server is shutting down; retry on another replica",
                                             code="shutting_down"))]
             return
+        # A request that finds nothing in flight and whose first token waits for cold starts (the
+        # hosts gave its model's replicas back) or for the pool to wake is a wake of its model: the
+        # ingress meters its time to first token per model (moeless_model_wake_seconds).
+        quiet, started = self._inflight == 0, time.monotonic()
+        cold, woken = self.executor.times.cold_starts, self.waker.wakes if self.waker else 0
         self._inflight += 1
         try:
             steps = self._continuous(request) if self.scheduler else self._batched(request)
             async for events in steps:
+                if quiet:
+                    quiet, loads = False, self.executor.times.cold_starts - cold
+                    if loads > 0 or (self.waker is not None and self.waker.wakes > woken):
+                        events = [{"wake": {"seconds": time.monotonic() - started, "cold_starts": loads}}, *events]
                 yield events
         finally:
             self._inflight -= 1

@@ -173,6 +173,8 @@ class Ingress:
                 for event in events:
                     if "batch" in event:
                         self.metrics.batch.observe(event["batch"])
+                    elif "wake" in event:
+                        self.metrics.observe_wake(req.model, event["wake"])
                     else:
                         yield event
         except Exception as err:  # the replica died or Ray failed: the client still gets an answer

@@ -33,7 +33,12 @@ class IngressMetrics:
                            registry=self.registry)
         self.wake_seconds = Gauge("moeless_pool_wake_seconds", "seconds the last wake took, from the first request "
                                   "that found the pool empty to a ready host (one replica)", registry=self.registry)
-
+        self.model_wakes = Histogram("moeless_model_wake_seconds", "time to first token of a request that woke its "
+                                     "model: it found nothing in flight and waited for cold starts or the pool's wake",
+                                     ["model"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+                                     registry=self.registry)
+        self.model_wake_loads = Counter("moeless_model_wake_cold_starts", "replicas loaded for the first token of "
+                                        "the requests that woke their model", ["model"], registry=self.registry)
         self.paths = Gauge("moeless_expert_host_path", "1 for the data path (local: shared memory, tcp, grpc) the "
                            "serving replica's calls to the expert host in this slot take", ["slot", "path"],
                            registry=self.registry)
@@ -43,6 +48,11 @@ class IngressMetrics:
         self.paths.clear()
         for slot, path in paths.items():
             self.paths.labels(str(slot), path).set(1)
+
+    def observe_wake(self, model: str, wake: dict) -> None:
+        """A request woke `model` (ModelServer.generate): {"seconds": its time to first token, "cold_starts"}."""
+        self.model_wakes.labels(model).observe(wake["seconds"])
+        self.model_wake_loads.labels(model).inc(wake["cold_starts"])
 
     def set_wake(self, wake: dict | None) -> None:
         """From the replica's Waker.stats() (None: a pool that is not woken by requests)."""

@@ -38,6 +38,22 @@ def test_the_golden_example():
     assert saving_per_gb_s(timed[0], 6.0) == pytest.approx(0.8e9) and saving_per_gb_s(timed[1], 6.0) == pytest.approx(0.25e9)
 
 
+def test_the_model_whose_replicas_reload_slower_keeps_them_longer():
+    """Models A, B and C without shares, replicas of 1 byte on a host of 3: A's loads took 1 s each, B's
+    5 s. At t=20 C loads: B's replica, idle 15 s, saves 5/15 s per byte-second, A's (0,0) idle 13 s
+    1/13 and (0,1) idle 11 s 1/11: A's (0,0) yields, though used later than B's (LRU would take B's)."""
+    now = [0.0]
+    clock = lambda: now[0]
+    table = ReplicaTable(3, keep_alive_s=1e9, clock=clock, meters=Meters(clock), shares=Shares((0, 2, 4), (0, 0, 0), 1e9))
+    for key, start, took in (((2, 0), 0.0, 5.0), ((0, 0), 6.0, 1.0), ((0, 1), 8.0, 1.0)):
+        now[0] = start
+        table.begin_load(key, 1)
+        now[0] = start + took
+        table.finish_load(key)
+    now[0] = 20.0
+    assert table.begin_load((4, 0), 1) == [(0, 0)]  # B's (2,0), idle longest, stays: its reload costs 5x
+
+
 class _Clock:
     def __init__(self):
         self.t = 0.0

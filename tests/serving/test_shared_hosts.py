@@ -4,6 +4,7 @@ memory; a client bound to one model sees only its own replicas."""
 
 from __future__ import annotations
 
+import re
 import urllib.request
 
 import pytest
@@ -125,6 +126,11 @@ def test_one_app_serves_both_models_by_name_each_exactly(two_models, ray_serve, 
     from moeless.serving.config import ServeConfig
 
     models, group = two_models
+    for address in group.addresses:  # the hosts start this test empty: earlier tests loaded replicas
+        for name, model in models.items():
+            with ExpertHostClient(address, model=name) as client:
+                for r in client.status()["replicas"]:
+                    client.evict(r["layer"], r["expert"])
     configs = [ServeConfig(name, functools.partial(tiny_model, *MODELS[name]), tuple(group.addresses), replica_cpus=0.2,
                            ingress_cpus=0.1, host_model=name) for name in MODELS]
     serve.run(build_app(configs), name="moeless", route_prefix="/")
@@ -139,6 +145,17 @@ def test_one_app_serves_both_models_by_name_each_exactly(two_models, ray_serve, 
     assert unknown.status_code == 404 and "tiny-mixtral" in unknown.text
     health = httpx.get(ray_serve + "/healthz", timeout=30)
     assert health.status_code == 200 and set(health.json()["models"]) == set(MODELS)
+    # Each model's first request loaded its experts from the store: one wake each, metered under its
+    # name; a second request right after finds them warm and is no wake.
+    name = next(iter(models))
+    r = httpx.post(ray_serve + "/v1/completions", json={"model": name, "prompt": "The cat sat", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200
+    metrics = httpx.get(ray_serve + "/metrics", timeout=30).text
+    for model in MODELS:
+        assert f'moeless_model_wake_seconds_count{{model="{model}"}} 1.0' in metrics, metrics
+        loads = re.search(rf'moeless_model_wake_cold_starts_total{{model="{model}"}} (\S+)', metrics)
+        assert loads and float(loads.group(1)) > 0
 
 
 def test_a_quiet_model_gives_its_memory_back_while_the_other_serves_and_its_next_request_wakes_it(two_models, tmp_path):
