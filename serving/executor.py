@@ -9,7 +9,9 @@ other machines, gRPC where a host offers neither), then gather the hosts' combin
 
 The hosts are a HostPool (controller/pool/members.py): slot i is GPU i of the placement; a slot with no
 ready host in it (scaled in, draining, not started yet) is treated like a dead host, and a host
-that joins the pool is called from the next layer on. Each layer call takes the pool's clients
+that joins the pool is called from the next layer on. The placement says how many hosts a call
+spans (its GPU count): a pool that grew (maxHosts raised) serves from its new slots once a
+placement spans them, and a placement wider than the pool evacuates the slots it lacks. Each layer call takes the pool's clients
 once, so a call in flight when the pool changes completes on the hosts it started with.
 
 Faults: an ExpertHostUnavailable marks that host dead and the layer is re-run with the dead
@@ -90,19 +92,20 @@ class LayerTimes:
                 "cold_starts": self.cold_starts, "retries": self.retries}
 
 
-# (layer, its placement after fault evacuation, the gate's routing) -> the placement to scatter by
-Relevel = Callable[[int, LayerPlacement, Routing], LayerPlacement]
+# (layer, its placement after fault evacuation, the gate's routing, the hosts it spans) -> the placement to scatter by
+Relevel = Callable[[int, LayerPlacement, Routing, int], LayerPlacement]
 
 
 @dataclass(frozen=True)
 class LayerCall:
-    """One layer call: the placement it scattered by; per host called, its (experts, rows per
-    expert) and its compute seconds (the host's clock); replicas loaded on demand."""
+    """One layer call: the placement it scattered by, over num_hosts hosts; per host called, its
+    (experts, rows per expert) and its compute seconds (the host's clock); replicas loaded on demand."""
 
     placement: LayerPlacement
     batches: dict[int, tuple[list[int], list[int]]]
     compute_s: dict[int, float]
     cold_starts: int
+    num_hosts: int
 
 
 class RemoteExecutor:
@@ -115,7 +118,6 @@ class RemoteExecutor:
         if self.pool.slots != source.placement.num_gpus:
             raise ValueError(f"the placement spans {source.placement.num_gpus} expert hosts but the pool has "
                              f"{self.pool.slots} slots; pass one client per host (a pool: one slot per host)")
-        self.num_hosts = self.pool.slots
         self.source = source
         self.probe_after_s = probe_after_s
         self.clock = clock
@@ -130,7 +132,7 @@ class RemoteExecutor:
     def clients(self) -> list[HostClient | None]:
         """Per slot, the client of its ready host now (None: the slot is empty)."""
         now = self.pool.clients()
-        return [now.get(i) for i in range(self.num_hosts)]
+        return [now.get(i) for i in range(self.pool.slots)]
 
     @property
     def dead_hosts(self) -> set[int]:
@@ -157,12 +159,13 @@ class RemoteExecutor:
     def _run_once(self, layer: int, x: torch.Tensor, routing: Routing, clients: dict[int, HostClient]) -> torch.Tensor:
         # 1. The placement of this iteration, with the replicas of dead hosts and empty slots moved to live ones.
         start = time.perf_counter()
-        placement = self.source.layer(layer)
-        dead = self.dead_hosts | (set(range(self.num_hosts)) - set(clients))
+        whole = self.source.placement
+        placement, num_hosts = whole.layers[layer], whole.num_gpus
+        dead = self.dead_hosts | (set(range(num_hosts)) - set(clients))
         if dead:
-            placement = evacuate(placement, dead, self.num_hosts)
+            placement = evacuate(placement, dead, num_hosts)
         if self.relevel is not None:
-            placement = self.relevel(layer, placement, routing)
+            placement = self.relevel(layer, placement, routing, num_hosts)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         # 2. Scatter: each expert's tokens split over its replicas, one routed call per host.
@@ -213,7 +216,7 @@ class RemoteExecutor:
             t.bytes_sent += batch.call.request_bytes(x.shape[1], x.dtype)
             t.bytes_received += batch.call.reply_bytes(x.shape[1], x.dtype)
         self.last_call = LayerCall(placement, {h: (b.experts, b.counts) for h, b in plan.hosts.items()},
-                                   {h: r.compute_s for h, r in results.items()}, cold_starts)
+                                   {h: r.compute_s for h, r in results.items()}, cold_starts, num_hosts)
         return out
 
     def _probe_dead(self) -> None:

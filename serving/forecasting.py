@@ -69,12 +69,12 @@ def build_predictor(model, predictor: str, distance: int, path: str | None = Non
     return PredictionRuntime(primary, HistoryPredictor(spec.num_layers, spec.num_experts, spec.top_k))
 
 
-def relevel_for(model: LatencyModel, num_hosts: int, cost_s: float) -> Relevel:
+def relevel_for(model: LatencyModel, cost_s: float) -> Relevel:
     """The RemoteExecutor's per-call shares on the layer's actual tokens per expert
     (`actual_shares`: re-levelled where that can save more than cost_s, the profile's relevel_s,
     else the better of the planned shares and static EP's split), the rule the twin prices it by."""
 
-    def relevel(layer: int, placement: LayerPlacement, routing: Routing) -> LayerPlacement:
+    def relevel(layer: int, placement: LayerPlacement, routing: Routing, num_hosts: int) -> LayerPlacement:
         num_experts = int(placement.expert.max()) + 1
         load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
         return actual_shares(load, placement, model, num_hosts, cost_s)[0]
@@ -92,7 +92,6 @@ class LiveExecutor:
         self.inner, self.runtime, self.distance = inner, runtime, distance
         self.num_layers, self.num_experts = num_layers, num_experts
         self.replica, self.sink, self.model, self.clock = replica, sink, model, clock
-        self.num_hosts = len(inner.clients)
         self.phase = "prefill"
         self.iterations = 0
         self._start_iteration()
@@ -140,7 +139,7 @@ class LiveExecutor:
         f.host_tokens[layer] = max(tokens.values())
         f.host_calls[layer] = len(call.batches)
         f.cold_starts[layer] = call.cold_starts
-        f.imbalance[layer] = max(tokens.values()) * self.num_hosts / max(sum(tokens.values()), 1)
+        f.imbalance[layer] = max(tokens.values()) * call.num_hosts / max(sum(tokens.values()), 1)
         f.cv[layer] = chunks.std() / chunks.mean() if chunks.size and chunks.mean() > 0 else 0.0
         if self.model is not None:  # the serial model's compute for the same chunks: max over hosts
             f.model_s[layer] = max(self.model.alpha * sum(counts) + self.model.call_overhead * len(counts)

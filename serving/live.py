@@ -50,7 +50,7 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     profile, _ = ray.get(loop.profile.remote(), timeout=120 + waited)
     latency = profile.latency_model("host")
     if relevels(live_planner_name(knobs)):
-        remote.relevel = relevel_for(latency, len(remote.clients), profile.relevel_s)
+        remote.relevel = relevel_for(latency, profile.relevel_s)
     sender = ReportSender(loop)
     executor = LiveExecutor(remote, spec.num_layers, spec.num_experts, replica=uuid.uuid4().hex[:12], sink=sender.offer,
                             runtime=runtime, distance=knobs.distance, model=latency)

@@ -34,15 +34,13 @@ class PlacementSource:
         return self.placement.layers[layer]
 
     def set(self, placement: Placement) -> None:
-        """Replace the placement; it must keep the layer, expert and host counts."""
+        """Replace the placement; it must keep the layer and expert counts (the host count may change:
+        a pool that grew or shrank while serving)."""
         current = self.placement
-        if (placement.num_layers, placement.num_experts, placement.num_gpus) != (
-            current.num_layers, current.num_experts, current.num_gpus
-        ):
+        if (placement.num_layers, placement.num_experts) != (current.num_layers, current.num_experts):
             raise PlacementError(
-                f"a new placement must keep {current.num_layers} layers x {current.num_experts} experts over "
-                f"{current.num_gpus} expert hosts, got {placement.num_layers} x {placement.num_experts} over "
-                f"{placement.num_gpus}"
+                f"a new placement must keep {current.num_layers} layers x {current.num_experts} experts, got "
+                f"{placement.num_layers} x {placement.num_experts}"
             )
         with self._lock:
             self._placement = placement

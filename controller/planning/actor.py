@@ -9,7 +9,9 @@
 
 The hosts are the serving replicas' pool (controller/pool/sources.py), followed the same way: a slot
 with no ready host (scaled in, draining, not started) counts as down, so every pass plans over the
-ready hosts only, and a host that joins is planned for on the next pass.
+ready hosts only, and a host that joins is planned for on the next pass. So is a pool whose slots
+grew or shrank (maxHosts changed while serving): the next pass plans over its slots now, and the
+placement it publishes spans them.
 
 The decisions are pure functions (controller/planning/rules.py); this module only does the talking: Status
 and Load RPCs to the hosts, publishing on the board, a heartbeat (/healthz reports a loop whose
@@ -36,7 +38,8 @@ from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.rules import (HostView, LoopTerms, hosts_to_configure, loop_terms,
                                                plan_phases, plan_step, planner_config, restart_knobs_changed,
                                                same_placement)
-from moeless.controller.planning.window import PHASES, Heartbeat, IterationReport, LiveStats, ReportWindow
+from moeless.controller.planning.window import (PHASES, Accumulated, Heartbeat, IterationReport, LiveStats,
+                                                ReportWindow)
 from moeless.controller.pool.sources import follow_pool
 from moeless.controller.pool.wake import waker_for
 from moeless.expert_fn.client import ExpertHostClient
@@ -127,7 +130,7 @@ class PlanLoop:
         self.hosts_live: list[bool] = [True] * num_hosts
         self.host_meters: list[dict] = [{} for _ in range(num_hosts)]
         self.resident_replicas = 0
-        self._gb_s = _Accumulated(num_hosts)
+        self._gb_s = Accumulated(num_hosts)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="plan-loop", daemon=True)
         self._thread.start()
@@ -277,6 +280,7 @@ class PlanLoop:
         self._refreshed = time.monotonic()
         # 1. What the hosts hold (the truth of what is resident), their meters.
         statuses = [self._status(i) for i in range(self.pool.slots)]  # an empty slot: None, planned around
+        self._fit_slots(len(statuses))
         for i in hosts_to_configure(statuses, s.knobs.keep_alive_s, s.host_model is not None):
             self._configure(i, s.knobs.keep_alive_s)
         view = HostView.from_status(statuses, s.num_layers, s.num_experts)
@@ -352,6 +356,20 @@ class PlanLoop:
                 out.append(merged)
         return out
 
+    def _fit_slots(self, slots: int) -> None:
+        """Size the per-host figures to the pool's slots now (maxHosts changed while serving); a
+        stateful planner, whose history is of the old hosts, is made again."""
+        if slots == len(self._memory):
+            return
+        log.info("planning over %d expert-host slots, was %d", slots, len(self._memory))
+        keep = min(slots, len(self._memory))
+        self._memory = np.concatenate([self._memory[:keep], np.zeros(slots - keep)])
+        with self._lock:
+            self.host_meters = self.host_meters[:keep] + [{} for _ in range(slots - keep)]
+            self._gb_s.resize(slots)
+            if self.stateful:
+                self._planner, self._actuals = None, []
+
     def _planner_for(self, iteration_s: float, get_planner):
         """The configured planner (made once: stateful ones keep their history), its config following
         the measured iteration time."""
@@ -379,18 +397,6 @@ class PlanLoop:
             return client.status()
         except Exception:  # unreachable, draining, too slow: planned around for this pass
             return None
-
-
-class _Accumulated:
-    """GB·s of hosts whose counters restart with the host: the sum of every host's increases."""
-
-    def __init__(self, hosts: int):
-        self.last = [0.0] * hosts
-        self.total = 0.0
-
-    def update(self, host: int, value: float) -> None:
-        self.total += value - self.last[host] if value >= self.last[host] else value  # a restart begins at 0
-        self.last[host] = value
 
 
 def plan_loop(name: str, settings: LoopSettings | None = None):

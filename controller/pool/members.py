@@ -1,7 +1,8 @@
 """The expert-host pool as serving sees it while it runs: slots, the ready hosts in them, their clients.
 
-A pool has a fixed number of slots (a placement's GPU ids: slot i is StatefulSet pod i, or local
-host i in `moeless serve`). A membership source (controller/pool/sources.py) says which members exist
+A pool has a number of slots (a placement's GPU ids: slot i is StatefulSet pod i, or local host i
+in `moeless serve`); it follows the source's (a policy's `maxHosts` raised or lowered while
+serving: a slot beyond the placement's GPUs is used once a placement spans it). A membership source (controller/pool/sources.py) says which members exist
 now; `diff` compares that with what is in use, like a level-triggered reconcile, and `HostPool`
 applies the difference:
 
@@ -116,10 +117,15 @@ class HostPool:
         with self._lock:
             return self._not_ready
 
-    def update(self, observed: Iterable[Member], now: float) -> PoolChange:
-        """Bring the pool to the ready members of `observed`; close clients retired retire_s ago."""
+    def update(self, observed: Iterable[Member], now: float, slots: int | None = None) -> PoolChange:
+        """Bring the pool to the ready members of `observed` in `slots` slots (None: as many as now);
+        close clients retired retire_s ago."""
         observed = list(observed)
         with self._lock:
+            if slots is not None and slots > 0 and slots != self.slots:
+                log.info("expert-host pool: %d slots, was %d", slots, self.slots)
+                self.slots = slots
+                self.version += 1
             change = diff(self._addresses, observed, self.slots)
             for member in change.ignored:
                 log.warning("expert host %s in slot %d is outside the pool's %d slots; not used", member.address,

@@ -1,7 +1,8 @@
 """Where serving learns the expert-host pool's members, and the thread that follows them.
 
 `pool_source(MOELESS_EXPERT_HOSTS)` gives a source; `source.slots` is the pool's size in slots (a
-placement's GPU count) and `source.members()` the members now (controller/pool/members.py applies them):
+placement's GPU count) when serving starts, `source.slots_now()` its size now and
+`source.members()` the members now (controller/pool/members.py applies them):
 
     host:port[,host:port...] | dns:///NAME:PORT     a fixed list (controller/pool/addresses.py)
     k8s://NAMESPACE/POLICY:PORT?slots=N[&hostNetwork=true][&pool=POOL[&model=NAME]]
@@ -17,8 +18,11 @@ where it is (podIP, new after a restart), whether it takes calls (its Ready cond
 follows the host's /readyz, 503 while starting and while draining) and whether it is going away
 (deletionTimestamp, set when scale-in or a delete begins, before the host drains). DNS says none
 of the last two and is cached; the ConfigMap is written once per operator pass and only lists what
-is resident. The serving pod needs `list` on pods in the namespace. N = the policy's
-`hosts.maxHosts`: pods with a higher ordinal are not used (a warning) until serving restarts.
+is resident. The serving pod needs `list` on pods in the namespace. N = the policy's (or the
+pool's) `hosts.maxHosts` when serving starts; after that the slots follow `maxHosts` as the policy
+(the ExpertPool) says it now (`get` on it, which the Waker needs too), so `kubectl apply` of a
+larger maxHosts reaches running serving pods: the operator starts the pods, serving adds their
+slots, the planning loop plans over them, and the next placement uses them (no restart).
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ class PoolSource(Protocol):
         """The pool's members now (raises OSError or an API error when the source cannot be read)."""
         ...
 
+    def slots_now(self) -> int:
+        """The pool's size in slots now (raises as members() does)."""
+        ...
+
 
 @dataclass(frozen=True)
 class StaticSource:
@@ -61,6 +69,9 @@ class StaticSource:
 
     def members(self) -> list[Member]:
         return [Member(i, a) for i, a in enumerate(self.addresses)]
+
+    def slots_now(self) -> int:
+        return self.slots
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,9 @@ class FileSource:
     def members(self) -> list[Member]:
         doc = json.loads(Path(self.path).read_text())
         return [Member(int(m["slot"]), str(m["address"]), bool(m.get("ready", True))) for m in doc["members"]]
+
+    def slots_now(self) -> int:
+        return int(json.loads(Path(self.path).read_text())["slots"])
 
 
 def write_members(path: str | Path, slots: int, members: list[Member]) -> None:
@@ -110,6 +124,16 @@ class KubePodSource:
         reply = client.CoreV1Api(_api_client(self.kubeconfig)).list_namespaced_pod(
             self.namespace, label_selector=selector, _preload_content=False, _request_timeout=5)
         return [m for m in (pod_member(p, self.port, self.host_network) for p in json.loads(reply.data)["items"]) if m]
+
+    def slots_now(self) -> int:
+        """spec.hosts.maxHosts of the ExpertPool (or of the policy) now; the start-up N where it has none."""
+        from kubernetes import client
+
+        plural, name = ("expertpools", self.pool) if self.pool else ("expertautoscalingpolicies", self.policy)
+        doc = client.CustomObjectsApi(_api_client(self.kubeconfig)).get_namespaced_custom_object(
+            "moeless.io", "v1alpha1", self.namespace, plural, name, _request_timeout=5)
+        value = ((doc.get("spec") or {}).get("hosts") or {}).get("maxHosts")
+        return value if isinstance(value, int) and value > 0 else self.slots
 
 
 def pod_member(pod: dict, port: int, host_network: bool = False) -> Member | None:
@@ -192,7 +216,12 @@ class PoolFollower:
             log.warning("cannot read the expert-host pool (%s); keeping the %d hosts in use", err,
                         len(self.pool.clients()))
             return
-        self.pool.update(members, self.clock())
+        try:
+            slots = self.source.slots_now()
+        except Exception as err:  # the policy unreadable (gone, no RBAC): the slots stay as they are
+            slots = None
+            log.debug("cannot read the pool's size (%s); keeping %d slots", err, self.pool.slots)
+        self.pool.update(members, self.clock(), slots)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):

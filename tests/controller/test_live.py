@@ -275,8 +275,8 @@ def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_t
     # The data plane follows the same rule: shares re-levelled where it pays, kept (the same object) where not.
     idx = torch.tensor([[0]] * 10 + [[1]] * 6)
     routing = Routing(idx, torch.ones(16, 1), torch.zeros(16, E))
-    assert np.allclose(relevel_for(model, 2, 5.0)(0, layer, routing).share, [0.1, 1, 1, 1, 0.9])
-    assert relevel_for(model, 2, 11.0)(0, layer, routing) is layer
+    assert np.allclose(relevel_for(model, 5.0)(0, layer, routing, 2).share, [0.1, 1, 1, 1, 0.9])
+    assert relevel_for(model, 11.0)(0, layer, routing, 2) is layer
 
 
 @settings(max_examples=80, deadline=None)

@@ -275,3 +275,49 @@ def test_the_policy_s_serving_knobs_are_read_with_their_generation_and_the_appli
     got = policies.get_namespaced_custom_object("moeless.io", "v1alpha1", NS, "expertautoscalingpolicies", POLICY)
     assert got["metadata"]["annotations"][APPLIED_ANNOTATION] == str(changed)
     assert got["metadata"]["generation"] == changed  # an annotation is not a spec change
+
+
+def test_a_policy_s_max_hosts_raised_while_serving_adds_a_slot_the_next_placement_uses(reader_kubeconfig, core,
+                                                                                      policies, model_and_hosts):
+    """kubectl apply of a larger maxHosts: a running pool follower takes the new slot (the pod there
+    was outside the slots until then), a placement over it calls it; lowered again, the slot goes
+    and the placement still over it runs on the others. Every forward equals the unmodified model's."""
+    from moeless.placement.types import Placement
+
+    _, (a, b, c) = model_and_hosts
+    model = tiny_model("mixtral", 0)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    reference = model.forward(ids).logits
+    model.drop_experts()
+    spec = model.spec
+
+    def max_hosts(n: int) -> None:
+        policies.patch_namespaced_custom_object("moeless.io", "v1alpha1", NS, "expertautoscalingpolicies", POLICY,
+                                                {"spec": {"hosts": {"maxHosts": n}}})
+
+    max_hosts(2)
+    for ordinal, address in enumerate((a, b, c)):
+        create_pod(core, ordinal, address)
+    source = KubePodSource(NS, POLICY, port=1, slots=2, kubeconfig=str(reader_kubeconfig))
+    pool, follower = follow_pool(source, lambda address: ExpertHostClient(address, timeout_s=30), period_s=0.1)
+    placements = PlacementSource.static(spec.num_layers, spec.num_experts, 2)
+    executor = RemoteExecutor(pool, placements)
+    try:
+        assert pool.slots == 2 and pool.addresses() == {0: a, 1: b}  # pod 2 is beyond maxHosts
+        torch.testing.assert_close(model.forward(ids, executor=executor).logits, reference, rtol=0, atol=1e-5)
+        seen_c = invocations(c)
+        max_hosts(3)
+        wait_for(lambda: pool.slots == 3 and pool.addresses() == {0: a, 1: b, 2: c}, what="the third slot")
+        placements.set(Placement.static(spec.num_layers, spec.num_experts, 3))  # what the planning loop publishes
+        torch.testing.assert_close(model.forward(ids, executor=executor).logits, reference, rtol=0, atol=1e-5)
+        assert invocations(c) > seen_c
+        max_hosts(2)
+        wait_for(lambda: pool.slots == 2 and pool.addresses() == {0: a, 1: b}, what="back to two slots")
+        seen_c = invocations(c)
+        torch.testing.assert_close(model.forward(ids, executor=executor).logits, reference, rtol=0, atol=1e-5)
+        assert invocations(c) == seen_c and executor.dead_hosts == set()  # slot 2 evacuated, not a failure
+    finally:
+        max_hosts(SLOTS)
+        follower.close()
+        pool.close()
+        delete_pods(core, *(p.metadata.name for p in core.list_namespaced_pod(NS).items))

@@ -112,6 +112,30 @@ def test_executor_uses_a_host_that_joins_without_restart(model):
     assert made["b:1"].calls > 0 and made["c:1"].calls > 0
 
 
+def test_slots_follow_the_source_and_the_placement_says_which_a_call_spans(model):
+    """maxHosts 2 -> 3 -> 2 while serving: the pool's slots follow; a placement over 2 hosts leaves the
+    third slot's host alone until a placement spans it; one over 3 with the slot gone runs on the two."""
+    from moeless.placement.types import Placement
+
+    spec = model.spec
+    pool, made = _pool(model, slots=2)
+    members = [Member(0, "a:1"), Member(1, "b:1"), Member(2, "c:1")]
+    pool.update(members, now=0.0)
+    assert set(pool.clients()) == {0, 1}  # c is beyond the slots
+    placements = PlacementSource.static(spec.num_layers, spec.num_experts, 2)
+    executor = RemoteExecutor(pool, placements)
+    assert pool.update(members, now=1.0, slots=3).added == {2: "c:1"} and pool.slots == 3
+    _exact(model, executor)
+    assert made["c:1"].calls == 0 and len(executor.clients) == 3  # not in the placement yet
+    placements.set(Placement.static(spec.num_layers, spec.num_experts, 3))
+    _exact(model, executor)
+    assert made["c:1"].calls > 0
+    assert pool.update(members, now=2.0, slots=2).removed == {2} and set(pool.clients()) == {0, 1}
+    calls = made["c:1"].calls
+    _exact(model, executor)  # the placement still spans 3: slot 2 is evacuated
+    assert made["c:1"].calls == calls and executor.dead_hosts == set()
+
+
 def test_scale_in_drains_a_call_in_flight_completes_exactly(model):
     pool, made = _pool(model)
     pool.update([Member(0, "a:1"), Member(1, "b:1")], now=0.0)

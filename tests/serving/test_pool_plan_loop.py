@@ -61,6 +61,34 @@ def test_the_loop_plans_over_ready_hosts_and_follows_hosts_joining_and_leaving(t
         loop.stop()
 
 
+def test_a_pool_that_grows_its_slots_while_serving_is_planned_over_them_and_shrinks_back(tiny_store, hosts, tmp_path):
+    """maxHosts raised while serving: the pool file says 3 slots where it said 2; the next passes plan
+    over 3 hosts and load host 2's home replicas there, no restart; back to 2, host 2 is not planned for."""
+    model, _ = tiny_store
+    a, b, c = hosts.addresses
+    path = tmp_path / "pool.json"
+    write_members(path, 2, [Member(0, a), Member(1, b), Member(2, c)])  # pod 2 exists, beyond the 2 slots
+    settings = LoopSettings(pool=FileSource.open(str(path)), num_layers=model.spec.num_layers,
+                            num_experts=model.spec.num_experts, knobs=Knobs(predictor="off", distance=1),
+                            profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05)
+    loop = PlanLoop.__ray_metadata__.modified_class(settings)
+    try:
+        _wait(lambda: loop.state()["passes"] >= 2, "the first passes")
+        with ExpertHostClient(c, timeout_s=10) as client:
+            for r in client.status()["replicas"]:  # what earlier tests left on host 2
+                client.evict(r["layer"], r["expert"])
+        assert loop.state()["hosts_live"] == [True, True]
+        write_members(path, 3, [Member(0, a), Member(1, b), Member(2, c)])  # maxHosts 2 -> 3
+        _wait(lambda: loop.state()["hosts_live"] == [True, True, True], "the third slot planned for")
+        _wait(lambda: _resident(c) > 0, "host 2's home replicas loaded")
+        assert loop.metrics()["expert_gb_s"] >= 0 and len(loop.host_meters) == 3
+        write_members(path, 2, [Member(0, a), Member(1, b), Member(2, c)])  # and back
+        _wait(lambda: loop.state()["hosts_live"] == [True, True], "back to two slots")
+        assert loop.state()["errors"] == 0
+    finally:
+        loop.stop()
+
+
 def test_a_loop_started_on_a_pool_at_zero_runs_and_plans_once_a_host_appears(tiny_store, hosts, tmp_path):
     model, _ = tiny_store
     a = hosts.addresses[0]
