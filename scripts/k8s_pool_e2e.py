@@ -8,10 +8,12 @@ expert hosts. Every check is made from outside the pods.
 
 Checks: both models installed on one pool (one host pod serving both stores); a request to each answered exactly
 (the unmodified model's greedy completion, computed here); per-model GB·s in `kubectl get eap` add up to the pool's
-in `kubectl get epool`; one model idle past the pool's keep-alive gives its memory back while the other keeps
-serving, and its next request wakes it (cold starts, its latency); `kubectl apply` of a knob reaches that model's
-serving pod without a restart (generation reported); the pool scales to zero when both are idle and a request of
-either wakes it; `helm uninstall` leaves nothing.
+in `kubectl get epool`; one model idle past the pool's keep-alive gives its memory back, all but its keep-warm set
+(KEEP_WARM replicas), while the other keeps serving, and its next request wakes it (cold starts, its latency, its
+serving pod's moeless_model_wake_seconds); `kubectl apply` of a knob reaches that model's serving pod without a
+restart (generation reported); a new pool keep-alive reaches the running host without a roll; maxHosts raised
+while serving adds a host pod that the model's serving pod calls without a restart; the pool scales to zero when
+both are idle and a request of either wakes it; `helm uninstall` leaves nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ MODELS = {"moeless-default": ("default", 18000), "tiny-mixtral": ("tiny:mixtral"
 PROMPTS = ("The capital of France is", "Three primary colours are")
 MAX_TOKENS = 12
 KEEP_ALIVE_S = 20
+KEEP_WARM = 3  # replicas of the quiet model its keepWarmGiB holds past the keep-alive
 
 
 def references() -> tuple[dict[str, dict[str, str]], dict[str, Path]]:
@@ -119,6 +122,9 @@ class PoolRun(Run):
 
         torch.set_num_threads(1)
         self.reference, stores = references()
+        from moeless.model.weight_store import WeightStore
+
+        self.expert_bytes = WeightStore.open(stores[list(MODELS)[1]]).expert_bytes(0, 0)  # the quiet model's
         self.served = {policy: choose_model(flag).name for policy, (flag, _) in MODELS.items()}
         models_dir = self.work / "models"  # the pool's storage: one directory holding both stores
         models_dir.mkdir()
@@ -145,8 +151,9 @@ class PoolRun(Run):
                                "drainSeconds": 5},
                      "models": [{"name": policy, "store": f"/models/{policy}", "port": port,
                                  **({"model": flag} if flag != "default" else {}),
+                                 **({"keepWarmGiB": (KEEP_WARM + 0.5) * self.expert_bytes / 2**30} if i == 1 else {}),
                                  "guaranteedGiB": 0.05, "serving": {"keepAliveSeconds": KEEP_ALIVE_S}}
-                                for policy, (flag, port) in MODELS.items()]},
+                                for i, (policy, (flag, port)) in enumerate(MODELS.items())]},
             "serving": {"hostNetwork": True, "modelCache": {"hostPath": str(cache)},
                         "resources": {"requests": {"cpu": "400m", "memory": "1Gi"}, "limits": {"memory": "6Gi"}},
                         "env": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
@@ -174,6 +181,8 @@ class PoolRun(Run):
         self.check_billing_adds_up()
         self.check_idle_model_gives_memory_back()
         self.check_live_knob()
+        self.check_pool_keep_alive_live()
+        self.check_max_hosts_live()
         self.check_pool_sleeps_and_wakes()
         if not self.checks.ok:
             self.dump()  # the pods' logs, before the uninstall takes them
@@ -219,16 +228,23 @@ class PoolRun(Run):
                 answer, _ = self.complete(busy, prompt)
                 exact &= answer == self.reference[busy][prompt]
         quiet_held, busy_held = model_meters(quiet).get("bytes_held", 0.0), model_meters(busy).get("bytes_held", 0.0)
-        self.checks.record("one model idle past the keep-alive gives its memory back while the other serves",
-                           held_before > 0 and quiet_held == 0 and busy_held > 0 and exact,
-                           f"{quiet} held {held_before / 1e6:.2f} MB -> {quiet_held / 1e6:.2f} MB; {busy} holds "
-                           f"{busy_held / 1e6:.2f} MB, all its answers exact: {exact}", time.monotonic() - start)
+        kept = KEEP_WARM * self.expert_bytes
+        self.checks.record("one model idle past the keep-alive gives its memory back but its keep-warm set, while "
+                           "the other serves", held_before > kept and quiet_held == kept and busy_held > 0 and exact,
+                           f"{quiet} held {held_before / 1e6:.3f} MB -> {quiet_held / 1e6:.3f} MB (its keep-warm set: "
+                           f"{KEEP_WARM} replicas, {kept / 1e6:.3f} MB); {busy} holds {busy_held / 1e6:.2f} MB, all its "
+                           f"answers exact: {exact}", time.monotonic() - start)
         answer, seconds = self.complete(quiet, PROMPTS[1])
         cold_after = model_meters(quiet).get("cold_starts_total", 0.0)
-        self.checks.record("its next request wakes it (experts loaded again), exactly",
-                           answer == self.reference[quiet][PROMPTS[1]] and cold_after > cold_before,
+        _, port = MODELS[quiet]
+        wakes = [line for line in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+                 .splitlines() if line.startswith(("moeless_model_wake_seconds_count", "moeless_model_wake_seconds_sum"))]
+        counted = any(line.startswith("moeless_model_wake_seconds_count") and float(line.rsplit(" ", 1)[1]) >= 1
+                      for line in wakes)
+        self.checks.record("its next request wakes it (experts loaded again), exactly, and the wake is metered",
+                           answer == self.reference[quiet][PROMPTS[1]] and cold_after > cold_before and counted,
                            f"{seconds:.2f} s (a warm request: {warm:.2f} s), cold starts {cold_before:.0f} -> "
-                           f"{cold_after:.0f}, {answer!r}", seconds)
+                           f"{cold_after:.0f}, {answer!r}; its serving pod: {wakes}", seconds)
 
     def check_live_knob(self) -> None:
         policy = list(MODELS)[1]
@@ -256,6 +272,55 @@ class PoolRun(Run):
             ok, detail = False, f"{err}; /metrics {refused}"
         self.checks.record("kubectl apply of a knob reaches the model's serving pod live", ok, detail,
                            time.monotonic() - start)
+
+    def check_pool_keep_alive_live(self) -> None:
+        start, host = time.monotonic(), self.pods("expert-host")[0]["metadata"]["uid"]
+        self.kubectl("patch", "expertpool", POOL, "-n", NS, "--type=merge", "-p",
+                     json.dumps({"spec": {"keepAliveSeconds": KEEP_ALIVE_S + 10}}))
+
+        def host_keep_alive() -> float:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).read().decode()
+            return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("moeless_expert_host_keep_alive_seconds"))
+        try:
+            wait_for(lambda: host_keep_alive() == KEEP_ALIVE_S + 10, timeout=60, every=1, what="the host's keep-alive")
+            same = [p["metadata"]["uid"] for p in self.pods("expert-host")] == [host]
+            self.checks.record("a new pool keep-alive reaches the running host without a roll", same,
+                               f"host keep-alive {host_keep_alive():g} s after {time.monotonic() - start:.1f} s; same pod: "
+                               f"{same}", time.monotonic() - start)
+        except AssertionError as err:
+            self.checks.record("a new pool keep-alive reaches the running host without a roll", False, str(err),
+                               time.monotonic() - start)
+
+    def check_max_hosts_live(self) -> None:
+        """maxHosts 1 -> 2 with two hosts prewarmed: the serving pod takes the second slot, the loop plans over it
+        and its calls reach host 1 (its metrics on the node's network at METRICS_PORT + 1), no restart."""
+        policy, start = list(MODELS)[0], time.monotonic()
+        identity, (_, port) = self.identity_of(policy), MODELS[policy]
+        self.kubectl("patch", "expertpool", POOL, "-n", NS, "--type=merge", "-p",
+                     json.dumps({"spec": {"hosts": {"maxHosts": 2}, "prewarm": {"hosts": 2}}}))
+        try:
+            self.wait_hosts(2, timeout=300)
+            def healthz() -> dict:
+                return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10).read())
+            health = wait_for(lambda: healthz()["pool"] == [0, 1] and healthz(), timeout=120, every=1,
+                              what="the serving pod using both slots")
+            tokens = lambda: sum(float(line.rsplit(" ", 1)[1]) for line in urllib.request.urlopen(
+                f"http://127.0.0.1:{METRICS_PORT + 1}/metrics", timeout=5).read().decode().splitlines()
+                if line.startswith("moeless_expert_model_tokens") and f'model="{policy}"' in line)
+            exact, deadline = True, time.monotonic() + 90
+            while tokens() == 0 and time.monotonic() < deadline:  # until the loop's placement spans host 1
+                answer, _ = self.complete(policy, PROMPTS[0])
+                exact &= answer == self.reference[policy][PROMPTS[0]]
+            ok = tokens() > 0 and exact and self.identity_of(policy) == identity
+            detail = (f"{policy}'s /healthz slots {health['slots']}, pool {health['pool']}; host 1 computed "
+                      f"{tokens():.0f} tokens of it; answers exact: {exact}; pod uid and restarts {identity} -> "
+                      f"{self.identity_of(policy)}")
+        except AssertionError as err:
+            ok, detail = False, str(err)
+        self.checks.record("maxHosts raised while serving: a new host pod is called without a restart", ok, detail,
+                           time.monotonic() - start)
+        self.tables()
 
     def check_pool_sleeps_and_wakes(self) -> None:
         delay, start = 20, time.monotonic()

@@ -159,8 +159,7 @@ class RemoteExecutor:
     def _run_once(self, layer: int, x: torch.Tensor, routing: Routing, clients: dict[int, HostClient]) -> torch.Tensor:
         # 1. The placement of this iteration, with the replicas of dead hosts and empty slots moved to live ones.
         start = time.perf_counter()
-        whole = self.source.placement
-        placement, num_hosts = whole.layers[layer], whole.num_gpus
+        placement, num_hosts = self.source.layer(layer)
         dead = self.dead_hosts | (set(range(num_hosts)) - set(clients))
         if dead:
             placement = evacuate(placement, dead, num_hosts)

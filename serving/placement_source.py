@@ -30,8 +30,11 @@ class PlacementSource:
         with self._lock:
             return self._placement
 
-    def layer(self, layer: int) -> LayerPlacement:
-        return self.placement.layers[layer]
+    def layer(self, layer: int) -> tuple[LayerPlacement, int]:
+        """One layer's replicas and the hosts the placement spans, from one placement (a set() between
+        two reads cannot mix two placements)."""
+        placement = self.placement
+        return placement.layers[layer], placement.num_gpus
 
     def set(self, placement: Placement) -> None:
         """Replace the placement; it must keep the layer and expert counts (the host count may change:

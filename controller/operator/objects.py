@@ -88,9 +88,9 @@ def host_command(spec: PolicySpec | PoolSpec, members: Sequence[Member] = ()) ->
     if isinstance(spec, PoolSpec):
         admitted = [m for m in members if m.admitted]
         stores = " ".join(f"--store {m.model}={m.store}" for m in admitted)
-        stores += "".join(f" --share {m.model}={round(m.guaranteed_gib * GIB / 1e9, 3):g}"
-                          for m in admitted if m.guaranteed_gib)
-        stores += "".join(f" --keep-warm {m.model}={round(m.keep_warm_gib * GIB / 1e9, 3):g}"
+        # Six digits: a share to the kilobyte (one small model's expert can be a few kilobytes)
+        stores += "".join(f" --share {m.model}={m.guaranteed_gib * GIB / 1e9:.6g}" for m in admitted if m.guaranteed_gib)
+        stores += "".join(f" --keep-warm {m.model}={m.keep_warm_gib * GIB / 1e9:.6g}"
                           for m in admitted if m.keep_warm_gib)
     else:
         stores = f"--store {spec.store}"

@@ -95,7 +95,7 @@ def test_one_pool_serves_two_models_bills_each_and_refuses_what_cannot_fit(api, 
     # 1. The pool's hosts serve both stores; a's share is kept on each host.
     sts = wait_for(lambda: get(kubectl, "statefulset", "shared-hosts"), what="the pool's StatefulSet")
     command = " ".join(sts["spec"]["template"]["spec"]["containers"][0]["command"])
-    assert "--store a=/models/a --store b=/models/b --share a=0.537" in command
+    assert "--store a=/models/a --store b=/models/b --share a=0.536871" in command
     for name in ("a", "b"):  # each policy owns its knobs, not hosts
         wait_for(lambda: get(kubectl, "configmap", f"{name}-serving"), what=f"{name}'s serving knobs")
         assert kubectl("get", "statefulset", f"{name}-hosts", "-n", NS, check=False).returncode != 0

@@ -91,7 +91,7 @@ def test_the_pool_serves_every_admitted_model_from_its_own_store_with_its_share(
     assert {(a.obj["kind"], a.obj["metadata"]["name"]) for a in of(actions, Create)} == {
         ("StatefulSet", "shared-hosts"), ("Service", "shared-hosts")}
     command = cluster.command()
-    assert "--store mixtral=/models/mixtral --store phi=/models/phi --share mixtral=0.537" in command
+    assert "--store mixtral=/models/mixtral --store phi=/models/phi --share mixtral=0.536871" in command
     assert "--keep-alive-s 90" in command
     sts = cluster.objects[("StatefulSet", "shared-hosts")]
     template = sts["spec"]["template"]
@@ -151,7 +151,7 @@ def test_keep_warm_sets_reach_the_hosts_and_one_that_does_not_fit_is_refused():
                                member("c", "2026-01-03T00:00:00Z", warm=0.5)])
     cluster.step_pool(T0)
     command = cluster.command()
-    assert "--keep-warm a=1.611 --keep-warm b=0.268" in command
+    assert "--keep-warm a=1.61061 --keep-warm b=0.268435" in command
     assert "--store c=" not in command and "--keep-warm c=" not in command
     rows = {r["policy"]: r for r in cluster.pool["status"]["models"]}
     assert rows["c"]["admitted"] is False and rows["c"]["message"].startswith("spec.model.keepWarmGiB: 0.5 GiB does not fit")
