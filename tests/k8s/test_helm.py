@@ -158,7 +158,7 @@ def test_template_of_one_pool_for_several_models(helm, pool_values):
     actions = reconcile_pool("t-pool", pool, Observed(policies=policies), 1_700_000_000.0)
     sts = next(a.obj for a in actions if isinstance(a, Create) and a.obj["kind"] == "StatefulSet")
     command = " ".join(sts["spec"]["template"]["spec"]["containers"][0]["command"])
-    assert "--store smollm=/models/smollm --store mixtral-tiny=/models/mixtral-tiny --share smollm=1.074" in command
+    assert "--store smollm=/models/smollm --store mixtral-tiny=/models/mixtral-tiny --share smollm=1.07374" in command
 
 
 def test_every_rendered_object_passes_a_server_side_dry_run(helm, kubectl, pool_values):
