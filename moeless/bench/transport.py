@@ -17,12 +17,20 @@ Two kinds of call, each in two sizes:
   top-k routing of a decode step of B = 4 tokens and a prefill of B = 256 tokens.
 Reported per call: the median (p50) and p90 of the round trip, its ratio to in-process at p50,
 the host's own compute, and the bytes of the frame each way.
+
+--device cuda: the host computes on the GPU (the in-process baseline too, on the same GPU); the
+serving side's rows stay in host memory, so every transport stages them (host -> GPU on the
+host, GPU -> host for the reply). The `staging` row times those two copies alone for the same
+rows: what a transport that moves GPU memory without a host copy (NIXL over NVLink or RDMA: not
+built) could save at most. Without CUDA it stops with one clear error before loading anything.
+Never run on a GPU yet.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -38,6 +46,7 @@ from moeless.model.weight_store import WeightStore
 from moeless.placement.types import LayerPlacement
 from moeless.serving.scatter import plan_scatter
 from moeless.serving.cli import MODEL_HELP, _positive
+from moeless.twin.measure_cuda import CudaUnavailable, require_cuda
 
 BATCH_TOKENS = {"decode": 4, "prefill": 256}  # tokens of the layer call one host gets its share of
 ROUND_TRIP_ROWS = {"decode": 16, "prefill": 1024}  # 36 KB and 2.4 MB at H=576, float32
@@ -57,13 +66,22 @@ def register(benches: argparse._SubParsersAction) -> None:
     transport.add_argument("--repeats", type=_positive, help="calls per transport and size (default 200; 50 with --quick)")
     add_poll_flag(transport)
     transport.add_argument("--ray", action="store_true", help="also time a Ray compiled graph (starts local Ray)")
+    transport.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                           help="where the host computes (cuda: the hosts and the in-process baseline on GPU 0, "
+                                "plus the host-memory staging alone; needs nvidia-ml-py, the gpu extra)")
     add_bench_flags(transport)
     transport.set_defaults(func=_bench_transport)
 
 
 def _bench_transport(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        try:
+            require_cuda()
+        except CudaUnavailable as err:
+            print(f"moeless bench transport: {err}", file=sys.stderr)
+            return 2
     result = run_transport_bench(args.model, repeats=args.repeats or (50 if args.quick else 200), ray_graph=args.ray,
-                                 poll_s=poll_from_args(args))
+                                 poll_s=poll_from_args(args), device=args.device)
     print_report(result)
     path = write_result(args.out, "transport", result)
     if path:
@@ -107,8 +125,12 @@ def timed_calls(call: Callable[[], Any], repeats: int) -> dict[str, float]:
 
 def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph: bool = False,
                         threads: int = 1, poll_s: tuple[float, float] = (DEFAULT_HOST_POLL_S, DEFAULT_CLIENT_POLL_S),
-                        ) -> dict[str, Any]:
-    """Time every call over every transport (see the module docstring); poll_s: (host, client) spins."""
+                        device: str = "cpu") -> dict[str, Any]:
+    """Time every call over every transport (see the module docstring); poll_s: (host, client) spins;
+    device: "cpu" or "cuda" (the hosts' and the baseline's; CudaUnavailable without one)."""
+    torch_device = "cuda:0" if device == "cuda" else "cpu"
+    if device == "cuda":
+        require_cuda()
     # heavy (ray, transformers; the expert runtime): kept off --help's start-up path
     from moeless.expert_fn.runtime import ExpertHostRuntime
     from moeless.serving.config import choose_model
@@ -122,15 +144,23 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
     del loaded
     calls = round_trip_calls(hidden) | layer_calls(spec.num_experts, spec.top_k, hidden)
     times: dict[str, dict[str, dict[str, float]]] = {name: {} for name in calls}
-    # 1. In-process: the runtime alone, on the same experts' rows.
-    runtime = ExpertHostRuntime(WeightStore.open(store_dir), capacity_bytes=4 * 10**9, keep_alive_s=3600)
+    # 1. In-process: the runtime alone, on the same experts' rows (on the GPU: rows from host memory, as a host gets them).
+    runtime = ExpertHostRuntime(WeightStore.open(store_dir), device=torch_device, capacity_bytes=4 * 10**9,
+                                keep_alive_s=3600)
     for name, (call, x) in calls.items():
         batches = _batches(call, x)
         times[name]["in_process"] = timed_calls(lambda b=batches: runtime.invoke(0, b), repeats)
+        if device == "cuda":
+            rows = x.index_select(0, call.tokens).pin_memory()
+            times[name]["staging"] = timed_calls(lambda r=rows: _stage(r, torch_device), repeats)
     runtime.close()
     # 2. A host process over each transport.
     with launch_local_hosts(1, store_dir, keep_alive_s=3600, threads=threads, metrics=False, poll_s=poll_s[0]) as group:
         clients = {t: ExpertHostClient(group.addresses[0], timeout_s=60, transport=t, poll_s=poll_s[1]) for t in TRANSPORTS}
+        host_device = clients["grpc"].status()["device"]
+        if not host_device.startswith(torch_device.split(":")[0]):
+            raise RuntimeError(f"the expert host computes on {host_device!r}, not {device}: install the gpu extra "
+                               "(nvidia-ml-py), which the host needs to find the GPU")
         for name, (call, x) in calls.items():
             for transport, client in clients.items():
                 times[name][transport] = timed_calls(lambda c=client: c.submit(call, x).result(), repeats)
@@ -147,12 +177,20 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
     sizes = {name: {"rows_sent": int(call.tokens.numel()), "pairs": call.pairs, "rows_back": call.n_out,
                     "bytes_sent": call.request_bytes(hidden, x.dtype), "bytes_back": call.reply_bytes(hidden, x.dtype)}
              for name, (call, x) in calls.items()}
-    return {"model": choice.name, "repeats": repeats, "threads": threads, "hidden": hidden, "calls": sizes,
+    return {"model": choice.name, "device": host_device, "repeats": repeats, "threads": threads, "hidden": hidden,
+            "calls": sizes,
             "poll_us": {"host": 1e6 * poll_s[0], "client": 1e6 * poll_s[1]},
             "load_average_1m": os.getloadavg()[0],
             "us": {n: {k: {stat: 1e6 * v for stat, v in f.items()} for k, f in t.items()} for n, t in times.items()},
             "ratio_to_in_process": {n: {k: f["p50"] / t["in_process"]["p50"] for k, f in t.items()}
                                     for n, t in times.items()}}
+
+
+def _stage(rows: torch.Tensor, device: str) -> torch.Tensor:
+    """The host-memory staging of a GPU host's call: the rows in, the same bytes back out."""
+    back = rows.to(device, non_blocking=True).to("cpu")
+    torch.cuda.synchronize()
+    return back
 
 
 def _batches(call: RoutedCall, x: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -197,7 +235,7 @@ def _ray_compiled_graph(store_dir, calls: dict, repeats: int, threads: int) -> d
 
 
 def print_report(result: dict[str, Any]) -> None:
-    print(f"model {result['model']} (H={result['hidden']}): {result['repeats']} calls each, load average "
+    print(f"model {result['model']} (H={result['hidden']}) on {result['device']}: {result['repeats']} calls each, load average "
           f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores; us p50 / p90 (p50 ratio to in-process)")
     for name, row in result["us"].items():
         size = result["calls"][name]

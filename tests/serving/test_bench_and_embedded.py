@@ -104,3 +104,16 @@ def test_bench_transport_times_every_transport_against_in_process(tmp_path, monk
         assert set(result["us"][name]) == {"in_process", "local", "tcp", "grpc", "grpc_per_expert"}
         assert all(0 < f["p50"] <= f["p90"] for f in result["us"][name].values())
         assert result["ratio_to_in_process"][name]["in_process"] == 1.0
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error where there is no CUDA")
+def test_bench_transport_on_cuda_without_cuda_is_one_clear_error(capsys):
+    from moeless.bench.transport import run_transport_bench
+    from moeless.cli import main
+    from moeless.twin.measure_cuda import CudaUnavailable
+
+    assert main(["bench", "transport", "--device", "cuda", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moeless bench transport: --device cuda:") and "CUDA build of torch" in err
+    with pytest.raises(CudaUnavailable):
+        run_transport_bench("tiny:mixtral", repeats=2, device="cuda")
