@@ -284,6 +284,7 @@ class PoolRun(Run):
                         if line.startswith("moeless_expert_host_keep_alive_seconds"))
         try:
             wait_for(lambda: host_keep_alive() == KEEP_ALIVE_S + 10, timeout=60, every=1, what="the host's keep-alive")
+            time.sleep(6)  # the operator passes (resync 2 s) that would roll the pod if the template changed
             same = [p["metadata"]["uid"] for p in self.pods("expert-host")] == [host]
             self.checks.record("a new pool keep-alive reaches the running host without a roll", same,
                                f"host keep-alive {host_keep_alive():g} s after {time.monotonic() - start:.1f} s; same pod: "

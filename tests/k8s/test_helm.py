@@ -110,6 +110,12 @@ def test_template_default_is_a_deployment_and_a_gpu_pool_policy(helm):
     assert host["startupProbe"]["periodSeconds"] * host["startupProbe"]["failureThreshold"] >= 300
     assert host["livenessProbe"]["periodSeconds"] * host["livenessProbe"]["failureThreshold"] >= 60
     assert pod["terminationGracePeriodSeconds"] > spec.hosts.drain_seconds
+    # The operator too: a busy node timed out its 1 s probes and restarted it over and over (the pool node tier).
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "t-moeless-operator")
+    probes = operator["spec"]["template"]["spec"]["containers"][0]
+    assert probes["startupProbe"]["periodSeconds"] * probes["startupProbe"]["failureThreshold"] >= 180
+    assert probes["livenessProbe"]["timeoutSeconds"] >= 5
+    assert probes["livenessProbe"]["periodSeconds"] * probes["livenessProbe"]["failureThreshold"] >= 60
     assert pod["securityContext"]["runAsNonRoot"] and host["securityContext"]["readOnlyRootFilesystem"]
 
 
