@@ -294,12 +294,13 @@ class PoolRun(Run):
                                time.monotonic() - start)
 
     def check_max_hosts_live(self) -> None:
-        """maxHosts 1 -> 2 with two hosts prewarmed: the serving pod takes the second slot, the loop plans over it
-        and its calls reach host 1 (its metrics on the node's network at METRICS_PORT + 1), no restart."""
+        """maxHosts 1 -> 2 (with minHosts 2: a second host whatever memory the replicas need): the serving pod takes
+        the second slot, the loop plans over it and its calls reach host 1 (its metrics on the node's network at
+        METRICS_PORT + 1), no restart."""
         policy, start = list(MODELS)[0], time.monotonic()
         identity, (_, port) = self.identity_of(policy), MODELS[policy]
         self.kubectl("patch", "expertpool", POOL, "-n", NS, "--type=merge", "-p",
-                     json.dumps({"spec": {"hosts": {"maxHosts": 2}, "prewarm": {"hosts": 2}}}))
+                     json.dumps({"spec": {"hosts": {"maxHosts": 2, "minHosts": 2}}}))
         try:
             self.wait_hosts(2, timeout=300)
             def healthz() -> dict:
