@@ -184,11 +184,15 @@ def scale_hosts(spec: Sizing, owner: dict, status: dict, observed: Observed, act
                 conflicted: Sequence[str]) -> tuple[list[Action], ScaleDecision, float]:
     """Decide the host StatefulSet's size (scaling.decide_hosts) and the Scale and Event actions;
     returns them with the decision and the last active time. The StatefulSet is created at its
-    decided size by sync_objects, then only scaled."""
+    decided size by sync_objects, then only scaled. Hosts starting (a pod there, not Ready) count as
+    activity: a pool just woken is not put back to sleep before its hosts can serve the request that
+    woke it (on a busy node the pods took longer than the scale-to-zero delay, and it flapped)."""
     kind, name = obj.names(owner["metadata"]["name"], owner.get("kind", obj.KIND))["hosts"]
     sts = observed.objects.get((kind, name))
     current = None if sts is None else int(sts["spec"].get("replicas") or 0)
-    last_active = now if active else seconds(status.get("lastActiveTime")) or now
+    starting = bool(current) and any(not pod_ready(p) and not p["metadata"].get("deletionTimestamp")
+                                     for p in observed.pods)
+    last_active = now if active or starting else seconds(status.get("lastActiveTime")) or now
     pending = status.get("pendingScale")
     pending = Pending(pending["hosts"], seconds(pending["since"])) if pending else None
     held = sum(m.bytes_held for m in observed.meters.values())

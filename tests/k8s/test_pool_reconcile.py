@@ -221,6 +221,13 @@ def test_the_pool_sleeps_when_every_model_is_idle_and_wakes_on_its_annotation():
     assert of(cluster.step_pool(T0 + 200), Scale) == [Scale("shared-hosts", 2)]
     assert cluster.pool["status"]["wokenBy"] == "1700000200.000"
     assert not of(cluster.step_pool(T0 + 205), Scale)  # acted on once
+    # Its hosts take longer than the delay to start: the pool waits for them rather than sleep again.
+    starting = cluster.pods
+    cluster.pods = lambda: [{**p, "status": {"conditions": [{"type": "Ready", "status": "False"}]}} for p in starting()]
+    assert Scale("shared-hosts", 0) not in of(cluster.step_pool(T0 + 300), Scale)  # (sized by memory: 2 -> 1)
+    cluster.pods = starting  # Ready, and idle for the delay from then on: asleep again
+    assert Scale("shared-hosts", 0) not in of(cluster.step_pool(T0 + 301), Scale)
+    assert of(cluster.step_pool(T0 + 362), Scale) == [Scale("shared-hosts", 0)]
 
 
 def test_a_policy_on_a_pool_refuses_host_fields_and_names_a_missing_pool():
