@@ -96,8 +96,8 @@ class ReplicaTable:
             raise ValueError(f"replica {key} is {self.state(key).value}; only cold or evicted replicas load")
         # 1. Pick idle victims until nbytes fit: the least saving per GB·s first, within the models' shares.
         free = self.capacity_bytes - self.bytes_held
-        shares = self.shares or Shares((0,), (0,), 0.0)
-        held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used, self._reload_s(shares, k, r.bytes))
+        shares = self._shares
+        held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used, self._reload_s(k, r.bytes))
                 for k, r in self._replicas.items() if r.bytes]
         victims = pick_victims(held, shares, key, free, nbytes, self._clock())
         if victims is None:
@@ -120,7 +120,7 @@ class ReplicaTable:
         self._meters.loaded(key, now - replica.load_started, ok=error is None)
         if error is None:
             replica.state, replica.last_used, replica.error = ReplicaState.IDLE, now, ""
-            m = (self.shares or Shares((0,), (0,), 0.0)).model_of(key[0])
+            m = self._shares.model_of(key[0])
             seconds, nbytes = self._loaded.get(m, (0.0, 0))
             self._loaded[m] = (seconds + now - replica.load_started, nbytes + replica.bytes)
         else:
@@ -169,10 +169,15 @@ class ReplicaTable:
             self._evict_now(key)
         return expired
 
-    def _reload_s(self, shares: Shares, key: Key, nbytes: int) -> float:
+    @property
+    def _shares(self) -> Shares:
+        """The models' shares, or one model without a share (plain eviction order)."""
+        return self.shares or Shares((0,), (0,), 0.0)
+
+    def _reload_s(self, key: Key, nbytes: int) -> float:
         """What loading key again would take: its model's mean load seconds per byte so far, times its
         bytes (one load's own time is noisy: a file's first read is slower than the next ones)."""
-        seconds, loaded = self._loaded.get(shares.model_of(key[0]), (0.0, 0))
+        seconds, loaded = self._loaded.get(self._shares.model_of(key[0]), (0.0, 0))
         return seconds / loaded * nbytes if loaded else 0.0
 
     def _idle(self) -> list[tuple[Key, Replica]]:

@@ -2,7 +2,8 @@
 
 A pool has a number of slots (a placement's GPU ids: slot i is StatefulSet pod i, or local host i
 in `moeless serve`); it follows the source's (a policy's `maxHosts` raised or lowered while
-serving: a slot beyond the placement's GPUs is used once a placement spans it). A membership source (controller/pool/sources.py) says which members exist
+serving: a slot beyond the placement's GPUs is used once a placement spans it). A membership
+source (controller/pool/sources.py) says which members exist
 now; `diff` compares that with what is in use, like a level-triggered reconcile, and `HostPool`
 applies the difference:
 
