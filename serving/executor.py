@@ -11,9 +11,8 @@ The hosts are a HostPool (controller/pool/members.py): slot i is GPU i of the pl
 ready host in it (scaled in, draining, not started yet) is treated like a dead host, and a host
 that joins the pool is called from the next layer on. The placement says how many hosts a call
 spans (its GPU count): a pool that grew (maxHosts raised) serves from its new slots once a
-placement spans them, and a placement wider than the pool evacuates the slots it lacks. Each layer call takes the pool's
-clients
-once, so a call in flight when the pool changes completes on the hosts it started with.
+placement spans them, and a placement wider than the pool evacuates the slots it lacks. Each
+layer call takes the pool's clients once, so a call in flight when the pool changes completes on the hosts it started with.
 
 Faults: an ExpertHostUnavailable marks that host dead and the layer is re-run with the dead
 hosts' replicas moved to live hosts (they load there on demand, a cold start). A dead host is
