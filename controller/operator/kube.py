@@ -47,6 +47,13 @@ def raw(call: Callable[..., Any], *args: Any, **kwargs: Any) -> dict | None:
         raise
 
 
+def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """A write whose reply is read but not parsed: the operator never uses it, and the client's models can
+    reject a valid one (a Service deleted while the garbage collector deletes it answers a Status, which
+    kubernetes 37's V1Service refused with a ValidationError that stopped the operator). Errors raise."""
+    call(*args, _preload_content=False, **kwargs).data  # .data reads it: the connection goes back to the pool
+
+
 class Kube:
     """Typed clients of one ApiClient plus the host scraper."""
 
@@ -168,7 +175,7 @@ class Kube:
             kind = action.obj["kind"]
             create = {"StatefulSet": self.apps.create_namespaced_stateful_set, "Service": self.core.create_namespaced_service,
                       "ConfigMap": self.core.create_namespaced_config_map}[kind]
-            create(namespace, action.obj)
+            send(create, namespace, action.obj)
         elif isinstance(action, Update):
             current = self._get(action.kind, namespace, action.name)
             if current is None:
@@ -177,20 +184,21 @@ class Kube:
                 current[key] = value if key == "data" else {**current.get(key, {}), **value}
             replace = {"StatefulSet": self.apps.replace_namespaced_stateful_set,
                        "ConfigMap": self.core.replace_namespaced_config_map}[action.kind]
-            replace(action.name, namespace, current)
+            send(replace, action.name, namespace, current)
         elif isinstance(action, Scale):
-            self.apps.patch_namespaced_stateful_set_scale(action.name, namespace, {"spec": {"replicas": action.replicas}})
+            send(self.apps.patch_namespaced_stateful_set_scale, action.name, namespace,
+                 {"spec": {"replicas": action.replicas}})
         elif isinstance(action, Delete):
             delete = {"StatefulSet": self.apps.delete_namespaced_stateful_set, "Service": self.core.delete_namespaced_service,
                       "ConfigMap": self.core.delete_namespaced_config_map}[action.kind]
-            delete(action.name, namespace, propagation_policy="Background")
+            send(delete, action.name, namespace, propagation_policy="Background")
         elif isinstance(action, UpdateStatus):
             body = {"apiVersion": policy["apiVersion"], "kind": policy["kind"], "metadata": policy["metadata"],
                     "status": action.status}
-            self.custom.replace_namespaced_custom_object_status(obj.GROUP, obj.VERSION, namespace,
-                                                                obj.PLURALS[policy["kind"]], policy["metadata"]["name"], body)
+            send(self.custom.replace_namespaced_custom_object_status, obj.GROUP, obj.VERSION, namespace,
+                 obj.PLURALS[policy["kind"]], policy["metadata"]["name"], body)
         elif isinstance(action, Emit):
-            self.core.create_namespaced_event(namespace, event(policy, action, now, self.component))
+            send(self.core.create_namespaced_event, namespace, event(policy, action, now, self.component))
         elif isinstance(action, Configure):
             try:
                 configure_keep_alive(action.address, action.keep_alive_s)

@@ -6,8 +6,8 @@ zero) need a periodic pass anyway; leader election must be a real Lease (Kopf's 
 pauses peers); and the client is already a dependency, so the shell stays ~300 lines we own.
 
 A watch on policies only wakes the loop early; correctness never depends on seeing an event. Any
-API error (server restarting, conflict) ends that policy's pass; the next pass starts from what is
-there. Metrics: moeless_operator_heartbeat_timestamp_seconds (last finished pass),
+error (server restarting, conflict, a reply the client cannot parse, a bug) ends that owner's pass,
+logged, and the others go on; the next pass starts from what is there. Metrics: moeless_operator_heartbeat_timestamp_seconds (last finished pass),
 moeless_operator_reconciles_total{result}, moeless_operator_leader.
 """
 
@@ -85,6 +85,10 @@ class Operator:
                 failed += 1
                 self.metrics.reconciles.labels("error").inc()
                 log.warning("%s/%s: %s (next pass retries)", namespace, name, describe(err))
+            except Exception:  # noqa: BLE001 (a bug or an odd reply for one owner must not stop the others)
+                failed += 1
+                self.metrics.reconciles.labels("error").inc()
+                log.exception("%s/%s: unexpected error (next pass retries)", namespace, name)
         return failed
 
     # -- the loop -------------------------------------------------------------------------------

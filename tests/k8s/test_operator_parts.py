@@ -1,5 +1,6 @@
 """Pure parts of the operator's shell: the Lease rule, where a host's /metrics is, the meters'
-parser on a real host's exposition, and `moeless operator`'s usage errors."""
+parser on a real host's exposition, `moeless operator`'s usage errors, and a pass that outlives one
+owner's unexpected error."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 
 from prometheus_client import generate_latest
 
+from moeless.controller.operator.actions import Observed
 from moeless.controller.operator.kube import metrics_url
 from moeless.controller.operator.leader import lease_step, micro_time, parse_micro_time
+from moeless.controller.operator.loop import Operator
 from moeless.controller.operator.meters import parse_host_metrics
 from moeless.controller.operator.objects import host_command
 from moeless.controller.operator.spec import SpecError, parse_spec
@@ -93,3 +96,30 @@ def test_operator_usage_errors_are_one_line_and_exit_2(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "moeless", "operator", "--help"], capture_output=True, text=True,
                                timeout=60).stdout
     assert "ExpertAutoscalingPolicy" in help_text and "--resync-s" in help_text
+
+
+def test_one_owner_s_unexpected_error_is_logged_and_the_others_are_still_reconciled(caplog):
+    """A bug or a reply the client cannot parse, for one policy, fails that policy's pass only."""
+    policy = lambda name: {"apiVersion": "moeless.io/v1alpha1", "kind": "ExpertAutoscalingPolicy",
+                           "metadata": {"name": name, "namespace": "ml", "generation": 1}, "spec": {}}
+
+    class Kube:
+        applied: list[str] = []
+        list_policies = staticmethod(lambda namespace: [policy("a"), policy("b")])
+        list_pools = staticmethod(lambda namespace: [])
+        managed_pools = staticmethod(lambda namespace, kind: set())
+        observe_pool = None
+
+        def observe(self, namespace, name, owner, policies, pool_hosts):
+            if name == "a":
+                raise ValueError("a reply the client could not parse")
+            return Observed()
+
+        def apply(self, namespace, owner, actions, now):
+            self.applied.append(owner["metadata"]["name"])
+            return []
+
+    kube = Kube()
+    assert Operator(kube, "ml", clock=lambda: T0).pass_once() == 1
+    assert kube.applied == ["b"]
+    assert "ml/a: unexpected error" in caplog.text and "could not parse" in caplog.text
