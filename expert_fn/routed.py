@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -205,7 +204,8 @@ def decode_head(data: bytes | memoryview) -> Head:
 class Decoded:
     """A routed call as the host runs it: src, out, weight and x are views into the received bytes
     (no copy; valid while the transport keeps them, which is until the answer is sent).
-    pair_order: out[j] = j for every pair (each pair its own row, in order)."""
+    pair_order: out[j] = j for every pair (each pair its own row, in order); singles: each output
+    row is exactly one pair's (out is a permutation), so no row needs adding up."""
 
     head: Head
     experts: list[int]
@@ -215,6 +215,7 @@ class Decoded:
     weight: torch.Tensor
     x: torch.Tensor
     pair_order: bool
+    singles: bool
 
 
 def decode_body(head: Head, body: memoryview) -> Decoded:
@@ -229,9 +230,10 @@ def decode_body(head: Head, body: memoryview) -> Decoded:
     floats = torch.frombuffer(body, dtype=head.dtype, offset=4 * (2 * m + 2 * pairs), count=pairs + head.rows * head.hidden) \
         if pairs + head.rows * head.hidden else torch.empty(0, dtype=head.dtype)
     pair_order = head.n_out == pairs and (pairs == 0 or (out[0] == 0 and out[-1] == pairs - 1 and bool((out[1:] > out[:-1]).all())))
+    singles = pair_order or (head.n_out == pairs and bool(np.bincount(out, minlength=pairs).max() == 1))
     return Decoded(head, experts, counts, torch.frombuffer(body, dtype=torch.int32, offset=8 * m, count=pairs) if pairs
                    else torch.empty(0, dtype=torch.int32), out, floats[:pairs], floats[pairs:].view(head.rows, head.hidden),
-                   pair_order)
+                   pair_order, singles)
 
 
 def check(head: Head, experts: list[int], counts: list[int], src: np.ndarray, out: np.ndarray) -> None:
@@ -256,36 +258,27 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     rows = call.x.index_select(0, call.src)
     batches = {call.experts[0]: rows} if len(call.experts) == 1 else dict(zip(call.experts, torch.split(rows, call.counts)))
     result = runtime.invoke(head.layer, batches)
-    # 2. Weighted outputs into z (see below for rows that several pairs add into).
+    # 2. Weighted outputs into z, one expert at a time, ascending. Each pair its own row: written
+    #    (0 + s is s), in place where the rows are in pair order. Otherwise each row's pairs are
+    #    added up in pair order, which is ascending expert order within a row: each expert adds
+    #    its weighted rows into their output rows from zeros (an expert has a row's token once:
+    #    no row twice per add), as the reference (model/moe_model.LocalExecutor) adds each expert.
     z = torch.empty(head.n_out, head.hidden, dtype=head.dtype) if z is None else z
-    if call.pair_order:
-        # Every pair its own row, in pair order (0 + s is s): each expert's rows in one piece.
-        bounds = [0, *accumulate(call.counts)]
-        for i, e in enumerate(call.experts):
-            a, b = bounds[i], bounds[i + 1]
-            y = result.outputs[e]
-            torch.mul(y if y.dtype == head.dtype else y.to(head.dtype), call.weight[a:b, None], out=z[a:b])
-        return z, result.cold_starts, result.compute_s
-    # 3. Each row's weighted outputs added up in pair order, which is ascending expert order within
-    #    a row: the reference's sums. The pairs go to [n_out, run, H] slots by their rank in their
-    #    row (zeros after a row's last pair: x + 0 is x), then the runs are added slot by slot, each
-    #    a contiguous add. (index_put_ with accumulate cost ~2x more here, and with repeated rows it
-    #    may add them in another order, measured on the CPU.)
-    y = torch.cat([result.outputs[e] for e in call.experts]) if call.experts else rows.new_zeros((0, head.hidden))
-    weighted = y.to(head.dtype) * call.weight[:, None]
-    out = call.out
-    order = np.argsort(out, kind="stable")  # each row's pairs together, in pair order
-    starts = np.flatnonzero(np.diff(out[order], prepend=-1))
-    lengths = np.diff([*starts, len(order)])
-    run = int(lengths.max())
-    rank = np.empty(len(order), dtype=np.int64)
-    rank[order] = np.arange(len(order)) - np.repeat(starts, lengths)
-    slots = weighted.new_zeros((head.n_out * run, head.hidden))
-    slots.index_copy_(0, torch.from_numpy(out.astype(np.int64) * run + rank), weighted)
-    slots = slots.view(head.n_out, run, head.hidden)
-    z.copy_(slots[:, 0])
-    for j in range(1, run):
-        z += slots[:, j]
+    if not call.pair_order:
+        out = torch.from_numpy(call.out.astype(np.int64))
+        if not call.singles:
+            z.zero_()
+    start = 0
+    for e, n in zip(call.experts, call.counts):
+        y = result.outputs[e]
+        y, w = (y if y.dtype == head.dtype else y.to(head.dtype)), call.weight[start:start + n, None]
+        if call.pair_order:
+            torch.mul(y, w, out=z[start:start + n])
+        elif call.singles:
+            z.index_copy_(0, out[start:start + n], y * w)
+        else:
+            z.index_add_(0, out[start:start + n], y * w)
+        start += n
     return z, result.cold_starts, result.compute_s
 
 

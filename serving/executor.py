@@ -169,10 +169,7 @@ class RemoteExecutor:
             return torch.zeros_like(x)
         # 2. Scatter: each expert's tokens split over its replicas, one routed call per host.
         x = x.contiguous()
-        # Hosts over shared memory answer every pair in its own row; the others add up each
-        # token's first experts (fewer bytes back, same sums).
-        combining = {h for h, c in clients.items() if c.path != "local"}
-        plan = plan_scatter(layer, routing.idx, routing.weight.to(x.dtype), placement, combining)
+        plan = plan_scatter(layer, routing.idx, routing.weight.to(x.dtype), placement)
         # 3. One packed call per host, all in flight at once; then wait for every one of them
         #    (always all: a call left uncollected would hold its client).
         pending, results, down, failure = {}, {}, [], None

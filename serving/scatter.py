@@ -9,11 +9,14 @@ per host per layer carries everything. All of it is a few vectorised array ops p
 Combine: the in-process reference (LocalExecutor) adds a token's weighted expert outputs in
 ascending expert order, from zeros. A host adds up the pairs that begin a token's list (its
 first experts in that order, all on this host) into one output row: the reference's own partial
-sum, so one row comes back for them; every other pair gets an output row of its own. Gather puts
-each output row in its token's combine slot (the rank of its first expert) and adds the k slots
-in rank order, so the result equals the reference forward bit for bit when the expert outputs
-do. With static EP's contiguous blocks over 2 hosts and k=8 of 16 experts, a token crosses the
-wire about 7 times instead of 16 (once to each host, once back from the first, 4 single rows).
+sum, so one row comes back for them; every other pair gets an output row of its own. Each output
+row has a combine rank (the rank of its first expert among the token's k, ascending), and a
+host's rows are numbered rank-major, so each rank's rows are one slice of its answer. Gather
+copies each token's rank-0 row and adds the later ranks in order (one index_add_ per rank and
+host), so the result equals the reference forward bit for bit when the expert outputs do. With
+static EP's contiguous blocks over 2 hosts and k=8 of 16 experts, a token crosses the wire about
+7 times instead of 16 (once to each host, once back from the first, 4 single rows). Hosts on
+shared memory combine too: measured, the adds cost them less than the rows saved cost gather.
 
 Chunks are whole and never smaller than MIN_CHUNK rows unless the expert has fewer tokens than
 that (then one replica takes them all): CPU BLAS (MKL sgemm, measured here) computes batches of
@@ -29,7 +32,7 @@ Replica i lives on host `placement.gpu[i]`: GPU ids of a placement are expert-ho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Container
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,16 +46,10 @@ MIN_CHUNK = 4  # rows; see the module docstring
 
 @dataclass(frozen=True)
 class HostBatch:
-    """One host's routed call for one layer, and where its answer goes.
-
-    call: the routed call (tokens: the token index of each row sent, ascending; pairs
-    expert-major, experts ascending); out_dest: [n_out] long, the flat combine slot t * k + r of
-    each output row (r: the rank, among token t's k experts in ascending order, of the row's first
-    expert).
-    """
+    """One host's routed call for one layer (tokens: the token index of each row sent, ascending;
+    pairs expert-major, experts ascending)."""
 
     call: RoutedCall
-    out_dest: torch.Tensor
 
     @property
     def experts(self) -> list[int]:
@@ -63,28 +60,36 @@ class HostBatch:
         return self.call.counts
 
 
+class Group(NamedTuple):  # a tuple: a decode step makes ~k * hosts of them per layer
+    """Output rows of one host that land in one combine rank: rows (a slice of the host's z) hold,
+    in order, the rank-`rank` term of `tokens` (long, distinct)."""
+
+    rank: int
+    host: int
+    rows: slice
+    tokens: torch.Tensor
+
+
 @dataclass(frozen=True)
 class ScatterPlan:
-    """Where every routed token of one layer goes: tokens T, k choices each, host -> HostBatch."""
+    """Where every routed token of one layer goes: tokens T, k choices each, host -> HostBatch;
+    groups: every host's output rows by combine rank, ranks ascending (what gather adds, in order)."""
 
     tokens: int
     k: int
     hosts: dict[int, HostBatch]
-    combined: bool = True  # some host adds several pairs into one row (gather then starts from zeros)
+    groups: list[Group]
 
     def tokens_per_host(self) -> dict[int, int]:
         """Pairs (token, expert) each host computes."""
         return {h: b.call.pairs for h, b in self.hosts.items()}
 
 
-def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement: LayerPlacement,
-                 combining: Container[int] | None = None) -> ScatterPlan:
+def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
     """Split each expert's tokens over its replicas and make one routed call per host.
 
     idx: [T, k] long expert choices; weight: [T, k] their gate weights (in the dtype the tokens
-    travel in); placement: the layer's replicas (expert, gpu, share); combining: the hosts that add
-    up the pairs beginning a token's experts into one row (None: all). Over shared memory a row
-    costs nothing to move while the host's adds cost memory passes, so there each pair keeps its row.
+    travel in); placement: the layer's replicas (expert, gpu, share).
     """
     tokens, k = idx.shape
     num_experts = int(placement.expert.max()) + 1 if placement.num_replicas else 0
@@ -117,30 +122,31 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
     host_by_slot[dest] = host_of_pair
     by_rank = host_by_slot.reshape(tokens, k)
     prefix = np.cumprod(by_rank == by_rank[:, :1], axis=1).astype(bool)
-    if combining is not None and tokens:  # only where the first expert's host combines
-        hosts = list(combining)
-        combines = np.zeros(max([int(by_rank.max()), *hosts]) + 1, dtype=bool)
-        combines[hosts] = True
-        prefix &= combines[by_rank[:, :1]]
-    combined = bool(prefix[:, 1:].any())  # some row adds up several pairs
-    slot_of_output = np.where(prefix.reshape(-1), np.repeat(np.arange(tokens) * k, k), np.arange(tokens * k))[dest]
-    flat_weight = weight.reshape(-1)
-    hosts = {}
+    # Each pair's output row, named rank-major (rank * T + token): a combined pair takes its row's rank 0.
+    rank_major = (np.arange(k) * tokens + token_of_row).reshape(-1)
+    slot_of_output = np.where(prefix.reshape(-1), np.repeat(np.arange(tokens), k), rank_major)[dest]
+    rank_starts = np.arange(k + 1) * tokens
+    # The weights picked in numpy as raw bits of their width (numpy has no bfloat16; a pick is exact).
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[weight.element_size()]
+    flat_weight = weight.contiguous().view(bits).numpy().reshape(-1)
+    hosts, groups = {}, []
     for h in np.flatnonzero(np.bincount(host_of_pair)).tolist():  # bincount, not unique: faster on tiny arrays
         positions = np.flatnonzero(host_of_pair == h)
         flat = order[positions]
         pairs_per_expert = np.bincount(flat_idx[flat], minlength=num_experts)
         experts = np.flatnonzero(pairs_per_expert)
         rows, src = _numbered(flat // k, tokens)
-        if combining is None or h in combining:
-            out_dest, out = _numbered(slot_of_output[positions], tokens * k)
-        else:  # each pair its own row, in pair order: the host writes each expert's rows in one piece
-            out_dest, out = dest[positions], np.arange(len(positions))
+        # Output rows numbered rank-major (rank, then token): each rank's rows are one slice of z.
+        key, out = _numbered(slot_of_output[positions], tokens * k)
+        bounds = np.searchsorted(key, rank_starts).tolist()
+        token = torch.from_numpy(key % tokens)
+        groups += [Group(r, h, slice(a, b), token[a:b]) for r, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
         call = RoutedCall(layer, experts.tolist(), pairs_per_expert[experts].tolist(), torch.from_numpy(rows),
                           torch.from_numpy(src.astype(np.int32)), torch.from_numpy(out.astype(np.int32)),
-                          flat_weight[torch.from_numpy(flat)], len(out_dest))
-        hosts[h] = HostBatch(call, torch.from_numpy(out_dest))
-    return ScatterPlan(tokens, k, hosts, combined)
+                          torch.from_numpy(flat_weight[flat]).view(weight.dtype), len(key))
+        hosts[h] = HostBatch(call)
+    groups.sort(key=lambda g: g.rank)
+    return ScatterPlan(tokens, k, hosts, groups)
 
 
 def _numbered(values: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -177,17 +183,15 @@ def merge_small_chunks(expert: np.ndarray, counts: np.ndarray, min_rows: int) ->
 
 def gather(plan: ScatterPlan, outputs: dict[int, torch.Tensor], hidden: int, dtype: torch.dtype) -> torch.Tensor:
     """Combine the hosts' answers: outputs: host -> z [n_out, H] (its routed call's output rows)
-    -> [T, H], each token's slots added in rank order (ascending expert), as the reference adds
-    them; slots a host already added in are zero here."""
-    tokens, k = plan.tokens, plan.k
-    # Every slot is written unless a host added several into one row: zeros only then.
-    slots = (torch.zeros if plan.combined else torch.empty)((tokens * k, hidden), dtype=dtype)
-    for h, batch in plan.hosts.items():
-        slots.index_copy_(0, batch.out_dest, outputs[h])
-    slots = slots.view(tokens, k, hidden)
-    out = slots[:, 0].clone()
-    for r in range(1, k):
-        out += slots[:, r]
+    -> [T, H]: each token's rank-0 row copied, then its later ranks added in rank order (ascending
+    expert), as the reference adds them (from zeros: 0 + a is a). Every token has one rank-0 row."""
+    out = torch.empty((plan.tokens, hidden), dtype=dtype)
+    for g in plan.groups:  # ranks ascending; within a rank the hosts' tokens are distinct
+        rows = outputs[g.host][g.rows]
+        if g.rank == 0:
+            out.index_copy_(0, g.tokens, rows)
+        else:
+            out.index_add_(0, g.tokens, rows)
     return out
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from moeless.controller.pool.members import NoLiveHostError
 from moeless.placement.types import LayerPlacement
-from moeless.expert_fn.routed import decode_call, encode_call, run_routed
+from moeless.expert_fn.routed import RoutedCall, decode_call, encode_call, run_routed
 from moeless.serving.scatter import MIN_CHUNK, evacuate, gather, merge_small_chunks, plan_scatter
 
 
@@ -84,7 +84,8 @@ def test_every_token_goes_once_to_a_host_holding_its_expert(case):
         for (t, e), w in zip(pairs, call.weight.tolist()):
             assert w == weight[t, (idx[t] == e).nonzero().item()].item()
         assert sorted(set(call.out.tolist())) == list(range(call.n_out))
-        assert batch.out_dest.unique().numel() == call.n_out
+        rows = torch.cat([torch.arange(call.n_out)[g.rows] for g in plan.groups if g.host == h])
+        assert sorted(rows.tolist()) == list(range(call.n_out))  # every output row lands once
         sent += pairs
     assert sorted(sent) == sorted((t, int(e)) for t in range(idx.shape[0]) for e in idx[t])
     assert sum(plan.tokens_per_host().values()) == idx.numel()
@@ -101,8 +102,10 @@ def test_the_first_experts_of_a_token_on_one_host_come_back_as_one_row():
     assert host0.call.tokens.tolist() == [0, 1] and host1.call.tokens.tolist() == [0, 1]
     assert host0.experts == [0, 1] and host0.counts == [1, 2]
     assert host0.call.out.tolist() == [0, 0, 1]  # token 0's experts 0 and 1 share a row; token 1's 1 is its own
-    assert host0.out_dest.tolist() == [0, 3] and host0.call.n_out == 2
-    assert host1.out_dest.tolist() == [2, 4, 5] and host1.call.n_out == 3  # token 0 rank 2; token 1 ranks 1, 2
+    assert host0.call.n_out == 2 and host1.call.n_out == 3
+    assert host1.call.out.tolist() == [0, 1, 2]  # rank-major: token 1 rank 1; then rank 2, tokens 0 and 1
+    groups = [(g.rank, g.host, g.rows, g.tokens.tolist()) for g in plan.groups]
+    assert groups == [(0, 0, slice(0, 2), [0, 1]), (1, 1, slice(0, 1), [1]), (2, 1, slice(1, 3), [0, 1])]
 
 
 def test_static_ep_moves_each_token_less_than_half_as_often_as_one_copy_per_expert():
@@ -193,11 +196,24 @@ def test_long_prefix_runs_add_up_as_the_reference_on_a_prefill_sized_layer():
     assert torch.equal(gather(plan, _host_outputs(plan, x), 64, x.dtype), _reference(x, idx, weight))
 
 
-def test_a_host_that_does_not_combine_answers_every_pair_in_its_own_row():
-    """Over shared memory (the executor leaves those hosts out of `combining`) no row is shared."""
-    idx = torch.tensor([[0, 1, 3], [1, 2, 3]])
-    placement = LayerPlacement.even(np.arange(4), np.array([0, 0, 1, 1]), 4)
-    x, weight = torch.randn(2, 5), torch.rand(2, 3)
-    plan = plan_scatter(0, idx, weight, placement, combining={1})
-    assert plan.hosts[0].call.n_out == plan.hosts[0].call.pairs == 3
-    assert torch.equal(gather(plan, _host_outputs(plan, x), 5, x.dtype), _reference(x, idx, weight))
+def test_a_host_writes_single_rows_once_and_adds_shared_rows_from_zeros():
+    """run_routed's three ways into z, on a z full of stale values (a reused buffer): pairs in their
+    own rows in pair order, a permutation of rows (each written once), and rows that pairs share or
+    that no pair writes (added from zeros: the unwritten row is 0, never the stale value)."""
+    x, weight = torch.randn(3, 5), torch.rand(3)
+    y = lambda e, rows: _fake_expert(e, x[rows])
+    calls = {  # out -> what z must be
+        (0, 1, 2): [y(0, [0]) * weight[0], y(0, [1]) * weight[1], y(1, [2]) * weight[2]],
+        (2, 0, 1): [y(0, [1]) * weight[1], y(1, [2]) * weight[2], y(0, [0]) * weight[0]],
+        (0, 1, 0): [torch.zeros(1, 5) + y(0, [0]) * weight[0] + y(1, [2]) * weight[2], y(0, [1]) * weight[1],
+                    torch.zeros(1, 5)],
+    }
+    for out, want in calls.items():
+        call = RoutedCall(0, [0, 1], [2, 1], torch.arange(3), torch.arange(3, dtype=torch.int32),
+                          torch.tensor(out, dtype=torch.int32), weight, 3)
+        decoded = decode_call(encode_call(1, call, x))
+        z = torch.full((3, 5), float("nan"))
+        assert torch.equal(run_routed(_FakeRuntime(), decoded, z)[0], torch.cat(want))
+    assert decoded.singles is False and decode_call(encode_call(1, RoutedCall(
+        0, [0, 1], [2, 1], torch.arange(3), torch.arange(3, dtype=torch.int32), torch.tensor([2, 0, 1], dtype=torch.int32),
+        weight, 3), x)).singles is True
