@@ -86,7 +86,8 @@ class ScatterPlan:
 
 
 def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
-    """Split each expert's tokens over its replicas and make one routed call per host.
+    """Split each expert's tokens over its replicas and make one routed call per host (array
+    methods, not np.* wrappers: a decode step's arrays are tiny and each wrapper costs ~3 us).
 
     idx: [T, k] long expert choices; weight: [T, k] their gate weights (in the dtype the tokens
     travel in); placement: the layer's replicas (expert, gpu, share).
@@ -99,10 +100,10 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
     # 1. Every (token, slot) in expert-major order, tokens ascending within an expert (the order
     #    the reference walks them); each one's combine slot: its expert's rank within the token.
     flat_idx = choice.reshape(-1)
-    order = np.argsort(flat_idx, kind="stable")
+    order = flat_idx.argsort(kind="stable")
     rank = np.empty_like(choice)
     token_of_row = np.arange(tokens)[:, None]
-    rank[token_of_row, np.argsort(choice, axis=1)] = np.arange(k)
+    rank[token_of_row, choice.argsort(axis=1)] = np.arange(k)
     dest = (token_of_row * k + rank).reshape(-1)[order]
     load = np.bincount(flat_idx, minlength=num_experts)
     # 2. Whole token counts per replica from each replica's share; chunks of >= MIN_CHUNK rows.
@@ -115,13 +116,13 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
             raise ValueError("the placement's shares do not route every token (an expert's shares must sum to 1)")
     # 3. Consecutive chunks per replica, an expert's replicas in index order: the host of every
     #    pair of `order` (expert-major), so a host's pairs, taken in order, list its experts ascending.
-    by_expert = np.argsort(expert, kind="stable")
+    by_expert = expert.argsort(kind="stable")
     host_of_pair = np.repeat(gpu[by_expert], counts[by_expert])
     # 4. Output rows: the pairs that begin a token's experts on one host share the first one's slot.
     host_by_slot = np.empty(tokens * k, dtype=np.int64)
     host_by_slot[dest] = host_of_pair
     by_rank = host_by_slot.reshape(tokens, k)
-    prefix = np.cumprod(by_rank == by_rank[:, :1], axis=1).astype(bool)
+    prefix = (by_rank == by_rank[:, :1]).cumprod(axis=1).astype(bool)
     # Each pair's output row, named rank-major (rank * T + token): a combined pair takes its row's rank 0.
     rank_major = (np.arange(k) * tokens + token_of_row).reshape(-1)
     slot_of_output = np.where(prefix.reshape(-1), np.repeat(np.arange(tokens), k), rank_major)[dest]
@@ -130,11 +131,11 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[weight.element_size()]
     flat_weight = weight.contiguous().view(bits).numpy().reshape(-1)
     hosts, groups = {}, []
-    for h in np.flatnonzero(np.bincount(host_of_pair)).tolist():  # bincount, not unique: faster on tiny arrays
-        positions = np.flatnonzero(host_of_pair == h)
+    for h in np.bincount(host_of_pair).nonzero()[0].tolist():  # bincount, not unique: faster on tiny arrays
+        positions = (host_of_pair == h).nonzero()[0]
         flat = order[positions]
         pairs_per_expert = np.bincount(flat_idx[flat], minlength=num_experts)
-        experts = np.flatnonzero(pairs_per_expert)
+        experts = pairs_per_expert.nonzero()[0]
         rows, src = _numbered(flat // k, tokens)
         # Output rows numbered rank-major (rank, then token): each rank's rows are one slice of z.
         key, out = _numbered(slot_of_output[positions], tokens * k)
@@ -154,8 +155,8 @@ def _numbered(values: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     values in [0, size), by a mask (a sort costs more on a decode step's few values)."""
     seen = np.zeros(size, dtype=bool)
     seen[values] = True
-    number = np.cumsum(seen) - 1
-    return np.flatnonzero(seen), number[values]
+    number = seen.cumsum() - 1
+    return seen.nonzero()[0], number[values]
 
 
 def merge_small_chunks(expert: np.ndarray, counts: np.ndarray, min_rows: int) -> np.ndarray:
