@@ -10,6 +10,8 @@ from typing import Callable
 from moeless.controller.knobs import KnobError, add_knob_flags, knobs_from_args
 from moeless.placement.profile import CostProfile, ProfileError
 
+TRANSPORTS = ("auto", "local", "tcp", "grpc")  # expert_fn.client.TRANSPORTS (importing it costs --help a second)
+
 MODEL_HELP = "'default' (SmolLM2-135M turned MoE; built and cached on first use), 'tiny:ARCH' (a random test model, e.g. tiny:mixtral) or a model directory"
 
 
@@ -48,6 +50,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                        help="the data plane's busy-poll: expert calls spin this many microseconds for their answer "
                             "(and local hosts for the next call) before blocking; worth it where cores are to spare "
                             "(default 0: block at once)")
+    serve.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                       help="how expert calls reach the hosts: auto (shared memory to a host on this machine, else "
+                            "TCP, else gRPC), or one of them for every host (default auto)")
     add_knob_flags(serve)
     serve.set_defaults(func=_serve)
 
@@ -115,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
         serve_embedded(models[0] if len(models) == 1 else models, hosts=args.hosts, replicas=args.replicas, port=args.port, bind=args.bind, knobs=knobs,
                        profile=profile, predictor_file=args.predictor_file, batching=args.batching, limits=limits,
                        max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo, poll_s=args.poll_us / 1e6,
-                       knob_file=args.config)
+                       knob_file=args.config, transport=args.transport)
     except (KnobError, ProfileError) as err:
         print(f"moeless serve: {err}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from moeless.controller.planning.actor import LOOP_NAME
 from moeless.controller.planning.board import BOARD_NAME
 from moeless.controller.pool.addresses import HOSTS_ENV
 from moeless.controller.pool.sources import StaticSource, pool_source
+from moeless.expert_fn.client import TRANSPORTS
 from moeless.model.default import default_model
 from moeless.model.hf_loader import load_moe_model
 from moeless.model.tiny import tiny_model
@@ -98,11 +99,14 @@ def config_from_args(args: Mapping[str, Any]):
     """A ServeConfig from Ray Serve's application args: {"config": knobs YAML file (optional),
     "model": "default" | "tiny:ARCH" | DIR (default "default"), "hosts": "host:port,..." or a pool
     such as "k8s://NS/POLICY:PORT?slots=N" (default: $MOELESS_EXPERT_HOSTS; controller/pool/sources.py),
-    "replicas": serving replicas (default 1)}; the loop runs as in
+    "replicas": serving replicas (default 1), "transport": auto | local | tcp | grpc (default auto)}; the loop runs as in
     `moeless serve`. Raises KnobError for a bad value (the message names it)."""
-    unknown = sorted(set(args) - {"config", "model", "hosts", "replicas"})
+    unknown = sorted(set(args) - {"config", "model", "hosts", "replicas", "transport"})
     if unknown:
-        raise KnobError(f"application args: unknown key {unknown[0]!r}; known: config, model, hosts, replicas")
+        raise KnobError(f"application args: unknown key {unknown[0]!r}; known: config, model, hosts, replicas, transport")
+    transport = str(args.get("transport", "auto"))
+    if transport not in TRANSPORTS:
+        raise KnobError(f"application args: transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
     knobs = Knobs.from_yaml(args["config"]) if args.get("config") else Knobs()
     hosts = args.get("hosts") or os.environ.get(HOSTS_ENV)
     if not hosts:
@@ -112,5 +116,5 @@ def config_from_args(args: Mapping[str, Any]):
     fixed = isinstance(source, StaticSource)
     return ServeConfig(choice.name, choice.loader, source.addresses if fixed else (), pool=None if fixed else source,
                        num_replicas=int(args.get("replicas", 1)), placement_board=BOARD_NAME, knobs=knobs,
-                       plan_loop=LOOP_NAME, knob_file=args.get("config") or None,
+                       plan_loop=LOOP_NAME, knob_file=args.get("config") or None, transport=transport,
                        host_model=getattr(source, "model", None))

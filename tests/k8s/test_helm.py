@@ -136,6 +136,19 @@ def test_template_with_kuberay_and_service_monitors(helm):
         assert spec["securityContext"]["runAsNonRoot"] is True
 
 
+def test_serving_transport_reaches_the_command_and_the_ray_args_and_a_bad_one_is_refused(helm):
+    def command(docs):
+        serving = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "t-moeless-serving")
+        return serving["spec"]["template"]["spec"]["containers"][0]["command"]
+
+    assert command(render(helm))[-2:] == ["--transport", "auto"]
+    assert command(render(helm, "serving.transport=tcp"))[-2:] == ["--transport", "tcp"]
+    ray = next(d for d in render(helm, "serving.kuberay=true", "serving.transport=grpc") if d["kind"] == "RayService")
+    assert yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"][0]["args"]["transport"] == "grpc"
+    bad = helm_run(helm, "template", "t", str(CHART), "--set", "serving.transport=rdma", check=False)
+    assert bad.returncode != 0 and 'serving.transport: "rdma" is not one of auto, local, tcp, grpc' in bad.stderr
+
+
 def test_template_of_one_pool_for_several_models(helm, pool_values):
     """pool.enabled: an ExpertPool, a policy per model on it, a serving Deployment and Service per model that
     follows the pool's pods and addresses its model on the shared hosts; the operator admits both."""
@@ -152,7 +165,7 @@ def test_template_of_one_pool_for_several_models(helm, pool_values):
         container = deployments[f"t-moeless-serving-{name}"]["spec"]["template"]["spec"]["containers"][0]
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["MOELESS_EXPERT_HOSTS"] == f"k8s://{NS}/{name}:50051?slots=8&pool=t-pool&model={name}"
-        assert container["command"][container["command"].index("--port") + 2:] == model_flag
+        assert container["command"][container["command"].index("--port") + 4:] == model_flag
         volumes = deployments[f"t-moeless-serving-{name}"]["spec"]["template"]["spec"]["volumes"]
         assert {"name": "knobs", "configMap": {"name": f"{name}-serving"}} in volumes
         service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == f"t-moeless-serving-{name}")

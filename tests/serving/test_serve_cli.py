@@ -63,6 +63,9 @@ def test_app_from_args_reads_the_knobs_file_and_the_hosts(tmp_path, monkeypatch)
     assert serve.host_addresses == ("a:1", "b:2") and serve.num_replicas == 2 and serve.plan_loop
     assert serve.knobs.predictor == "history" and serve.knobs.keep_alive_s == 7.0
     assert config_from_args({"hosts": "c:3", "model": "tiny:mixtral"}).host_addresses == ("c:3",)
+    assert serve.transport == "auto" and config_from_args({"hosts": "c:3", "transport": "tcp"}).transport == "tcp"
+    with pytest.raises(KnobError, match="transport 'rdma'; use one of auto, local, tcp, grpc"):
+        config_from_args({"hosts": "c:3", "transport": "rdma"})
     with pytest.raises(KnobError, match="unknown key 'port'"):
         config_from_args({"port": 1})
     monkeypatch.delenv("MOELESS_EXPERT_HOSTS")
@@ -85,3 +88,13 @@ def test_serve_uses_the_expert_hosts_named_in_the_environment(hosts, tmp_path):
     for address in hosts.addresses:
         with ExpertHostClient(address) as client:
             assert client.status()["meters"]["invocations"] > 0, address
+
+
+def test_transport_is_one_of_the_clients(capsys):
+    from moeless.expert_fn.client import TRANSPORTS
+    from moeless.serving.cli import TRANSPORTS as offered
+
+    assert offered == TRANSPORTS  # the flag's choices are the client's, kept apart from --help's imports
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", "--transport", "rdma"])
+    assert stop.value.code == 2 and "--transport: invalid choice: 'rdma'" in capsys.readouterr().err

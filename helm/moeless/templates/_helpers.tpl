@@ -50,3 +50,10 @@ k8s://{{ .Release.Namespace }}/{{ include "moeless.policyName" . }}:{{ $h.grpcPo
 {{- define "moeless.modelCache" -}}
 {{- if or .Values.serving.modelCache.persistentVolumeClaim .Values.serving.modelCache.hostPath -}}true{{- end -}}
 {{- end -}}
+
+{{/* serving.transport, checked: how the serving pods' expert calls reach the hosts (`moeless serve --transport`). */}}
+{{- define "moeless.transport" -}}
+{{- $t := toString .Values.serving.transport -}}
+{{- if not (has $t (list "auto" "local" "tcp" "grpc")) -}}{{ fail (printf "serving.transport: %q is not one of auto, local, tcp, grpc" $t) }}{{- end -}}
+{{- $t -}}
+{{- end -}}
