@@ -116,7 +116,7 @@ class Operator:
     def _watch(self, stop: threading.Event, plural: str) -> None:
         """Wake the loop when a policy (or pool) is added, deleted or changed; restart the watch when it
         ends or fails (retried every second, e.g. while the ExpertPool CRD is not installed)."""
-        custom = self.kube.custom
+        custom, last = self.kube.custom, None
         while not stop.is_set():
             watcher = self._watches[plural] = watch.Watch()
             try:
@@ -134,8 +134,12 @@ class Operator:
                     if event["type"] != "MODIFIED" or seen.get(meta.get("uid")) != mark:
                         self._wake.set()
                     seen[meta.get("uid")] = mark
+                last = None  # it ran: the next failure is news
             except (ApiException, ValueError, *UNREACHABLE) as err:
-                log.info("%s watch ended: %s", plural, getattr(err, "reason", err))
+                reason = str(getattr(err, "reason", err))
+                if reason != last:  # once per reason: a missing CRD would log every second
+                    log.info("%s watch ended: %s (retried every second)", plural, reason)
+                last = reason
                 stop.wait(1.0)
 
 

@@ -123,3 +123,25 @@ def test_one_owner_s_unexpected_error_is_logged_and_the_others_are_still_reconci
     assert Operator(kube, "ml", clock=lambda: T0).pass_once() == 1
     assert kube.applied == ["b"]
     assert "ml/a: unexpected error" in caplog.text and "could not parse" in caplog.text
+
+
+def test_a_watch_that_keeps_failing_the_same_way_is_logged_once(caplog):
+    """While the ExpertPool CRD is missing the watch fails every second: one line, not one a second."""
+    import logging
+    import threading
+
+    from kubernetes.client.rest import ApiException
+
+    def missing(*args, **kwargs):
+        raise ApiException(status=404, reason="Not Found")
+
+    kube = type("Kube", (), {"custom": type("Custom", (), {"list_namespaced_custom_object": staticmethod(missing)})()})()
+    stop = threading.Event()
+    watcher = threading.Thread(target=Operator(kube, "ml")._watch, args=(stop, "expertpools"))
+    with caplog.at_level(logging.INFO, logger="moeless.operator"):
+        watcher.start()
+        stop.wait(2.5)  # three tries, a second apart
+        stop.set()
+        watcher.join(5)
+    lines = [r.getMessage() for r in caplog.records if "watch ended" in r.getMessage()]
+    assert lines == ["expertpools watch ended: Not Found (retried every second)"]
