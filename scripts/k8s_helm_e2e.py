@@ -637,13 +637,15 @@ class Run:
 
 
 def main() -> int:
+    from moeless.expert_fn.client import TRANSPORTS  # the package's imports stay inside functions, as above
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ref", default="HEAD", help="git ref whose sources go into the image (default HEAD; "
                         "'worktree': the working tree as it is)")
     parser.add_argument("--planner", default="", help="policy.serving.planner (default: the chart's, i.e. moeless's "
                         "default planner)")
     parser.add_argument("--expert-hosts", default="", help="serving.expertHosts (default: the chart's)")
-    parser.add_argument("--transport", default="auto", choices=("auto", "local", "tcp", "grpc"),
+    parser.add_argument("--transport", default="auto", choices=TRANSPORTS,
                         help="serving.transport (default auto: shared memory here, every pod on the node's network; "
                              "tcp: the pod path between nodes, over loopback)")
     parser.add_argument("--keep", action="store_true", help="leave the cluster running after the checks (Ctrl-C stops it)")

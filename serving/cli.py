@@ -8,9 +8,8 @@ import sys
 from typing import Callable
 
 from moeless.controller.knobs import KnobError, add_knob_flags, knobs_from_args
+from moeless.expert_fn.client import TRANSPORTS
 from moeless.placement.profile import CostProfile, ProfileError
-
-TRANSPORTS = ("auto", "local", "tcp", "grpc")  # expert_fn.client.TRANSPORTS (importing it costs --help a second)
 
 MODEL_HELP = "'default' (SmolLM2-135M turned MoE; built and cached on first use), 'tiny:ARCH' (a random test model, e.g. tiny:mixtral) or a model directory"
 

@@ -7,7 +7,8 @@ pauses peers); and the client is already a dependency, so the shell stays ~300 l
 
 A watch on policies only wakes the loop early; correctness never depends on seeing an event. Any
 error (server restarting, conflict, a reply the client cannot parse, a bug) ends that owner's pass,
-logged, and the others go on; the next pass starts from what is there. Metrics: moeless_operator_heartbeat_timestamp_seconds (last finished pass),
+logged, and the others go on; the next pass starts from what is there. Metrics:
+moeless_operator_heartbeat_timestamp_seconds (last finished pass),
 moeless_operator_reconciles_total{result}, moeless_operator_leader.
 """
 

@@ -4,11 +4,14 @@ owner's unexpected error."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
+import threading
 
 import pytest
 
+from kubernetes.client.rest import ApiException
 from prometheus_client import generate_latest
 
 from moeless.controller.operator.actions import Observed
@@ -127,11 +130,6 @@ def test_one_owner_s_unexpected_error_is_logged_and_the_others_are_still_reconci
 
 def test_a_watch_that_keeps_failing_the_same_way_is_logged_once(caplog):
     """While the ExpertPool CRD is missing the watch fails every second: one line, not one a second."""
-    import logging
-    import threading
-
-    from kubernetes.client.rest import ApiException
-
     def missing(*args, **kwargs):
         raise ApiException(status=404, reason="Not Found")
 
