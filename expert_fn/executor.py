@@ -1,8 +1,11 @@
 """Runs the token batches of several experts of one layer: the compute of one Invoke call.
 
-Two ways, same results: one expert after another (`sequential_forward`, the CPU default), or
-all of them as one grouped computation (`grouped_forward`: tokens padded to the largest batch,
-three batched matmuls; the default on a GPU, where one launch beats many small ones).
+Two ways, same results: one expert after another (`sequential_forward`), or all of them as one
+grouped computation (`grouped_forward`: weights stacked, tokens padded to the largest batch, three
+batched matmuls). A CPU runs them one after another. A GPU (`gpu_forward`) groups small experts,
+where kernel launches dominate, and runs large ones one after another: stacking copies every
+weight on every call, and on an H200 at Mixtral-8x7B's expert (352 MB in bfloat16) the grouped
+forward took 2.3-2.9x the sequential one (docs/benchmarks.md, scripts/gpu_forward_check.py).
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ def grouped_forward(weights: list[Weights], xs: list[torch.Tensor], act: str) ->
     return [out[i, :n] for i, n in enumerate(sizes)]
 
 
+GROUPED_MAX_BYTES = 16 * 2**20  # one expert's weights up to which a GPU groups: stacking them costs ~us
+
+
+def gpu_forward(weights: list[Weights], xs: list[torch.Tensor], act: str) -> list[torch.Tensor]:
+    """grouped_forward for experts of at most GROUPED_MAX_BYTES each, else sequential_forward."""
+    size = sum(t.numel() * t.element_size() for t in weights[0].values()) if weights else 0
+    return (grouped_forward if size <= GROUPED_MAX_BYTES else sequential_forward)(weights, xs, act)
+
+
 def forward_for(device: str):
-    """The forward used on `device`: grouped on CUDA, sequential elsewhere."""
-    return grouped_forward if device.startswith("cuda") else sequential_forward
+    """The forward used on `device`: gpu_forward on CUDA, sequential elsewhere."""
+    return gpu_forward if device.startswith("cuda") else sequential_forward

@@ -48,6 +48,10 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve /metrics, /healthz, /readyz over HTTP on this port (0: pick one)")
     add("--gpu", type=int, default=0, metavar="I", help="NVML index of the GPU to use where there is one (default 0)")
     add("--threads", type=int, default=1, help="torch CPU threads for expert compute (default 1)")
+    add("--compute-dtype", choices=("float32", "store"), default="float32",
+        help="float32 (default: outputs bit-identical to the float32 reference model) or store: the weight store's own "
+             "dtype (a bfloat16 model's replicas hold half the memory and run on a GPU's bfloat16 tensor cores; "
+             "outputs equal the reference to that dtype's rounding)")
     add("--drain-s", type=float, default=30.0, metavar="S",
         help="on SIGTERM, wait this long for calls in flight (default 30)")
     add("--no-local-channel", action="store_true",
@@ -113,7 +117,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"expert-host: {err}", file=sys.stderr)
         return 2
     runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s,
-                                tier=tier, shares=shares)
+                                tier=tier, shares=shares, compute_dtype=args.compute_dtype)
     # 2. gRPC server and HTTP endpoints.
     # OpenMP's thread count is per thread: without the initializer, handler threads compute on every core.
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,

@@ -167,6 +167,7 @@ def launch_local_hosts(
     local_channel: bool = True,
     poll_s: float | None = None,
     shares: dict[str, float] | None = None,
+    compute_dtype: str = "float32",
 ) -> LocalHostGroup:
     """Start num_hosts expert hosts serving store_dir on loopback and wait until all are ready.
     store_dir: a weight store, or (model name, store) pairs that every host serves from one memory
@@ -177,6 +178,7 @@ def launch_local_hosts(
     local_channel: offer the shared-memory channel (False: gRPC only, as for a remote host).
     poll_s: the hosts' spin for the next data-plane call (expert-host --poll-us; None: its default).
     shares: GB each model is guaranteed while active on every host (expert-host --share; shares.py).
+    compute_dtype: "float32" or "store" (expert-host --compute-dtype; runtime.py).
     Hosts exit by themselves when this process dies without closing the group.
     """
     if num_hosts < 1:
@@ -186,7 +188,7 @@ def launch_local_hosts(
         if not Path(root, "index.json").is_file():
             raise FileNotFoundError(f"{root}: no weight store (index.json); export one with `moeless model export`")
     args = [*(a for name, root in stores for a in ("--store", f"{name}={root}" if name else str(root))), "--keep-alive-s", str(keep_alive_s), "--threads", str(threads), "--drain-s", str(drain_s),
-            "--exit-with-parent"]
+            "--exit-with-parent", "--compute-dtype", compute_dtype]
     if memory_bytes is not None:
         args += ["--memory-gb", repr(memory_bytes / 1e9)]
     if metrics:

@@ -255,31 +255,39 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     head = call.head
     # 1. Every pair's row gathered from x in one copy (expert-major), one view per expert, one
     #    runtime call for all of them. (A decode step's call is tiny: every torch op skipped counts.)
-    rows = call.x.index_select(0, call.src)
+    #    A GPU host does all of it on the GPU: x goes over once, z comes back once.
+    device = runtime.device
+    x, src = (call.x, call.src) if device == "cpu" else (call.x.to(device), call.src.to(device))
+    rows = x.index_select(0, src)
     batches = {call.experts[0]: rows} if len(call.experts) == 1 else dict(zip(call.experts, torch.split(rows, call.counts)))
-    result = runtime.invoke(head.layer, batches)
+    result = runtime.invoke(head.layer, batches, on_device=True)
     # 2. Weighted outputs into z, one expert at a time, ascending. Each pair its own row: written
     #    (0 + s is s), in place where the rows are in pair order. Otherwise each row's pairs are
     #    added up in pair order, which is ascending expert order within a row: each expert adds
     #    its weighted rows into their output rows from zeros (an expert has a row's token once:
     #    no row twice per add), as the reference (model/moe_model.LocalExecutor) adds each expert.
-    z = torch.empty(head.n_out, head.hidden, dtype=head.dtype) if z is None else z
+    #    So a GPU's index_add_ has no two adds to one element in a call: the same sums, in order.
+    target = z if z is not None and device == "cpu" else torch.empty(head.n_out, head.hidden, dtype=head.dtype,
+                                                                     device=device)
+    weight = call.weight if device == "cpu" else call.weight.to(device)
     if not call.pair_order:
-        out = torch.from_numpy(call.out.astype(np.int64))
+        out = torch.from_numpy(call.out.astype(np.int64)).to(device)
         if not call.singles:
-            z.zero_()
+            target.zero_()
     start = 0
     for e, n in zip(call.experts, call.counts):
         y = result.outputs[e]
-        y, w = (y if y.dtype == head.dtype else y.to(head.dtype)), call.weight[start:start + n, None]
+        y, w = (y if y.dtype == head.dtype else y.to(head.dtype)), weight[start:start + n, None]
         if call.pair_order:
-            torch.mul(y, w, out=z[start:start + n])
+            torch.mul(y, w, out=target[start:start + n])
         elif call.singles:
-            z.index_copy_(0, out[start:start + n], y * w)
+            target.index_copy_(0, out[start:start + n], y * w)
         else:
-            z.index_add_(0, out[start:start + n], y * w)
+            target.index_add_(0, out[start:start + n], y * w)
         start += n
-    return z, result.cold_starts, result.compute_s
+    if device != "cpu":
+        target = z.copy_(target) if z is not None else target.cpu()
+    return target, result.cold_starts, result.compute_s
 
 
 def encode_reply(call_id: int, z: torch.Tensor, cold_starts: int, compute_s: float) -> bytes:

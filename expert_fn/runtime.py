@@ -7,6 +7,11 @@ that needs a replica still loading waits for it (a cold start), and a load alrea
 never started twice. Per layer the meters count the cold-start time a prefetch hid and the time
 invocations waited. A sweeper thread evicts replicas idle for longer than keep_alive_s.
 
+The compute dtype is float32 by default: every model's outputs then equal the float32 reference
+(model/moe_model.py) bit for bit. compute_dtype="store" computes in the store's own dtype instead
+(a bfloat16 model's experts hold half the memory, and a GPU runs them on its bfloat16 tensor
+cores); outputs then equal the reference to that dtype's rounding, not bit for bit.
+
 An invoke's compute_s is the compute thread's CPU time on a CPU device computing on one torch
 thread (the host's own work: time the thread was preempted by other processes on a shared
 machine is not compute), and wall time otherwise (a GPU's kernels, or several OpenMP threads).
@@ -36,11 +41,12 @@ from moeless.model.weight_store import WeightStore, WeightStoreError
 log = logging.getLogger(__name__)
 
 Weights = dict[str, torch.Tensor]
+COMPUTE_DTYPES = ("float32", "store")  # see the module docstring
 
 
 class ExpertHostRuntime:
     """Replicas of (layer, expert) FFNs from `store` (a WeightStore, or model_stores.ModelStores: several
-    models in one layer space), computed on `device` in float32."""
+    models in one layer space), computed on `device` in float32 or (compute_dtype="store") the store's dtype."""
 
     def __init__(
         self,
@@ -53,12 +59,16 @@ class ExpertHostRuntime:
         load_workers: int = 2,
         tier: TierConfig = TierConfig(),
         shares: Shares | None = None,
+        compute_dtype: str = "float32",
     ) -> None:
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute dtype {compute_dtype!r}: use one of {', '.join(COMPUTE_DTYPES)}")
         self.store = store
+        self.dtype = getattr(torch, store.index.get("dtype") or "float32") if compute_dtype == "store" else torch.float32
         self.models = as_model_stores(store)  # which model each host layer belongs to (meters per model)
         self.device = device
         self.tier = HostTier(store, tier, pin=device.startswith("cuda") and torch.cuda.is_available())
-        self._copier = DeviceCopier(device)
+        self._copier = DeviceCopier(device, self.dtype)
         self.keep_alive_s = keep_alive_s
         self.health = "starting"  # "serving" once the server listens, "draining" on SIGTERM
         self._forward = forward_for(device)
@@ -102,17 +112,20 @@ class ExpertHostRuntime:
                 self._dropped([key])
             return evicted, self.table.state(key)
 
-    def invoke(self, layer: int, batches: dict[int, torch.Tensor]) -> InvokeResult:
+    def invoke(self, layer: int, batches: dict[int, torch.Tensor], on_device: bool = False) -> InvokeResult:
         """Run every expert's tokens of one layer in one go.
 
-        batches: expert -> [n, H] float32; outputs: expert -> [n, H] float32 on the CPU.
+        batches: expert -> [n, H], any float dtype, on the CPU or the compute device; outputs:
+        expert -> [n, H] in the compute dtype (self.dtype), on the CPU, or with on_device where the
+        host computes (a routed call combines there: routed.run_routed).
         Raises ReplicaLoadError (naming the file) if any expert fails to load.
         """
         for expert, x in batches.items():
             self._check_key(layer, expert)
             if x.dim() != 2:
                 raise BadRequest(f"expert {expert}: tokens must be [n, H], got shape {list(x.shape)}")
-        empty = {e: x.new_zeros(x.shape, dtype=torch.float32) for e, x in batches.items() if x.shape[0] == 0}
+        out_device = self.device if on_device else "cpu"
+        empty = {e: torch.zeros(x.shape, dtype=self.dtype, device=out_device) for e, x in batches.items() if x.shape[0] == 0}
         batches = {e: x for e, x in batches.items() if x.shape[0] > 0}  # no tokens: no load, no compute
         keys = [(layer, e) for e in batches]
         pinned: list[Key] = []
@@ -135,10 +148,11 @@ class ExpertHostRuntime:
                     raise BadRequest(f"expert {expert}: tokens must be [n, H={w['gate'].shape[1]}], got {list(x.shape)}")
             clock = _compute_clock(self.device)
             started = clock()
-            xs = [x if x.dtype == torch.float32 and x.device.type == self.device else x.to(self.device, torch.float32)
-                  for x in batches.values()]
+            xs = [x.to(self.device, self.dtype) for x in batches.values()]  # no copy where it is there already
             outs = self._forward(weights, xs, self.store.act)
-            result = {e: out if out.device.type == "cpu" else out.to("cpu", torch.float32) for e, out in zip(batches, outs)}
+            result = {e: out.to(out_device) for e, out in zip(batches, outs)}
+            if on_device and self.device != "cpu":
+                torch.cuda.synchronize(self.device)  # compute_s counts the kernels, not their launch
             result |= empty
             compute_s = clock() - started
         finally:
@@ -274,9 +288,9 @@ class ExpertHostRuntime:
                 self.meters.cold.prefetch_wasted += 1
 
     def _resident_bytes(self, key: Key) -> int:
-        """Bytes key takes once converted to float32 (the store may hold a narrower dtype)."""
-        itemsize = torch.empty(0, dtype=getattr(torch, self.store.index.get("dtype") or "float32")).element_size()
-        return self.store.expert_bytes(*key) * 4 // itemsize
+        """Bytes key takes in the compute dtype (the store may hold a narrower one than float32)."""
+        stored = torch.empty(0, dtype=getattr(torch, self.store.index.get("dtype") or "float32")).element_size()
+        return self.store.expert_bytes(*key) * self.dtype.itemsize // stored
 
     def _check_key(self, layer: int, expert: int) -> Key:
         if not self.store.has(layer, expert):

@@ -4,7 +4,7 @@
 GPU, so the copy to the device can be asynchronous). A file's sha256 is checked once, when it
 enters the tier; a cold start is then `to_device`, a copy from host memory: on a GPU on a copy
 stream of its own, non_blocking, waited for by the loading thread only (the compute stream never
-blocks on it), on a CPU a float32 copy.
+blocks on it), on a CPU a copy; either way in the host's compute dtype.
 
 Settings (`TierConfig`): capacity in bytes (0 turns the tier off: every load reads and verifies
 the file; None: no limit), eviction order ("lru": least recently used first, "fifo": first to
@@ -193,22 +193,22 @@ class HostTier:
 
 
 class DeviceCopier:
-    """Copies host-tier weights to the compute device as float32 (the cold start proper)."""
+    """Copies host-tier weights to the compute device in the compute dtype (the cold start proper)."""
 
-    def __init__(self, device: str) -> None:
-        self.device = device
+    def __init__(self, device: str, dtype: torch.dtype = torch.float32) -> None:
+        self.device, self.dtype = device, dtype
         self._stream = torch.cuda.Stream(device=device) if device.startswith("cuda") and torch.cuda.is_available() else None
 
     def to_device(self, weights: Weights) -> Weights:
-        """Fresh float32 device tensors of weights (the host tier keeps its own copy).
+        """Fresh device tensors of weights in self.dtype (the host tier keeps its own copy).
 
         On a GPU: enqueued on the copy stream with non_blocking (asynchronous from pinned memory),
         converted there, and waited for with an event on this (the loading) thread only.
         """
         if self._stream is None:
-            return {name: t.to(self.device, torch.float32, copy=True).contiguous() for name, t in weights.items()}
+            return {name: t.to(self.device, self.dtype, copy=True).contiguous() for name, t in weights.items()}
         with torch.cuda.stream(self._stream):
-            out = {name: t.to(self.device, non_blocking=True).float().contiguous() for name, t in weights.items()}
+            out = {name: t.to(self.device, non_blocking=True).to(self.dtype).contiguous() for name, t in weights.items()}
             done = torch.cuda.Event()
             done.record(self._stream)
         done.synchronize()

@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 from safetensors.torch import load as parse_safetensors
 from safetensors.torch import save_file
 
+from moeless.core.paths import cache_dir
 from moeless.model.experts import EXPERT_TENSORS
+
+if TYPE_CHECKING:
+    from moeless.model.moe_model import MoEModel
 
 FORMAT = "moeless-weight-store/1"
 
@@ -165,3 +170,19 @@ def export_experts(
     }
     (root / "index.json").write_text(json.dumps(index, indent=1))
     return WeightStore(root, index)
+
+
+def export_store(model: "MoEModel", name: str) -> Path:
+    """The model's experts as a weight store under the cache dir, keyed by a hash of their weights."""
+    digest = hashlib.sha256(repr(model.spec).encode())
+    for _, _, weights in model.iter_experts():
+        for tensor in weights.values():
+            digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())  # any dtype's bytes
+    root = cache_dir() / "stores" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{digest.hexdigest()[:16]}"
+    try:
+        return WeightStore.open(root).root
+    except WeightStoreError:
+        spec = model.spec
+        export_experts(model.iter_experts(), root, model=name, num_layers=spec.num_layers,
+                       num_experts=spec.num_experts, act=spec.act)
+        return root

@@ -277,7 +277,7 @@ class Run:
 
         from moeless.model.default import BuildConfig, default_model, model_path
         from moeless.core.paths import cache_dir
-        from moeless.serving.embedded import export_store
+        from moeless.model.weight_store import export_store
 
         torch.set_num_threads(1)
         model = default_model()

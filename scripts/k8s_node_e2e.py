@@ -144,7 +144,7 @@ def main() -> int:
     build_images(bin_dir, work)
     log(f"images built: local/pause:3.2, {IMAGE}", t0)
     from moeless.model.default import default_model
-    from moeless.serving.embedded import export_store
+    from moeless.model.weight_store import export_store
 
     model = default_model()
     store = Path(export_store(model, "moeless-default"))

@@ -48,7 +48,7 @@ def references() -> tuple[dict[str, dict[str, str]], dict[str, Path]]:
     # torch and the models load here, once the docker engine and the ports are checked (as k8s_helm_e2e)
     from moeless.serving.api import GenerationRequest
     from moeless.serving.config import choose_model
-    from moeless.serving.embedded import export_store
+    from moeless.model.weight_store import export_store
     from moeless.serving.engine import Engine
 
     answers, stores = {}, {}

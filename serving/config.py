@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from moeless.controller.knobs import KnobError, Knobs
-from moeless.controller.planning.actor import LOOP_NAME
-from moeless.controller.planning.board import BOARD_NAME
+from moeless.controller.planning.names import BOARD_NAME, LOOP_NAME
 from moeless.controller.pool.addresses import HOSTS_ENV
 from moeless.controller.pool.sources import StaticSource, pool_source
 from moeless.expert_fn.client import TRANSPORTS

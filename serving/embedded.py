@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import math
 import os
-import re
 import signal
 import socket
 import tempfile
@@ -32,14 +30,12 @@ import time
 from pathlib import Path
 
 from moeless.controller.knobs import KnobError, Knobs
-from moeless.controller.planning.actor import LOOP_NAME, NAMESPACE
-from moeless.controller.planning.board import BOARD_NAME
+from moeless.controller.planning.names import BOARD_NAME, LOOP_NAME, NAMESPACE
 from moeless.controller.planning.rules import layer_cap_replicas, live_planner_name
 from moeless.controller.pool.addresses import HOSTS_ENV
 from moeless.controller.pool.sources import FileSource, pool_source, write_members
-from moeless.core.paths import cache_dir
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.model.weight_store import WeightStore, WeightStoreError, export_experts
+from moeless.model.weight_store import export_store
 from moeless.serving.app import build_app
 from moeless.serving.config import ServeConfig, choose_model
 from moeless.serving.scheduler import BatchLimits
@@ -47,22 +43,6 @@ from moeless.serving.shutdown import SIGNAL_NAME, drain_replicas
 from moeless.serving.supervisor import HostSupervisor
 
 DEMO_QUESTION = "What is the capital of France?"
-
-
-def export_store(model, name: str) -> Path:
-    """The model's experts as a weight store under the cache dir, keyed by a hash of their weights."""
-    digest = hashlib.sha256(repr(model.spec).encode())
-    for _, _, weights in model.iter_experts():
-        for tensor in weights.values():
-            digest.update(tensor.detach().contiguous().numpy().tobytes())
-    root = cache_dir() / "stores" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{digest.hexdigest()[:16]}"
-    try:
-        return WeightStore.open(root).root
-    except WeightStoreError:
-        spec = model.spec
-        export_experts(model.iter_experts(), root, model=name, num_layers=spec.num_layers,
-                       num_experts=spec.num_experts, act=spec.act)
-        return root
 
 
 def free_port() -> int:

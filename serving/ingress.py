@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from ray import serve
 
-from moeless.controller.planning.actor import NAMESPACE
+from moeless.controller.planning.names import NAMESPACE
 from moeless.controller.planning.metrics import LoopCollector, LoopsCollector, loop_health
 from moeless.controller.pool.wake import health_word
 from moeless.serving import api

@@ -35,6 +35,7 @@ from moeless.controller.planning.board import publish_placement
 from moeless.controller.planning.calibrate import calibrate_host
 from moeless.controller.planning.cost_fit import OnlineCostFit
 from moeless.controller.planning.knob_sources import follow_knobs
+from moeless.controller.planning.names import NAMESPACE
 from moeless.controller.planning.rules import (HostView, LoopTerms, hosts_to_configure, loop_terms,
                                                plan_phases, plan_step, planner_config, restart_knobs_changed,
                                                same_placement)
@@ -47,8 +48,6 @@ from moeless.placement.planner import get_planner, relevels
 from moeless.placement.profile import CostProfile
 
 log = logging.getLogger(__name__)
-NAMESPACE = "moeless"
-LOOP_NAME = "moeless-plan-loop"
 
 
 @dataclass(frozen=True)

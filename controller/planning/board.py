@@ -14,9 +14,9 @@ from typing import Protocol
 
 import ray
 
+from moeless.controller.planning.names import BOARD_NAME
 from moeless.placement.types import Placement, PlacementError
 
-BOARD_NAME = "moeless-placement-board"
 log = logging.getLogger(__name__)
 
 

@@ -134,7 +134,8 @@ def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48
 
     # heavy (ray, transformers): kept off --help's start-up path
     from moeless.serving.config import choose_model
-    from moeless.serving.embedded import export_store, free_port
+    from moeless.model.weight_store import export_store
+    from moeless.serving.embedded import free_port
 
     configs = ["static", *[c for c in configs if c not in ("static", "static-again")]]
     runs = [*configs, *[f"{c}{SECOND}" for c in reversed(configs)]] if mirror else \
@@ -190,7 +191,7 @@ class _Run:
         from ray import serve
 
         # heavy (ray, transformers): kept off --help's start-up path
-        from moeless.controller.planning.actor import NAMESPACE
+        from moeless.controller.planning.names import NAMESPACE
         from moeless.serving.app import ServeConfig, build_app
 
         spec, label = self.spec, CONFIGS[config_name(key)][0] + (", second run" if key.endswith(SECOND) else "")

@@ -81,7 +81,8 @@ def run_load_bench(model: str = "default", *, hosts: int = 2, clients: Sequence[
     # heavy (ray, transformers): kept off --help's start-up path
     from moeless.serving.app import ServeConfig, build_app
     from moeless.serving.config import choose_model
-    from moeless.serving.embedded import export_store, free_port
+    from moeless.model.weight_store import export_store
+    from moeless.serving.embedded import free_port
     from moeless.serving.scheduler import BatchLimits
 
     choice = choose_model(model)

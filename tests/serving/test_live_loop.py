@@ -25,7 +25,7 @@ from moeless.placement.types import LayerPlacement, Placement
 from moeless.serving.executor import RemoteExecutor
 from moeless.serving.loadgen import replay
 from moeless.serving.placement_source import PlacementSource
-from moeless.controller.planning.actor import NAMESPACE
+from moeless.controller.planning.names import NAMESPACE
 
 MODEL = "tiny-mixtral"
 LOOP, BOARD = "test-live-loop", "test-live-board"

@@ -29,7 +29,9 @@ def _reference(x, idx, weight):
 class _FakeRuntime:
     """An expert host's runtime with the fake experts (what run_routed calls)."""
 
-    def invoke(self, layer, batches):
+    device = "cpu"
+
+    def invoke(self, layer, batches, on_device=False):
         return SimpleNamespace(outputs={e: _fake_expert(e, x) for e, x in batches.items()}, cold_starts=0, compute_s=0.0)
 
 

@@ -9,7 +9,7 @@ from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.placement.types import LayerPlacement, Placement
 from moeless.serving.api import ChatMessage, GenerationRequest
-from moeless.serving.embedded import export_store
+from moeless.model.weight_store import export_store
 from moeless.serving.engine import Engine
 from moeless.serving.executor import RemoteExecutor
 from moeless.serving.placement_source import PlacementSource

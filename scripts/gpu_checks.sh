@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU checks to run whenever a session is lent a GPU machine (docs/benchmarks.md keeps the figures).
+#
+# That machine has Python 3.12 with CUDA torch, numpy, numba, transformers, nvidia-ml-py and
+# prometheus-client, but no network and no Ray (too big to carry), so moeless travels as a wheel
+# with the few packages it lacks. Here, first:
+#   mkdir -p .whl && echo /.whl/ >> .git/info/exclude
+#   .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .whl .
+#   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl grpcio==1.85.1 protobuf==7.36.2 grpcio-reflection==1.85.1
+# then run `bash scripts/gpu_checks.sh [STEP...]` there with .whl carried; steps: planner, forward,
+# transport (default: all). Results land in $OUT: gpu_checks.log and one JSON file per run.
+set -u
+OUT=${OUT:-/tmp/moeless-gpu}
+STEPS=${*:-planner forward transport}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_checks.log") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --ignore-requires-python \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+cd /tmp  # not the checkout: its moeless/ folder would shadow the installed package
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, numba, transformers; print('torch', torch.__version__, 'numba', numba.__version__,
+'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+step() { [[ " $STEPS " == *" $1 "* ]]; }
+# 1. The cost profile measured on the GPU (the default model's geometry, its loads replayed).
+step planner && timeout 150 python3 -m moeless bench planner --device cuda --quick --out "$OUT/planner"
+# 2. Which expert forward a GPU host should run (grouped or sequential, float32 or bfloat16).
+step forward && timeout 120 python3 "$OLDPWD/scripts/gpu_forward_check.py" "$OUT/forward.json"
+# 3. Expert hosts computing on the GPU, reached over every transport, at Mixtral-8x7B's shapes in
+#    bfloat16, computing in float32 (bit-identical to the float32 reference) and in bfloat16.
+if step transport; then
+  for dtype in float32 store; do
+    timeout 200 python3 -m moeless bench transport --device cuda --geometry mixtral-8x7b --quick \
+        --compute-dtype $dtype --out "$OUT/transport-$dtype"
+  done
+fi
