@@ -98,6 +98,8 @@ def host_command(spec: PolicySpec | PoolSpec, members: Sequence[Member] = ()) ->
             f"--memory-gb {memory_gb:g} --drain-s {pool.drain_seconds}")
     if pool.poll_microseconds:
         tail += f" --poll-us {pool.poll_microseconds:g}"
+    if pool.compute_dtype != "float32":
+        tail += f" --compute-dtype {pool.compute_dtype}"
     if pool.host_network:
         offset = "${POD_NAME##*-}"
         return ["sh", "-c", f"exec moeless expert-host {tail} --port $(({pool.grpc_port} + {offset})) "

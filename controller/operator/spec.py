@@ -35,6 +35,7 @@ class HostPool:
     host_network: bool = False
     drain_seconds: int = 30
     poll_microseconds: float = 0.0  # the data plane's busy-poll (expert-host --poll-us)
+    compute_dtype: str = "float32"  # expert-host --compute-dtype
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,9 @@ _POOL_KEYS = {
     "memoryGiBPerHost": ("memory_gib_per_host", float), "targetMemoryUtilization": ("target_memory_utilization", float),
     "cpu": ("cpu", str), "grpcPort": ("grpc_port", int), "metricsPort": ("metrics_port", int),
     "hostNetwork": ("host_network", bool), "drainSeconds": ("drain_seconds", int),
-    "pollMicroseconds": ("poll_microseconds", float),
+    "pollMicroseconds": ("poll_microseconds", float), "computeDtype": ("compute_dtype", str),
 }
+COMPUTE_DTYPES = ("float32", "store")  # expert_fn/runtime.py's (the operator imports no torch; a test keeps them equal)
 
 
 def _typed(value: Any, kind: type, where: str) -> Any:
@@ -136,6 +138,8 @@ def parse_hosts(spec: Mapping[str, Any]) -> HostPool:
                        for key, (attr, kind) in _POOL_KEYS.items() if key in raw_pool})
     if not 0 <= pool.poll_microseconds <= 100_000:
         raise SpecError(f"spec.hosts.pollMicroseconds: {pool.poll_microseconds:g} is outside 0..100000")
+    if pool.compute_dtype not in COMPUTE_DTYPES:
+        raise SpecError(f"spec.hosts.computeDtype: {pool.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
     if pool.min_hosts > pool.max_hosts:
         raise SpecError(f"spec.hosts.minHosts: {pool.min_hosts} exceeds maxHosts {pool.max_hosts}")
     return pool

@@ -109,3 +109,37 @@ def test_crd_defaults_are_the_operators_defaults():
     assert "default" not in props["upscaleDelaySeconds"] and scaling["upscale_delay_s"] == 30.0
     assert "default" not in props["downscaleDelaySeconds"]  # unset: keepAliveSeconds
     assert props["nonExpert"]["properties"]["memoryGiBPerReplica"]["default"] == spec_defaults["non_expert_gib_per_replica"]
+
+
+# The JSONSchemaProps fields a structural schema may use (apiextensions.k8s.io/v1).
+SCHEMA_KEYS = {"type", "description", "default", "properties", "items", "additionalProperties", "required", "enum",
+               "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "minItems",
+               "maxItems", "pattern", "format", "nullable", "anyOf", "oneOf", "allOf", "not",
+               "x-kubernetes-preserve-unknown-fields", "x-kubernetes-int-or-string", "x-kubernetes-validations",
+               "x-kubernetes-list-type", "x-kubernetes-map-type"}
+
+
+def _strays(node: dict, where: str) -> list[str]:
+    """Keys of a schema node that are no schema field (a comma in a flow mapping's unquoted text once
+    split a description into a stray key), with their paths."""
+    out = [f"{where}.{k}" for k in node if k not in SCHEMA_KEYS]
+    for name, child in (node.get("properties") or {}).items():
+        out += _strays(child, f"{where}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            out += _strays(node[key], f"{where}.{key}")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ExpertAutoscalingPolicy", "ExpertPool"])
+def test_every_schema_node_holds_only_schema_fields(kind):
+    crd = next(d for d in yaml.safe_load_all(CRD.read_text()) if d["spec"]["names"]["kind"] == kind)
+    assert _strays(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"], kind) == []
+
+
+def test_the_compute_dtypes_are_the_operator_s():
+    from moeless.controller.operator.spec import COMPUTE_DTYPES
+
+    for kind in ("ExpertAutoscalingPolicy", "ExpertPool"):
+        prop = schema(kind)["hosts"]["properties"]["computeDtype"]
+        assert prop["enum"] == list(COMPUTE_DTYPES) and prop["default"] == HostPool.compute_dtype

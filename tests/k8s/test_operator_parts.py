@@ -61,6 +61,20 @@ def test_host_command_matches_the_expert_host_flags():
     assert build_parser().parse_args(host_command(polling)[1:]).poll_us == 250
 
 
+def test_a_compute_dtype_reaches_the_host_command_and_a_bad_one_is_refused_naming_the_field():
+    from moeless.cli import build_parser
+    from moeless.controller.operator.spec import COMPUTE_DTYPES
+    from moeless.expert_fn import runtime
+
+    assert COMPUTE_DTYPES == runtime.COMPUTE_DTYPES
+    plain = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2}})
+    narrow = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "computeDtype": "store"}})
+    assert build_parser().parse_args(host_command(plain)[1:]).compute_dtype == "float32"
+    assert build_parser().parse_args(host_command(narrow)[1:]).compute_dtype == "store"
+    with pytest.raises(SpecError, match=r"spec.hosts.computeDtype: 'bfloat16'; use one of float32, store"):
+        parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "computeDtype": "bfloat16"}})
+
+
 def test_a_poll_outside_its_range_is_refused_naming_the_field():
     with pytest.raises(SpecError, match=r"spec.hosts.pollMicroseconds: -1 is outside"):
         parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "pollMicroseconds": -1}})
