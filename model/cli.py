@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import NoReturn
 
+import torch
 from tqdm import tqdm
 
 from moeless.model.shape import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K
@@ -41,6 +42,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("--out", metavar="DIR", required=True, help="weight-store directory to write")
     export.add_argument("--model", metavar="PATH", help="a model directory (default: the default model, built if needed)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="the experts' dtype in the store (default float32, exactly the model's; bfloat16 or float16 "
+                             "halve it, and hosts run with --compute-dtype store compute in it)")
     _add_model_flags(export)
     export.set_defaults(func=_export)
 
@@ -104,9 +108,12 @@ def _export(args: argparse.Namespace) -> int:
     model = _load(args)
     spec = model.spec
     name = args.model or f"smollm2-135m-moe-e{spec.num_experts}-sh{spec.shared_ffn}-k{spec.top_k}-s{args.seed}"
-    experts = tqdm(model.iter_experts(), total=spec.num_layers * spec.num_experts, desc="export experts")
+    dtype = getattr(torch, args.dtype)
+    experts = tqdm(((layer, expert, {n: t.to(dtype) for n, t in weights.items()})
+                    for layer, expert, weights in model.iter_experts()),
+                   total=spec.num_layers * spec.num_experts, desc="export experts")
     store = export_experts(experts, args.out, model=name, num_layers=spec.num_layers, num_experts=spec.num_experts, act=spec.act)
-    print(f"weight store: {store.root} ({spec.num_layers} layers x {spec.num_experts} experts)")
+    print(f"weight store: {store.root} ({spec.num_layers} layers x {spec.num_experts} experts, {args.dtype})")
     return 0
 
 

@@ -137,3 +137,21 @@ def test_hub_checkpoints_with_per_expert_weights_load(tiny, arch, tmp_path):
     model = load_moe_model(tmp_path)
     ids = torch.randint(0, 128, (1, 7))
     torch.testing.assert_close(model.forward(ids).logits, original.forward(ids).logits, atol=0, rtol=0)
+
+
+def test_model_export_dtype_writes_the_experts_in_it(tiny, tmp_path, capsys):
+    from moeless.cli import main
+    from moeless.model.weight_store import WeightStore
+
+    original = tiny("mixtral", seed=1)
+    _save(original, tmp_path / "model")
+    assert main(["model", "export", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "store"),
+                 "--dtype", "bfloat16"]) == 0
+    assert "bfloat16" in capsys.readouterr().out
+    store = WeightStore.open(tmp_path / "store")
+    assert store.index["dtype"] == "bfloat16"
+    for layer, expert, weights in original.iter_experts():
+        loaded = store.load(layer, expert)
+        assert all(torch.equal(loaded[n], weights[n].to(torch.bfloat16)) for n in weights)
+    with pytest.raises(SystemExit):
+        main(["model", "export", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "x"), "--dtype", "int8"])
