@@ -9,9 +9,9 @@ from moeless.model.experts import expert_forward
 
 def answer(model, call, x) -> RoutedResult:
     """The routed call's answer with `model`'s own experts."""
-    def invoke(layer, batches):
+    def invoke(layer, batches, on_device=False):
         outputs = {e: expert_forward(model.expert_weights(layer, e), xs, model.spec.act) for e, xs in batches.items()}
         return SimpleNamespace(outputs=outputs, cold_starts=0, compute_s=0.0)
 
-    z, cold, compute = run_routed(SimpleNamespace(invoke=invoke), decode_call(encode_call(0, call, x)))
+    z, cold, compute = run_routed(SimpleNamespace(invoke=invoke, device="cpu"), decode_call(encode_call(0, call, x)))
     return RoutedResult(z, cold, compute)
