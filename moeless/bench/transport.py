@@ -26,7 +26,8 @@ serving side's rows stay in host memory, so every transport stages them (host ->
 host, GPU -> host for the reply). The `staging` row times those two copies alone for the same
 rows: what a transport that moves GPU memory without a host copy (NIXL over NVLink or RDMA: not
 built) could save at most, and the `device_rows` row is the compute alone on rows already on
-the GPU, outputs left there: what static EP in one process on that GPU pays. Without CUDA it stops with one clear error before loading anything.
+the GPU, outputs left there: what static EP in one process on that GPU pays. Without CUDA it
+stops with one clear error before loading anything.
 
 --geometry NAME: instead of a model, one MoE layer of random experts in a named model's shape and
 dtype (twin/geometry.py: Mixtral-8x7B's H=4096, F=14336, 8 experts, top-2, bfloat16), so a GPU
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -138,12 +140,13 @@ def random_layer_store(geometry: Geometry, seed: int = 0) -> Path:
     """A weight store of one MoE layer of random experts in geometry's shape and dtype (weights
     ~ N(0, 0.02), as initialised), written once under the cache dir and reused."""
     dtype = getattr(torch, geometry.dtype if geometry.dtype in ("bfloat16", "float16", "float32") else "bfloat16")
-    root = cache_dir() / "stores" / f"random-{geometry.name}-layer-s{seed}-{str(dtype).removeprefix('torch.')}"
+    h, f = geometry.hidden, geometry.expert_ffn
+    sizes = f"h{h}-f{f}-e{geometry.num_experts}-s{seed}-{str(dtype).removeprefix('torch.')}"  # a name may repeat
+    root = cache_dir() / "stores" / f"random-{re.sub(r'[^A-Za-z0-9_.-]', '_', geometry.name)}-{sizes}"
     try:
         return WeightStore.open(root).root
     except WeightStoreError:
         pass
-    h, f = geometry.hidden, geometry.expert_ffn
     gen = torch.Generator().manual_seed(seed)
 
     def experts():

@@ -124,6 +124,7 @@ def test_bench_transport_geometry_is_one_random_layer_in_its_shape_and_dtype_com
     assert 0.015 < weights["up"].float().std().item() < 0.025
     stamp = (root / "index.json").stat().st_mtime_ns
     assert random_layer_store(small) == root and (root / "index.json").stat().st_mtime_ns == stamp
+    assert random_layer_store(dataclasses.replace(small, hidden=32)) != root  # same name, other sizes
     monkeypatch.setitem(geometry.GEOMETRIES, "small-mixtral", small)
     result = run_transport_bench(geometry="small-mixtral", repeats=3, compute_dtype="store")
     assert (result["model"], result["dtype"], result["hidden"]) == ("random-small-mixtral", "bfloat16", 64)
