@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from moeless.expert_fn.gpu import detect_device
 from moeless.expert_fn.local_channel_server import LocalChannelServer
 from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S
-from moeless.expert_fn.tiers import add_tier_arguments, tier_config_from_args
+from moeless.expert_fn.tiers import COMPUTE_DTYPES, add_tier_arguments, tier_config_from_args
 from moeless.expert_fn.model_stores import ModelStores
 from moeless.model.weight_store import WeightStoreError
 
@@ -48,7 +48,7 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve /metrics, /healthz, /readyz over HTTP on this port (0: pick one)")
     add("--gpu", type=int, default=0, metavar="I", help="NVML index of the GPU to use where there is one (default 0)")
     add("--threads", type=int, default=1, help="torch CPU threads for expert compute (default 1)")
-    add("--compute-dtype", choices=("float32", "store"), default="float32",
+    add("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",
         help="float32 (default: outputs bit-identical to the float32 reference model) or store: the weight store's own "
              "dtype (a bfloat16 model's replicas hold half the memory and run on a GPU's bfloat16 tensor cores; "
              "outputs equal the reference to that dtype's rounding)")

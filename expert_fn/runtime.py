@@ -35,13 +35,12 @@ from moeless.expert_fn.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTabl
 from moeless.expert_fn.meters import Meters
 from moeless.expert_fn.model_stores import as_model_stores
 from moeless.expert_fn.shares import Shares
-from moeless.expert_fn.tiers import DeviceCopier, HostTier, TierConfig
-from moeless.model.weight_store import WeightStore, WeightStoreError
+from moeless.expert_fn.tiers import DeviceCopier, HostTier, TierConfig, compute_dtype_of
+from moeless.model.weight_store import WeightStore, WeightStoreError, stored_dtype
 
 log = logging.getLogger(__name__)
 
 Weights = dict[str, torch.Tensor]
-COMPUTE_DTYPES = ("float32", "store")  # see the module docstring
 
 
 class ExpertHostRuntime:
@@ -61,10 +60,8 @@ class ExpertHostRuntime:
         shares: Shares | None = None,
         compute_dtype: str = "float32",
     ) -> None:
-        if compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute dtype {compute_dtype!r}: use one of {', '.join(COMPUTE_DTYPES)}")
         self.store = store
-        self.dtype = getattr(torch, store.index.get("dtype") or "float32") if compute_dtype == "store" else torch.float32
+        self.dtype = compute_dtype_of(store, compute_dtype)  # COMPUTE_DTYPES (tiers.py)
         self.models = as_model_stores(store)  # which model each host layer belongs to (meters per model)
         self.device = device
         self.tier = HostTier(store, tier, pin=device.startswith("cuda") and torch.cuda.is_available())
@@ -289,8 +286,7 @@ class ExpertHostRuntime:
 
     def _resident_bytes(self, key: Key) -> int:
         """Bytes key takes in the compute dtype (the store may hold a narrower one than float32)."""
-        stored = torch.empty(0, dtype=getattr(torch, self.store.index.get("dtype") or "float32")).element_size()
-        return self.store.expert_bytes(*key) * self.dtype.itemsize // stored
+        return self.store.expert_bytes(*key) * self.dtype.itemsize // stored_dtype(self.store).itemsize
 
     def _check_key(self, layer: int, expert: int) -> Key:
         if not self.store.has(layer, expert):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeless.model.weight_store import WeightStore
+from moeless.model.weight_store import WeightStore, stored_dtype
 
 Key = tuple[int, int]  # (layer, expert)
 Weights = dict[str, torch.Tensor]
@@ -190,6 +190,16 @@ class HostTier:
             self._stats.evictions += 1
         self._entries[key] = weights
         self._held += size
+
+
+COMPUTE_DTYPES = ("float32", "store")  # expert-host --compute-dtype: float32, or the store's own dtype
+
+
+def compute_dtype_of(store: WeightStore, compute_dtype: str) -> torch.dtype:
+    """The dtype a host computes `store`'s experts in; ValueError for a name not in COMPUTE_DTYPES."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute dtype {compute_dtype!r}: use one of {', '.join(COMPUTE_DTYPES)}")
+    return stored_dtype(store) if compute_dtype == "store" else torch.float32
 
 
 class DeviceCopier:

@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from moeless.model.shape import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K
-from moeless.model.weight_store import export_experts
+from moeless.model.weight_store import DTYPES, export_experts
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("--out", metavar="DIR", required=True, help="weight-store directory to write")
     export.add_argument("--model", metavar="PATH", help="a model directory (default: the default model, built if needed)")
-    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    export.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="the experts' dtype in the store (default float32, exactly the model's; bfloat16 or float16 "
                              "halve it, and hosts run with --compute-dtype store compute in it)")
     _add_model_flags(export)

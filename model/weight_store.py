@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from moeless.model.moe_model import MoEModel
 
 FORMAT = "moeless-weight-store/1"
+DTYPES = ("float32", "bfloat16", "float16")  # what a store's experts may be held in (`moeless model export --dtype`)
 
 
 class WeightStoreError(RuntimeError):
@@ -126,6 +127,11 @@ class WeightStore:
             return {name: tensors[name] for name in EXPERT_TENSORS}
         except Exception as err:  # safetensors raises several types for damaged files; KeyError for a missing tensor
             raise WeightStoreError(f"{path}: cannot read expert weights ({err}); re-export the store") from err
+
+
+def stored_dtype(store: "WeightStore") -> torch.dtype:
+    """The dtype store's experts are held in (float32 for a store that does not say)."""
+    return getattr(torch, store.index.get("dtype") or "float32")
 
 
 def export_experts(

@@ -11,12 +11,11 @@ Run by scripts/gpu_checks.sh on a lent GPU machine; exits 2 without CUDA.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 
 import torch
 
+from moeless.bench.transport import timed_calls
 from moeless.expert_fn.executor import grouped_forward, sequential_forward
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, (1, 2, 4)), "default": (576, 48, (2, 8, 16))}  # H, F, experts per call
@@ -24,16 +23,8 @@ FORWARDS = {"sequential": sequential_forward, "grouped": grouped_forward}
 
 
 def median_us(run, repeats: int = 20) -> float:
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
+    """Median microseconds of run() with its kernels finished (bench transport's timing loop)."""
+    return 1e6 * timed_calls(lambda: (run(), torch.cuda.synchronize()), repeats)["p50"]
 
 
 def main() -> int:

@@ -107,7 +107,7 @@ _POOL_KEYS = {
     "hostNetwork": ("host_network", bool), "drainSeconds": ("drain_seconds", int),
     "pollMicroseconds": ("poll_microseconds", float), "computeDtype": ("compute_dtype", str),
 }
-COMPUTE_DTYPES = ("float32", "store")  # expert_fn/runtime.py's (the operator imports no torch; a test keeps them equal)
+COMPUTE_DTYPES = ("float32", "store")  # expert_fn/tiers.py's (the operator imports no torch; a test keeps them equal)
 
 
 def _typed(value: Any, kind: type, where: str) -> Any:

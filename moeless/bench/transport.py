@@ -55,8 +55,9 @@ from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 from moeless.expert_fn.routed import RoutedCall, decode_call, encode_call, run_routed
-from moeless.expert_fn.runtime import COMPUTE_DTYPES, ExpertHostRuntime
-from moeless.model.weight_store import WeightStore, WeightStoreError, export_experts, export_store
+from moeless.expert_fn.runtime import ExpertHostRuntime
+from moeless.expert_fn.tiers import COMPUTE_DTYPES
+from moeless.model.weight_store import DTYPES, WeightStore, WeightStoreError, export_experts, export_store, stored_dtype
 from moeless.placement.types import LayerPlacement
 from moeless.serving.scatter import plan_scatter
 from moeless.serving.cli import MODEL_HELP, _positive
@@ -139,7 +140,7 @@ def round_trip_calls(hidden: int, dtype: torch.dtype = torch.float32) -> dict[st
 def random_layer_store(geometry: Geometry, seed: int = 0) -> Path:
     """A weight store of one MoE layer of random experts in geometry's shape and dtype (weights
     ~ N(0, 0.02), as initialised), written once under the cache dir and reused."""
-    dtype = getattr(torch, geometry.dtype if geometry.dtype in ("bfloat16", "float16", "float32") else "bfloat16")
+    dtype = getattr(torch, geometry.dtype if geometry.dtype in DTYPES else "bfloat16")  # float8: no store holds it
     h, f = geometry.hidden, geometry.expert_ffn
     sizes = f"h{h}-f{f}-e{geometry.num_experts}-s{seed}-{str(dtype).removeprefix('torch.')}"  # a name may repeat
     root = cache_dir() / "stores" / f"random-{re.sub(r'[^A-Za-z0-9_.-]', '_', geometry.name)}-{sizes}"
@@ -181,7 +182,7 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
     """Time every call over every transport (see the module docstring); poll_s: (host, client) spins;
     device: "cpu" or "cuda" (the hosts' and the baseline's; CudaUnavailable without one); geometry:
     a twin geometry's name to time one layer of random experts of its shape instead of `model`;
-    compute_dtype: the hosts' and the baseline's (runtime.COMPUTE_DTYPES)."""
+    compute_dtype: the hosts' and the baseline's (tiers.COMPUTE_DTYPES)."""
     torch_device = "cuda:0" if device == "cuda" else "cpu"
     if device == "cuda":
         require_cuda()
@@ -198,13 +199,14 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
         model_name, store_dir = choice.name, export_store(loaded, choice.name)
         hidden, num_experts, top_k = loaded.spec.hidden_size, loaded.spec.num_experts, loaded.spec.top_k
         del loaded
-    dtype = getattr(torch, WeightStore.open(store_dir).index["dtype"])
+    store = WeightStore.open(store_dir)
+    dtype = stored_dtype(store)
     calls = round_trip_calls(hidden, dtype) | layer_calls(num_experts, top_k, hidden, dtype=dtype)
     times: dict[str, dict[str, dict[str, float]]] = {name: {} for name in calls}
     reference, identical = {}, {name: {} for name in calls}
     # 1. In-process: the runtime alone, on the same experts' rows (on the GPU: rows from host memory, as a host gets them).
-    runtime = ExpertHostRuntime(WeightStore.open(store_dir), device=torch_device, capacity_bytes=4 * 10**9,
-                                keep_alive_s=3600, compute_dtype=compute_dtype)
+    runtime = ExpertHostRuntime(store, device=torch_device, capacity_bytes=4 * 10**9, keep_alive_s=3600,
+                                compute_dtype=compute_dtype)
     for name, (call, x) in calls.items():
         batches = _batches(call, x)
         times[name]["in_process"] = timed_calls(lambda b=batches: runtime.invoke(0, b), repeats)
