@@ -17,16 +17,23 @@ from moeless.model.experts import activation, expert_forward
 Weights = dict[str, torch.Tensor]  # {"gate": [F, H], "up": [F, H], "down": [H, F]}
 
 
-def sequential_forward(weights: list[Weights], xs: list[torch.Tensor], act: str) -> list[torch.Tensor]:
-    """[expert_forward(w, x)] for each pair. weights[i] as above; xs[i]: [n_i, H] -> [n_i, H]."""
-    return [expert_forward(w, x, act) for w, x in zip(weights, xs)]
+def sequential_forward(weights: list[Weights], xs: list[torch.Tensor], act: str,
+                       out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[expert_forward(w, x)] for each pair. weights[i] as above; xs[i]: [n_i, H] -> [n_i, H];
+    with out ([sum n_i, H]) the outputs are its consecutive slices, written in place."""
+    if out is None:
+        return [expert_forward(w, x, act) for w, x in zip(weights, xs)]
+    slices = torch.split(out, [x.shape[0] for x in xs])
+    return [expert_forward(w, x, act, out=o) for w, x, o in zip(weights, xs, slices)]
 
 
-def grouped_forward(weights: list[Weights], xs: list[torch.Tensor], act: str) -> list[torch.Tensor]:
+def grouped_forward(weights: list[Weights], xs: list[torch.Tensor], act: str,
+                    out: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Same as sequential_forward, as one padded batched computation over the R experts.
 
     Steps: 1. stack weights to [R, F, H] / [R, H, F]; 2. pad tokens to X: [R, n_max, H];
-    3. down(act(X gate^T) * X up^T) with bmm; 4. cut each expert's rows back out.
+    3. down(act(X gate^T) * X up^T) with bmm; 4. cut each expert's rows back out (into `out`'s
+    consecutive slices when given, as sequential_forward).
     """
     if not xs:
         return []
@@ -38,17 +45,19 @@ def grouped_forward(weights: list[Weights], xs: list[torch.Tensor], act: str) ->
     for i, x in enumerate(xs):
         padded[i, : sizes[i]] = x
     hidden = activation(act)(torch.bmm(padded, gate.transpose(1, 2))) * torch.bmm(padded, up.transpose(1, 2))
-    out = torch.bmm(hidden, down.transpose(1, 2))
-    return [out[i, :n] for i, n in enumerate(sizes)]
+    grouped = torch.bmm(hidden, down.transpose(1, 2))
+    cut = [grouped[i, :n] for i, n in enumerate(sizes)]
+    return cut if out is None else list(torch.split(torch.cat(cut, out=out), sizes))
 
 
 GROUPED_MAX_BYTES = 16 * 2**20  # one expert's weights up to which a GPU groups: stacking them costs ~us
 
 
-def gpu_forward(weights: list[Weights], xs: list[torch.Tensor], act: str) -> list[torch.Tensor]:
+def gpu_forward(weights: list[Weights], xs: list[torch.Tensor], act: str,
+                out: torch.Tensor | None = None) -> list[torch.Tensor]:
     """grouped_forward for experts of at most GROUPED_MAX_BYTES each, else sequential_forward."""
     size = sum(t.numel() * t.element_size() for t in weights[0].values()) if weights else 0
-    return (grouped_forward if size <= GROUPED_MAX_BYTES else sequential_forward)(weights, xs, act)
+    return (grouped_forward if size <= GROUPED_MAX_BYTES else sequential_forward)(weights, xs, act, out)
 
 
 def forward_for(device: str):

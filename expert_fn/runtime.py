@@ -109,12 +109,15 @@ class ExpertHostRuntime:
                 self._dropped([key])
             return evicted, self.table.state(key)
 
-    def invoke(self, layer: int, batches: dict[int, torch.Tensor], on_device: bool = False) -> InvokeResult:
+    def invoke(self, layer: int, batches: dict[int, torch.Tensor], on_device: bool = False,
+               out: torch.Tensor | None = None) -> InvokeResult:
         """Run every expert's tokens of one layer in one go.
 
         batches: expert -> [n, H], any float dtype, on the CPU or the compute device; outputs:
         expert -> [n, H] in the compute dtype (self.dtype), on the CPU, or with on_device where the
-        host computes (a routed call combines there: routed.run_routed).
+        host computes (a routed call combines there: routed.run_routed). out: [sum of n, H] in
+        self.dtype on the compute device (on_device): the outputs are written into its consecutive
+        slices, in batches' order, instead of tensors of their own.
         Raises ReplicaLoadError (naming the file) if any expert fails to load.
         """
         for expert, x in batches.items():
@@ -146,8 +149,8 @@ class ExpertHostRuntime:
             clock = _compute_clock(self.device)
             started = clock()
             xs = [x.to(self.device, self.dtype) for x in batches.values()]  # no copy where it is there already
-            outs = self._forward(weights, xs, self.store.act)
-            result = {e: out.to(out_device) for e, out in zip(batches, outs)}
+            outs = self._forward(weights, xs, self.store.act, out)
+            result = {e: y.to(out_device) for e, y in zip(batches, outs)}
             if on_device and self.device != "cpu":
                 torch.cuda.synchronize(self.device)  # compute_s counts the kernels, not their launch
             result |= empty

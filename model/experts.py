@@ -23,10 +23,12 @@ def activation(name: str):
         raise ValueError(f"unknown expert activation {name!r}; known: {sorted(ACTIVATIONS)}") from None
 
 
-def expert_forward(weights: dict[str, torch.Tensor], x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+def expert_forward(weights: dict[str, torch.Tensor], x: torch.Tensor, act: str = "silu",
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """down(act(gate x) * up x).
 
-    weights: {"gate": [F, H], "up": [F, H], "down": [H, F]}; x: [T, H] -> [T, H].
+    weights: {"gate": [F, H], "up": [F, H], "down": [H, F]}; x: [T, H] -> [T, H], written into
+    `out` ([T, H], contiguous) when given: the same kernel, so the same bits.
     """
     h = activation(act)(x @ weights["gate"].T) * (x @ weights["up"].T)
-    return h @ weights["down"].T
+    return torch.matmul(h, weights["down"].T, out=out)

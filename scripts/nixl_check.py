@@ -163,10 +163,18 @@ def measure_echo(quick: bool) -> dict[str, dict]:
 # --- 2. moeless's TCP channel ------------------------------------------------------------------
 
 class Identity:
-    """An expert host runtime whose experts return their inputs."""
-    health = "serving"
+    """An expert host runtime whose experts return their inputs (on the CPU, in float32)."""
+    health, device = "serving", "cpu"
 
-    def invoke(self, layer: int, batches: dict) -> object:
+    def __init__(self):
+        import torch
+        self.dtype = torch.float32
+
+    def invoke(self, layer: int, batches: dict, on_device: bool = False, out=None) -> object:
+        if out is not None:  # the outputs as out's consecutive slices, as ExpertHostRuntime.invoke
+            import torch
+            torch.cat(list(batches.values()), out=out)
+
         class Result:
             outputs, cold_starts, compute_s = dict(batches), 0, 0.0
         return Result()

@@ -32,6 +32,18 @@ def test_forwards_match_the_canonical_expert_on_uneven_batches(forward, act):
         torch.testing.assert_close(out, expert_forward(w, x, act), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("forward", [sequential_forward, grouped_forward])
+def test_forwards_write_into_out_as_consecutive_slices(forward):
+    """With out, each output is out's next slice (no tensor of its own) and has the same bits."""
+    weights, xs = experts(3), [torch.randn(n, 12) for n in (5, 0, 9)]
+    out = torch.full((14, 12), float("nan"))
+    outs = forward(weights, xs, "silu", out)
+    assert [o.shape[0] for o in outs] == [5, 0, 9]
+    assert (outs[0].data_ptr(), outs[2].data_ptr()) == (out[0].data_ptr(), out[5].data_ptr())
+    for got, want in zip(outs, forward(weights, xs, "silu")):
+        assert torch.equal(got, want)
+
+
 def test_grouped_forward_of_nothing_is_nothing():
     assert grouped_forward([], [], "silu") == []
 
@@ -41,8 +53,8 @@ def test_a_gpu_groups_small_experts_only_and_a_cpu_never(monkeypatch):
 
     assert forward_for("cuda:0") is executor.gpu_forward and forward_for("cpu") is sequential_forward
     chosen = []
-    monkeypatch.setattr(executor, "grouped_forward", lambda w, x, a: chosen.append("grouped") or [])
-    monkeypatch.setattr(executor, "sequential_forward", lambda w, x, a: chosen.append("sequential") or [])
+    monkeypatch.setattr(executor, "grouped_forward", lambda w, x, a, out=None: chosen.append("grouped") or [])
+    monkeypatch.setattr(executor, "sequential_forward", lambda w, x, a, out=None: chosen.append("sequential") or [])
     small = {n: torch.empty(64, 64) for n in ("gate", "up", "down")}  # 48 KB
     large = {n: torch.empty(executor.GROUPED_MAX_BYTES // 8, 1) for n in ("gate", "up", "down")}  # 1.5x the bound
     for weights in ([small, small], [large, large], []):

@@ -28,17 +28,19 @@ class FakeRuntime:
     """invoke like ExpertHostRuntime's: tokens computed in float32, outputs float32; expert e
     maps x to x * (e + 1) + 0.25. Layer 9 does not exist."""
 
-    device = "cpu"
+    device, dtype = "cpu", torch.float32
 
     def __init__(self):
         self.health = "serving"
         self.calls = 0
 
-    def invoke(self, layer, batches, on_device=False):
+    def invoke(self, layer, batches, on_device=False, out=None):
         if layer == 9:
             raise BadRequest(f"no expert (layer {layer}, expert 0)")
         self.calls += 1
         outputs = {e: x.to(torch.float32) * (e + 1) + 0.25 for e, x in batches.items()}
+        if out is not None:  # the outputs as out's consecutive slices, as ExpertHostRuntime.invoke
+            torch.cat(list(outputs.values()), out=out)
         return SimpleNamespace(outputs=outputs, cold_starts=len(batches), compute_s=0.001)
 
 
@@ -191,7 +193,7 @@ def test_answer_names_what_is_wrong_with_a_malformed_message_or_frame():
 
 def test_an_unexpected_failure_crosses_as_a_host_error():
     runtime = FakeRuntime()
-    runtime.invoke = lambda layer, batches, on_device=False: 1 / 0
+    runtime.invoke = lambda layer, batches, on_device=False, out=None: 1 / 0
     buffer, frame, z_at = _shared(_routed(torch.float32), torch.randn(10, H))
     call_id, kind, message = _error(answer(runtime, CALL.pack(CALL_MAGIC, frame, z_at), buffer))
     assert (call_id, kind) == (5, ExpertHostError.kind) and message.startswith("ZeroDivisionError")

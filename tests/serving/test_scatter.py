@@ -29,10 +29,13 @@ def _reference(x, idx, weight):
 class _FakeRuntime:
     """An expert host's runtime with the fake experts (what run_routed calls)."""
 
-    device = "cpu"
+    device, dtype = "cpu", torch.float32
 
-    def invoke(self, layer, batches, on_device=False):
-        return SimpleNamespace(outputs={e: _fake_expert(e, x) for e, x in batches.items()}, cold_starts=0, compute_s=0.0)
+    def invoke(self, layer, batches, on_device=False, out=None):
+        outputs = {e: _fake_expert(e, x) for e, x in batches.items()}
+        if out is not None:  # the outputs as out's consecutive slices, as ExpertHostRuntime.invoke
+            torch.cat(list(outputs.values()), out=out)
+        return SimpleNamespace(outputs=outputs, cold_starts=0, compute_s=0.0)
 
 
 def _host_outputs(plan, x):
