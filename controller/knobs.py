@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from moeless.placement.planner import DEFAULT_PLANNER, PLANNERS, STATEFUL_PLANNERS
+from moeless.placement.names import DEFAULT_PLANNER
 
 PREDICTORS = ("gate", "history", "off")
 
@@ -84,6 +84,8 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any, str], str]:
 def _planner(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise KnobError(f"{where}: expected a planner name, got {value!r}")
+    from moeless.placement.planner import PLANNERS, STATEFUL_PLANNERS  # compiled kernels: off --help's path
+
     names = sorted([*PLANNERS, *STATEFUL_PLANNERS])
     if value not in names and ":" not in value:
         raise KnobError(f"{where}: unknown planner {value!r}; use one of {', '.join(names)} or 'module:function'")
@@ -188,9 +190,9 @@ class Knobs:
 def add_knob_flags(parser: argparse.ArgumentParser) -> None:
     """Add --config and every knob's flag; values given on the command line override the file."""
     parser.add_argument("--config", metavar="YAML", help="a YAML file of knobs (keys: " + ", ".join(BY_KEY) + ")")
-    defaults = Knobs()
+    defaults = {f.name: f.default for f in fields(Knobs)}  # not Knobs(): checking a planner loads the planners
     for knob in KNOBS:
-        default = getattr(defaults, knob.attr)
+        default = defaults[knob.attr]
         if knob.metavar is None:  # an on/off switch: the flag turns it off
             parser.add_argument(knob.flag, dest=f"knob_{knob.attr}", action="store_const", const=False, default=None,
                                 help=f"{knob.help} (config key {knob.key})")

@@ -7,14 +7,8 @@ import sys
 from dataclasses import replace
 
 from moeless.controller.knobs import KnobError, add_knob_flags, knobs_from_args
-from moeless.model.datasets import DatasetError
-from moeless.placement.cluster import ClusterError
-from moeless.placement.profile import ProfileError
-from moeless.twin.arrivals import DEFAULT_CV, DEFAULT_RATE, NAMED_TRACES, TraceError
+from moeless.twin.arrivals import DEFAULT_CV, DEFAULT_RATE, NAMED_TRACES
 from moeless.twin.batching import BATCHING
-from moeless.twin.geometry import GeometryError
-from moeless.twin.gpus import GpuError
-from moeless.twin.routing import RoutingError
 
 QUICK = dict(model="tiny", requests=40, prompt_count=6, new_tokens=8, max_iterations=300, cv=("0.2", "0.6", "1.0"))
 DEFAULT_WORKLOAD = "conversation=azure-conv:sharegpt"
@@ -287,6 +281,13 @@ def _errors() -> tuple[type[Exception], ...]:
     from moeless.evaluation.report import RunDirError
     from moeless.evaluation.runs import CaseError
     from moeless.evaluation.workload import WorkloadError
+    from moeless.model.datasets import DatasetError
+    from moeless.placement.cluster import ClusterError
+    from moeless.placement.profile import ProfileError
+    from moeless.twin.arrivals import TraceError
+    from moeless.twin.geometry import GeometryError
+    from moeless.twin.gpus import GpuError
+    from moeless.twin.routing import RoutingError
 
     return (ProfileError, TraceError, RunDirError, CaseError, WorkloadError, KnobError, DatasetError, ClusterError,
             DeploymentError, GeometryError, GpuError, RoutingError)

@@ -57,11 +57,11 @@ from moeless.expert_fn.errors import (
 )
 from moeless.expert_fn.local_channel import LocalChannel
 from moeless.expert_fn.meters import ModelTotals
+from moeless.expert_fn.options import TRANSPORTS
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S
 from moeless.expert_fn.routed import Pending, RoutedCall, RoutedResult, decode_reply_head, encode_call, split_error
 from moeless.expert_fn.tcp_channel import TcpChannel
 
-TRANSPORTS = ("auto", "local", "tcp", "grpc")
 
 # Codes that mean "this host cannot answer", whatever the call was.
 UNAVAILABLE_CODES = {

@@ -25,11 +25,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from moeless.expert_fn.gpu import detect_device
-from moeless.expert_fn.local_channel_server import LocalChannelServer
+from moeless.expert_fn.options import COMPUTE_DTYPES, add_tier_arguments
 from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S
-from moeless.expert_fn.tiers import COMPUTE_DTYPES, add_tier_arguments, tier_config_from_args
-from moeless.expert_fn.model_stores import ModelStores
-from moeless.model.weight_store import WeightStoreError
 
 log = logging.getLogger("moeless.expert_fn.host")
 
@@ -81,9 +78,13 @@ def serve(args: argparse.Namespace) -> int:
     from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
     from moeless.expert_fn.codec import CHANNEL_OPTIONS
     from moeless.expert_fn.http_endpoints import start_http_endpoints
+    from moeless.expert_fn.local_channel_server import LocalChannelServer
+    from moeless.expert_fn.model_stores import ModelStores
     from moeless.expert_fn.runtime import ExpertHostRuntime
     from moeless.expert_fn.servicer import ExpertHostServicer
     from moeless.expert_fn.tcp_server import TcpServer
+    from moeless.expert_fn.tiers import tier_config_from_args
+    from moeless.model.weight_store import WeightStoreError
 
     parent = os.getppid()  # before the ready line: the launcher is alive until it has read it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

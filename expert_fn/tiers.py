@@ -26,12 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moeless.expert_fn.options import COMPUTE_DTYPES, EVICTION_ORDERS, PREWARM
 from moeless.model.weight_store import WeightStore, stored_dtype
 
 Key = tuple[int, int]  # (layer, expert)
 Weights = dict[str, torch.Tensor]
-EVICTION_ORDERS = ("lru", "fifo")
-PREWARM = ("none", "all")
 
 
 @dataclass(frozen=True)
@@ -63,16 +62,6 @@ class TierStats:
     read_s_sum: float = 0.0  # disk -> host: read, sha256, parse (and pin)
     entries: int = 0
     bytes: int = 0
-
-
-def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
-    """The host-tier flags of an expert host (--host-tier-gb, --host-tier-eviction, --host-tier-prewarm)."""
-    parser.add_argument("--host-tier-gb", type=float, default=None, metavar="G",
-                        help="host memory for verified expert weights (GB = 1e9 bytes; 0 turns the tier off; default: no limit)")
-    parser.add_argument("--host-tier-eviction", choices=EVICTION_ORDERS, default="lru",
-                        help="which host-tier entry goes first when it is full (default lru)")
-    parser.add_argument("--host-tier-prewarm", choices=PREWARM, default="none",
-                        help="read every expert into host memory at start, as capacity allows (default none)")
 
 
 def tier_config_from_args(args: argparse.Namespace) -> TierConfig:
@@ -190,9 +179,6 @@ class HostTier:
             self._stats.evictions += 1
         self._entries[key] = weights
         self._held += size
-
-
-COMPUTE_DTYPES = ("float32", "store")  # expert-host --compute-dtype: float32, or the store's own dtype
 
 
 def compute_dtype_of(store: WeightStore, compute_dtype: str) -> torch.dtype:

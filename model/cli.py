@@ -7,11 +7,8 @@ import argparse
 import sys
 from typing import NoReturn
 
-import torch
-from tqdm import tqdm
-
+from moeless.model.dtypes import DTYPES
 from moeless.model.shape import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K
-from moeless.model.weight_store import DTYPES, export_experts
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -105,6 +102,11 @@ def _load(args: argparse.Namespace):
 
 
 def _export(args: argparse.Namespace) -> int:
+    import torch  # heavy: kept off --help's start-up path, as in _load
+    from tqdm import tqdm
+
+    from moeless.model.weight_store import export_experts
+
     model = _load(args)
     spec = model.spec
     name = args.model or f"smollm2-135m-moe-e{spec.num_experts}-sh{spec.shared_ffn}-k{spec.top_k}-s{args.seed}"

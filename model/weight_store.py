@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from moeless.model.moe_model import MoEModel
 
 FORMAT = "moeless-weight-store/1"
-DTYPES = ("float32", "bfloat16", "float16")  # what a store's experts may be held in (`moeless model export --dtype`)
 
 
 class WeightStoreError(RuntimeError):

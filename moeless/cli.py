@@ -1,6 +1,7 @@
 """The `moeless` command line. Each component registers its own subcommands; moeless.bench the benchmarks.
 
-Heavy imports (torch, ray) happen inside the commands, so `--help` stays fast.
+Heavy imports (torch, numba, grpc, ray) happen inside the commands, and the benches register
+only for `moeless bench ...`, so `--help` and every other command start fast (a test holds it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ COMMAND_MODULES = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole `moeless` parser; given argv, the benches (which import torch and the rest) only
+    where argv runs `moeless bench`, so every other command and `moeless --help` start fast."""
     parser = argparse.ArgumentParser(
         prog="moeless",
         description="Serverless experts for Mixture-of-Experts LLM serving.",
@@ -38,13 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(commands)
-    for name in BENCH_MODULES:
-        importlib.import_module(name).register(benches)
+    command = next((word for word in argv if not word.startswith("-")), None) if argv is not None else "bench"
+    if command == "bench":
+        for name in BENCH_MODULES:
+            importlib.import_module(name).register(benches)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -28,6 +28,7 @@ from moeless.placement.scaler import cv_below, greedy_scale, straggler_within, w
 from moeless.placement.cluster import Cluster
 from moeless.placement.eplb import rebalance_experts
 from moeless.placement.latency_model import LatencyModel
+from moeless.placement.names import DEFAULT_PLANNER
 from moeless.placement.oracle import oracle_load
 from moeless.placement.placer import place_jsq_warm, place_round_robin
 from moeless.placement.fill_placer import HORIZON, place_fill
@@ -303,8 +304,6 @@ def _check_memory(placement: Placement, cluster: Cluster) -> None:
     if over.size:
         raise PlacementError(f"GPUs {over.tolist()} cannot hold their replicas ({held[over].tolist()} > {cluster.slots()[over].tolist()} slots)")
 
-
-DEFAULT_PLANNER = "moeless"  # the knob's default everywhere (controller/knobs.py, `moeless plan`)
 
 # Every planner by name, in four groups: the default; the baselines it is measured against (the
 # paper's planner, static EP, EPLB, the lossy Oracle); earlier moeless generations, kept as named

@@ -6,14 +6,6 @@ import argparse
 import json
 
 from moeless.core.paths import cache_dir
-from moeless.core.threads import torch_threads
-from moeless.predictor.evaluate import by_distance, replay, warm
-from moeless.predictor.finetune import FitConfig, layer_aware_finetune
-from moeless.predictor.fingerprint import model_hash
-from moeless.predictor.gate_replica import all_pairs, gate_reuse
-from moeless.predictor.history import HistoryPredictor
-from moeless.predictor.report import scores_table
-from moeless.predictor.store import load_predictor, save_predictor
 
 DEFAULT_DISTANCES = [1, 2, 3, 4]
 
@@ -50,7 +42,12 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     # heavy (the torch model code): kept off --help's start-up path
+    from moeless.core.threads import torch_threads
+    from moeless.predictor.finetune import FitConfig, layer_aware_finetune
+    from moeless.predictor.fingerprint import model_hash
+    from moeless.predictor.gate_replica import all_pairs
     from moeless.predictor.sources import dataset_traces, load_model
+    from moeless.predictor.store import save_predictor
 
     with torch_threads(args.threads):
         model = load_model(args.model)
@@ -78,7 +75,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     # heavy (the torch model code): kept off --help's start-up path
+    from moeless.core.threads import torch_threads
+    from moeless.predictor.evaluate import by_distance, replay, warm
+    from moeless.predictor.gate_replica import gate_reuse
+    from moeless.predictor.history import HistoryPredictor
+    from moeless.predictor.report import scores_table
     from moeless.predictor.sources import dataset_traces, load_model
+    from moeless.predictor.store import load_predictor
 
     with torch_threads(args.threads):
         model = load_model(args.model)

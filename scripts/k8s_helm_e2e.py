@@ -637,7 +637,7 @@ class Run:
 
 
 def main() -> int:
-    from moeless.expert_fn.client import TRANSPORTS  # the package's imports stay inside functions, as above
+    from moeless.expert_fn.options import TRANSPORTS  # the package's imports stay inside functions, as above
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ref", default="HEAD", help="git ref whose sources go into the image (default HEAD; "

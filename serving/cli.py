@@ -8,8 +8,7 @@ import sys
 from typing import Callable
 
 from moeless.controller.knobs import KnobError, add_knob_flags, knobs_from_args
-from moeless.expert_fn.client import TRANSPORTS
-from moeless.placement.profile import CostProfile, ProfileError
+from moeless.expert_fn.options import TRANSPORTS
 
 MODEL_HELP = "'default' (SmolLM2-135M turned MoE; built and cached on first use), 'tiny:ARCH' (a random test model, e.g. tiny:mixtral) or a model directory"
 
@@ -107,7 +106,8 @@ def _names_of(known: Callable[[], list[str]], what: str) -> Callable[[str], list
 
 
 def _serve(args: argparse.Namespace) -> int:
-    # heavy (ray, transformers): kept off --help's start-up path
+    # heavy (ray, transformers, compiled kernels): kept off --help's start-up path
+    from moeless.placement.profile import CostProfile, ProfileError
     from moeless.serving.embedded import serve_embedded
     from moeless.serving.scheduler import BatchLimits
 

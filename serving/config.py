@@ -14,7 +14,7 @@ from moeless.controller.knobs import KnobError, Knobs
 from moeless.controller.planning.names import BOARD_NAME, LOOP_NAME
 from moeless.controller.pool.addresses import HOSTS_ENV
 from moeless.controller.pool.sources import StaticSource, pool_source
-from moeless.expert_fn.client import TRANSPORTS
+from moeless.expert_fn.options import TRANSPORTS
 from moeless.model.default import default_model
 from moeless.model.hf_loader import load_moe_model
 from moeless.model.tiny import tiny_model

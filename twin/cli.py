@@ -10,10 +10,7 @@ import sys
 import numpy as np
 
 from moeless.model.shape import DEFAULT_EXPERT_SHAPE
-from moeless.placement.cluster import Cluster
-from moeless.placement.planner import PlannerConfig, get_planner
-from moeless.placement.profile import CostProfile, ProfileError
-from moeless.twin.measure import measure_profile
+from moeless.placement.names import DEFAULT_PLANNER
 from moeless.twin.routing import RoutingError, save_routing
 
 
@@ -26,7 +23,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                     "(expert:share) and the predicted layer time under the paper's and the serial execution model.",
     )
     plan.add_argument("loads", help=".npy file of token counts per expert, shape [L, E] (or [E] for one layer)")
-    plan.add_argument("--planner", default="moeless",
+    plan.add_argument("--planner", default=DEFAULT_PLANNER,
                       help="a planner name (moeless, paper, static, eplb, eplb-global, oracle, ablations) "
                            "or 'module:function' (default moeless)")
     plan.add_argument("--gpus", type=int, default=8, help="GPUs (default 8)")
@@ -101,6 +98,11 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    # compiled kernels (numba): kept off --help's start-up path
+    from moeless.placement.cluster import Cluster
+    from moeless.placement.planner import PlannerConfig, get_planner
+    from moeless.placement.profile import CostProfile, ProfileError
+
     loads = np.atleast_2d(np.load(args.loads))
     num_layers, num_experts = loads.shape
     try:
@@ -129,6 +131,8 @@ def plan_command(args: argparse.Namespace) -> int:
 def _measured_profile(num_experts: int, num_gpus: int):
     """The cost profile measured now (a few repeats) at the default model's expert shape
     (non-expert bytes not measured: a plan does not bill them)."""
+    from moeless.twin.measure import measure_profile  # torch: off --help's start-up path
+
     profile, _ = measure_profile(*DEFAULT_EXPERT_SHAPE, non_expert_bytes=0, repeats=10, num_experts=num_experts,
                                        num_gpus=num_gpus)
     return profile

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from moeless.controller.knobs import KnobError, Knobs
+from moeless.expert_fn.options import COMPUTE_DTYPES  # no torch: the operator loads none
 
 GIB = 1024**3
 
@@ -107,7 +108,6 @@ _POOL_KEYS = {
     "hostNetwork": ("host_network", bool), "drainSeconds": ("drain_seconds", int),
     "pollMicroseconds": ("poll_microseconds", float), "computeDtype": ("compute_dtype", str),
 }
-COMPUTE_DTYPES = ("float32", "store")  # expert_fn/tiers.py's (the operator imports no torch; a test keeps them equal)
 
 
 def _typed(value: Any, kind: type, where: str) -> Any:

@@ -56,8 +56,9 @@ from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 from moeless.expert_fn.routed import RoutedCall, decode_call, encode_call, run_routed
 from moeless.expert_fn.runtime import ExpertHostRuntime
-from moeless.expert_fn.tiers import COMPUTE_DTYPES
-from moeless.model.weight_store import DTYPES, WeightStore, WeightStoreError, export_experts, export_store, stored_dtype
+from moeless.expert_fn.options import COMPUTE_DTYPES
+from moeless.model.dtypes import DTYPES
+from moeless.model.weight_store import WeightStore, WeightStoreError, export_experts, export_store, stored_dtype
 from moeless.placement.types import LayerPlacement
 from moeless.serving.scatter import plan_scatter
 from moeless.serving.cli import MODEL_HELP, _positive

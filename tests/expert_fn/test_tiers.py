@@ -225,7 +225,8 @@ def test_tier_settings_are_checked():
 def test_tier_flags_make_a_config():
     import argparse
 
-    from moeless.expert_fn.tiers import add_tier_arguments, tier_config_from_args
+    from moeless.expert_fn.options import add_tier_arguments
+    from moeless.expert_fn.tiers import tier_config_from_args
 
     parser = argparse.ArgumentParser()
     add_tier_arguments(parser)

@@ -138,7 +138,7 @@ def test_every_schema_node_holds_only_schema_fields(kind):
 
 
 def test_the_compute_dtypes_are_the_operator_s():
-    from moeless.controller.operator.spec import COMPUTE_DTYPES
+    from moeless.expert_fn.options import COMPUTE_DTYPES
 
     for kind in ("ExpertAutoscalingPolicy", "ExpertPool"):
         prop = schema(kind)["hosts"]["properties"]["computeDtype"]

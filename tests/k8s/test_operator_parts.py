@@ -63,10 +63,7 @@ def test_host_command_matches_the_expert_host_flags():
 
 def test_a_compute_dtype_reaches_the_host_command_and_a_bad_one_is_refused_naming_the_field():
     from moeless.cli import build_parser
-    from moeless.controller.operator.spec import COMPUTE_DTYPES
-    from moeless.expert_fn import tiers
 
-    assert COMPUTE_DTYPES == tiers.COMPUTE_DTYPES
     plain = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2}})
     narrow = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "computeDtype": "store"}})
     assert build_parser().parse_args(host_command(plain)[1:]).compute_dtype == "float32"

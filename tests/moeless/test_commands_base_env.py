@@ -176,3 +176,25 @@ def test_the_gpu_checks_run_without_ray_or_a_model_download(base_env, tmp_path, 
     run = moeless(env, *[a.format(config=config) for a in args], "--out", str(tmp_path / "out"), timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert list((tmp_path / "out").glob("*.json")), f"moeless {' '.join(args)} wrote no JSON"
+
+
+# What `moeless --help` and every command but the benches start without (3 s of imports on two
+# cores: torch alone is 1.5 s); each is imported inside the command that runs.
+HEAVY_AT_START = ["torch", "numba", "scipy", "grpc", "ray", "transformers", "kubernetes", "safetensors", "tqdm"]
+
+
+def test_help_and_commands_start_without_the_heavy_imports(base_env, tmp_path):
+    """`moeless --help` and every non-bench command's --help import none of HEAVY_AT_START (the
+    benches register only for `moeless bench ...`); and the parsers still run (`moeless plan`)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=sorted(extras_only_modules() | set(HEAVY_AT_START))))
+    env = dict(base_env, PYTHONPATH=str(site))
+    paths = [()] + [p for p in all_commands() if p[0] != "bench"]
+    assert ("serve",) in paths and ("expert-host",) in paths and ("model", "export") in paths
+    run = subprocess.run([sys.executable, "-c", HELP_ALL.format(paths=paths)], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-3000:] + run.stderr[-3000:]
+    blocked = subprocess.run([sys.executable, "-m", "moeless", "bench", "--help"], env=env, capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+    assert blocked.returncode != 0, "the blocker blocks nothing the benches need: this test could not fail"
