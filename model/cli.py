@@ -102,10 +102,10 @@ def _load(args: argparse.Namespace):
 
 
 def _export(args: argparse.Namespace) -> int:
-    import torch  # heavy: kept off --help's start-up path, as in _load
+    import torch
     from tqdm import tqdm
 
-    from moeless.model.weight_store import export_experts
+    from moeless.model.weight_store import export_experts  # heavy (torch, safetensors): off --help's start-up path
 
     model = _load(args)
     spec = model.spec
