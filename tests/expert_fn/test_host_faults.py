@@ -51,10 +51,14 @@ def invoke_in_thread(client: ExpertHostClient, batches: dict) -> tuple[threading
 
 
 def readiness(base_url: str) -> int:
+    """/readyz's status; 0 where the probe's connection failed (as kubelet, a failed probe: poll again).
+    A CI run once had a probe reset by the host at the start of its drain, while it still served."""
     try:
         return urllib.request.urlopen(f"{base_url}/readyz", timeout=5).status
     except urllib.error.HTTPError as err:
         return err.code
+    except (ConnectionError, urllib.error.URLError):
+        return 0
 
 
 def wait_inflight(client: ExpertHostClient, timeout_s: float = 20.0) -> None:
