@@ -259,66 +259,50 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     written into `z` when given (a transport's preallocated buffer)."""
     head = call.head
     # 1. Every pair's row gathered from x in one copy (expert-major), one view per expert, one
-    #    runtime call for all of them. (A decode step's call is tiny: every torch op skipped counts.)
-    #    A GPU host does all of it on the GPU: x goes over once, z comes back once.
+    #    runtime call for all of them, its outputs written into one [P, H] tensor in pair order.
+    #    (A decode step's call is tiny: every torch op skipped counts.) A GPU host does all of it
+    #    on the GPU: x goes over once, z comes back once.
     device = runtime.device
-    x, src = (call.x, call.src) if device == "cpu" else (call.x.to(device), call.src.to(device))
+    on_cpu = device == "cpu"
+    x, src = (call.x, call.src) if on_cpu else (call.x.to(device), call.src.to(device))
     rows = x.index_select(0, src)
     batches = {call.experts[0]: rows} if len(call.experts) == 1 else dict(zip(call.experts, torch.split(rows, call.counts)))
-    if device == "cpu":
-        return _combine_cpu(runtime, call, batches, z)
-    result = runtime.invoke(head.layer, batches, on_device=True)
-    # 2. Weighted outputs into z, one expert at a time, ascending (the CPU's _combine_cpu explains
-    #    the order). One expert has a row's token once, so no index_add_ adds twice to one
-    #    element: a GPU's atomics add in a fixed order, the same sums as the reference.
-    target = torch.empty(head.n_out, head.hidden, dtype=head.dtype, device=device)
-    weight = call.weight.to(device)
-    if not call.pair_order:
-        out = torch.from_numpy(call.out.astype(np.int64)).to(device)
-        if not call.singles:
-            target.zero_()
-    start = 0
-    for e, n in zip(call.experts, call.counts):
-        y = result.outputs[e]
-        y, w = (y if y.dtype == head.dtype else y.to(head.dtype)), weight[start:start + n, None]
-        if call.pair_order:
-            torch.mul(y, w, out=target[start:start + n])
-        elif call.singles:
-            target.index_copy_(0, out[start:start + n], y * w)
-        else:
-            target.index_add_(0, out[start:start + n], y * w)
-        start += n
-    target = z.copy_(target) if z is not None else target.cpu()
-    return target, result.cold_starts, result.compute_s
-
-
-def _combine_cpu(runtime, call: Decoded, batches: dict[int, torch.Tensor], z: torch.Tensor | None):
-    """run_routed on a CPU host: the experts write their outputs into one [P, H] tensor (pair
-    order), weighted in one multiply and put into z in one indexed op, whatever the number of
-    experts (a decode step's call is tiny: every torch op skipped counts).
-
-    Each pair its own row: written (0 + s is s), in place where the rows are in pair order.
-    Otherwise each row's pairs are added up from zeros in pair order, which is ascending expert
-    order within a row (pairs are expert-major), as the reference (model/moe_model.LocalExecutor)
-    adds each expert: a CPU's index_add_ adds its source rows in index order (measured exact
-    against a row-by-row loop at 1 and 2 threads; index_put_ with accumulate was not at 2 threads,
-    and took ~2x as long).
-    """
-    head = call.head
-    ys = torch.empty(head.pairs, head.hidden, dtype=runtime.dtype)
-    result = runtime.invoke(head.layer, batches, out=ys)
+    ys = torch.empty(head.pairs, head.hidden, dtype=runtime.dtype, device=device)
+    result = runtime.invoke(head.layer, batches, on_device=True, out=ys)
+    # 2. Weighted in one multiply, then into z. Each pair its own row: written (0 + s is s), in
+    #    place where the rows are in pair order. Otherwise each row's pairs are added up from zeros
+    #    in pair order, which is ascending expert order within a row (pairs are expert-major), as
+    #    the reference (model/moe_model.LocalExecutor) adds each expert (add_in_pair_order).
     ys = ys if ys.dtype == head.dtype else ys.to(head.dtype)
-    weight = call.weight[:, None]
+    weight = call.weight.to(device)[:, None]
+    target = z if z is not None and on_cpu else None
     if call.pair_order:
-        target = torch.mul(ys, weight, out=z) if z is not None else ys.mul_(weight)
+        target = ys.mul_(weight) if target is None else torch.mul(ys, weight, out=target)
     else:
-        target = z if z is not None else torch.empty(head.n_out, head.hidden, dtype=head.dtype)
-        out = torch.from_numpy(call.out.astype(np.int64))
+        target = torch.empty(head.n_out, head.hidden, dtype=head.dtype, device=device) if target is None else target
+        out = torch.from_numpy(call.out.astype(np.int64)).to(device)
         if call.singles:
             target.index_copy_(0, out, ys.mul_(weight))
         else:
-            target.zero_().index_add_(0, out, ys.mul_(weight))
+            add_in_pair_order(target.zero_(), out, ys.mul_(weight), call.counts, one_op=on_cpu)
+    if not on_cpu:
+        target = z.copy_(target) if z is not None else target.cpu()
     return target, result.cold_starts, result.compute_s
+
+
+def add_in_pair_order(target: torch.Tensor, out: torch.Tensor, ys: torch.Tensor, counts: list[int], one_op: bool) -> None:
+    """target[out[j]] += ys[j] for every pair j, in pair order. target: [n_out, H]; out: [P] long;
+    ys: [P, H]; counts: pairs per expert (expert-major, an expert has a row's token once).
+
+    one_op (a CPU): one index_add_, which on a CPU adds its source rows in index order (measured
+    exact against a row-by-row loop at 1 and 2 threads; index_put_ with accumulate was not at 2
+    threads, and took ~2x as long). Otherwise (a GPU, whose atomics add in no fixed order) one
+    index_add_ per expert, ascending: no element is added twice in one op, so the same sums."""
+    if one_op:
+        target.index_add_(0, out, ys)
+        return
+    for rows, part in zip(torch.split(out, counts), torch.split(ys, counts)):
+        target.index_add_(0, rows, part)
 
 
 def encode_reply(call_id: int, z: torch.Tensor, cold_starts: int, compute_s: float) -> bytes:

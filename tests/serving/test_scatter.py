@@ -201,6 +201,32 @@ def test_long_prefix_runs_add_up_as_the_reference_on_a_prefill_sized_layer():
     assert torch.equal(gather(plan, _host_outputs(plan, x), 64, x.dtype), _reference(x, idx, weight))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_both_ways_of_adding_in_pair_order_equal_a_row_by_row_loop(threads):
+    """add_in_pair_order's one op (a CPU host's) and its op per expert (a GPU host's, run here on the
+    CPU) add shared rows exactly as one row at a time, in pair order, does."""
+    from moeless.expert_fn.routed import add_in_pair_order
+
+    rng, before = np.random.default_rng(2), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(20):
+            n_out = int(rng.integers(1, 30))
+            counts = rng.integers(1, n_out + 1, int(rng.integers(1, 9))).tolist()
+            # An expert has a row's token once: each expert's rows are distinct.
+            out = torch.from_numpy(np.concatenate([rng.choice(n_out, c, replace=False) for c in counts]))
+            ys = torch.randn(sum(counts), 257) * torch.from_numpy(rng.uniform(1e-3, 1e3, (sum(counts), 1))).float()
+            want = torch.zeros(n_out, 257)
+            for j in range(len(out)):
+                want[out[j]] += ys[j]
+            for one_op in (True, False):
+                got = torch.zeros(n_out, 257)
+                add_in_pair_order(got, out, ys, counts, one_op=one_op)
+                assert torch.equal(got, want), (one_op, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_host_writes_single_rows_once_and_adds_shared_rows_from_zeros():
     """run_routed's three ways into z, on a z full of stale values (a reused buffer): pairs in their
     own rows in pair order, a permutation of rows (each written once), and rows that pairs share or
