@@ -61,7 +61,7 @@ class ExpertHostRuntime:
         compute_dtype: str = "float32",
     ) -> None:
         self.store = store
-        self.dtype = compute_dtype_of(store, compute_dtype)  # COMPUTE_DTYPES (tiers.py)
+        self.dtype = compute_dtype_of(store, compute_dtype)  # options.COMPUTE_DTYPES
         self.models = as_model_stores(store)  # which model each host layer belongs to (meters per model)
         self.device = device
         self.tier = HostTier(store, tier, pin=device.startswith("cuda") and torch.cuda.is_available())

@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from safetensors.torch import load as parse_safetensors
@@ -183,11 +183,17 @@ def export_store(model: "MoEModel", name: str) -> Path:
     for _, _, weights in model.iter_experts():
         for tensor in weights.values():
             digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())  # any dtype's bytes
-    root = cache_dir() / "stores" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{digest.hexdigest()[:16]}"
+    spec = model.spec
+    return cached_store(name, digest.hexdigest()[:16], lambda root: export_experts(
+        model.iter_experts(), root, model=name, num_layers=spec.num_layers, num_experts=spec.num_experts, act=spec.act))
+
+
+def cached_store(name: str, key: str, write: Callable[[Path], object]) -> Path:
+    """The weight store <cache>/stores/<name>-<key> (name made path-safe), written by write(root)
+    the first time it is asked for and reused after (key: what tells its contents apart)."""
+    root = cache_dir() / "stores" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}"
     try:
         return WeightStore.open(root).root
     except WeightStoreError:
-        spec = model.spec
-        export_experts(model.iter_experts(), root, model=name, num_layers=spec.num_layers,
-                       num_experts=spec.num_experts, act=spec.act)
+        write(root)
         return root

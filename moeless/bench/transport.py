@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,6 @@ import torch
 from tqdm import tqdm
 
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
-from moeless.core.paths import cache_dir
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
@@ -58,7 +56,7 @@ from moeless.expert_fn.routed import RoutedCall, decode_call, encode_call, run_r
 from moeless.expert_fn.runtime import ExpertHostRuntime
 from moeless.expert_fn.options import COMPUTE_DTYPES
 from moeless.model.dtypes import DTYPES
-from moeless.model.weight_store import WeightStore, WeightStoreError, export_experts, export_store, stored_dtype
+from moeless.model.weight_store import WeightStore, cached_store, export_experts, export_store, stored_dtype
 from moeless.placement.types import LayerPlacement
 from moeless.serving.scatter import plan_scatter
 from moeless.serving.cli import MODEL_HELP, _positive
@@ -144,11 +142,6 @@ def random_layer_store(geometry: Geometry, seed: int = 0) -> Path:
     dtype = getattr(torch, geometry.dtype if geometry.dtype in DTYPES else "bfloat16")  # float8: no store holds it
     h, f = geometry.hidden, geometry.expert_ffn
     sizes = f"h{h}-f{f}-e{geometry.num_experts}-s{seed}-{str(dtype).removeprefix('torch.')}"  # a name may repeat
-    root = cache_dir() / "stores" / f"random-{re.sub(r'[^A-Za-z0-9_.-]', '_', geometry.name)}-{sizes}"
-    try:
-        return WeightStore.open(root).root
-    except WeightStoreError:
-        pass
     gen = torch.Generator().manual_seed(seed)
 
     def experts():
@@ -156,9 +149,8 @@ def random_layer_store(geometry: Geometry, seed: int = 0) -> Path:
             shapes = {"gate": (f, h), "up": (f, h), "down": (h, f)}
             yield 0, e, {n: (0.02 * torch.randn(shape, generator=gen)).to(dtype) for n, shape in shapes.items()}
 
-    export_experts(experts(), root, model=f"random-{geometry.name}", num_layers=1, num_experts=geometry.num_experts,
-                   act="silu")
-    return root
+    return cached_store(f"random-{geometry.name}", sizes, lambda root: export_experts(
+        experts(), root, model=f"random-{geometry.name}", num_layers=1, num_experts=geometry.num_experts, act="silu"))
 
 
 def timed_calls(call: Callable[[], Any], repeats: int) -> dict[str, float]:
@@ -183,7 +175,7 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
     """Time every call over every transport (see the module docstring); poll_s: (host, client) spins;
     device: "cpu" or "cuda" (the hosts' and the baseline's; CudaUnavailable without one); geometry:
     a twin geometry's name to time one layer of random experts of its shape instead of `model`;
-    compute_dtype: the hosts' and the baseline's (tiers.COMPUTE_DTYPES)."""
+    compute_dtype: the hosts' and the baseline's (expert_fn/options.COMPUTE_DTYPES)."""
     torch_device = "cuda:0" if device == "cuda" else "cpu"
     if device == "cuda":
         require_cuda()
