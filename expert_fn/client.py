@@ -71,6 +71,12 @@ UNAVAILABLE_CODES = {
 }
 
 
+def _staged(call: RoutedCall, x: torch.Tensor) -> tuple[RoutedCall, torch.Tensor]:
+    """(call, x) with the call's rows of x (on a GPU) copied to host memory, in order."""
+    rows = x.index_select(0, call.tokens.to(x.device)).cpu()
+    return replace(call, tokens=torch.arange(rows.shape[0])), rows
+
+
 def _translate(err: grpc.RpcError, address: str) -> ExpertHostError:
     """The moeless error for a failed call (the host's kind when it sent one)."""
     kind = dict(err.trailing_metadata() or ()).get(ERROR_KEY)
@@ -140,10 +146,14 @@ class ExpertHostClient:
 
     def submit(self, call: RoutedCall, x: torch.Tensor) -> Pending:
         """Start a routed call on the rows x[call.tokens] (x: [T, H] contiguous, in the dtype the
-        tokens travel in); pending.result() -> RoutedResult (z: [n_out, H])."""
+        tokens travel in); pending.result() -> RoutedResult (z: [n_out, H]). x on a GPU: over the
+        local channel the rows and z stay in GPU memory (CUDA IPC); TCP and gRPC stage the call's
+        rows through host memory, and z comes back there."""
         channel = self._data_channel()
         if self.model is not None:
             call = replace(call, layer=call.layer + self._first_layer())
+        if x.device.type != "cpu" and not isinstance(channel, LocalChannel):
+            call, x = _staged(call, x)  # TCP and gRPC carry host memory: only the call's rows come over
         if channel is not None:
             return channel.submit(call, x)
         self._calls += 1

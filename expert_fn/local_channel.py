@@ -12,6 +12,11 @@ size. The buffer is a memfd handed to the host over the socket (SCM_RIGHTS), so 
 left in /dev/shm when either side dies, and it only works where the host truly shares this
 machine; it grows by doubling (a new memfd) to the largest call.
 
+Rows on a GPU (x on CUDA) stay there: the channel hands the host a device buffer once (cuda_ipc.py)
+and each call copies the token rows into it (one index_select on the GPU); the host reads them in
+place and writes z there, so result.z is then a view of that GPU buffer. Only the head and the
+pair lists go through shared memory.
+
 One call at a time per channel (a lock spans submit .. result); z stays valid until the next
 submit. A dead host (EOF, reset, refused) or a timeout raises ExpertHostUnavailable, and the
 channel is then broken for good: the caller opens a new one once the host is back. A host error
@@ -28,15 +33,25 @@ import threading
 
 import torch
 
+from moeless.expert_fn.cuda_ipc import describe
 from moeless.expert_fn.errors import ERRORS_BY_KIND, ExpertHostError, ExpertHostUnavailable
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, Poller
-from moeless.expert_fn.local_channel_server import BUFFER, BUFFER_MAGIC, CALL, CALL_MAGIC, z_offset
+from moeless.expert_fn.local_channel_server import (
+    BUFFER,
+    BUFFER_MAGIC,
+    CALL,
+    CALL_DEVICE,
+    CALL_DEVICE_MAGIC,
+    CALL_MAGIC,
+    z_offset,
+)
 from moeless.expert_fn.routed import (
     REPLY,
     HeldCall,
     RoutedCall,
     RoutedResult,
     decode_reply_head,
+    lists_bytes,
     split_error,
     write_call,
 )
@@ -61,6 +76,7 @@ class LocalChannel:
             raise ExpertHostUnavailable(f"local channel {name}: cannot connect ({err})") from None
         self._poller = Poller(self._sock, poll_s)  # spin for the answer before blocking (polling.py)
         self._buffer: mmap.mmap | None = None
+        self._gpu_buffer: torch.Tensor | None = None  # rows and z of calls whose x is on a GPU
         self._calls = 0
         self.broken = False
 
@@ -71,12 +87,10 @@ class LocalChannel:
             if self.broken:
                 raise ExpertHostUnavailable(f"local channel {self.name} is closed; open a new one")
             self._calls += 1
-            frame = call.request_bytes(x.shape[1], x.dtype)
-            z_at = z_offset(frame)
-            self._reserve(z_at + call.n_out * x.shape[1] * x.element_size())
-            write_call(self._buffer, self._calls, call, x)
-            self._send(CALL.pack(CALL_MAGIC, frame, z_at))
-            return HeldCall(self._lock, functools.partial(self._wait, self._calls, call.layer, z_at))
+            on_gpu = x.device.type == "cuda"
+            message, z_at = self._write_on_gpu(call, x) if on_gpu else self._write(call, x)
+            self._send(message)
+            return HeldCall(self._lock, functools.partial(self._wait, self._calls, call.layer, z_at, on_gpu))
         except BaseException:
             self._lock.release()
             raise
@@ -86,6 +100,41 @@ class LocalChannel:
             self._break()
 
     # --- internals ----------------------------------------------------------------------------
+
+    def _write(self, call: RoutedCall, x: torch.Tensor) -> tuple[bytes, int]:
+        """The whole frame into shared memory -> (CALL, z's offset there)."""
+        frame = call.request_bytes(x.shape[1], x.dtype)
+        z_at = z_offset(frame)
+        self._reserve(z_at + call.n_out * x.shape[1] * x.element_size())
+        write_call(self._buffer, self._calls, call, x)
+        return CALL.pack(CALL_MAGIC, frame, z_at), z_at
+
+    def _write_on_gpu(self, call: RoutedCall, x: torch.Tensor) -> tuple[bytes, int]:
+        """HEAD and the lists into shared memory, the rows into the GPU buffer at 0 -> (CALL_DEVICE,
+        z's offset in the GPU buffer)."""
+        hidden, item = x.shape[1], x.element_size()
+        lists = lists_bytes(self._calls, call, hidden, x.dtype)
+        self._reserve(len(lists))
+        self._buffer[:len(lists)] = lists
+        rows = int(call.tokens.numel())
+        z_at = z_offset(rows * hidden * item)
+        gpu = self._reserve_gpu(z_at + call.n_out * hidden * item, x.device)
+        if rows:
+            torch.index_select(x, 0, call.tokens.to(x.device), out=gpu[:rows * hidden * item].view(x.dtype).view(rows, hidden))
+        torch.cuda.current_stream(x.device).synchronize()  # the rows are in place before the host reads them
+        return CALL_DEVICE.pack(CALL_DEVICE_MAGIC, len(lists), 0, z_at), z_at
+
+    def _reserve_gpu(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A GPU buffer of at least nbytes on `device`, handed to the host when new (it grows by doubling)."""
+        gpu = self._gpu_buffer
+        if gpu is not None and gpu.numel() >= nbytes and gpu.device == device:
+            return gpu
+        size = max(INITIAL_BYTES, 1 << (nbytes - 1).bit_length())
+        gpu = torch.empty(size, dtype=torch.uint8, device=device)
+        self._send(describe(gpu))
+        # The old buffer is freed with the last z the caller still holds of it (torch keeps it).
+        self._gpu_buffer = gpu
+        return gpu
 
     def _reserve(self, nbytes: int) -> None:
         """Make the shared buffer at least nbytes (a new memfd, handed to the host)."""
@@ -124,7 +173,7 @@ class LocalChannel:
             self._fail("the host closed the connection (it died or is stopping)")
         return msg
 
-    def _wait(self, call_id: int, layer: int, z_at: int) -> RoutedResult:
+    def _wait(self, call_id: int, layer: int, z_at: int, on_gpu: bool) -> RoutedResult:
         """Read the answer to call `call_id` (the lock is held)."""
         self._poller.wait()
         msg = self._receive()
@@ -142,8 +191,11 @@ class LocalChannel:
             kind, message = split_error(msg[REPLY.size:])
             raise ERRORS_BY_KIND.get(kind, ExpertHostError)(f"{where}: {message}")
         count = head.n_out * head.hidden
-        z = torch.frombuffer(self._buffer, dtype=head.dtype, offset=z_at, count=count) \
-            if count else torch.empty(0, dtype=head.dtype)
+        if on_gpu:
+            z = self._gpu_buffer[z_at:z_at + count * head.dtype.itemsize].view(head.dtype)
+        else:
+            z = torch.frombuffer(self._buffer, dtype=head.dtype, offset=z_at, count=count) \
+                if count else torch.empty(0, dtype=head.dtype)
         return RoutedResult(z.view(head.n_out, head.hidden), head.cold_starts, head.compute_s)
 
     def _fail(self, why: str) -> None:

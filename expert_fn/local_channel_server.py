@@ -14,6 +14,12 @@ Each connection is served by its own thread (a ModelServer replica has one conne
 with the host's torch thread count. A draining host answers calls with ExpertHostUnavailable; a
 bad frame, or one that does not fit the shared buffer, gets an error reply naming the call and
 the sizes, and the connection goes on.
+
+A caller whose rows are on a GPU also hands over a device buffer (cuda_ipc.py: DESCRIPTION) and
+sends CALL_DEVICE: the frame's head and lists in shared memory as above, the rows and z in the
+device buffer, at the offsets the message names. The host synchronises its GPU before it answers,
+so z is there when the caller reads the reply. A host that cannot map the buffer (no CUDA) says
+why in the answer to each such call.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import uuid
 
 import torch
 
+from moeless.expert_fn.cuda_ipc import DESCRIPTION_MAGIC, MAX_DESCRIPTION_BYTES, DeviceBufferError, open_described
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
 from moeless.expert_fn.listener import Listener
 from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S, Poller
@@ -37,8 +44,10 @@ log = logging.getLogger(__name__)
 # The control messages (SOCK_SEQPACKET: one message per send); the data is in the shared buffer.
 BUFFER = struct.Struct("<4sq")  # b"MLCB", bytes: sent with the memfd that holds frames and z from now on
 CALL = struct.Struct("<4sqq")  # b"MLCI", the frame's bytes (at offset 0), z's offset; the reply: routed.REPLY
-BUFFER_MAGIC, CALL_MAGIC = b"MLCB", b"MLCI"
-MAX_CONTROL_BYTES = 64  # BUFFER or CALL; nothing bigger crosses the socket towards the host
+# b"MLCD", the bytes of HEAD and the lists (at offset 0 of shared memory), x's and z's offsets in the device buffer
+CALL_DEVICE = struct.Struct("<4sqqq")
+BUFFER_MAGIC, CALL_MAGIC, CALL_DEVICE_MAGIC = b"MLCB", b"MLCI", b"MLCD"
+MAX_CONTROL_BYTES = MAX_DESCRIPTION_BYTES  # the largest message towards the host: a device buffer's description
 
 
 def z_offset(frame_bytes: int) -> int:
@@ -67,6 +76,7 @@ class LocalChannelServer:
         """One client's calls, in order, until it disconnects or the host closes."""
         torch.set_num_threads(self.threads)  # OpenMP's count is per thread
         buffer: mmap.mmap | None = None
+        gpu_buffer: torch.Tensor | DeviceBufferError | None = None  # the caller's GPU buffer, or why it is not mapped
         poller = Poller(conn, self.poll_s)
         try:
             while True:
@@ -76,8 +86,16 @@ class LocalChannelServer:
                     return
                 if msg[:4] == BUFFER_MAGIC:
                     buffer = self._map(msg, fds, buffer)
-                    continue
-                conn.send(answer(self.runtime, msg, buffer))
+                elif msg[:4] == DESCRIPTION_MAGIC:
+                    gpu_buffer = None  # the old mapping goes first
+                    try:
+                        gpu_buffer = open_described(msg)
+                    except DeviceBufferError as err:
+                        gpu_buffer = err
+                elif msg[:4] == CALL_DEVICE_MAGIC:
+                    conn.send(answer_device(self.runtime, msg, buffer, gpu_buffer))
+                else:
+                    conn.send(answer(self.runtime, msg, buffer))
         except OSError as err:
             log.info("local channel closed: %s", err)
         finally:
@@ -122,11 +140,54 @@ def answer(runtime, msg: bytes, buffer: mmap.mmap | None) -> bytes:
             if z_bytes else torch.empty(0, dtype=head.dtype)
         z, cold, compute = run_routed(runtime, call, z=z.view(head.n_out, head.hidden))
         return encode_reply(call_id, z, cold, compute)
-    except ExpertHostError as err:
-        return encode_error(call_id, err.kind, _short(str(err)))
     except Exception as err:  # the client gets the failure instead of a hang
-        log.exception("local channel call %d failed", call_id)
-        return encode_error(call_id, ExpertHostError.kind, _short(f"{type(err).__name__}: {err}"))
+        return _error_reply(err, call_id)
+
+
+def answer_device(runtime, msg: bytes, buffer: mmap.mmap | None, gpu_buffer) -> bytes:
+    """Run the call that CALL_DEVICE `msg` describes: HEAD and the lists in `buffer`, x and z in the
+    caller's GPU buffer `gpu_buffer` (a uint8 tensor, or the DeviceBufferError that kept it unmapped);
+    z is written there and the GPU synchronised; returns the reply or an error reply naming the call."""
+    call_id = 0
+    try:
+        if len(msg) != CALL_DEVICE.size:
+            raise BadRequest("malformed local-channel device call message: client and host versions differ?")
+        _, lists_bytes, x_at, z_at = CALL_DEVICE.unpack(msg)
+        size = 0 if buffer is None else len(buffer)
+        if size < HEAD.size or lists_bytes > size:
+            raise BadRequest(f"a local-channel device call of {lists_bytes} bytes came before a shared buffer that holds it")
+        shared = memoryview(buffer)
+        head = decode_head(shared[:HEAD.size])
+        call_id = head.call_id
+        where = f"routed call {call_id} (layer {head.layer})"
+        if isinstance(gpu_buffer, DeviceBufferError) or gpu_buffer is None:
+            raise BadRequest(f"{where}: its rows are in GPU memory this host has not mapped: "
+                             f"{gpu_buffer or 'no device buffer was handed over'}")
+        x_bytes, z_bytes = head.rows * head.hidden * head.item, head.n_out * head.hidden * head.item
+        if min(x_at, z_at) < 0 or x_at % head.item or z_at % head.item or max(x_at + x_bytes, z_at + z_bytes) > gpu_buffer.numel() \
+                or (x_at < z_at + z_bytes and z_at < x_at + x_bytes and x_bytes and z_bytes):
+            raise BadRequest(f"{where}: x ({x_bytes} bytes at {x_at}) and z ({z_bytes} bytes at {z_at}) do not fit "
+                             f"apart in the device buffer of {gpu_buffer.numel()} bytes")
+        if runtime.health != "serving":
+            raise ExpertHostUnavailable(f"expert host is {runtime.health}; route to another host")
+        x = gpu_buffer[x_at:x_at + x_bytes].view(head.dtype).view(head.rows, head.hidden)
+        call = decode_body(head, shared[HEAD.size:lists_bytes], x=x)
+        z = gpu_buffer[z_at:z_at + z_bytes].view(head.dtype).view(head.n_out, head.hidden)
+        z, cold, compute = run_routed(runtime, call, z=z)
+        if gpu_buffer.is_cuda:
+            torch.cuda.synchronize(gpu_buffer.device)  # z is complete before the caller hears of it
+        return encode_reply(call_id, z, cold, compute)
+    except Exception as err:  # the client gets the failure instead of a hang
+        return _error_reply(err, call_id)
+
+
+def _error_reply(err: Exception, call_id: int) -> bytes:
+    """The error reply for a call that failed: a host error's kind and message, else the
+    exception's class and message as a host error (logged with its traceback: call from an except)."""
+    if isinstance(err, ExpertHostError):
+        return encode_error(call_id, err.kind, _short(str(err)))
+    log.exception("local channel call %d failed", call_id)
+    return encode_error(call_id, ExpertHostError.kind, _short(f"{type(err).__name__}: {err}"))
 
 
 def _short(message: str, limit: int = 4000) -> str:

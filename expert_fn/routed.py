@@ -182,9 +182,14 @@ class Head:
         return item_bytes(self.dtype)
 
     @property
+    def lists_bytes(self) -> int:
+        """Bytes after HEAD up to x: the lists and the weights."""
+        return 8 * self.m + 8 * self.pairs + self.item * self.pairs
+
+    @property
     def body_bytes(self) -> int:
         """Bytes after HEAD: the lists and x."""
-        return 8 * self.m + 8 * self.pairs + self.item * (self.pairs + self.rows * self.hidden)
+        return self.lists_bytes + self.item * self.rows * self.hidden
 
 
 def decode_head(data: bytes | memoryview) -> Head:
@@ -218,11 +223,13 @@ class Decoded:
     singles: bool
 
 
-def decode_body(head: Head, body: memoryview) -> Decoded:
+def decode_body(head: Head, body: memoryview, x: torch.Tensor | None = None) -> Decoded:
     """The lists and x after HEAD (body: exactly head.body_bytes), checked; BadRequest names what is wrong.
+    With x ([n, H], the rows already elsewhere: a GPU buffer the caller shares), body is the lists alone.
     (Few array ops: a decode step's call is tiny, and each op costs its most on a core just woken.)"""
-    if len(body) != head.body_bytes:
-        raise BadRequest(f"routed call {head.call_id}: {len(body)} bytes after the head, expected {head.body_bytes}")
+    expected = head.body_bytes if x is None else head.lists_bytes
+    if len(body) != expected:
+        raise BadRequest(f"routed call {head.call_id}: {len(body)} bytes after the head, expected {expected}")
     m, pairs = head.m, head.pairs
     ints = np.frombuffer(body, dtype="<i4", count=2 * m + 2 * pairs)
     lists = ints[:2 * m].tolist()
@@ -231,13 +238,14 @@ def decode_body(head: Head, body: memoryview) -> Decoded:
     low, high = (src_out.min(axis=1).tolist(), src_out.max(axis=1).tolist()) if pairs else ([0, 0], [0, 0])
     check(head, experts, counts, low, high)
     out = src_out[1]
-    floats = torch.frombuffer(body, dtype=head.dtype, offset=4 * (2 * m + 2 * pairs), count=pairs + head.rows * head.hidden) \
-        if pairs + head.rows * head.hidden else torch.empty(0, dtype=head.dtype)
+    sent = pairs + (head.rows * head.hidden if x is None else 0)  # weights, then x where it came in the frame
+    floats = torch.frombuffer(body, dtype=head.dtype, offset=4 * (2 * m + 2 * pairs), count=sent) \
+        if sent else torch.empty(0, dtype=head.dtype)
     # Each pair its own row (out a permutation): n_out == P rows, each hit once; in pair order if also ascending.
     singles = head.n_out == pairs and (pairs == 0 or bool(np.bincount(out, minlength=pairs).max() == 1))
     pair_order = singles and (pairs == 0 or bool((out[1:] > out[:-1]).all()))
-    return Decoded(head, experts, counts, torch.from_numpy(src_out[0]), out, floats[:pairs],
-                   floats[pairs:].view(head.rows, head.hidden), pair_order, singles)
+    x = floats[pairs:].view(head.rows, head.hidden) if x is None else x
+    return Decoded(head, experts, counts, torch.from_numpy(src_out[0]), out, floats[:pairs], x, pair_order, singles)
 
 
 def check(head: Head, experts: list[int], counts: list[int], low: list[int], high: list[int]) -> None:
@@ -264,7 +272,7 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     #    on the GPU: x goes over once, z comes back once.
     device = runtime.device
     on_cpu = device == "cpu"
-    x, src = (call.x, call.src) if on_cpu else (call.x.to(device), call.src.to(device))
+    x, src = call.x.to(device), (call.src if on_cpu else call.src.to(device))  # x may be in a caller's GPU memory
     rows = x.index_select(0, src)
     batches = {call.experts[0]: rows} if len(call.experts) == 1 else dict(zip(call.experts, torch.split(rows, call.counts)))
     ys = torch.empty(head.pairs, head.hidden, dtype=runtime.dtype, device=device)
@@ -275,7 +283,7 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     #    the reference (model/moe_model.LocalExecutor) adds each expert (add_in_pair_order).
     ys = ys if ys.dtype == head.dtype else ys.to(head.dtype)
     weight = call.weight.to(device)[:, None]
-    target = z if z is not None and on_cpu else None
+    target = z if z is not None and z.device == ys.device else None  # z in host memory for a GPU host: copied at the end
     if call.pair_order:
         target = ys.mul_(weight) if target is None else torch.mul(ys, weight, out=target)
     else:
@@ -285,8 +293,10 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
             target.index_copy_(0, out, ys.mul_(weight))
         else:
             add_in_pair_order(target.zero_(), out, ys.mul_(weight), call.counts, one_op=on_cpu)
-    if not on_cpu:
-        target = z.copy_(target) if z is not None else target.cpu()
+    if z is not None and target is not z:
+        target = z.copy_(target)
+    elif not on_cpu:
+        target = target.cpu()
     return target, result.cold_starts, result.compute_s
 
 

@@ -9,10 +9,10 @@
 #   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl grpcio==1.85.1 protobuf==7.36.2 grpcio-reflection==1.85.1
 # then run `bash scripts/gpu_checks.sh [STEP...]` there with .whl carried; steps: planner, forward,
-# transport (default: all). Results land in $OUT: gpu_checks.log and one JSON file per run.
+# transport, mps (default: all). Results land in $OUT: gpu_checks.log and one JSON file per run.
 set -u
 OUT=${OUT:-/tmp/moeless-gpu}
-STEPS=${*:-planner forward transport}
+STEPS=${*:-planner forward transport mps}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_checks.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --ignore-requires-python \
@@ -34,4 +34,12 @@ if step transport; then
     timeout 200 python3 -m moeless bench transport --device cuda --geometry mixtral-8x7b --quick \
         --compute-dtype $dtype --out "$OUT/transport-$dtype"
   done
+fi
+# 4. The same in bfloat16 with the node's MPS daemon on: the host and this process take turns on one
+#    GPU (local_device, CUDA IPC), and without MPS each turn is a context switch.
+if step mps && command -v nvidia-cuda-mps-control >/dev/null; then
+  nvidia-cuda-mps-control -d && sleep 1
+  timeout 200 python3 -m moeless bench transport --device cuda --geometry mixtral-8x7b --quick \
+      --compute-dtype store --out "$OUT/transport-store-mps"
+  echo quit | nvidia-cuda-mps-control
 fi

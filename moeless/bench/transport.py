@@ -26,8 +26,13 @@ serving side's rows stay in host memory, so every transport stages them (host ->
 host, GPU -> host for the reply). The `staging` row times those two copies alone for the same
 rows: what a transport that moves GPU memory without a host copy (NIXL over NVLink or RDMA: not
 built) could save at most, and the `device_rows` row is the compute alone on rows already on
-the GPU, outputs left there: what static EP in one process on that GPU pays. Without CUDA it
-stops with one clear error before loading anything.
+the GPU, outputs left there: what static EP in one process on that GPU pays. Three rows start from
+rows on the GPU, as a serving replica on a GPU would: `routed_device_rows`, the host's whole
+routed call in this process, and `local_device`, the same call over the local channel with the
+rows and z in a GPU buffer the host maps (CUDA IPC, no host staging); `tcp_device` stages the
+same rows through host memory over TCP, as between nodes. On one GPU the host and
+this process take turns on it: without MPS each turn is a context switch. Without CUDA it stops
+with one clear error before loading anything.
 
 --geometry NAME: instead of a model, one MoE layer of random experts in a named model's shape and
 dtype (twin/geometry.py: Mixtral-8x7B's H=4096, F=14336, 8 experts, top-2, bfloat16), so a GPU
@@ -41,6 +46,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -211,6 +217,8 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
             times[name]["staging"] = timed_calls(lambda r=rows: _stage(r, torch_device), repeats)
             on_gpu = {e: b.to(torch_device) for e, b in batches.items()}
             times[name]["device_rows"] = timed_calls(lambda b=on_gpu: runtime.invoke(0, b, on_device=True), repeats)
+            rows_on_gpu = replace(decoded, x=decoded.x.to(torch_device))
+            times[name]["routed_device_rows"] = timed_calls(lambda d=rows_on_gpu: run_routed(runtime, d), repeats)
     runtime.close()
     # 2. A host process over each transport.
     with launch_local_hosts(1, store_dir, keep_alive_s=3600, threads=threads, metrics=False, poll_s=poll_s[0],
@@ -224,6 +232,13 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
             for transport, client in clients.items():
                 identical[name][transport] = bool(torch.equal(client.submit(call, x).result().z.cpu(), reference[name]))
                 times[name][transport] = timed_calls(lambda c=client: c.submit(call, x).result(), repeats)
+            if device == "cuda":  # the caller's rows on the GPU: shared with the host (local), staged (tcp)
+                x_gpu = x.to(torch_device)
+                for transport in ("local", "tcp"):
+                    client = clients[transport]
+                    same = torch.equal(client.submit(call, x_gpu).result().z.cpu(), reference[name])
+                    identical[name][f"{transport}_device"] = bool(same)
+                    times[name][f"{transport}_device"] = timed_calls(lambda c=client: c.submit(call, x_gpu).result(), repeats)
             batches = _batches(call, x)
             times[name]["grpc_per_expert"] = timed_calls(lambda: clients["grpc"].invoke_detailed(0, batches), repeats)
         for client in clients.values():
