@@ -210,7 +210,8 @@ class Decoded:
     """A routed call as the host runs it: src, out, weight and x are views into the received bytes
     (no copy; valid while the transport keeps them, which is until the answer is sent).
     pair_order: out[j] = j for every pair (each pair its own row, in order); singles: each output
-    row is exactly one pair's (out is a permutation), so no row needs adding up."""
+    row is exactly one pair's (out is a permutation), so no row needs adding up. body: the bytes
+    after HEAD, where src, out and weight lie side by side (lists_on moves them in one copy)."""
 
     head: Head
     experts: list[int]
@@ -221,6 +222,7 @@ class Decoded:
     x: torch.Tensor
     pair_order: bool
     singles: bool
+    body: memoryview
 
 
 def decode_body(head: Head, body: memoryview, x: torch.Tensor | None = None) -> Decoded:
@@ -245,7 +247,8 @@ def decode_body(head: Head, body: memoryview, x: torch.Tensor | None = None) -> 
     singles = head.n_out == pairs and (pairs == 0 or bool(np.bincount(out, minlength=pairs).max() == 1))
     pair_order = singles and (pairs == 0 or bool((out[1:] > out[:-1]).all()))
     x = floats[pairs:].view(head.rows, head.hidden) if x is None else x
-    return Decoded(head, experts, counts, torch.from_numpy(src_out[0]), out, floats[:pairs], x, pair_order, singles)
+    return Decoded(head, experts, counts, torch.from_numpy(src_out[0]), out, floats[:pairs], x, pair_order, singles,
+                   body)
 
 
 def check(head: Head, experts: list[int], counts: list[int], low: list[int], high: list[int]) -> None:
@@ -272,7 +275,8 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     #    on the GPU: x goes over once, z comes back once.
     device = runtime.device
     on_cpu = device == "cpu"
-    x, src = call.x.to(device), (call.src if on_cpu else call.src.to(device))  # x may be in a caller's GPU memory
+    x = call.x.to(device)  # no copy where it is already (a CPU host's frame, a caller's GPU buffer)
+    src, out, weight = (call.src, None, call.weight) if on_cpu else lists_on(call, device)
     rows = x.index_select(0, src)
     batches = {call.experts[0]: rows} if len(call.experts) == 1 else dict(zip(call.experts, torch.split(rows, call.counts)))
     ys = torch.empty(head.pairs, head.hidden, dtype=runtime.dtype, device=device)
@@ -282,13 +286,13 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     #    in pair order, which is ascending expert order within a row (pairs are expert-major), as
     #    the reference (model/moe_model.LocalExecutor) adds each expert (add_in_pair_order).
     ys = ys if ys.dtype == head.dtype else ys.to(head.dtype)
-    weight = call.weight.to(device)[:, None]
+    weight = weight[:, None]
     target = z if z is not None and z.device == ys.device else None  # z in host memory for a GPU host: copied at the end
     if call.pair_order:
         target = ys.mul_(weight) if target is None else torch.mul(ys, weight, out=target)
     else:
         target = torch.empty(head.n_out, head.hidden, dtype=head.dtype, device=device) if target is None else target
-        out = torch.from_numpy(call.out.astype(np.int64)).to(device)
+        out = torch.from_numpy(call.out.astype(np.int64)) if on_cpu else out.long()
         if call.singles:
             target.index_copy_(0, out, ys.mul_(weight))
         else:
@@ -298,6 +302,14 @@ def run_routed(runtime, call: Decoded, z: torch.Tensor | None = None):
     elif not on_cpu:
         target = target.cpu()
     return target, result.cold_starts, result.compute_s
+
+
+def lists_on(call: Decoded, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(src [P] int32, out [P] int32, weight [P] in the call's dtype) on `device`, in one copy: the
+    frame holds them side by side (each pageable host-to-GPU copy costs its own 15-30 us)."""
+    head, pairs = call.head, call.head.pairs  # >= 1: decode_body refuses a call without pairs
+    lists = torch.frombuffer(call.body, dtype=torch.uint8, offset=8 * head.m, count=(8 + head.item) * pairs).to(device)
+    return lists[:4 * pairs].view(torch.int32), lists[4 * pairs:8 * pairs].view(torch.int32), lists[8 * pairs:].view(head.dtype)
 
 
 def add_in_pair_order(target: torch.Tensor, out: torch.Tensor, ys: torch.Tensor, counts: list[int], one_op: bool) -> None:

@@ -25,9 +25,16 @@ from moeless.expert_fn.local_channel_server import (
     answer_device,
     z_offset,
 )
-from moeless.expert_fn.routed import HEAD, decode_body, decode_call, decode_head, decode_reply_head, encode_call, \
-    lists_bytes, run_routed, split_error
+from moeless.expert_fn.routed import HEAD, RoutedCall, decode_body, decode_call, decode_head, decode_reply_head, \
+    encode_call, lists_bytes, lists_on, run_routed, split_error
 from local_channel_fakes import H, FakeRuntime, _reference, _routed
+
+
+class AcceleratorRuntime(FakeRuntime):
+    """The fake runtime under a device name that is not "cpu", so run_routed takes its GPU branch
+    (lists moved in one copy, one index_add_ per expert, z copied back) on a CPU."""
+
+    device = "cpu:0"
 
 
 def _lists_in_shared_memory(call, x) -> tuple[mmap.mmap, int]:
@@ -68,6 +75,33 @@ def test_the_lists_alone_with_rows_from_elsewhere_decode_to_the_same_call(dtype)
     assert torch.equal(run_routed(FakeRuntime(), apart)[0], run_routed(FakeRuntime(), whole)[0])
     with pytest.raises(BadRequest, match="expected"):  # the whole frame where only the lists belong
         decode_body(head, memoryview(encode_call(5, call, x))[HEAD.size:], x=rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lists_move_in_one_copy_as_the_same_values(dtype):
+    x = torch.randn(10, H).to(dtype)
+    decoded = decode_call(encode_call(5, _routed(dtype), x))
+    src, out, weight = lists_on(decoded, "cpu:0")
+    assert src.dtype == out.dtype == torch.int32 and weight.dtype == dtype
+    assert torch.equal(src, decoded.src) and torch.equal(out, torch.from_numpy(decoded.out)) and torch.equal(weight, decoded.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ["shared rows", "pair order", "permuted"])
+def test_the_accelerator_branch_of_run_routed_equals_the_cpu_branch(dtype, shape):
+    x = torch.randn(10, H).to(dtype)
+    call = _routed(dtype)
+    if shape != "shared rows":  # each pair its own output row: in order, or reversed
+        rows = torch.arange(call.pairs, dtype=torch.int32)
+        call = RoutedCall(0, call.experts, call.counts, call.tokens, call.src,
+                          rows if shape == "pair order" else rows.flip(0), call.weight, call.pairs)
+    decoded = decode_call(encode_call(5, call, x))
+    assert (decoded.pair_order, decoded.singles) == {"shared rows": (False, False), "pair order": (True, True),
+                                                     "permuted": (False, True)}[shape]
+    want = run_routed(FakeRuntime(), decoded)[0]
+    assert torch.equal(run_routed(AcceleratorRuntime(), decoded)[0], want)
+    z = torch.full_like(want, float("nan"))  # a transport's buffer, stale
+    assert torch.equal(run_routed(AcceleratorRuntime(), decoded, z=z)[0], want) and torch.equal(z, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
