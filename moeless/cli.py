@@ -1,7 +1,8 @@
 """The `moeless` command line. Each component registers its own subcommands; moeless.bench the benchmarks.
 
-Heavy imports (torch, numba, grpc, ray) happen inside the commands, and the benches register
-only for `moeless bench ...`, so `--help` and every other command start fast (a test holds it).
+Heavy imports (torch, numba, grpc, ray) happen inside the commands, and a bench's module is
+imported only for `moeless bench X`, so `--help`, `moeless bench --help` and every other command
+start fast (a test holds it).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from moeless.bench import BENCH_MODULES
+from moeless.bench import BENCHES
 
 # Modules with `register(commands)`: each adds its component's subcommands to `moeless`. The benches
 # (`moeless bench X`) are in moeless.bench, each module with `register(benches)`.
@@ -26,8 +27,9 @@ COMMAND_MODULES = (
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The whole `moeless` parser; given argv, the benches (which import torch and the rest) only
-    where argv runs `moeless bench`, so every other command and `moeless --help` start fast."""
+    """The `moeless` parser (without argv: the whole of it). Given argv, a bench (its module imports
+    torch and the rest) registers only where argv runs it, so every other command, `moeless
+    --help` and `moeless bench --help` start fast."""
     parser = argparse.ArgumentParser(
         prog="moeless",
         description="Serverless experts for Mixture-of-Experts LLM serving.",
@@ -41,11 +43,24 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(commands)
-    command = next((word for word in argv if not word.startswith("-")), None) if argv is not None else "bench"
-    if command == "bench":
-        for name in BENCH_MODULES:
-            importlib.import_module(name).register(benches)
+    words = [word for word in argv if not word.startswith("-")] if argv is not None else None
+    if words is None:  # the whole parser: every bench with its flags
+        for module in dict.fromkeys(bench.module for bench in BENCHES.values()):
+            importlib.import_module(module).register(benches)
+    elif words[:1] == ["bench"]:
+        _register_benches(benches, words[1] if len(words) > 1 else None)
     return parser
+
+
+def _register_benches(benches: argparse._SubParsersAction, chosen: str | None) -> None:
+    """The chosen bench's module registers its benches with every flag; each other bench gets its
+    line in `moeless bench --help` (moeless.bench.BENCHES) without importing its module."""
+    module = BENCHES[chosen].module if chosen in BENCHES else None
+    if module:
+        importlib.import_module(module).register(benches)
+    for name, bench in BENCHES.items():
+        if bench.module != module:
+            benches.add_parser(name, help=bench.help)
 
 
 def main(argv: list[str] | None = None) -> int:

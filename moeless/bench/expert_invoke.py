@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, write_result
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
@@ -38,7 +39,7 @@ def register(benches: argparse._SubParsersAction) -> None:
     """Add `moeless bench expert-invoke`."""
     bench = benches.add_parser(
         "expert-invoke",
-        help="gRPC invoke round trip and per-token time vs the same experts in-process",
+        help=BENCHES["expert-invoke"].help,
         description="Times Invoke on one local expert host (warm replicas) against computing the same "
         "experts in this process, for several tokens-per-expert sizes; prints overhead and ratio.",
     )

@@ -45,6 +45,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, write_result
 from moeless.bench.serve import bench_prompts
 from moeless.controller.knobs import Knobs
@@ -73,7 +74,7 @@ QUICK_CONFIGS = ("static", "moeless")  # --quick: two deployments keep it under 
 def register(benches: argparse._SubParsersAction) -> None:
     """Add `moeless bench live`."""
     live = benches.add_parser(
-        "live", help="the running system with its planning loop vs static EP and EPLB: replayed trace arrivals over HTTP",
+        "live", help=BENCHES["live"].help,
         description="Replay Azure conversation arrivals (a Poisson process where the trace is missing) with ShareGPT "
                     "prompts through the HTTP API, once per configuration on the same requests: static EP, EPLB "
                     "re-planned every 10 iterations, moeless with the gate predictor, moeless with the history window. "

@@ -17,6 +17,7 @@ import argparse
 import os
 from typing import Any, Sequence
 
+from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, write_result
 from moeless.bench.serve import bench_prompts
 from moeless.expert_fn.launcher import launch_local_hosts
@@ -30,7 +31,7 @@ MODES = ("static-8", "static-wide", "continuous")
 def register(benches: argparse._SubParsersAction) -> None:
     """Add `moeless bench load`."""
     load = benches.add_parser(
-        "load", help="static vs continuous batching: N concurrent clients on ShareGPT prompts over HTTP (loopback)",
+        "load", help=BENCHES["load"].help,
         description="Deploy the app on local expert hosts once per batching mode (static, batches of 8; static, "
                     "batches as wide as continuous batching's row cap; continuous) and send the same requests from N "
                     "concurrent clients; print throughput, TTFT and time per output token p50/p99 and the ratios.",

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from tqdm import tqdm
 
+from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, write_result
 from moeless.model.batching import left_pad
 from moeless.model.cli import _add_model_flags, _config, _usage_error
@@ -45,7 +46,7 @@ def register(benches: argparse._SubParsersAction) -> None:
     """Add `moeless bench model` and `moeless bench model-quality`."""
     speed = benches.add_parser(
         "model",
-        help="prefill and decode tokens/s of the MoE model against the dense model",
+        help=BENCHES["model"].help,
         description="Greedy generation on held-out ShareGPT prompts, one request at a time, with the "
         "dense SmolLM2 (baseline) and the default MoE model; prints tokens/s and the MoE/dense ratio.",
     )
@@ -59,7 +60,7 @@ def register(benches: argparse._SubParsersAction) -> None:
 
     quality = benches.add_parser(
         "model-quality",
-        help="held-out perplexity of candidate MoE shapes against the dense model, load skew, idle experts",
+        help=BENCHES["model-quality"].help,
         description="For each candidate shape (E routed experts, S shared neurons, k per token): perplexity on "
         "held-out ShareGPT prompts against the dense model's (baseline, same run), per-layer routed-expert load "
         "skew (max/mean tokens per expert), idle routed experts per decode iteration, and the demo answer.",

@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
+from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, write_result
 from moeless.bench.planner_report import print_profile, print_quality, print_roofline, print_timing
 from moeless.placement.cluster import Cluster
@@ -42,8 +43,7 @@ def register(benches: argparse._SubParsersAction) -> None:
     """Add `moeless bench planner`."""
     p = benches.add_parser(
         "planner",
-        help="plan quality with every cost counted (cold starts after prefetch, keep-alive, GB·s, real forecasts) "
-             "and planning time: moeless vs static EP, EPLB, the paper, Oracle",
+        help=BENCHES["planner"].help,
         description=(
             "Measures the cost profile (alpha, call overhead, beta, one replica's load from disk and from host memory, "
             "bytes) on this machine, times planning per layer beside EPLB, then replays real per-request routing loads "

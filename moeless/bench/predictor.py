@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, write_result
 from moeless.predictor.dataset import RoutingTraces
 from moeless.predictor.evaluate import by_distance, latency_ms, replay, warm
@@ -49,7 +50,7 @@ QUICK = BenchConfig(sharegpt=40, humaneval=8, max_tokens=48, source_stride=6, ep
 
 def register(benches: argparse._SubParsersAction) -> None:
     """Add `moeless bench predictor`."""
-    bench = benches.add_parser("predictor", help="every predictor's accuracy against distance d = 1..5, memory and latency",
+    bench = benches.add_parser("predictor", help=BENCHES["predictor"].help,
                                description="Gate replicas vs gate reuse, from-scratch MLP, history window and fMoE maps, "
                                            "on held-out ShareGPT and HumanEval prompts. Writes predictor.json and predictor.png with --out.")
     add_bench_flags(bench)

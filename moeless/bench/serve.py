@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
 from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, run_alone
 from moeless.bench.transport import round_trip_calls, timed_calls
@@ -57,7 +58,7 @@ TRANSPORTS = ("local", "tcp", "grpc")  # node-local, pod path (TCP only), gRPC
 def register(benches: argparse._SubParsersAction) -> None:
     """Add `moeless bench serve`."""
     bench = benches.add_parser(
-        "serve", help="tokens/s and MoE-layer time through expert functions vs in-process experts; alpha and beta",
+        "serve", help=BENCHES["serve"].help,
         description="Generate ShareGPT prompts once, running every MoE layer on each path back to back: experts "
                     "in-process (baselines) and through expert functions on local expert hosts (shared memory: "
                     "node-local; TCP only: the pod path; gRPC); print per-layer MoE time at p50 and p90, its "

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
@@ -77,8 +78,7 @@ TRANSPORTS = ("local", "tcp", "grpc")
 def register(benches: argparse._SubParsersAction) -> None:
     """Add `moeless bench transport`."""
     transport = benches.add_parser(
-        "transport", help="one expert call over shared memory, the TCP channel, gRPC and (--ray) Ray compiled "
-                          "graphs, side by side, against the same call in-process",
+        "transport", help=BENCHES["transport"].help,
         description="Time expert calls of decode and prefill size on one local expert host over each transport "
                     "(round trips of 36 KB and 2.4 MB; one host's routed share of a layer); print p50 and p90, "
                     "ratios to the in-process call, and bytes each way.",

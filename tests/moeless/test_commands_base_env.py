@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from packaging.requirements import Requirement
 
+from moeless.bench import BENCHES
 from moeless.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,17 +185,31 @@ HEAVY_AT_START = ["torch", "numba", "scipy", "grpc", "ray", "transformers", "kub
 
 
 def test_help_and_commands_start_without_the_heavy_imports(base_env, tmp_path):
-    """`moeless --help` and every non-bench command's --help import none of HEAVY_AT_START (the
-    benches register only for `moeless bench ...`); and the parsers still run (`moeless plan`)."""
+    """`moeless --help`, `moeless bench --help` and every non-bench command's --help import none of
+    HEAVY_AT_START (a bench's module is imported only for `moeless bench X`)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=sorted(extras_only_modules() | set(HEAVY_AT_START))))
     env = dict(base_env, PYTHONPATH=str(site))
-    paths = [()] + [p for p in all_commands() if p[0] != "bench"]
+    paths = [(), ("bench",)] + [p for p in all_commands() if p[0] != "bench"]
     assert ("serve",) in paths and ("expert-host",) in paths and ("model", "export") in paths
     run = subprocess.run([sys.executable, "-c", HELP_ALL.format(paths=paths)], env=env,
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-3000:] + run.stderr[-3000:]
-    blocked = subprocess.run([sys.executable, "-m", "moeless", "bench", "--help"], env=env, capture_output=True, text=True,
-                             timeout=120, cwd=ROOT)
+    listed = subprocess.run([sys.executable, "-m", "moeless", "bench", "--help"], env=env, capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert all(f"    {name}" in listed.stdout for name in BENCHES), listed.stdout
+    blocked = subprocess.run([sys.executable, "-m", "moeless", "bench", "transport", "--help"], env=env,
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert blocked.returncode != 0, "the blocker blocks nothing the benches need: this test could not fail"
+
+
+def test_the_bench_table_names_every_bench_with_the_help_its_parser_shows():
+    """moeless.bench.BENCHES (what `moeless bench --help` lists without importing the benches) and the
+    benches their modules register: the same names, the same help, each from the module named."""
+    benches = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    registered = next(a for a in benches._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {choice.dest: choice.help for choice in registered._choices_actions}
+    assert helps == {name: bench.help for name, bench in BENCHES.items()}
+    for name, bench in BENCHES.items():
+        assert registered.choices[name].get_default("func").__module__ == bench.module, name
