@@ -164,8 +164,9 @@ def answer_device(runtime, msg: bytes, buffer: mmap.mmap | None, gpu_buffer) -> 
             raise BadRequest(f"{where}: its rows are in GPU memory this host has not mapped: "
                              f"{gpu_buffer or 'no device buffer was handed over'}")
         x_bytes, z_bytes = head.rows * head.hidden * head.item, head.n_out * head.hidden * head.item
-        if min(x_at, z_at) < 0 or x_at % head.item or z_at % head.item or max(x_at + x_bytes, z_at + z_bytes) > gpu_buffer.numel() \
-                or (x_at < z_at + z_bytes and z_at < x_at + x_bytes and x_bytes and z_bytes):
+        inside = min(x_at, z_at) >= 0 and max(x_at + x_bytes, z_at + z_bytes) <= gpu_buffer.numel()
+        overlap = x_at < z_at + z_bytes and z_at < x_at + x_bytes and x_bytes and z_bytes
+        if not inside or overlap or x_at % head.item or z_at % head.item:
             raise BadRequest(f"{where}: x ({x_bytes} bytes at {x_at}) and z ({z_bytes} bytes at {z_at}) do not fit "
                              f"apart in the device buffer of {gpu_buffer.numel()} bytes")
         if runtime.health != "serving":
