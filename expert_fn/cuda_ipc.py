@@ -63,7 +63,7 @@ def open_described(msg: bytes) -> torch.Tensor:
     if not torch.cuda.is_available():
         raise DeviceBufferError("this host has no CUDA, so it cannot map the caller's GPU memory; "
                                 "send the rows in host memory (a tensor on the CPU)")
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor  # CUDA-only path, as in describe
 
     try:
         return rebuild_cuda_tensor(torch.Tensor, (nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, device,

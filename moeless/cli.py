@@ -45,7 +45,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         importlib.import_module(name).register(commands)
     words = [word for word in argv if not word.startswith("-")] if argv is not None else None
     if words is None:  # the whole parser: every bench with its flags
-        for module in dict.fromkeys(bench.module for bench in BENCHES.values()):
+        for module in dict.fromkeys(entry.module for entry in BENCHES.values()):
             importlib.import_module(module).register(benches)
     elif words[:1] == ["bench"]:
         _register_benches(benches, words[1] if len(words) > 1 else None)
