@@ -60,6 +60,11 @@ INITIAL_BYTES = 4 << 20  # grows by doubling when a call needs more (a long pref
 MAX_REPLY_BYTES = 1 << 16  # REPLY and, for an error, its text
 
 
+def _grown(nbytes: int) -> int:
+    """The size of a new buffer that holds nbytes: a power of two, at least INITIAL_BYTES."""
+    return max(INITIAL_BYTES, 1 << (nbytes - 1).bit_length())
+
+
 class LocalChannel:
     """A shared-memory channel to the expert host listening on abstract socket `name`."""
 
@@ -129,7 +134,7 @@ class LocalChannel:
         gpu = self._gpu_buffer
         if gpu is not None and gpu.numel() >= nbytes and gpu.device == device:
             return gpu
-        size = max(INITIAL_BYTES, 1 << (nbytes - 1).bit_length())
+        size = _grown(nbytes)
         gpu = torch.empty(size, dtype=torch.uint8, device=device)
         self._send(describe(gpu))
         # The old buffer is freed with the last z the caller still holds of it (torch keeps it).
@@ -140,7 +145,7 @@ class LocalChannel:
         """Make the shared buffer at least nbytes (a new memfd, handed to the host)."""
         if self._buffer is not None and len(self._buffer) >= nbytes:
             return
-        size = max(INITIAL_BYTES, 1 << (nbytes - 1).bit_length())
+        size = _grown(nbytes)
         fd = os.memfd_create("moeless-local-channel", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)

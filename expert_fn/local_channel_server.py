@@ -37,7 +37,7 @@ from moeless.expert_fn.cuda_ipc import DESCRIPTION_MAGIC, MAX_DESCRIPTION_BYTES,
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
 from moeless.expert_fn.listener import Listener
 from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S, Poller
-from moeless.expert_fn.routed import HEAD, decode_body, decode_head, encode_error, encode_reply, run_routed
+from moeless.expert_fn.routed import HEAD, Head, decode_body, decode_head, encode_error, encode_reply, run_routed
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +123,8 @@ def answer(runtime, msg: bytes, buffer: mmap.mmap | None) -> bytes:
         if len(msg) != CALL.size or msg[:4] != CALL_MAGIC:
             raise BadRequest("malformed local-channel call message: client and host versions differ?")
         _, frame_bytes, z_at = CALL.unpack(msg)
-        size = 0 if buffer is None else len(buffer)
-        if size < HEAD.size:
-            raise BadRequest(f"a local-channel call of {frame_bytes} bytes came before a shared buffer that holds it")
-        shared = memoryview(buffer)
-        head = decode_head(shared[:HEAD.size])
-        call_id = head.call_id
+        shared, head = _head_in(buffer, frame_bytes, "call")
+        call_id, size = head.call_id, len(shared)
         z_bytes = head.n_out * head.hidden * head.item
         if frame_bytes > size or z_at < frame_bytes or z_at % head.item or z_at + z_bytes > size:
             raise BadRequest(f"routed call {call_id} (layer {head.layer}): its {frame_bytes}-byte frame and z "
@@ -153,13 +149,11 @@ def answer_device(runtime, msg: bytes, buffer: mmap.mmap | None, gpu_buffer) -> 
         if len(msg) != CALL_DEVICE.size:
             raise BadRequest("malformed local-channel device call message: client and host versions differ?")
         _, lists_bytes, x_at, z_at = CALL_DEVICE.unpack(msg)
-        size = 0 if buffer is None else len(buffer)
-        if size < HEAD.size or lists_bytes > size:
-            raise BadRequest(f"a local-channel device call of {lists_bytes} bytes came before a shared buffer that holds it")
-        shared = memoryview(buffer)
-        head = decode_head(shared[:HEAD.size])
+        shared, head = _head_in(buffer, lists_bytes, "device call")
         call_id = head.call_id
         where = f"routed call {call_id} (layer {head.layer})"
+        if lists_bytes > len(shared):
+            raise BadRequest(f"{where}: its {lists_bytes} bytes of lists do not fit the shared buffer of {len(shared)} bytes")
         if isinstance(gpu_buffer, DeviceBufferError) or gpu_buffer is None:
             raise BadRequest(f"{where}: its rows are in GPU memory this host has not mapped: "
                              f"{gpu_buffer or 'no device buffer was handed over'}")
@@ -180,6 +174,15 @@ def answer_device(runtime, msg: bytes, buffer: mmap.mmap | None, gpu_buffer) -> 
         return encode_reply(call_id, z, cold, compute)
     except Exception as err:  # the client gets the failure instead of a hang
         return _error_reply(err, call_id)
+
+
+def _head_in(buffer: mmap.mmap | None, nbytes: int, what: str) -> tuple[memoryview, Head]:
+    """(the shared buffer, the HEAD at its start) of a call of nbytes; BadRequest where no shared
+    buffer that holds one came first."""
+    if buffer is None or len(buffer) < HEAD.size:
+        raise BadRequest(f"a local-channel {what} of {nbytes} bytes came before a shared buffer that holds it")
+    shared = memoryview(buffer)
+    return shared, decode_head(shared[:HEAD.size])
 
 
 def _error_reply(err: Exception, call_id: int) -> bytes:

@@ -143,6 +143,8 @@ def test_answer_device_refuses_what_does_not_fit_overlaps_or_was_never_mapped():
     assert kind == BadRequest.kind and "malformed local-channel device call message" in message
     _, kind, message = error(CALL_DEVICE.pack(CALL_DEVICE_MAGIC, lists - 4, 0, z_at))
     assert kind == BadRequest.kind and "expected" in message
+    call_id, kind, message = error(CALL_DEVICE.pack(CALL_DEVICE_MAGIC, (1 << 16) + 8, 0, z_at))
+    assert (call_id, kind) == (5, BadRequest.kind) and "do not fit the shared buffer of 65536 bytes" in message
 
 
 def _description(handle: bytes = b"h" * 64, counter: bytes = b"/torch_1_2", event: bytes = b"e" * 64) -> bytes:
