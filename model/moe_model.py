@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -52,16 +53,26 @@ class _DispatchBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [B, S, H] -> [B, S, H]."""
-        m, l = self.model, self.layer
+        m, l, call = self.model, self.layer, self.model._local.forward
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         routing = m.route(l, x)
-        out = m._executor.run_layer(l, x, routing)
+        out = call.executor.run_layer(l, x, routing)
         shared = m.shared_forward(l, x)
         if shared is not None:
             out = out + shared
-        if m._capture is not None:
-            m._record(l, x, routing)
+        if call.capture is not None:
+            m._record(l, x, routing, call)
         return out.reshape(hidden_states.shape)
+
+
+@dataclass
+class _Forward:
+    """A forward call in progress, in its thread: its executor, the tokens under the attention
+    mask ([B*S] bool, None: all), the capture recording it."""
+
+    executor: ExpertExecutor
+    token_mask: torch.Tensor | None
+    capture: RoutingCapture | None
 
 
 class MoEModel:
@@ -95,11 +106,10 @@ class MoEModel:
         )
         self._gates = [self._make_gate(b) for b in self._blocks]
         self._dispatch = [_DispatchBlock(self, l) for l in range(len(self._blocks))]
-        self._executor: ExpertExecutor = self.local_executor()
         self._captures: dict[int, RoutingCapture] = {}  # by thread: a capture records its own thread's forwards
-        self._capture: RoutingCapture | None = None  # the one recording the forward in progress
-        self._token_mask: torch.Tensor | None = None
-        self._lock = threading.Lock()  # forward swaps modules in and out of hf
+        self._local = threading.local()  # .forward: this thread's _Forward in progress
+        self._lock = threading.Lock()  # guards the swap of modules in and out of hf
+        self._active = 0  # forwards in progress (micro-batches run theirs in threads of their own)
 
     # ---- the gate and routing ----------------------------------------------------------
 
@@ -163,27 +173,33 @@ class MoEModel:
     ):
         """One iteration. input_ids: [B, S]; attention_mask: [B, past + S] -> the HF output
         (.logits [B, S, V], .past_key_values)."""
+        mask = None if attention_mask is None else attention_mask[:, -input_ids.shape[1]:].reshape(-1).bool()
+        call = _Forward(executor or self.local_executor(), mask, self._captures.get(threading.get_ident()))
+        if call.capture is not None:
+            call.capture.iterations.append([])
+        self._local.forward = call
+        self._swap(+1)
+        try:
+            return self.hf(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+            )
+        finally:
+            self._local.forward = None
+            self._swap(-1)
+
+    def _swap(self, change: int) -> None:
+        """The dispatch blocks stand in for the MoE blocks while any forward runs (the first swaps
+        them in, the last back out: between forwards hf is the model as loaded)."""
         with self._lock:
-            self._executor = executor or self.local_executor()
-            self._token_mask = None if attention_mask is None else attention_mask[:, -input_ids.shape[1]:].reshape(-1).bool()
-            self._capture = self._captures.get(threading.get_ident())
-            if self._capture is not None:
-                self._capture.iterations.append([])
-            decoder = self.hf.model.layers
-            try:
-                for i, block in zip(self._layer_ids, self._dispatch):
-                    decoder[i].mlp = block
-                return self.hf(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    past_key_values=past_key_values,
-                    use_cache=use_cache,
-                )
-            finally:
-                self._capture = None
-                for i, block in zip(self._layer_ids, self._blocks):
-                    decoder[i].mlp = block
+            before, self._active = self._active, self._active + change
+            if (before, self._active) in ((0, 1), (1, 0)):
+                decoder = self.hf.model.layers
+                for i, dispatch, block in zip(self._layer_ids, self._dispatch, self._blocks):
+                    decoder[i].mlp = dispatch if self._active else block
 
     @torch.no_grad()
     def generate(
@@ -230,8 +246,8 @@ class MoEModel:
         finally:
             del self._captures[thread]
 
-    def _record(self, l: int, x: torch.Tensor, routing: Routing) -> None:
-        keep = self._token_mask
+    def _record(self, l: int, x: torch.Tensor, routing: Routing, call: _Forward) -> None:
+        keep = call.token_mask
         gate_input, idx = (x, routing.idx) if keep is None else (x[keep], routing.idx[keep])
         load = torch.bincount(idx.reshape(-1), minlength=self.spec.num_experts)
-        self._capture.iterations[-1].append(LayerRecord(gate_input=gate_input.clone(), idx=idx.clone(), load=load))
+        call.capture.iterations[-1].append(LayerRecord(gate_input=gate_input.clone(), idx=idx.clone(), load=load))

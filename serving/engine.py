@@ -3,7 +3,11 @@
 Two ways to batch. Continuous batching (moeless.serving.scheduler) calls the iteration-level
 primitives: `prefill(prompts)` (newcomers packed into one row, no padding: their first tokens
 and KV) and `decode(slots, tokens)` (one token for every running request, its KV in KVSlots).
-Static batching, kept as the baseline of `moeless bench load`, is `Engine.run(requests)`: one
+Continuous batching's forwards can run as micro-batches in flight together (`micro_batches`,
+serving/pingpong.py): while one's expert calls are on the hosts, the other computes; a forward
+is split only when each part gets `micro_batch_tokens` tokens (a prefill: splitting a small decode
+step doubles the replica's per-forward cost and the calls' fixed costs, measured in `moeless bench
+serve`). Static batching, kept as the baseline of `moeless bench load`, is `Engine.run(requests)`: one
 left-padded batch decoded to its longest request. Both use position ids from each row's own
 length, so a row computes what it would alone. `run` yields, once per decoding step, a list
 of events for every request (the scheduler sends the same events):
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from functools import partial
 from typing import Iterator, Sequence
 
 import torch
@@ -30,6 +35,7 @@ from moeless.model.interface import ExpertExecutor
 from moeless.serving.api import ApiError, GenerationRequest, check_context
 from moeless.serving.codec import Codec, TextStream, codec_for
 from moeless.serving.kv_slots import KVSlots
+from moeless.serving.pingpong import run_micro_batches, split_by_weight, split_rows
 from moeless.controller.pool.members import NoLiveHostError
 
 
@@ -49,10 +55,17 @@ def error_event(err: Exception) -> dict:
 class Engine:
     """Tokenises, checks the context limit and decodes greedily; `executor` runs the experts."""
 
-    def __init__(self, model, executor: ExpertExecutor | None = None, codec: Codec | None = None):
+    def __init__(self, model, executor: ExpertExecutor | None = None, codec: Codec | None = None,
+                 micro_batches: int = 1, micro_batch_tokens: int = 256):
+        if micro_batches < 1 or micro_batch_tokens < 1:
+            raise ValueError(f"micro_batches and micro_batch_tokens must be >= 1, got {micro_batches} and "
+                             f"{micro_batch_tokens}")
         self.model = model
         self.executor = executor
         self.codec = codec or codec_for(model)
+        # Continuous batching's forwards of at least micro_batches x micro_batch_tokens tokens are
+        # split into micro_batches, in flight together (pingpong.py); smaller ones are not.
+        self.micro_batches, self.micro_batch_tokens = micro_batches, micro_batch_tokens
         _LastPositionHead.install(model.hf)
 
     @property
@@ -100,9 +113,26 @@ class Engine:
         except Exception as err:  # a failed forward fails every request of the batch
             yield [evs + [error_event(err)] if i in prompts else evs for i, evs in enumerate(events)]
 
+    def prefill(self, prompts: Sequence[list[int]]) -> tuple[list[int], list[tuple[object, int]]]:
+        """New prompts' first tokens, and per prompt (the cache holding its KV in row 0, where its
+        columns start there). The prompts are packed into one row (or one per micro-batch: groups
+        of near-equal tokens)."""
+        groups = split_by_weight([len(p) for p in prompts], self._parts(sum(len(p) for p in prompts)))
+        tokens: list[int] = []
+        kv: list[tuple[object, int]] = []
+        for first, cache, starts in run_micro_batches([partial(self._prefill_packed, prompts[g.start:g.stop])
+                                                        for g in groups]):
+            tokens += first
+            kv += [(cache, start) for start in starts]
+        return tokens, kv
+
+    def _parts(self, tokens: int) -> int:
+        """Micro-batches for a forward of `tokens` tokens: each must have micro_batch_tokens."""
+        return self.micro_batches if tokens >= self.micro_batches * self.micro_batch_tokens else 1
+
     @torch.no_grad()
-    def prefill(self, prompts: Sequence[list[int]]) -> tuple[list[int], object, list[int]]:
-        """One forward over new prompts packed into one row (no padding: a block-diagonal causal
+    def _prefill_packed(self, prompts: Sequence[list[int]]) -> tuple[list[int], object, list[int]]:
+        """One forward over prompts packed into one row (no padding: a block-diagonal causal
         mask keeps each prompt to itself, positions restart at 0 for each): (each prompt's first
         token, the cache, where each prompt's columns start in it). The LM head runs on each
         prompt's last position only."""
@@ -117,15 +147,22 @@ class Engine:
                                      position_ids=positions)
         return out.logits[0].argmax(-1).tolist(), out.past_key_values, starts
 
-    @torch.no_grad()
     def decode(self, slots: KVSlots, tokens: Sequence[int]) -> list[int]:
-        """One forward for every row of `slots`: tokens[r] is row r's input, at position = its
-        cache length; returns each row's next token. The rows' KV grow by one column."""
-        cache, mask = slots.decode_inputs()
-        positions = torch.tensor([[slots.end - s] for s in slots.start])
-        ids = torch.tensor(list(tokens)).unsqueeze(1)
-        out = self.model.forward(ids, mask, cache, use_cache=True, executor=self.executor, position_ids=positions)
+        """One forward for every row of `slots` (or one per micro-batch of rows): tokens[r] is row
+        r's input, at position = its cache length; returns each row's next token. The rows' KV
+        grow by one column."""
+        groups = split_rows(len(tokens), self._parts(len(tokens)))
+        inputs = [slots.decode_inputs(rows) for rows in groups]  # here: room for the new column is made once
+        out = run_micro_batches([partial(self._decode_rows, slots, rows, cache, mask, tokens)
+                                 for rows, (cache, mask) in zip(groups, inputs)])
         slots.advance()
+        return [token for part in out for token in part]
+
+    @torch.no_grad()
+    def _decode_rows(self, slots: KVSlots, rows: range, cache, mask: torch.Tensor, tokens: Sequence[int]) -> list[int]:
+        positions = torch.tensor([[slots.end - slots.start[r]] for r in rows])
+        ids = torch.tensor([tokens[r] for r in rows]).unsqueeze(1)
+        out = self.model.forward(ids, mask, cache, use_cache=True, executor=self.executor, position_ids=positions)
         return out.logits[:, -1].argmax(-1).tolist()
 
     def finish_reason(self, token: int, generated: int, max_tokens: int) -> str | None:

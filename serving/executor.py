@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -36,6 +38,7 @@ from moeless.expert_fn.routed import Pending, RoutedCall
 from moeless.model.interface import Routing
 from moeless.controller.pool.members import HostPool
 from moeless.placement.types import LayerPlacement
+from moeless.serving.pingpong import waiting
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.scatter import evacuate, gather, plan_scatter
 from moeless.controller.pool.wake import Waker
@@ -67,7 +70,8 @@ class LayerTimes:
     gather_s: reassembly and combine; tokens_moved: (token, expert) pairs the hosts computed;
     rows_sent / rows_received: token rows that crossed to the hosts and back; bytes_sent /
     bytes_received: the routed calls' frames each way, whatever the transport; cold_starts:
-    replicas loaded on demand.
+    replicas loaded on demand; baton_s: with micro-batches (pingpong.py), a layer's gathered
+    output waiting while the other micro-batch computed.
     """
 
     layers: int = 0
@@ -83,13 +87,14 @@ class LayerTimes:
     bytes_received: int = 0
     cold_starts: int = 0
     retries: int = 0
+    baton_s: float = 0.0
 
     def as_dict(self) -> dict:
         return {"layers": self.layers, "scatter_s": self.scatter_s, "invoke_s": self.invoke_s,
                 "compute_s": self.compute_s, "compute_sum_s": self.compute_sum_s, "gather_s": self.gather_s,
                 "tokens_moved": self.tokens_moved, "rows_sent": self.rows_sent, "rows_received": self.rows_received,
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "cold_starts": self.cold_starts, "retries": self.retries}
+                "cold_starts": self.cold_starts, "retries": self.retries, "baton_s": self.baton_s}
 
 
 # (layer, its placement after fault evacuation, the gate's routing, the hosts it spans) -> the placement to scatter by
@@ -127,6 +132,7 @@ class RemoteExecutor:
         self.last_call: LayerCall | None = None  # the last layer call's figures (the live loop reports them)
         self._dead: dict[int, tuple[float, HostClient]] = {}  # slot -> (when marked dead, the client that failed)
         self._lock = threading.Lock()
+        self._slots = defaultdict(threading.Lock)  # slot -> held from a call's submit to its gather
 
     @property
     def clients(self) -> list[HostClient | None]:
@@ -171,9 +177,14 @@ class RemoteExecutor:
         x = x.contiguous()
         plan = plan_scatter(layer, routing.idx, routing.weight.to(x.dtype), placement)
         # 3. One packed call per host, all in flight at once; then wait for every one of them
-        #    (always all: a call left uncollected would hold its client).
+        #    (always all: a call left uncollected would hold its client). A host's slot stays held
+        #    until its answer is gathered: the answer lies in its channel's buffer, which another
+        #    micro-batch's call on that host would overwrite (pingpong.py).
         pending, results, down, failure = {}, {}, [], None
+        slots = ExitStack()
         try:
+            for h in sorted(plan.hosts):  # one order for every thread: no deadlock between them
+                slots.enter_context(self._slots[h])
             for h, batch in plan.hosts.items():
                 try:
                     pending[h] = clients[h].submit(batch.call, x)
@@ -181,26 +192,33 @@ class RemoteExecutor:
                     down.append(h)
         finally:
             scattered = time.perf_counter()
-            for h, call in pending.items():
+            with waiting():  # another micro-batch computes meanwhile; this one gathers as soon as it can
                 try:
-                    results[h] = call.result()
-                except ExpertHostUnavailable:
-                    down.append(h)
-                except Exception as err:  # e.g. ReplicaLoadError: raised once every call is back
-                    failure = failure or err
+                    for h, call in pending.items():
+                        try:
+                            results[h] = call.result()
+                        except ExpertHostUnavailable:
+                            down.append(h)
+                        except Exception as err:  # e.g. ReplicaLoadError: raised once every call is back
+                            failure = failure or err
+                    invoked = time.perf_counter()
+                    # 4. Gather: the hosts' rows into each token's combine slots, added in the reference's order.
+                    out = gather(plan, {h: r.z for h, r in results.items()}, x.shape[1], x.dtype) \
+                        if failure is None and not down else None
+                    done = time.perf_counter()
+                finally:
+                    slots.close()  # before the baton comes back: the micro-batch holding it may wait for these
+            resumed = time.perf_counter()
         if failure is not None:
             raise failure
         if down:
             raise _HostsDown(down)
-        invoked = time.perf_counter()
-        # 4. Gather: the hosts' rows into each token's combine slots, added in the reference's order.
-        out = gather(plan, {h: r.z for h, r in results.items()}, x.shape[1], x.dtype)
-        done = time.perf_counter()
         t = self.times
         t.layers += 1
         t.scatter_s += scattered - start
         t.invoke_s += invoked - scattered
         t.gather_s += done - invoked
+        t.baton_s += resumed - done
         t.compute_s += max((r.compute_s for r in results.values()), default=0.0)
         t.compute_sum_s += sum(r.compute_s for r in results.values())
         cold_starts = sum(r.cold_starts for r in results.values())

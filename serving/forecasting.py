@@ -184,6 +184,11 @@ class LiveExecutor:
 class LiveEngine(Engine):
     """The Engine, telling its LiveExecutor the phase of every forward (prefill or decode)."""
 
+    def __init__(self, model, executor: LiveExecutor, **options):
+        super().__init__(model, executor, **options)
+        if self.micro_batches > 1:  # two forwards' layers would interleave in one iteration's figures
+            raise ValueError("the live loop follows one forward at a time: micro-batches (ping-pong) need it off")
+
     def prefill(self, prompts: Sequence[list[int]]):
         self.executor.phase = "prefill"
         return super().prefill(prompts)

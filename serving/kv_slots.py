@@ -7,7 +7,7 @@ mask hides the rest). Positions come from each row's own length (position ids), 
 columns, so where a row sits does not change what it computes.
 
     slots = KVSlots(num_layers, max_rows)
-    cache, mask = slots.decode_inputs()          # for model.forward(ids [rows, 1], mask, cache)
+    cache, mask = slots.decode_inputs()          # for model.forward(ids [rows, 1], mask, cache); or of range(a, b)
     slots.advance()                              # after the forward: every row is one longer
     slots.add(rid, cache, row, start, length)    # a prefilled request joins (its KV copied in once)
     slots.remove(rid)                            # a finished request leaves (the last row moves in)
@@ -79,15 +79,18 @@ class KVSlots:
         if not self.rids:
             self.end = 0  # an empty batch starts over at column 0
 
-    def decode_inputs(self) -> tuple["SlotCache", torch.Tensor]:
-        """The cache and attention mask [rows, width] for one decode step of every row; the step's
-        token goes to column `end` (columns before the oldest row's first are left out)."""
+    def decode_inputs(self, rows: range | None = None) -> tuple["SlotCache", torch.Tensor]:
+        """The cache and attention mask [rows, width] for one decode step of `rows` (default every
+        row; a micro-batch takes a range of them); the step's token goes to column `end` (columns
+        before the oldest of these rows' first are left out)."""
+        rows = range(len(self.rids)) if rows is None else rows
         self._make_room(left=0)
-        first = min(self.start)
-        mask = torch.zeros((len(self.rids), self.end + 1 - first), dtype=torch.long)
-        for r, start in enumerate(self.start):
+        starts = self.start[rows.start:rows.stop]
+        first = min(starts)
+        mask = torch.zeros((len(rows), self.end + 1 - first), dtype=torch.long)
+        for r, start in enumerate(starts):
             mask[r, start - first:] = 1
-        return SlotCache(self, len(self.rids), first), mask
+        return SlotCache(self, rows, first), mask
 
     def advance(self) -> None:
         """Every row got its column `end` in the last decode forward."""
@@ -121,11 +124,12 @@ class KVSlots:
 
 
 class _SlotLayer(CacheLayerMixin):
-    """One decoder layer's view of KVSlots for one decode forward."""
+    """One decoder layer's view of KVSlots for one decode forward of some rows."""
 
-    def __init__(self, slots: KVSlots, layer: int, rows: int, first: int):
+    def __init__(self, slots: KVSlots, layer: int, rows: range, first: int):
         super().__init__()
-        self.slots, self.layer, self.rows, self.first = slots, layer, rows, first
+        self.slots, self.layer, self.first = slots, layer, first
+        self.rows = slice(rows.start, rows.stop)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -135,10 +139,10 @@ class _SlotLayer(CacheLayerMixin):
         """key_states, value_states: [rows, kv_heads, 1, head_dim] -> the rows' keys and values
         [rows, kv_heads, width, head_dim], the new column included."""
         s, end = self.slots, self.slots.end
-        s.keys[self.layer][:self.rows, :, end:end + 1] = key_states
-        s.values[self.layer][:self.rows, :, end:end + 1] = value_states
-        return (s.keys[self.layer][:self.rows, :, self.first:end + 1],
-                s.values[self.layer][:self.rows, :, self.first:end + 1])
+        s.keys[self.layer][self.rows, :, end:end + 1] = key_states
+        s.values[self.layer][self.rows, :, end:end + 1] = value_states
+        return (s.keys[self.layer][self.rows, :, self.first:end + 1],
+                s.values[self.layer][self.rows, :, self.first:end + 1])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -151,7 +155,7 @@ class _SlotLayer(CacheLayerMixin):
 
 
 class SlotCache(Cache):
-    """A transformers Cache over rows 0..rows-1 of KVSlots, columns first..end (one decode step)."""
+    """A transformers Cache over some rows of KVSlots, columns first..end (one decode step)."""
 
-    def __init__(self, slots: KVSlots, rows: int, first: int):
+    def __init__(self, slots: KVSlots, rows: range, first: int):
         super().__init__(layers=[_SlotLayer(slots, l, rows, first) for l in range(slots.num_layers)])

@@ -165,10 +165,10 @@ class Scheduler:
             rows = [self._running[rid] for rid in self.slots.rids]
         batch = len(rows) + len(newcomers)
         # 2. Prefill the newcomers: their first token.
-        cache, starts = None, []
+        kv: list = []  # per newcomer: (the cache holding its KV in row 0, where its columns start)
         if newcomers:
             try:
-                tokens, cache, starts = self.engine.prefill([r.prompt for r in newcomers])
+                tokens, kv = self.engine.prefill([r.prompt for r in newcomers])
                 for r, token in zip(newcomers, tokens):
                     r.events.append({"batch": batch})
                     self._push(r, token)
@@ -187,7 +187,7 @@ class Scheduler:
                     self._fail(r, err)
         # 4. Newcomers that go on take a row; finished requests leave; events go out.
         with self._lock:
-            for r, column in zip(newcomers, starts):
+            for r, (cache, column) in zip(newcomers, kv):
                 if not r.done:
                     self.slots.add(r.rid, cache, 0, column, len(r.prompt))
                     self._running[r.rid] = r

@@ -1,7 +1,10 @@
 """Ping-pong: two micro-batches in flight, so one's expert call hides behind the other's attention.
 
-Modelled here, not run: on 2 CPU cores the serving replica, the hosts and the transfer share the
-same cores, so nothing can run behind anything (docs/serving.md). The model, per layer of a step:
+The engine runs it too (serving/pingpong.py), and `moeless bench serve` measures it: on 2 CPU
+cores, where the replica, the hosts and the transfer share the cores and a forward's CPU cost is
+mostly per forward rather than per row, a 512-token prefill over TCP hid 40-45% of its transfer,
+not the 100% this model gives (docs/serving.md). The model is what a replica and hosts with cores
+(or GPUs) of their own would see. Per layer of a step:
 
 - the serving replica does `attention_s` of work (attention, norms, the gate, scatter and gather),
   split evenly over the micro-batches;

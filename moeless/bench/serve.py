@@ -22,7 +22,9 @@
    broken into gate, scatter (plan + pack + send), invoke (of which the slowest host's expert
    compute; the rest is transfer and call overhead) and gather; each path also alone, as serving
    runs it (serve_paths.run_alone); and what two micro-batches in flight would give on cores of
-   their own (twin/overlap.py on this run's figures: modelled, not run).
+   their own (twin/overlap.py on this run's figures: modelled), beside what they gave when run
+   (serve_paths.run_pingpong: continuous batching's prefill and decode forwards over TCP and shared
+   memory with 1 and 2 micro-batches, serving/pingpong.py).
 3. The latency model's constants, fitted on single-expert calls of T tokens over the local
    channel: host compute = alpha * T, and round trip - compute = overhead + 2 * beta * T.
 """
@@ -39,7 +41,7 @@ import torch
 
 from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
-from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, run_alone
+from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, run_alone, run_pingpong
 from moeless.bench.transport import round_trip_calls, timed_calls
 from moeless.twin.overlap import LayerCosts, hidden_fraction, pingpong_s, serial_s
 from moeless.expert_fn.routed import RoutedCall
@@ -53,6 +55,7 @@ from moeless.serving.placement_source import PlacementSource
 
 FIT_TOKENS = (1, 8, 32, 128, 512)
 TRANSPORTS = ("local", "tcp", "grpc")  # node-local, pod path (TCP only), gRPC
+PINGPONG_TRANSPORTS = ("tcp", "local")
 
 
 def register(benches: argparse._SubParsersAction) -> None:
@@ -71,6 +74,9 @@ def register(benches: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-tokens", type=int, help="new tokens per prompt (default 16; 8 with --quick)")
     bench.add_argument("--batch", type=int, default=4, help="prompts decoded together (default 4)")
     bench.add_argument("--threads", type=int, default=1, help="torch threads in this process and in each host (default 1)")
+    bench.add_argument("--micro-batch-tokens", type=int, default=64,
+                       help="the ping-pong run splits a forward in 2 micro-batches where each gets this many tokens "
+                            "(default 64: the prefills split, the decode steps do not)")
     add_poll_flag(bench)
     add_bench_flags(bench)
     bench.set_defaults(func=_bench)
@@ -80,7 +86,8 @@ def _bench(args: argparse.Namespace) -> int:
     prompts = args.prompts or (4 if args.quick else 8)
     max_tokens = args.max_tokens or (8 if args.quick else 16)
     result = run_bench(args.model, hosts=args.hosts, prompts=prompts, prompt_tokens=32 if args.quick else 64,
-                       max_tokens=max_tokens, batch=args.batch, threads=args.threads, poll_s=poll_from_args(args))
+                       max_tokens=max_tokens, batch=args.batch, threads=args.threads, poll_s=poll_from_args(args),
+                       micro_batch_tokens=args.micro_batch_tokens)
     print_report(result)
     path = write_result(args.out, "serve", result)
     if path:
@@ -120,9 +127,11 @@ def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
 
 def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, prompt_tokens: int = 64,
               max_tokens: int = 16, batch: int = 4, threads: int = 1,
-              poll_s: tuple[float, float] = (DEFAULT_HOST_POLL_S, DEFAULT_CLIENT_POLL_S)) -> dict[str, Any]:
+              poll_s: tuple[float, float] = (DEFAULT_HOST_POLL_S, DEFAULT_CLIENT_POLL_S),
+              micro_batch_tokens: int = 64) -> dict[str, Any]:
     """Measure every path on the same prompts (see the module docstring); poll_s: the (hosts',
-    clients') busy-polling; returns the figures."""
+    clients') busy-polling; micro_batch_tokens: the ping-pong run's split rule (Engine); returns
+    the figures."""
     # heavy (ray, transformers; the executor): kept off --help's start-up path
     from moeless.serving.config import choose_model
     from moeless.model.weight_store import export_store
@@ -178,13 +187,21 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                                         {name: (executor.inner, wide if name == wide_name else threads)
                                          for name, executor in timed.items()},
                                         [ids[i:i + batch] for i in range(0, len(ids), batch)], max_tokens, paired_rows)
+        # 3. Two micro-batches in flight (ping-pong), run on continuous batching's forwards (serve_paths.py).
+        engines = {"in_process": Engine(moe, moe.local_executor())} | {
+            f"{t}_{m}": Engine(moe, RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers, spec.num_experts,
+                                                                                    hosts)),
+                               micro_batches=m, micro_batch_tokens=micro_batch_tokens)
+            for t in PINGPONG_TRANSPORTS for m in (1, 2)}
+        pingpong_run = run_pingpong(engines, [ids[i:i + batch] for i in range(0, len(ids), batch)], max_tokens,
+                                    prefill_rounds=2 if len(ids) <= batch else 3)
         fit = fit_alpha_beta(clients["local"][0], spec.hidden_size)
         trips = {name: {t: {k: 1e6 * v for k, v in timed_calls(lambda c=cs[0]: c.submit(call, x).result(), 50).items()}
                         for t, cs in clients.items()}
                  for name, (call, x) in round_trip_calls(spec.hidden_size).items()}
         for client in (c for cs in clients.values() for c in cs):
             client.close()
-    # 3. Figures per path against the faster in-process baseline, per phase.
+    # 4. Figures per path against the faster in-process baseline, per phase.
     layer_ms = {name: executor.summary_ms(batch) for name, executor in timed.items()}
     alone_ms = {name: executor.summary_ms(batch) for name, executor in alone.items()}
     moe_s = {name: sum(s for _, s in executor.samples) for name, executor in timed.items()}
@@ -227,6 +244,9 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         "breakdown_ms_per_layer": {t: _breakdown(remotes[t].times, gate_ms) for t in TRANSPORTS},
         "pingpong": {t: _pingpong(_breakdown(remotes[t].times, gate_ms), 1e3 * outside_moe_s / max(len(timed["in_process_1_threads"].samples), 1),
                                   trips["round_trip_decode"][t], spec.num_layers) for t in TRANSPORTS},
+        "pingpong_run": {"micro_batch_tokens": micro_batch_tokens, "engines": pingpong_run,
+                         "effect": {t: _pingpong_effect(pingpong_run[f"{t}_1"], pingpong_run[f"{t}_2"])
+                                    for t in PINGPONG_TRANSPORTS}},
         "tokens_moved_per_layer": remotes["local"].times.tokens_moved / max(remotes["local"].times.layers, 1),
         "latency_model": fit,
     }
@@ -264,6 +284,15 @@ def _pingpong(breakdown: dict[str, float], outside_ms: float, trip_us: dict[str,
     return {"serial_ms_per_layer": 1e3 * serial_s(costs, layers) / layers,
             "pingpong_ms_per_layer": 1e3 * pingpong_s(costs, layers) / layers,
             "hidden_fraction": hidden_fraction(costs, layers), "call_ms": 1e3 * costs.call_s}
+
+
+def _pingpong_effect(one: dict, two: dict) -> dict:
+    """Per phase: a forward with 2 micro-batches / with 1 (p50), and the share of the 1-micro-batch
+    forward's transfer that the split hid ((ms 1 - ms 2) / transfer 1; negative: it cost more)."""
+    return {phase: {"ratio": two[phase]["ms"] / one[phase]["ms"],
+                    "hidden_fraction": (one[phase]["ms"] - two[phase]["ms"]) / one[phase]["transfer_ms"]
+                    if one[phase]["transfer_ms"] > 0 else 0.0}
+            for phase in ("prefill", "decode") if phase in one and phase in two}
 
 
 def _gate_seconds(moe, iterations) -> float:
@@ -307,10 +336,21 @@ def print_report(result: dict[str, Any]) -> None:
     for name, row in result["round_trip_us"].items():
         print(f"{name} (us p50 / p90): " + "  ".join(f"{t} {v['p50']:.0f} / {v['p90']:.0f}" for t, v in row.items()))
     for transport, pp in result["pingpong"].items():
-        print(f"ping-pong over {transport}, 2 micro-batches (twin/overlap.py on this run's figures, the replica and "
-              f"the hosts on cores of their own; not run): "
+        print(f"ping-pong over {transport}, 2 micro-batches, modelled (twin/overlap.py on this run's figures, the replica and "
+              f"the hosts on cores of their own): "
               f"{pp['serial_ms_per_layer']:.3f} -> {pp['pingpong_ms_per_layer']:.3f} ms per layer (forward and MoE), "
               f"{pp['hidden_fraction']:.0%} of the transfer hidden (each call pays {pp['call_ms']:.3f} ms again)")
+    run = result["pingpong_run"]
+    engines = run["engines"]
+    print(f"ping-pong run (continuous batching's forwards, p50 ms per forward; a forward splits in 2 where each part "
+          f"has >= {run['micro_batch_tokens']} tokens): in-process prefill {engines['in_process']['prefill']['ms']:.1f}, "
+          f"decode {engines['in_process']['decode']['ms']:.1f}")
+    for transport, effect in run["effect"].items():
+        one, two = engines[f"{transport}_1"], engines[f"{transport}_2"]
+        print(f"  over {transport}: " + "; ".join(
+            f"{phase} {one[phase]['ms']:.1f} -> {two[phase]['ms']:.1f} ({e['ratio']:.2f}x, {e['hidden_fraction']:+.0%} of "
+            f"{one[phase]['transfer_ms']:.1f} ms transfer hidden)" for phase, e in effect.items())
+            + f"; generations differing from in-process {one['generations_differing']} / {two['generations_differing']}")
     for transport, br in result["breakdown_ms_per_layer"].items():
         print(f"breakdown over {transport} (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
     print(f"latency model ({fit['transport']}): alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), "

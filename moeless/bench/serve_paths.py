@@ -53,6 +53,63 @@ def generate_batch(engine, chunk: list[list[int]], max_tokens: int) -> list[list
     return rows
 
 
+def generate_continuous(engine, chunk: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict[str, list]]:
+    """Greedy generations of one batch as continuous batching runs them: one prefill of every prompt
+    (packed), then decode steps over KVSlots until each has max_tokens -> (tokens per prompt,
+    per phase ("prefill", "decode") a (seconds, transfer seconds) pair per forward; transfer: the
+    executor's time waiting for its hosts beyond their compute (LayerTimes), 0 in-process)."""
+    from moeless.serving.kv_slots import KVSlots  # transformers: kept off --help's start-up path
+
+    def transfer_s() -> float:
+        times = getattr(engine.executor, "times", None)
+        return 0.0 if times is None else times.invoke_s - times.compute_s
+
+    def timed(phase: str, forward):
+        start, moved = time.perf_counter(), transfer_s()
+        out = forward()
+        seconds[phase].append((time.perf_counter() - start, transfer_s() - moved))
+        return out
+
+    seconds: dict[str, list] = {"prefill": [], "decode": []}
+    first, kv = timed("prefill", lambda: engine.prefill(chunk))
+    slots = KVSlots(engine.model.spec.num_layers, len(chunk))
+    for i, (prompt, (cache, column)) in enumerate(zip(chunk, kv)):
+        slots.add(i, cache, 0, column, len(prompt))
+    rows = [[token] for token in first]
+    for _ in range(max_tokens - 1):
+        for row, token in zip(rows, timed("decode", lambda: engine.decode(slots, [r[-1] for r in rows]))):
+            row.append(token)
+    return rows, seconds
+
+
+def run_pingpong(engines: dict[str, object], batches: list[list[list[int]]], max_tokens: int,
+                 prefill_rounds: int = 3) -> dict:
+    """Every engine (name -> Engine: in-process, and each remote path with 1 and 2 micro-batches)
+    generates every batch by continuous batching's forwards, the order rotating batch by batch,
+    then prefills it `prefill_rounds` times more (the forwards that split, timed more often) ->
+    per engine and phase the p50 ms of a forward and of its transfer (see generate_continuous), and
+    the generations that differ from the first engine's."""
+    figures: dict[str, dict[str, list]] = {name: {"prefill": [], "decode": []} for name in engines}
+    differ = dict.fromkeys(engines, 0)
+    names = list(engines)
+    for i, chunk in enumerate(batches):
+        for round_ in range(1 + prefill_rounds):
+            rows = {}
+            turn = i + round_
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                rows[name], seconds = generate_continuous(engines[name], chunk, max_tokens if round_ == 0 else 1)
+                for phase, forwards in seconds.items():
+                    figures[name][phase] += forwards
+            if round_ == 0:
+                for name in names:
+                    differ[name] += sum(a != b for a, b in zip(rows[name], rows[names[0]]))
+    return {name: {phase: {"ms": 1e3 * float(np.median([s for s, _ in f])),
+                           "transfer_ms": 1e3 * float(np.median([t for _, t in f])), "forwards": len(f)}
+                   for phase, f in phases.items() if f}
+            | {"generations_differing": differ[name]}
+            for name, phases in figures.items()}
+
+
 class PairedExecutor:
     """Runs every layer call on each path (name -> (TimedExecutor, torch threads)), the order
     rotating call by call; returns the first path's output and counts, per path, the calls whose
