@@ -49,7 +49,7 @@ from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 from moeless.model.datasets import sharegpt_prompts
-from moeless.serving.cli import MODEL_HELP
+from moeless.serving.cli import MODEL_HELP, _positive
 from moeless.serving.codec import CharCodec
 from moeless.serving.placement_source import PlacementSource
 
@@ -74,7 +74,7 @@ def register(benches: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-tokens", type=int, help="new tokens per prompt (default 16; 8 with --quick)")
     bench.add_argument("--batch", type=int, default=4, help="prompts decoded together (default 4)")
     bench.add_argument("--threads", type=int, default=1, help="torch threads in this process and in each host (default 1)")
-    bench.add_argument("--micro-batch-tokens", type=int, default=64,
+    bench.add_argument("--micro-batch-tokens", type=_positive, default=64,
                        help="the ping-pong run splits a forward in 2 micro-batches where each gets this many tokens "
                             "(default 64: the prefills split, the decode steps do not)")
     add_poll_flag(bench)

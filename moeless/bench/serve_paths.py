@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from moeless.model.interface import ExpertExecutor, Routing
 
@@ -92,7 +93,7 @@ def run_pingpong(engines: dict[str, object], batches: list[list[list[int]]], max
     figures: dict[str, dict[str, list]] = {name: {"prefill": [], "decode": []} for name in engines}
     differ = dict.fromkeys(engines, 0)
     names = list(engines)
-    for i, chunk in enumerate(batches):
+    for i, chunk in enumerate(tqdm(batches, desc="ping-pong", leave=False)):
         for round_ in range(1 + prefill_rounds):
             rows = {}
             turn = i + round_
