@@ -4,8 +4,9 @@ A step's rows are split into micro-batches, each run in a thread of its own; a b
 lets one of them compute at a time. A micro-batch gives the baton up while it waits for its expert
 calls (`waiting()`, which RemoteExecutor enters around the wait) and takes it back to go on, so
 while micro-batch A's calls are on the hosts, B runs its attention, norms and gate; then B's calls
-go out and A gathers and goes on. The hosts serve one micro-batch's call at a time (a client's
-channel is held from submit to result), so the order on both sides stays A, B, A, B.
+go out and A gathers and goes on. The hosts serve one micro-batch's call at a time (the executor
+holds a host from a call's submit until its answer is gathered), so the order on both sides stays
+A, B, A, B.
 
     outputs = run_micro_batches([lambda: forward(half_a), lambda: forward(half_b)])
 
@@ -27,7 +28,7 @@ import torch
 
 T = TypeVar("T")
 
-_local = threading.local()  # .baton: the Baton this thread holds while it computes
+_local = threading.local()  # .baton: the lock this micro-batch's thread holds while it computes
 
 
 @contextmanager
