@@ -87,7 +87,7 @@ def _bench(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or (8 if args.quick else 16)
     result = run_bench(args.model, hosts=args.hosts, prompts=prompts, prompt_tokens=32 if args.quick else 64,
                        max_tokens=max_tokens, batch=args.batch, threads=args.threads, poll_s=poll_from_args(args),
-                       micro_batch_tokens=args.micro_batch_tokens)
+                       micro_batch_tokens=args.micro_batch_tokens, pingpong_tokens=4 if args.quick else None)
     print_report(result)
     path = write_result(args.out, "serve", result)
     if path:
@@ -128,9 +128,10 @@ def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
 def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, prompt_tokens: int = 64,
               max_tokens: int = 16, batch: int = 4, threads: int = 1,
               poll_s: tuple[float, float] = (DEFAULT_HOST_POLL_S, DEFAULT_CLIENT_POLL_S),
-              micro_batch_tokens: int = 64) -> dict[str, Any]:
+              micro_batch_tokens: int = 64, pingpong_tokens: int | None = None) -> dict[str, Any]:
     """Measure every path on the same prompts (see the module docstring); poll_s: the (hosts',
-    clients') busy-polling; micro_batch_tokens: the ping-pong run's split rule (Engine); returns
+    clients') busy-polling; micro_batch_tokens: the ping-pong run's split rule (Engine);
+    pingpong_tokens: the new tokens per prompt in the ping-pong run (default max_tokens); returns
     the figures."""
     # heavy (ray, transformers; the executor): kept off --help's start-up path
     from moeless.serving.config import choose_model
@@ -193,8 +194,8 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                                                                                     hosts)),
                                micro_batches=m, micro_batch_tokens=micro_batch_tokens)
             for t in PINGPONG_TRANSPORTS for m in (1, 2)}
-        pingpong_run = run_pingpong(engines, [ids[i:i + batch] for i in range(0, len(ids), batch)], max_tokens,
-                                    prefill_rounds=2 if len(ids) <= batch else 3)
+        pingpong_run = run_pingpong(engines, [ids[i:i + batch] for i in range(0, len(ids), batch)],
+                                    pingpong_tokens or max_tokens, prefill_rounds=2 if len(ids) <= batch else 3)
         fit = fit_alpha_beta(clients["local"][0], spec.hidden_size)
         trips = {name: {t: {k: 1e6 * v for k, v in timed_calls(lambda c=cs[0]: c.submit(call, x).result(), 50).items()}
                         for t, cs in clients.items()}

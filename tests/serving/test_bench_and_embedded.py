@@ -10,7 +10,7 @@ from moeless.model.weight_store import export_store
 
 def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkeypatch):
     monkeypatch.setenv("MOELESS_CACHE", str(tmp_path))
-    result = run_bench("tiny:mixtral", hosts=2, prompts=2, prompt_tokens=16, max_tokens=3, batch=2)
+    result = run_bench("tiny:mixtral", hosts=2, prompts=2, prompt_tokens=16, max_tokens=3, batch=2, micro_batch_tokens=1)
     paths = {"in_process_1_threads", "in_process_2_threads", "expert_functions_local", "expert_functions_tcp",
              "expert_functions_grpc"}
     assert set(result["identical_outputs"]) == paths and result["layer_calls"] > 0
@@ -38,6 +38,13 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
         breakdown = result["breakdown_ms_per_layer"][transport]
         assert set(breakdown) == {"gate", "scatter", "invoke", "expert_compute", "transfer_and_call", "gather"}
         assert 0 < breakdown["expert_compute"] <= breakdown["invoke"]
+    run = result["pingpong_run"]  # every forward split (1 token per micro-batch is enough): generations unchanged
+    assert set(run["engines"]) == {"in_process", "tcp_1", "tcp_2", "local_1", "local_2"}
+    for name, engine in run["engines"].items():
+        assert engine["generations_differing"] == 0
+        assert engine["prefill"]["forwards"] == 3 and engine["decode"]["forwards"] == 2  # 1 + 2 prefills, 2 steps
+        assert (engine["prefill"]["transfer_ms"] > 0) == (name != "in_process")
+    assert set(run["effect"]) == {"tcp", "local"} and all(set(e) == {"prefill", "decode"} for e in run["effect"].values())
     assert result["latency_model"]["alpha_s_per_token"] > 0 and result["latency_model"]["transport"] == "local"
     assert result["tokens_moved_per_layer"] > 0
     wire = result["wire_per_layer_call"]  # each token once per host: fewer rows out than (token, expert) pairs
