@@ -44,6 +44,13 @@ class TimedExecutor:
                 for name, v in phases.items() if v}
 
 
+def rotated(names: list[str], shift: int) -> list[str]:
+    """names in turn order `shift`: each path first once every len(names) turns (none always meets
+    the machine after the same neighbour)."""
+    shift %= len(names)
+    return names[shift:] + names[:shift]
+
+
 def generate_batch(engine, chunk: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy generations of one batch of prompts (token ids per prompt)."""
     rows: list[list[int]] = [[] for _ in chunk]
@@ -97,7 +104,7 @@ def run_pingpong(engines: dict[str, object], batches: list[list[list[int]]], max
         for round_ in range(1 + prefill_rounds):
             rows = {}
             turn = i + round_
-            for name in names[turn % len(names):] + names[:turn % len(names)]:
+            for name in rotated(names, turn):
                 rows[name], seconds = generate_continuous(engines[name], chunk, max_tokens if round_ == 0 else 1)
                 for phase, forwards in seconds.items():
                     figures[name][phase] += forwards
@@ -123,10 +130,10 @@ class PairedExecutor:
 
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         names = list(self.paths)
-        shift = self._calls % len(names)
+        order = rotated(names, self._calls)
         self._calls += 1
         outputs = {}
-        for name in names[shift:] + names[:shift]:
+        for name in order:
             executor, threads = self.paths[name]
             torch.set_num_threads(threads)
             outputs[name] = executor.run_layer(layer, x, routing)
@@ -147,7 +154,7 @@ def run_alone(make_engine, paths: dict[str, tuple[ExpertExecutor, int]], batches
     differ = dict.fromkeys(paths, 0)
     names = list(paths)
     for i, chunk in enumerate(batches):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in rotated(names, i):
             before = torch.get_num_threads()
             torch.set_num_threads(paths[name][1])
             rows = generate_batch(engines[name], chunk, max_tokens)
