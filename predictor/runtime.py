@@ -11,6 +11,10 @@ caller's to measure and report (serving/forecasting.py: forecast_s). After the l
 the mean over the last `window` reports falls under `floor`, the runtime serves the fallback
 (history) forecasts and says so in its metrics; the primary keeps running in the shadow and
 takes over again once its accuracy is back above `floor + margin`.
+
+Forwards in flight together (micro-batches, serving/pingpong.py) each pass a `lane` of their own,
+so one's forecast of layer l + d is not the other's; the predictors and the accuracy window are
+shared (one model of the traffic).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Hashable
 
 import numpy as np
 import torch
@@ -45,8 +50,8 @@ class PredictionRuntime:
         self.primary, self.fallback = primary, fallback
         self.floor, self.margin, self.threaded = floor, margin, threaded
         self._scores: deque[float] = deque(maxlen=window)
-        self._pending: dict[int, Future] = {}  # target layer -> Future[(primary, fallback or None)]
-        self._served: dict[int, Forecast] = {}  # target layer -> the primary's forecast, for scoring
+        self._pending: dict[tuple, Future] = {}  # (lane, target layer) -> Future[(primary, fallback or None)]
+        self._served: dict[tuple, Forecast] = {}  # (lane, target layer) -> the primary's forecast, for scoring
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeless-predictor")
         self._lock = threading.Lock()  # predictors are not thread-safe: predict and observe take turns
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -55,9 +60,9 @@ class PredictionRuntime:
         self.forecasts = 0
 
     # 1. Start a forecast while the source layer computes.
-    def begin(self, source: int, distance: int, hidden: torch.Tensor, trajectory: np.ndarray) -> None:
+    def begin(self, source: int, distance: int, hidden: torch.Tensor, trajectory: np.ndarray, lane: Hashable = 0) -> None:
         """Forecast layer source + distance in the background. hidden: [T, H]; trajectory: [source+1, E]."""
-        target = source + distance
+        target = (lane, source + distance)
         ready = None
         if hidden.is_cuda:  # the side stream must not read hidden before the main stream wrote it
             ready = torch.cuda.Event()
@@ -87,23 +92,25 @@ class PredictionRuntime:
         return torch.cuda.stream(stream)
 
     # 2. Collect it when the target layer is planned.
-    def forecast(self, target: int) -> Forecast:
+    def forecast(self, target: int, lane: Hashable = 0) -> Forecast:
         """The forecast to plan layer `target` with (blocks until the background work is done)."""
         try:
-            future = self._pending.pop(target)
+            future = self._pending.pop((lane, target))
         except KeyError:
-            raise KeyError(f"no forecast was begun for layer {target}; call begin(source, distance, ...) first") from None
+            raise KeyError(f"no forecast was begun for layer {target} in lane {lane!r}; call begin(source, distance, "
+                           "...) first") from None
         primary, backup = future.result()
-        self._served[target] = primary
+        self._served[(lane, target)] = primary
         self.forecasts += 1
         return backup if backup is not None else primary
 
     # 3. Score the primary once the layer has run; switch to or from the fallback.
-    def report(self, target: int, actual_load: np.ndarray) -> float:
+    def report(self, target: int, actual_load: np.ndarray, lane: Hashable = 0) -> float:
         """Score the primary's forecast of `target` against actual_load [E]; returns its load accuracy."""
-        forecast = self._served.pop(target, None)
+        forecast = self._served.pop((lane, target), None)
         if forecast is None:
-            raise KeyError(f"no forecast of layer {target} was served; call forecast({target}) before report")
+            raise KeyError(f"no forecast of layer {target} was served in lane {lane!r}; call forecast({target}) "
+                           "before report")
         score = float(load_accuracy(forecast.load, np.asarray(actual_load)))
         if np.isnan(score):
             return score  # a layer with no tokens says nothing about accuracy

@@ -74,7 +74,8 @@ class ModelServer:
         if config.plan_loop:
             self.live = start_live(config, model, self.executor, runtime, config.profile)
             self.executor, engine_type = self.live.executor, LiveEngine
-        self.engine = engine_type(model, self.executor)
+        self.engine = engine_type(model, self.executor, micro_batches=config.micro_batches,
+                                  micro_batch_tokens=config.micro_batch_tokens)
         self.scheduler = self.loop = None
         if config.batching == "continuous":
             self.scheduler = Scheduler(self.engine, config.limits)

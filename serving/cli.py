@@ -36,6 +36,13 @@ def register(commands: argparse._SubParsersAction) -> None:
                        help="continuous batching: newcomers' prompt tokens + running requests per iteration (default 512)")
     serve.add_argument("--max-waiting", type=_non_negative, default=256,
                        help="continuous batching: queued requests; more get HTTP 429 (default 256)")
+    serve.add_argument("--micro-batches", type=_positive, default=1,
+                       help="continuous batching: split each forward into this many micro-batches in flight together "
+                            "(ping-pong: one computes while the other's expert calls are out; worth it where the calls "
+                            "cross a network, see docs/serving.md) (default 1: never split)")
+    serve.add_argument("--micro-batch-tokens", type=_positive, default=256,
+                       help="continuous batching: split a forward only where each micro-batch gets this many tokens "
+                            "(default 256: prefills, not small decode steps)")
     serve.add_argument("--max-batch", type=_positive, default=8, help="static batching: requests decoded as one batch (default 8)")
     serve.add_argument("--drain-s", type=_non_negative_float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds running requests get to finish before they fail with a 503 (default 30)")
@@ -119,7 +126,8 @@ def _serve(args: argparse.Namespace) -> int:
         serve_embedded(models[0] if len(models) == 1 else models, hosts=args.hosts, replicas=args.replicas, port=args.port, bind=args.bind, knobs=knobs,
                        profile=profile, predictor_file=args.predictor_file, batching=args.batching, limits=limits,
                        max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo, poll_s=args.poll_us / 1e6,
-                       knob_file=args.config, transport=args.transport)
+                       knob_file=args.config, transport=args.transport, micro_batches=args.micro_batches,
+                       micro_batch_tokens=args.micro_batch_tokens)
     except (KnobError, ProfileError) as err:
         print(f"moeless serve: {err}", file=sys.stderr)
         return 2

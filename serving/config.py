@@ -19,6 +19,7 @@ from moeless.model.default import default_model
 from moeless.model.hf_loader import load_moe_model
 from moeless.model.tiny import tiny_model
 from moeless.placement.types import Placement
+from moeless.serving.pingpong import check_split
 from moeless.serving.scheduler import BatchLimits
 
 BATCHING = ("continuous", "static")
@@ -38,6 +39,10 @@ class ServeConfig:
     torch_threads: int = 1
     batching: str = "continuous"  # or "static" (the baseline)
     limits: BatchLimits = BatchLimits()  # continuous batching's caps
+    # Continuous batching's forwards of micro_batches x micro_batch_tokens tokens or more run as
+    # micro-batches in flight together (ping-pong, serving/pingpong.py); 1: never split.
+    micro_batches: int = 1
+    micro_batch_tokens: int = 256
     max_batch: int = 8  # static batching: requests decoded as one batch
     batch_wait_s: float = 0.02  # static batching: how long a batch waits to fill
     host_timeout_s: float = 30.0
@@ -68,6 +73,7 @@ class ServeConfig:
     def __post_init__(self):
         if self.batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {self.batching!r}")
+        check_split(self.micro_batches, self.micro_batch_tokens)
         if self.plan_loop and not (self.knobs and self.placement_board):
             raise ValueError("the live loop (plan_loop) needs knobs and a placement_board to publish on")
 
@@ -98,14 +104,23 @@ def config_from_args(args: Mapping[str, Any]):
     """A ServeConfig from Ray Serve's application args: {"config": knobs YAML file (optional),
     "model": "default" | "tiny:ARCH" | DIR (default "default"), "hosts": "host:port,..." or a pool
     such as "k8s://NS/POLICY:PORT?slots=N" (default: $MOELESS_EXPERT_HOSTS; controller/pool/sources.py),
-    "replicas": serving replicas (default 1), "transport": auto | local | tcp | grpc (default auto)}; the loop runs as in
+    "replicas": serving replicas (default 1), "transport": auto | local | tcp | grpc (default auto),
+    "micro_batches" (default 1), "micro_batch_tokens" (default 256): ping-pong}; the loop runs as in
     `moeless serve`. Raises KnobError for a bad value (the message names it)."""
-    unknown = sorted(set(args) - {"config", "model", "hosts", "replicas", "transport"})
+    known = ("config", "model", "hosts", "replicas", "transport", "micro_batches", "micro_batch_tokens")
+    unknown = sorted(set(args) - set(known))
     if unknown:
-        raise KnobError(f"application args: unknown key {unknown[0]!r}; known: config, model, hosts, replicas, transport")
+        raise KnobError(f"application args: unknown key {unknown[0]!r}; known: {', '.join(known)}")
     transport = str(args.get("transport", "auto"))
     if transport not in TRANSPORTS:
         raise KnobError(f"application args: transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
+    split = {key: args.get(key, default) for key, default in (("micro_batches", 1), ("micro_batch_tokens", 256))}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in split.values()):
+        raise KnobError(f"application args: micro_batches and micro_batch_tokens must be whole numbers, got {split}")
+    try:
+        check_split(**split)
+    except ValueError as err:
+        raise KnobError(f"application args: {err}") from None
     knobs = Knobs.from_yaml(args["config"]) if args.get("config") else Knobs()
     hosts = args.get("hosts") or os.environ.get(HOSTS_ENV)
     if not hosts:
@@ -116,4 +131,4 @@ def config_from_args(args: Mapping[str, Any]):
     return ServeConfig(choice.name, choice.loader, source.addresses if fixed else (), pool=None if fixed else source,
                        num_replicas=int(args.get("replicas", 1)), placement_board=BOARD_NAME, knobs=knobs,
                        plan_loop=LOOP_NAME, knob_file=args.get("config") or None, transport=transport,
-                       host_model=getattr(source, "model", None))
+                       host_model=getattr(source, "model", None), **split)

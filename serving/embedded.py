@@ -54,15 +54,16 @@ def free_port() -> int:
 def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replicas: int = 1, port: int = 8000,
                    bind: str = "127.0.0.1", knobs=None, profile=None, predictor_file: str | None = None, batching: str = "continuous",
                    limits=None, max_batch: int = 8, drain_s: float = 30.0, demo: bool = False, poll_s: float = 0.0,
-                   knob_file: str | None = None, transport: str = "auto",
-                   demo_question: str = DEMO_QUESTION, demo_tokens: int = 40) -> str | None:
+                   knob_file: str | None = None, transport: str = "auto", micro_batches: int = 1,
+                   micro_batch_tokens: int = 256, demo_question: str = DEMO_QUESTION, demo_tokens: int = 40) -> str | None:
     """Run the serving path locally (see the module docstring); returns the demo's answer. Several
     models (a list) share the local expert hosts, each with its own servers and planning loop, each
     answering by its name; the demo asks the first.
     knobs: moeless.controller.knobs.Knobs (default: the defaults); profile: a CostProfile (default: measured
     at start); poll_s: the data plane's busy-poll, in the clients and the local hosts (expert_fn/polling.py);
     knob_file: the knobs' YAML (`--config`), followed while serving: an edit reaches the loop within seconds;
-    transport: how the clients reach the hosts (expert_fn/client.py: auto, local, tcp or grpc).
+    transport: how the clients reach the hosts (expert_fn/client.py: auto, local, tcp or grpc);
+    micro_batches, micro_batch_tokens: ping-pong in continuous batching (ServeConfig).
     Raises KnobError for knobs that do not fit the model (before anything starts)."""
     import httpx
     import ray
@@ -111,6 +112,7 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                                        plan_loop=LOOP_NAME + suffix(c), profile=profile if not several else None,
                                        predictor_file=predictor_file if not several else None,
                                        client_poll_s=poll_s, knob_file=knob_file, transport=transport,
+                                       micro_batches=micro_batches, micro_batch_tokens=micro_batch_tokens,
                                        host_model=c.name if several else getattr(remote, "model", None))
                            for c, _, k, _ in served]
                 serve.run(build_app(configs), name="moeless", route_prefix="/")

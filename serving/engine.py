@@ -35,7 +35,7 @@ from moeless.model.interface import ExpertExecutor
 from moeless.serving.api import ApiError, GenerationRequest, check_context
 from moeless.serving.codec import Codec, TextStream, codec_for
 from moeless.serving.kv_slots import KVSlots
-from moeless.serving.pingpong import run_micro_batches, split_by_weight, split_rows
+from moeless.serving.pingpong import check_split, run_micro_batches, split_by_weight, split_rows
 from moeless.controller.pool.members import NoLiveHostError
 
 
@@ -57,9 +57,7 @@ class Engine:
 
     def __init__(self, model, executor: ExpertExecutor | None = None, codec: Codec | None = None,
                  micro_batches: int = 1, micro_batch_tokens: int = 256):
-        if micro_batches < 1 or micro_batch_tokens < 1:
-            raise ValueError(f"micro_batches and micro_batch_tokens must be >= 1, got {micro_batches} and "
-                             f"{micro_batch_tokens}")
+        check_split(micro_batches, micro_batch_tokens)
         self.model = model
         self.executor = executor
         self.codec = codec or codec_for(model)

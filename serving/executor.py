@@ -129,7 +129,7 @@ class RemoteExecutor:
         self.times = LayerTimes()
         self.waker = waker  # holds a call that finds the pool empty while it wakes (controller/pool/wake.py)
         self.relevel = relevel  # shares re-levelled per call on the layer's actual loads (the live loop)
-        self.last_call: LayerCall | None = None  # the last layer call's figures (the live loop reports them)
+        self._calls = threading.local()  # .last: this thread's last layer call (a micro-batch's own)
         self._dead: dict[int, tuple[float, HostClient]] = {}  # slot -> (when marked dead, the client that failed)
         self._lock = threading.Lock()
         self._slots = defaultdict(threading.Lock)  # slot -> held from a call's submit to its gather
@@ -144,6 +144,16 @@ class RemoteExecutor:
     def dead_hosts(self) -> set[int]:
         with self._lock:
             return set(self._dead)
+
+    @property
+    def last_call(self) -> LayerCall | None:
+        """The figures of this thread's last layer call (the live loop reports them); per thread, so
+        each micro-batch reads its own."""
+        return getattr(self._calls, "last", None)
+
+    @last_call.setter
+    def last_call(self, call: LayerCall | None) -> None:
+        self._calls.last = call
 
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x: [T, H] -> [T, H], sum_j weight[t, j] * expert(layer, idx[t, j])(x[t]), on the hosts."""

@@ -16,6 +16,11 @@ input [T, H], the routing known):
 
 Layers t < d have no source layer in the same forward: their forecast is the history window's.
 `LiveEngine` tells the executor whether a forward is a prefill or a decode step.
+
+With micro-batches in flight together (ping-pong, serving/pingpong.py) each micro-batch is an
+iteration of its own: its own forecasts (a lane of the runtime), figures and report. That is what
+the planner should see: each host call carries one micro-batch's tokens, so the window's typical
+iteration is the call the placement serves.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from moeless.predictor.runtime import PredictionRuntime
 from moeless.predictor.store import PredictorFileError, load_predictor
 from moeless.serving.engine import Engine
 from moeless.serving.executor import Relevel, RemoteExecutor
+from moeless.serving.pingpong import micro_batch
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +88,17 @@ def relevel_for(model: LatencyModel, cost_s: float) -> Relevel:
     return relevel
 
 
+class _Iteration:
+    """One forward's (one micro-batch's) figures as its layers run: actual [L, E], forecast [L, E]."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.actual = np.zeros((num_layers, num_experts), dtype=np.int64)
+        self.forecast = np.full((num_layers, num_experts), np.nan)
+        self.figures = LayerFigures.empty(num_layers)
+        self.forecast_s = 0.0
+        self.started = time.perf_counter()
+
+
 class LiveExecutor:
     """An ExpertExecutor around a RemoteExecutor: forecasts, actual loads and per-layer figures
     of every forward pass (see the module docstring)."""
@@ -94,42 +111,37 @@ class LiveExecutor:
         self.replica, self.sink, self.model, self.clock = replica, sink, model, clock
         self.phase = "prefill"
         self.iterations = 0
-        self._start_iteration()
-
-    def _start_iteration(self) -> None:
-        self._actual = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
-        self._forecast = np.full((self.num_layers, self.num_experts), np.nan)
-        self._figures = LayerFigures.empty(self.num_layers)
-        self._forecast_s = 0.0
-        self._started = time.perf_counter()
+        self._running: dict[int, _Iteration] = {}  # micro-batch -> its forward's iteration
 
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x: [T, H] -> [T, H] on the hosts; forecasting and reporting around the call."""
+        lane = micro_batch()
         if layer == 0:
-            self._start_iteration()
+            self._running[lane] = _Iteration(self.num_layers, self.num_experts)
+        it = self._running[lane]
         load = np.bincount(routing.idx.numpy().reshape(-1), minlength=self.num_experts)
-        self._actual[layer] = load
+        it.actual[layer] = load
         # 1-2. Collect and score this layer's forecast; begin layer + d's (worker thread).
         if self.runtime is not None:
             began = time.perf_counter()
             if layer >= self.distance:
-                self._forecast[layer] = self.runtime.forecast(layer).load
-                self.runtime.report(layer, load)
+                it.forecast[layer] = self.runtime.forecast(layer, lane).load
+                self.runtime.report(layer, load, lane)
             if layer + self.distance < self.num_layers:
-                self.runtime.begin(layer, self.distance, x, np.zeros((layer + 1, self.num_experts)))
-            self._forecast_s += time.perf_counter() - began
+                self.runtime.begin(layer, self.distance, x, np.zeros((layer + 1, self.num_experts)), lane)
+            it.forecast_s += time.perf_counter() - began
         # 3. The layer on the hosts.
         self.inner.last_call = None
         started = time.perf_counter()
         out = self.inner.run_layer(layer, x, routing)
-        self._record(layer, time.perf_counter() - started)
+        self._record(it.figures, layer, time.perf_counter() - started)
         # 4. The report, at the last layer.
         if layer == self.num_layers - 1:
-            self._finish(x.shape[0])
+            self._finish(self._running.pop(lane), x.shape[0])
         return out
 
-    def _record(self, layer: int, wall_s: float) -> None:
-        call, f = self.inner.last_call, self._figures
+    def _record(self, f: LayerFigures, layer: int, wall_s: float) -> None:
+        call = self.inner.last_call
         f.wall_s[layer] = wall_s
         if call is None or not call.batches:
             return
@@ -145,21 +157,21 @@ class LiveExecutor:
             f.model_s[layer] = max(self.model.alpha * sum(counts) + self.model.call_overhead * len(counts)
                                    for _, counts in call.batches.values())
 
-    def _finish(self, tokens: int) -> None:
+    def _finish(self, it: _Iteration, tokens: int) -> None:
         began = time.perf_counter()
         if self.runtime is not None:
             history = self.runtime.fallback
             dummy = torch.empty(tokens, 0)
             for t in range(min(self.distance, self.num_layers)):  # no source layer in this forward
-                self._forecast[t] = history.predict(0, t, dummy, np.zeros((1, self.num_experts))).load
-            self.runtime.end_iteration(self._actual, np.zeros((self.num_layers, self.num_experts)))
-        self._forecast_s += time.perf_counter() - began
+                it.forecast[t] = history.predict(0, t, dummy, np.zeros((1, self.num_experts))).load
+            self.runtime.end_iteration(it.actual, np.zeros((self.num_layers, self.num_experts)))
+        it.forecast_s += time.perf_counter() - began
         self.iterations += 1
         report = IterationReport(
-            replica=self.replica, ended_s=self.clock(), duration_s=time.perf_counter() - self._started, phase=self.phase,
-            tokens=tokens, actual=self._actual, forecast=None if self.runtime is None else self._forecast,
+            replica=self.replica, ended_s=self.clock(), duration_s=time.perf_counter() - it.started, phase=self.phase,
+            tokens=tokens, actual=it.actual, forecast=None if self.runtime is None else it.forecast,
             accuracy=float("nan") if self.runtime is None else self.runtime.online_accuracy,
-            forecast_s=self._forecast_s, layers=self._figures)
+            forecast_s=it.forecast_s, layers=it.figures)
         self.sink(report)
 
     def close(self) -> None:
@@ -183,11 +195,6 @@ class LiveExecutor:
 
 class LiveEngine(Engine):
     """The Engine, telling its LiveExecutor the phase of every forward (prefill or decode)."""
-
-    def __init__(self, model, executor: LiveExecutor, **options):
-        super().__init__(model, executor, **options)
-        if self.micro_batches > 1:  # two forwards' layers would interleave in one iteration's figures
-            raise ValueError("the live loop follows one forward at a time: micro-batches (ping-pong) need it off")
 
     def prefill(self, prompts: Sequence[list[int]]):
         self.executor.phase = "prefill"

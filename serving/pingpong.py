@@ -28,7 +28,7 @@ import torch
 
 T = TypeVar("T")
 
-_local = threading.local()  # .baton: the lock this micro-batch's thread holds while it computes
+_local = threading.local()  # .baton: the lock this micro-batch's thread holds while it computes; .index: its place
 
 
 @contextmanager
@@ -44,6 +44,19 @@ def waiting() -> Iterator[None]:
         yield
     finally:
         baton.acquire()
+
+
+def micro_batch() -> int:
+    """Which micro-batch of its step this thread runs (0, 1, ...); 0 outside micro-batches. Whoever
+    keeps per-forward state (the live loop's forecasts and figures) keeps one per micro-batch."""
+    return getattr(_local, "index", 0)
+
+
+def check_split(micro_batches: int, micro_batch_tokens: int) -> None:
+    """ValueError unless both are at least 1 (the engine's split rule, `Engine._parts`)."""
+    if micro_batches < 1 or micro_batch_tokens < 1:
+        raise ValueError(f"micro_batches and micro_batch_tokens must be >= 1, got {micro_batches} and "
+                         f"{micro_batch_tokens}")
 
 
 def split_rows(n: int, parts: int = 2) -> list[range]:
@@ -83,13 +96,13 @@ def run_micro_batches(work: Sequence[Callable[[], T]]) -> list[T]:
     def run(i: int) -> None:
         torch.set_num_threads(threads)  # OpenMP's count is per thread
         with torch.set_grad_enabled(grad), baton:
-            _local.baton = baton
+            _local.baton, _local.index = baton, i
             try:
                 results[i] = work[i]()
             except BaseException as err:  # handed to the caller
                 errors[i] = err
             finally:
-                _local.baton = None
+                _local.baton, _local.index = None, 0
 
     workers = [threading.Thread(target=run, args=(i,), name=f"micro-batch-{i}", daemon=True) for i in range(len(work))]
     for worker in workers:

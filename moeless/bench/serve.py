@@ -24,7 +24,9 @@
    runs it (serve_paths.run_alone); and what two micro-batches in flight would give on cores of
    their own (twin/overlap.py on this run's figures: modelled), beside what they gave when run
    (serve_paths.run_pingpong: continuous batching's prefill and decode forwards over TCP and shared
-   memory with 1 and 2 micro-batches, serving/pingpong.py).
+   memory with 1 and 2 micro-batches, serving/pingpong.py, as `moeless serve` runs them: the live
+   loop's forecasts and reports on every forward (the knobs' default predictor and distance; no
+   planning loop, so the placement stays static EP's), against in-process without them).
 3. The latency model's constants, fitted on single-expert calls of T tokens over the local
    channel: host compute = alpha * T, and round trip - compute = overhead + 2 * beta * T.
 """
@@ -34,7 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -52,6 +54,9 @@ from moeless.model.datasets import sharegpt_prompts
 from moeless.serving.cli import MODEL_HELP, _positive
 from moeless.serving.codec import CharCodec
 from moeless.serving.placement_source import PlacementSource
+
+if TYPE_CHECKING:
+    from moeless.serving.forecasting import LiveEngine
 
 FIT_TOKENS = (1, 8, 32, 128, 512)
 TRANSPORTS = ("local", "tcp", "grpc")  # node-local, pod path (TCP only), gRPC
@@ -189,13 +194,19 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                                          for name, executor in timed.items()},
                                         [ids[i:i + batch] for i in range(0, len(ids), batch)], max_tokens, paired_rows)
         # 3. Two micro-batches in flight (ping-pong), run on continuous batching's forwards (serve_paths.py).
+        reports: dict[str, list] = {}
         engines = {"in_process": Engine(moe, moe.local_executor())} | {
-            f"{t}_{m}": Engine(moe, RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers, spec.num_experts,
-                                                                                    hosts)),
-                               micro_batches=m, micro_batch_tokens=micro_batch_tokens)
+            f"{t}_{m}": _live_engine(moe, RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers,
+                                                                                          spec.num_experts, hosts)),
+                                     reports.setdefault(f"{t}_{m}", []), micro_batches=m,
+                                     micro_batch_tokens=micro_batch_tokens)
             for t in PINGPONG_TRANSPORTS for m in (1, 2)}
         pingpong_run = run_pingpong(engines, [ids[i:i + batch] for i in range(0, len(ids), batch)],
                                     pingpong_tokens or max_tokens, prefill_rounds=2 if len(ids) <= batch else 3)
+        for name, sent in reports.items():
+            engines[name].executor.close()
+            pingpong_run[name]["forecast_ms_per_report"] = 1e3 * float(np.median([r.forecast_s for r in sent]))
+            pingpong_run[name]["reports"] = len(sent)
         fit = fit_alpha_beta(clients["local"][0], spec.hidden_size)
         trips = {name: {t: {k: 1e6 * v for k, v in timed_calls(lambda c=cs[0]: c.submit(call, x).result(), 50).items()}
                         for t, cs in clients.items()}
@@ -287,6 +298,25 @@ def _pingpong(breakdown: dict[str, float], outside_ms: float, trip_us: dict[str,
             "hidden_fraction": hidden_fraction(costs, layers), "call_ms": 1e3 * costs.call_s}
 
 
+def _live_engine(moe, remote, reports: list, **split) -> "LiveEngine":
+    """An engine as `moeless serve` runs it over `remote`: a LiveExecutor forecasting with the
+    knobs' default predictor (untrained gate copies: the same work as trained ones) and distance,
+    its reports appended to `reports`."""
+    # heavy (transformers, through the engine): kept off --help's start-up path, as in run_bench
+    from moeless.controller.knobs import Knobs
+    from moeless.predictor.gate_replica import all_pairs, gate_reuse
+    from moeless.predictor.history import HistoryPredictor
+    from moeless.predictor.runtime import PredictionRuntime
+    from moeless.serving.forecasting import LiveEngine, LiveExecutor
+
+    spec, distance = moe.spec, Knobs().distance
+    runtime = PredictionRuntime(gate_reuse(moe, all_pairs(spec.num_layers, [distance])),
+                                HistoryPredictor(spec.num_layers, spec.num_experts, spec.top_k))
+    live = LiveExecutor(remote, spec.num_layers, spec.num_experts, replica="bench", sink=reports.append,
+                        runtime=runtime, distance=distance)
+    return LiveEngine(moe, live, **split)
+
+
 def _pingpong_effect(one: dict, two: dict) -> dict:
     """Per phase: a forward with 2 micro-batches / with 1 (p50), and the share of the 1-micro-batch
     forward's transfer that the split hid ((ms 1 - ms 2) / transfer 1; negative: it cost more)."""
@@ -343,15 +373,17 @@ def print_report(result: dict[str, Any]) -> None:
               f"{pp['hidden_fraction']:.0%} of the transfer hidden (each call pays {pp['call_ms']:.3f} ms again)")
     run = result["pingpong_run"]
     engines = run["engines"]
-    print(f"ping-pong run (continuous batching's forwards, p50 ms per forward; a forward splits in 2 where each part "
-          f"has >= {run['micro_batch_tokens']} tokens): in-process prefill {engines['in_process']['prefill']['ms']:.1f}, "
+    print(f"ping-pong run (continuous batching's forwards as `moeless serve` runs them, forecasts included, p50 ms per "
+          f"forward; a forward splits in 2 where each part has >= {run['micro_batch_tokens']} tokens): in-process prefill {engines['in_process']['prefill']['ms']:.1f}, "
           f"decode {engines['in_process']['decode']['ms']:.1f}")
     for transport, effect in run["effect"].items():
         one, two = engines[f"{transport}_1"], engines[f"{transport}_2"]
         print(f"  over {transport}: " + "; ".join(
             f"{phase} {one[phase]['ms']:.1f} -> {two[phase]['ms']:.1f} ({e['ratio']:.2f}x, {e['hidden_fraction']:+.0%} of "
             f"{one[phase]['transfer_ms']:.1f} ms transfer hidden)" for phase, e in effect.items())
-            + f"; generations differing from in-process {one['generations_differing']} / {two['generations_differing']}")
+            + f"; generations differing from in-process {one['generations_differing']} / {two['generations_differing']}; "
+              f"forecasting {one['forecast_ms_per_report']:.2f} / {two['forecast_ms_per_report']:.2f} ms per report "
+              f"({one['reports']} / {two['reports']} reports)")
     for transport, br in result["breakdown_ms_per_layer"].items():
         print(f"breakdown over {transport} (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
     print(f"latency model ({fit['transport']}): alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), "

@@ -97,3 +97,25 @@ def test_asking_for_a_forecast_never_begun_is_a_clear_error():
             runtime.forecast(1)
         with pytest.raises(KeyError, match="call forecast"):
             runtime.report(1, UNIFORM)
+
+
+def test_lanes_keep_forwards_in_flight_together_apart(sliced, sliced_traces):
+    # Two micro-batches begin the forecast of the same layer before either collects it: each gets
+    # the forecast of its own hidden states, and one lane's forecast is not the other's to report.
+    primary = gate_reuse(sliced, [(0, 1)])
+    hidden = sliced_traces.traces[0].hidden[0]
+    a, b = hidden[:3], hidden[3:]
+    trajectory = np.zeros((1, E))
+    with PredictionRuntime(primary, HistoryPredictor(L, E, K)) as runtime:
+        runtime.begin(0, 1, a, trajectory, lane=0)
+        runtime.begin(0, 1, b, trajectory, lane=1)
+        served_b, served_a = runtime.forecast(1, lane=1), runtime.forecast(1, lane=0)
+        with pytest.raises(KeyError, match="no forecast was begun for layer 1 in lane 1"):
+            runtime.forecast(1, lane=1)
+        runtime.report(1, served_a.load, lane=0)
+        with pytest.raises(KeyError, match="no forecast of layer 1 was served in lane 0"):
+            runtime.report(1, served_a.load, lane=0)
+        runtime.report(1, served_b.load, lane=1)
+    np.testing.assert_array_equal(served_a.load, primary.predict(0, 1, a, trajectory).load)
+    np.testing.assert_array_equal(served_b.load, primary.predict(0, 1, b, trajectory).load)
+    assert served_a.load.sum() == 3 * K and served_b.load.sum() == (hidden.shape[0] - 3) * K

@@ -44,6 +44,10 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
         assert engine["generations_differing"] == 0
         assert engine["prefill"]["forwards"] == 3 and engine["decode"]["forwards"] == 2  # 1 + 2 prefills, 2 steps
         assert (engine["prefill"]["transfer_ms"] > 0) == (name != "in_process")
+    for transport in ("tcp", "local"):  # served as `moeless serve` does: a forecast and report per micro-batch
+        one, two = run["engines"][f"{transport}_1"], run["engines"][f"{transport}_2"]
+        assert (one["reports"], two["reports"]) == (5, 10)
+        assert one["forecast_ms_per_report"] > 0 and two["forecast_ms_per_report"] > 0
     assert set(run["effect"]) == {"tcp", "local"} and all(set(e) == {"prefill", "decode"} for e in run["effect"].values())
     assert result["latency_model"]["alpha_s_per_token"] > 0 and result["latency_model"]["transport"] == "local"
     assert result["tokens_moved_per_layer"] > 0

@@ -1,5 +1,6 @@
 """The live loop end to end (real Ray Serve with two serving replicas on one planning loop, real
-expert-host processes, the tiny model): greedy outputs over a replayed trace with placements
+expert-host processes, the tiny model; forwards of 4 tokens or more split into two micro-batches in
+flight, as `moeless serve --micro-batches 2` does): greedy outputs over a replayed trace with placements
 changing equal the in-process model's; a host killed mid-replay loses no request and re-joins; a
 stalled planning loop shows in /healthz and /metrics within 5 s; an evicted replica that is still
 routed to is re-loaded on demand (an exposed cold start, counted)."""
@@ -41,7 +42,8 @@ def live(tiny_store, ray_serve, deploy_tiny):
     with launch_local_hosts(3, root, keep_alive_s=60, metrics=False) as group:
         knobs = Knobs(planner="moeless", predictor="gate", distance=1, keep_alive_s=60, memory_price=0.0)
         deploy_tiny(group.addresses, MODEL, num_replicas=2, placement_board=BOARD, plan_loop=LOOP, knobs=knobs,
-                    profile=PROFILE, loop=(("stall_s", 1.5),))  # two ModelServers, one loop: one plan for all
+                    profile=PROFILE, loop=(("stall_s", 1.5),),  # two ModelServers, one loop: one plan for all
+                    micro_batches=2, micro_batch_tokens=2)
         loop = ray.get_actor(LOOP, namespace=NAMESPACE)
         yield ray_serve, group, loop
         ray.get(loop.stop.remote())
@@ -77,6 +79,7 @@ def test_replayed_trace_with_changing_placements_equals_the_reference(live, tiny
     assert metrics["publishes"] >= 2 and metrics["loads_sent"] > 0  # placements changed while serving
     assert metrics["resident_replicas"] > model.spec.num_layers * model.spec.num_experts  # more than static EP's
     assert _stats()["placement_version"] >= 2
+    assert _stats()["baton_s"] > 0  # micro-batches took turns on the replica
     assert len(metrics["stats"]["replicas"]) == 2  # both ModelServers' iterations were planned for
     decode = metrics["stats"]["phases"]["decode"]
     assert decode["iterations"] > 0 and decode["layer_calls"] > 0 and np.isfinite(metrics["stats"]["accuracy"])

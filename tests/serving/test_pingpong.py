@@ -1,10 +1,11 @@
 """Ping-pong (serving/pingpong.py): how rows split, one micro-batch computing at a time, the other
 running while one waits; and on real expert hosts, generations with micro-batches equal to the
-unmodified model's, over the TCP channel and shared memory."""
+unmodified model's, over the TCP channel and shared memory, with and without the live loop."""
 
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,8 +13,11 @@ from moeless.expert_fn.client import ExpertHostClient
 from moeless.serving.api import GenerationRequest
 from moeless.serving.engine import Engine
 from moeless.serving.executor import RemoteExecutor
+from moeless.predictor.gate_replica import all_pairs, gate_reuse
+from moeless.predictor.history import HistoryPredictor
+from moeless.predictor.runtime import PredictionRuntime
 from moeless.serving.forecasting import LiveEngine, LiveExecutor
-from moeless.serving.pingpong import run_micro_batches, split_by_weight, split_rows, waiting
+from moeless.serving.pingpong import micro_batch, run_micro_batches, split_by_weight, split_rows, waiting
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.scheduler import BatchLimits, Scheduler
 
@@ -81,6 +85,12 @@ def test_a_micro_batch_failure_reaches_the_caller_after_both_ended():
     assert run_micro_batches([lambda: 7]) == [7]  # one: in this thread
 
 
+def test_each_thread_knows_its_micro_batch():
+    assert micro_batch() == 0  # outside micro-batches
+    assert run_micro_batches([micro_batch, micro_batch, micro_batch]) == [0, 1, 2]
+    assert micro_batch() == 0
+
+
 def test_micro_batches_keep_no_grad_and_torch_threads():
     torch.set_num_threads(1)
     with torch.no_grad():
@@ -108,17 +118,28 @@ def test_engine_refuses_a_split_rule_below_one(tiny_store):
         Engine(model, micro_batches=2, micro_batch_tokens=0)
 
 
-def test_the_live_loop_refuses_micro_batches(tiny_store):
-    model, _ = tiny_store
-    live = LiveExecutor(None, model.spec.num_layers, model.spec.num_experts, replica="r", sink=lambda report: None)
-    with pytest.raises(ValueError, match="one forward at a time"):
-        LiveEngine(model, live, micro_batches=2)
-    assert LiveEngine(model, live).micro_batches == 1
-
-
 def _reference(model, prompt, n):
     ids = torch.tensor([[ord(c) for c in prompt]])
     return "".join(chr(t) for t in model.generate(ids, n)[0, ids.shape[1]:].tolist())
+
+
+PROMPTS = [("the cat sat", 9), ("a", 6), ("hello there world", 11), ("xyz", 4), ("moe", 8)]
+
+
+def _serve(engine, prompts=PROMPTS) -> list[str]:
+    """Continuous batching of `prompts` through `engine` to the end: each one's text (no errors)."""
+    scheduler = Scheduler(engine, BatchLimits(max_running=4, max_tokens_per_iteration=256, max_waiting=16))
+    sinks = []
+    for prompt, n in prompts:
+        events = []
+        scheduler.submit(GenerationRequest("m", n, False, prompt=prompt), events.extend)
+        sinks.append(events)
+    for _ in range(200):
+        if all(any("finish" in e or "error" in e for e in s) for s in sinks):
+            break
+        scheduler.step()
+    assert not [e for s in sinks for e in s if "error" in e]
+    return ["".join(e.get("text", "") for e in s) for s in sinks]
 
 
 @pytest.mark.parametrize("transport", ["tcp", "local"])
@@ -130,21 +151,8 @@ def test_continuous_batching_with_micro_batches_on_real_hosts_equals_the_model(t
     try:
         executor = _LayerOrder(RemoteExecutor(clients, PlacementSource.static(model.spec.num_layers,
                                                                              model.spec.num_experts, 3)))
-        engine = Engine(model, executor, micro_batches=2, micro_batch_tokens=1)
-        scheduler = Scheduler(engine, BatchLimits(max_running=4, max_tokens_per_iteration=256, max_waiting=16))
-        prompts = [("the cat sat", 9), ("a", 6), ("hello there world", 11), ("xyz", 4), ("moe", 8)]
-        sinks = []
-        for prompt, n in prompts:
-            events = []
-            scheduler.submit(GenerationRequest("m", n, False, prompt=prompt), events.extend)
-            sinks.append(events)
-        for _ in range(200):
-            if all(any("finish" in e or "error" in e for e in s) for s in sinks):
-                break
-            scheduler.step()
-        texts = ["".join(e.get("text", "") for e in s) for s in sinks]
-        assert not [e for s in sinks for e in s if "error" in e]
-        assert texts == [_reference(model, p, n) for p, n in prompts]
+        texts = _serve(Engine(model, executor, micro_batches=2, micro_batch_tokens=1))
+        assert texts == [_reference(model, p, n) for p, n in PROMPTS]
         # The micro-batches took turns layer by layer: each layer's two calls back to back (0, 0, 1, 1),
         # not one forward after the other (0, 1, 0, 1).
         assert executor.layers[:4] == [0, 0, 1, 1]
@@ -152,6 +160,42 @@ def test_continuous_batching_with_micro_batches_on_real_hosts_equals_the_model(t
     finally:
         for c in clients:
             c.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+def test_the_live_loop_with_micro_batches_forecasts_and_reports_each_one(tiny_store, hosts, transport):
+    # The serving path (LiveEngine, LiveExecutor with a predictor) with every forward split: texts
+    # equal the model's, and each micro-batch is an iteration of its own, its forecasts made from
+    # its own hidden states and its loads its own (micro-batches of unequal sizes would show a mix).
+    model, _ = tiny_store
+    spec = model.spec
+    reports = {1: [], 2: []}
+    clients = [ExpertHostClient(a, timeout_s=30, transport=transport) for a in hosts.addresses]
+    try:
+        for parts in (1, 2):
+            runtime = PredictionRuntime(gate_reuse(model, all_pairs(spec.num_layers, [1])),
+                                        HistoryPredictor(spec.num_layers, spec.num_experts, spec.top_k))
+            remote = RemoteExecutor(clients, PlacementSource.static(spec.num_layers, spec.num_experts, 3))
+            live = LiveExecutor(remote, spec.num_layers, spec.num_experts, replica="r", sink=reports[parts].append,
+                                runtime=runtime, distance=1)
+            texts = _serve(LiveEngine(model, live, micro_batches=parts, micro_batch_tokens=1))
+            assert texts == [_reference(model, p, n) for p, n in PROMPTS]
+            assert live.iterations == len(reports[parts])
+            runtime.close()
+    finally:
+        for c in clients:
+            c.close()
+    split, whole = reports[2], reports[1]
+    assert len(split) > len(whole)  # forwards of 2+ rows gave two reports
+    assert sum(r.tokens for r in split) == sum(r.tokens for r in whole)  # the same tokens, counted once
+    assert {r.phase for r in split} == {"prefill", "decode"}
+    assert len({r.tokens for r in split}) > 1  # micro-batches of different sizes
+    for r in split:
+        routed = r.tokens * spec.top_k
+        assert (r.actual.sum(axis=1) == routed).all(), "a micro-batch's loads mixed with the other's"
+        # Layer 0 from the history window (scaled to its tokens), layer 1 from its own gate input.
+        np.testing.assert_allclose(r.forecast.sum(axis=1), routed)
+        assert (r.layers.host_calls > 0).all() and (r.layers.wall_s > 0).all()
 
 
 class _LayerOrder:

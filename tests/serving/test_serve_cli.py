@@ -68,6 +68,13 @@ def test_app_from_args_reads_the_knobs_file_and_the_hosts(tmp_path, monkeypatch)
         config_from_args({"hosts": "c:3", "transport": "rdma"})
     with pytest.raises(KnobError, match="unknown key 'port'"):
         config_from_args({"port": 1})
+    assert (serve.micro_batches, serve.micro_batch_tokens) == (1, 256)
+    split = config_from_args({"hosts": "c:3", "micro_batches": 2, "micro_batch_tokens": 64})
+    assert (split.micro_batches, split.micro_batch_tokens) == (2, 64)
+    with pytest.raises(KnobError, match="micro_batches and micro_batch_tokens must be >= 1, got 0 and 256"):
+        config_from_args({"hosts": "c:3", "micro_batches": 0})
+    with pytest.raises(KnobError, match="must be whole numbers"):
+        config_from_args({"hosts": "c:3", "micro_batch_tokens": "lots"})
     monkeypatch.delenv("MOELESS_EXPERT_HOSTS")
     with pytest.raises(KnobError, match="no expert hosts"):
         config_from_args({"model": "tiny:mixtral"})
@@ -94,3 +101,10 @@ def test_a_transport_the_clients_do_not_have_is_refused(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["serve", "--transport", "rdma"])
     assert stop.value.code == 2 and "--transport: invalid choice: 'rdma'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--micro-batches", "--micro-batch-tokens"])
+def test_a_micro_batch_split_below_one_is_refused(capsys, flag):
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", flag, "0"])
+    assert stop.value.code == 2 and f"{flag}: must be at least 1, got 0" in capsys.readouterr().err

@@ -51,6 +51,16 @@ k8s://{{ .Release.Namespace }}/{{ include "moeless.policyName" . }}:{{ $h.grpcPo
 {{- if or .Values.serving.modelCache.persistentVolumeClaim .Values.serving.modelCache.hostPath -}}true{{- end -}}
 {{- end -}}
 
+{{/* serving.microBatches and microBatchTokens, checked: `moeless serve`'s flags (a list) or the Ray app's args (a map). */}}
+{{- define "moeless.microBatches" -}}
+{{- range $key := list "microBatches" "microBatchTokens" -}}
+{{- $v := index $.Values.serving $key -}}
+{{- if or (not (or (kindIs "float64" $v) (kindIs "int64" $v) (kindIs "int" $v))) (lt (float64 $v) 1.0) (ne (float64 $v) (floor $v)) -}}{{ fail (printf "serving.%s: %v is not a whole number >= 1" $key $v) }}{{- end -}}
+{{- end -}}
+{{- $n := int .Values.serving.microBatches -}}{{- $t := int .Values.serving.microBatchTokens -}}
+{{- if eq .form "args" -}}micro_batches: {{ $n }}, micro_batch_tokens: {{ $t }}{{- else -}}{{ toJson (list "--micro-batches" (toString $n) "--micro-batch-tokens" (toString $t)) }}{{- end -}}
+{{- end -}}
+
 {{/* serving.transport, checked: how the serving pods' expert calls reach the hosts (`moeless serve --transport`). */}}
 {{- define "moeless.transport" -}}
 {{- $t := toString .Values.serving.transport -}}
