@@ -96,11 +96,12 @@ def test_sigkill_during_an_invoke_is_unavailable_at_once_and_restart_serves_cold
 
 def test_sigterm_drains_the_invoke_in_flight_then_exits_zero(hosts, slow_store):
     client = ExpertHostClient(hosts.addresses[1], timeout_s=60)
-    x = torch.randn(SLOW_TOKENS, SLOW_HIDDEN)
+    # About 4 s of compute: the drain must begin while it runs, also on a machine the rest of the suite loads.
+    x = torch.randn(4 * SLOW_TOKENS, SLOW_HIDDEN)
     thread, result = invoke_in_thread(client, {1: x})
     wait_inflight(client)
     os.kill(hosts.pid(1), signal.SIGTERM)
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 10.0
     while readiness(hosts.metrics_urls[1]) != 503:  # not ready while draining, still alive
         assert time.monotonic() < deadline, "readiness never turned false on SIGTERM"
         time.sleep(0.02)
