@@ -64,6 +64,7 @@ class Engine:
         # Continuous batching's forwards of at least micro_batches x micro_batch_tokens tokens are
         # split into micro_batches, in flight together (pingpong.py); smaller ones are not.
         self.micro_batches, self.micro_batch_tokens = micro_batches, micro_batch_tokens
+        self.split_forwards = 0  # forwards run as micro-batches (Prometheus: moeless_split_forwards)
         _LastPositionHead.install(model.hf)
 
     @property
@@ -118,8 +119,8 @@ class Engine:
         groups = split_by_weight([len(p) for p in prompts], self._parts(sum(len(p) for p in prompts)))
         tokens: list[int] = []
         kv: list[tuple[object, int]] = []
-        for first, cache, starts in run_micro_batches([partial(self._prefill_packed, prompts[g.start:g.stop])
-                                                        for g in groups]):
+        for first, cache, starts in self._run([partial(self._prefill_packed, prompts[g.start:g.stop])
+                                               for g in groups]):
             tokens += first
             kv += [(cache, start) for start in starts]
         return tokens, kv
@@ -127,6 +128,11 @@ class Engine:
     def _parts(self, tokens: int) -> int:
         """Micro-batches for a forward of `tokens` tokens: each must have micro_batch_tokens."""
         return self.micro_batches if tokens >= self.micro_batches * self.micro_batch_tokens else 1
+
+    def _run(self, work: list) -> list:
+        """The forward's micro-batches (pingpong.run_micro_batches), counting the forwards that split."""
+        self.split_forwards += len(work) > 1
+        return run_micro_batches(work)
 
     @torch.no_grad()
     def _prefill_packed(self, prompts: Sequence[list[int]]) -> tuple[list[int], object, list[int]]:
@@ -151,8 +157,8 @@ class Engine:
         grow by one column."""
         groups = split_rows(len(tokens), self._parts(len(tokens)))
         inputs = [slots.decode_inputs(rows) for rows in groups]  # here: room for the new column is made once
-        out = run_micro_batches([partial(self._decode_rows, slots, rows, cache, mask, tokens)
-                                 for rows, (cache, mask) in zip(groups, inputs)])
+        out = self._run([partial(self._decode_rows, slots, rows, cache, mask, tokens)
+                         for rows, (cache, mask) in zip(groups, inputs)])
         slots.advance()
         return [token for part in out for token in part]
 

@@ -111,7 +111,8 @@ class Ingress:
         stats = [await server.stats.remote() for server in self.servers.values()]
         self.metrics.dead_hosts.set(max(len(s["dead_hosts"]) for s in stats))  # the hosts are shared
         for gauge, key in ((self.metrics.retries, "retries"), (self.metrics.running, "running"),
-                           (self.metrics.waiting, "waiting"), (self.metrics.refused, "refused")):
+                           (self.metrics.waiting, "waiting"), (self.metrics.refused, "refused"),
+                           (self.metrics.split_forwards, "split_forwards"), (self.metrics.baton, "baton_s")):
             gauge.set(sum(s[key] for s in stats))
         self.metrics.set_wake(stats[0]["wake"])
         self.metrics.set_paths({slot: path for s in stats for slot, path in s["paths"].items()})

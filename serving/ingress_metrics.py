@@ -27,6 +27,10 @@ class IngressMetrics:
                              registry=self.registry)
         self.refused = Gauge("moeless_refused_requests", "requests refused with 429 because the queue was full "
                              "(one replica)", registry=self.registry)
+        self.split_forwards = Gauge("moeless_split_forwards", "forwards run as micro-batches in flight together "
+                                    "(`--micro-batches`; one replica)", registry=self.registry)
+        self.baton = Gauge("moeless_micro_batch_wait_seconds", "seconds micro-batches' gathered expert answers "
+                           "waited while the other micro-batch computed (one replica)", registry=self.registry)
         self.waking = Gauge("moeless_pool_waking", "1 while requests wait for the expert-host pool to wake from zero "
                             "(one replica)", registry=self.registry)
         self.wakes = Gauge("moeless_pool_wakes", "wakes of the expert-host pool from zero this replica waited for",

@@ -98,6 +98,8 @@ def test_replayed_trace_with_changing_placements_equals_the_reference(live, tiny
 
 
 def test_metrics_and_healthz_show_the_loop(live):
+    from prometheus_client.parser import text_string_to_metric_families
+
     url, _, _ = live
     health = httpx.get(url + "/healthz", timeout=30).json()
     assert health["status"] == "ok" and health["plan_loop"]["state"] == "running"
@@ -112,8 +114,8 @@ def test_metrics_and_healthz_show_the_loop(live):
                  "moeless_expert_gb_seconds_total", "moeless_non_expert_gb_seconds_total",
                  "moeless_plan_loop_heartbeat_age_seconds", "moeless_plan_loop_stalled 0.0"):
         assert name in text, name
-    from prometheus_client.parser import text_string_to_metric_families
-
+    gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert gauges["moeless_split_forwards"] > 0 and gauges["moeless_micro_batch_wait_seconds"] > 0  # ping-pong on
     names = [family.name for family in text_string_to_metric_families(text)]
     assert len(names) == len(set(names))  # one family per name: Prometheus refuses duplicates
 

@@ -178,15 +178,16 @@ def test_the_live_loop_with_micro_batches_forecasts_and_reports_each_one(tiny_st
             remote = RemoteExecutor(clients, PlacementSource.static(spec.num_layers, spec.num_experts, 3))
             live = LiveExecutor(remote, spec.num_layers, spec.num_experts, replica="r", sink=reports[parts].append,
                                 runtime=runtime, distance=1)
-            texts = _serve(LiveEngine(model, live, micro_batches=parts, micro_batch_tokens=1))
-            assert texts == [_reference(model, p, n) for p, n in PROMPTS]
+            engine = LiveEngine(model, live, micro_batches=parts, micro_batch_tokens=1)
+            assert _serve(engine) == [_reference(model, p, n) for p, n in PROMPTS]
             assert live.iterations == len(reports[parts])
+            splits = engine.split_forwards
             runtime.close()
     finally:
         for c in clients:
             c.close()
     split, whole = reports[2], reports[1]
-    assert len(split) > len(whole)  # forwards of 2+ rows gave two reports
+    assert len(split) == len(whole) + splits and splits > 0  # a forward of 2+ rows: two reports
     assert sum(r.tokens for r in split) == sum(r.tokens for r in whole)  # the same tokens, counted once
     assert {r.phase for r in split} == {"prefill", "decode"}
     assert len({r.tokens for r in split}) > 1  # micro-batches of different sizes
