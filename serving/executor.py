@@ -202,7 +202,7 @@ class RemoteExecutor:
                     down.append(h)
         finally:
             scattered = time.perf_counter()
-            with waiting():  # another micro-batch computes meanwhile; this one gathers as soon as it can
+            with waiting() as handed_over:  # another micro-batch computes meanwhile; this one gathers when it can
                 try:
                     for h, call in pending.items():
                         try:
@@ -228,7 +228,7 @@ class RemoteExecutor:
         t.scatter_s += scattered - start
         t.invoke_s += invoked - scattered
         t.gather_s += done - invoked
-        t.baton_s += resumed - done
+        t.baton_s += (resumed - done) if handed_over else 0.0
         t.compute_s += max((r.compute_s for r in results.values()), default=0.0)
         t.compute_sum_s += sum(r.compute_s for r in results.values())
         cold_starts = sum(r.cold_starts for r in results.values())

@@ -32,16 +32,16 @@ _local = threading.local()  # .baton: the lock this micro-batch's thread holds w
 
 
 @contextmanager
-def waiting() -> Iterator[None]:
+def waiting() -> Iterator[bool]:
     """Around a wait on remote work: a micro-batch thread lets the other one compute meanwhile
-    (nothing happens in any other thread)."""
+    (nothing happens in any other thread). Yields whether it handed the baton over."""
     baton = getattr(_local, "baton", None)
     if baton is None:
-        yield
+        yield False
         return
     baton.release()
     try:
-        yield
+        yield True
     finally:
         baton.acquire()
 

@@ -49,7 +49,8 @@ def test_one_micro_batch_computes_at_a_time_and_a_waiting_one_lets_the_other_run
 
     def first():
         compute("a1")
-        with waiting():  # its expert calls are out: the other micro-batch runs meanwhile
+        with waiting() as handed_over:  # its expert calls are out: the other micro-batch runs meanwhile
+            assert handed_over
             assert other_ran.wait(10), "the other micro-batch never ran while this one waited"
         compute("a2")
         return "a"
@@ -64,8 +65,8 @@ def test_one_micro_batch_computes_at_a_time_and_a_waiting_one_lets_the_other_run
     assert most[0] == 1  # never two computing at once
     assert time.perf_counter() - started < 5
     assert set(order) == {"a1", "a2", "b1"}
-    with waiting():  # outside micro-batches: nothing to hand over
-        pass
+    with waiting() as handed_over:  # outside micro-batches: nothing to hand over
+        assert not handed_over
 
 
 def test_a_micro_batch_failure_reaches_the_caller_after_both_ended():
@@ -182,6 +183,7 @@ def test_the_live_loop_with_micro_batches_forecasts_and_reports_each_one(tiny_st
             assert _serve(engine) == [_reference(model, p, n) for p, n in PROMPTS]
             assert live.iterations == len(reports[parts])
             splits = engine.split_forwards
+            assert (remote.times.baton_s > 0) == (parts == 2)  # answers waited for the other micro-batch: split only
             runtime.close()
     finally:
         for c in clients:
