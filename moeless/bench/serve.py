@@ -300,20 +300,16 @@ def _pingpong(breakdown: dict[str, float], outside_ms: float, trip_us: dict[str,
 
 def _live_engine(moe, remote, reports: list, **split) -> "LiveEngine":
     """An engine as `moeless serve` runs it over `remote`: a LiveExecutor forecasting with the
-    knobs' default predictor (untrained gate copies: the same work as trained ones) and distance,
-    its reports appended to `reports`."""
+    knobs' default predictor and distance (`build_predictor`: the cache's trained gate replicas, else
+    untrained gate copies, the same work), its reports appended to `reports`."""
     # heavy (transformers, through the engine): kept off --help's start-up path, as in run_bench
     from moeless.controller.knobs import Knobs
-    from moeless.predictor.gate_replica import all_pairs, gate_reuse
-    from moeless.predictor.history import HistoryPredictor
-    from moeless.predictor.runtime import PredictionRuntime
-    from moeless.serving.forecasting import LiveEngine, LiveExecutor
+    from moeless.serving.forecasting import LiveEngine, LiveExecutor, build_predictor
 
-    spec, distance = moe.spec, Knobs().distance
-    runtime = PredictionRuntime(gate_reuse(moe, all_pairs(spec.num_layers, [distance])),
-                                HistoryPredictor(spec.num_layers, spec.num_experts, spec.top_k))
+    knobs, spec = Knobs(), moe.spec
+    runtime = build_predictor(moe, knobs.predictor, knobs.distance)
     live = LiveExecutor(remote, spec.num_layers, spec.num_experts, replica="bench", sink=reports.append,
-                        runtime=runtime, distance=distance)
+                        runtime=runtime, distance=knobs.distance)
     return LiveEngine(moe, live, **split)
 
 
