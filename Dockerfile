@@ -4,6 +4,7 @@
 #
 #   docker build -t moeless:0.1.0 .                                   # CPU torch (the pinned wheel)
 #   docker build -t moeless:0.1.0 --build-arg EXTRAS='[gpu]' .        # + NVML for GPU clusters
+#   docker build -t moeless:0.1.0 --build-arg EXTRAS='[gpu,nixl]' .   # + NIXL (serving.transport nixl)
 #
 # Where no registry is reachable (this project's machines), scripts/k8s_node_e2e.py makes an image
 # from the machine's own Python, venv and sources instead (docs/kubernetes.md, the real-node tier).

@@ -23,7 +23,8 @@ returns at once. The transport, from the host's offer (its LocalChannel RPC): "a
 default) takes the shared-memory local channel when the host runs on this machine
 (local_channel.py), else its TCP channel (tcp_channel.py: one connection, preallocated buffers,
 the path between pods), else gRPC's InvokeRouted; "local", "tcp" and "grpc" force one (a pod
-path measured on one machine is "tcp"). Control calls (load, evict, status, health) are gRPC.
+path measured on one machine is "tcp"); "nixl" is the TCP channel with its rows and z moved by
+NIXL (nixl_link.py: GPU memory without host staging on a GPU cluster; needs nixl on both sides). Control calls (load, evict, status, health) are gRPC.
 Errors:
 - ExpertHostUnavailable: the host is dead, unreachable, draining or too slow (gRPC
   UNAVAILABLE, DEADLINE_EXCEEDED, ...): the caller should route to another replica.
@@ -59,7 +60,8 @@ from moeless.expert_fn.local_channel import LocalChannel
 from moeless.expert_fn.meters import ModelTotals
 from moeless.expert_fn.options import TRANSPORTS
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S
-from moeless.expert_fn.routed import Pending, RoutedCall, RoutedResult, decode_reply_head, encode_call, split_error
+from moeless.expert_fn.nixl_link import DEFAULT_CAPACITY
+from moeless.expert_fn.routed import Pending, RoutedCall, RoutedResult, decode_reply_head, encode_call, split_error, staged
 from moeless.expert_fn.tcp_channel import TcpChannel
 
 
@@ -69,12 +71,6 @@ UNAVAILABLE_CODES = {
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
 }
-
-
-def _staged(call: RoutedCall, x: torch.Tensor) -> tuple[RoutedCall, torch.Tensor]:
-    """(call, x) with the call's rows of x (on a GPU) copied to host memory, in order."""
-    rows = x.index_select(0, call.tokens.to(x.device)).cpu()
-    return replace(call, tokens=torch.arange(rows.shape[0])), rows
 
 
 def _translate(err: grpc.RpcError, address: str) -> ExpertHostError:
@@ -147,13 +143,14 @@ class ExpertHostClient:
     def submit(self, call: RoutedCall, x: torch.Tensor) -> Pending:
         """Start a routed call on the rows x[call.tokens] (x: [T, H] contiguous, in the dtype the
         tokens travel in); pending.result() -> RoutedResult (z: [n_out, H]). x on a GPU: over the
-        local channel the rows and z stay in GPU memory (CUDA IPC); TCP and gRPC stage the call's
-        rows through host memory, and z comes back there."""
+        local channel (CUDA IPC) and NIXL the rows and z stay in GPU memory; TCP and gRPC stage the
+        call's rows through host memory, and z comes back there."""
         channel = self._data_channel()
         if self.model is not None:
             call = replace(call, layer=call.layer + self._first_layer())
-        if x.device.type != "cpu" and not isinstance(channel, LocalChannel):
-            call, x = _staged(call, x)  # TCP and gRPC carry host memory: only the call's rows come over
+        if x.device.type != "cpu" and not isinstance(channel, LocalChannel) \
+                and not (isinstance(channel, TcpChannel) and channel.takes_device_rows):
+            call, x = staged(call, x)  # TCP and gRPC carry host memory: only the call's rows come over
         if channel is not None:
             return channel.submit(call, x)
         self._calls += 1
@@ -162,14 +159,14 @@ class ExpertHostClient:
 
     @property
     def path(self) -> str:
-        """The data path calls take now: "local", "tcp" or "grpc"; "unopened" before the first data call
-        and after a channel broke (the next call asks the host's offer again)."""
+        """The data path calls take now: "local", "tcp", "nixl" or "grpc"; "unopened" before the first data
+        call and after a channel broke (the next call asks the host's offer again)."""
         if self._channel_now is False:
             return "grpc"
         if isinstance(self._channel_now, LocalChannel) and not self._channel_now.broken:
             return "local"
         if isinstance(self._channel_now, TcpChannel) and not self._channel_now.broken:
-            return "tcp"
+            return "nixl" if self._channel_now.takes_device_rows else "tcp"
         return "unopened"
 
     @property
@@ -207,9 +204,11 @@ class ExpertHostClient:
                                   "use transport 'auto', 'tcp' or 'grpc'")
         if tcp_port:
             host = self.address.rpartition(":")[0]
-            return TcpChannel(f"{host}:{tcp_port}", timeout_s=self.timeout_s, poll_s=self.poll_s)
-        if self.transport == "tcp":
-            raise ExpertHostError(f"expert host {self.address} offers no TCP channel; use transport 'auto' or 'grpc'")
+            return TcpChannel(f"{host}:{tcp_port}", timeout_s=self.timeout_s, poll_s=self.poll_s,
+                              nixl_bytes=DEFAULT_CAPACITY if self.transport == "nixl" else 0)
+        if self.transport in ("tcp", "nixl"):
+            raise ExpertHostError(f"expert host {self.address} offers no TCP channel (NIXL's doorbell); "
+                                  "use transport 'auto' or 'grpc'")
         return False
 
     def status(self) -> dict:

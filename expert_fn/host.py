@@ -56,6 +56,8 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tcp-port", type=int, default=0, metavar="P",
         help="the TCP channel's port, the data plane between machines (default 0: a free one, offered over gRPC)")
     add("--no-tcp-channel", action="store_true", help="offer no TCP channel (data calls then take gRPC or shared memory)")
+    add("--no-nixl", action="store_true",
+        help="refuse clients' NIXL offers on the TCP channel (transport 'nixl'; taken by default where nixl is installed)")
     add("--share", action="append", default=[], metavar="NAME=GB",
         help="a model's guaranteed share of the replica memory while it is active (repeatable): another model's "
              "load never evicts its replicas below it (shares.py); default 0 (least recently used first)")
@@ -127,7 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     local = None if args.no_local_channel else LocalChannelServer(runtime, threads=args.threads, poll_s=args.poll_us / 1e6)
     try:
         tcp = None if args.no_tcp_channel else TcpServer(runtime, args.bind, args.tcp_port, threads=args.threads,
-                                                            poll_s=args.poll_us / 1e6)
+                                                            poll_s=args.poll_us / 1e6, nixl=not args.no_nixl)
     except OSError as err:
         print(f"expert-host: cannot listen on {args.bind}:{args.tcp_port} ({err}); pick another --tcp-port", file=sys.stderr)
         return 2

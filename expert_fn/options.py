@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 COMPUTE_DTYPES = ("float32", "store")  # expert-host --compute-dtype: float32, or the store's own dtype (tiers.py)
-TRANSPORTS = ("auto", "local", "tcp", "grpc")  # a client's data path to a host (client.py)
+TRANSPORTS = ("auto", "local", "tcp", "nixl", "grpc")  # a client's data path to a host (client.py)
 EVICTION_ORDERS = ("lru", "fifo")  # which host-tier entry goes first (tiers.HostTier)
 PREWARM = ("none", "all")  # what the host tier reads at start
 

@@ -17,14 +17,16 @@ the token's remaining pairs (on other hosts) are added after it in the same orde
 The frame (little-endian), the same bytes on every transport (TCP, gRPC, shared memory):
     call:  HEAD, int32 experts[m], int32 counts[m], int32 src[P], int32 out[P], weight[P], x[n*H]
     reply: REPLY, then z[n_out*H] (ok) or the error kind, NUL, the message (not ok)
-weight, x and z in the dtype the head names. Nothing is converted: a bfloat16 model's tokens
+weight, x and z in the dtype the head names. Over a TCP channel with NIXL (nixl_link.py) x and z
+travel apart, written into the peer's registered buffer: the head says so with its own magic
+(b"MRC2": no x after the lists; b"MRR2": no z after the reply). Nothing is converted: a bfloat16 model's tokens
 travel as bfloat16.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -35,6 +37,7 @@ from moeless.expert_fn.errors import BadRequest
 HEAD = struct.Struct("<4sIiiiiiiB3x")  # b"MRC1", call id, layer, m, P, n, n_out, H, dtype
 REPLY = struct.Struct("<4sIB3xidiiB3x")  # b"MRR1", call id, ok, cold_starts, compute_s, n_out, H, dtype
 CALL_MAGIC, REPLY_MAGIC = b"MRC1", b"MRR1"
+CALL_APART_MAGIC, REPLY_APART_MAGIC = b"MRC2", b"MRR2"  # x (z) is in the peer's NIXL buffer, not after the head
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the head's dtype code is the index
 ITEM_BYTES = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in DTYPES}
 
@@ -124,9 +127,17 @@ class RoutedCall:
         return REPLY.size + item_bytes(dtype) * self.n_out * hidden
 
 
-def lists_bytes(call_id: int, call: RoutedCall, hidden: int, dtype: torch.dtype) -> bytes:
-    """The frame up to x: HEAD and the lists (x follows: call.tokens' rows, n * H values)."""
-    head = HEAD.pack(CALL_MAGIC, call_id, call.layer, len(call.experts), call.pairs, int(call.tokens.numel()),
+def staged(call: RoutedCall, x: torch.Tensor) -> tuple[RoutedCall, torch.Tensor]:
+    """(call, x) with the call's rows of x (on a GPU) copied to host memory, in order: for a
+    transport that carries host memory only."""
+    rows = x.index_select(0, call.tokens.to(x.device)).cpu()
+    return replace(call, tokens=torch.arange(rows.shape[0])), rows
+
+
+def lists_bytes(call_id: int, call: RoutedCall, hidden: int, dtype: torch.dtype, apart: bool = False) -> bytes:
+    """The frame up to x: HEAD and the lists (x follows: call.tokens' rows, n * H values; apart:
+    x travels apart, and the head says so)."""
+    head = HEAD.pack(CALL_APART_MAGIC if apart else CALL_MAGIC, call_id, call.layer, len(call.experts), call.pairs, int(call.tokens.numel()),
                      call.n_out, hidden, dtype_code(dtype))
     ints = np.asarray([*call.experts, *call.counts], dtype="<i4").tobytes()
     return (head + ints + call.src.numpy().astype("<i4", copy=False).tobytes()
@@ -176,6 +187,7 @@ class Head:
     n_out: int
     hidden: int
     dtype: torch.dtype
+    apart: bool = False  # x is not in the frame (the transport wrote it into the host's buffer)
 
     @property
     def item(self) -> int:
@@ -188,18 +200,18 @@ class Head:
 
     @property
     def body_bytes(self) -> int:
-        """Bytes after HEAD: the lists and x."""
-        return self.lists_bytes + self.item * self.rows * self.hidden
+        """Bytes after HEAD: the lists and x (the lists alone when x travels apart)."""
+        return self.lists_bytes + (0 if self.apart else self.item * self.rows * self.hidden)
 
 
 def decode_head(data: bytes | memoryview) -> Head:
     """HEAD -> Head; BadRequest for a head that no client of this version sends."""
-    if len(data) < HEAD.size or bytes(data[:4]) != CALL_MAGIC:
+    if len(data) < HEAD.size or bytes(data[:4]) not in (CALL_MAGIC, CALL_APART_MAGIC):
         raise BadRequest("malformed routed call (bad head): client and host versions differ?")
-    _, call_id, layer, m, pairs, rows, n_out, hidden, code = HEAD.unpack_from(data)
+    magic, call_id, layer, m, pairs, rows, n_out, hidden, code = HEAD.unpack_from(data)
     if min(m, pairs, rows, n_out) < 0 or hidden <= 0 or code >= len(DTYPES):
         raise BadRequest(f"malformed routed call {call_id}: m={m} P={pairs} n={rows} n_out={n_out} H={hidden} dtype={code}")
-    head = Head(call_id, layer, m, pairs, rows, n_out, hidden, DTYPES[code])
+    head = Head(call_id, layer, m, pairs, rows, n_out, hidden, DTYPES[code], magic == CALL_APART_MAGIC)
     if HEAD.size + head.body_bytes > MAX_FRAME_BYTES or n_out * hidden * head.item > MAX_FRAME_BYTES:
         raise BadRequest(f"routed call {call_id} is larger than {MAX_FRAME_BYTES} bytes; split the batch")
     return head
@@ -229,6 +241,9 @@ def decode_body(head: Head, body: memoryview, x: torch.Tensor | None = None) -> 
     """The lists and x after HEAD (body: exactly head.body_bytes), checked; BadRequest names what is wrong.
     With x ([n, H], the rows already elsewhere: a GPU buffer the caller shares), body is the lists alone.
     (Few array ops: a decode step's call is tiny, and each op costs its most on a core just woken.)"""
+    if head.apart and x is None:
+        raise BadRequest(f"routed call {head.call_id}: its rows travel apart (NIXL), but this connection has no "
+                         "buffer for them; send them in the frame")
     expected = head.body_bytes if x is None else head.lists_bytes
     if len(body) != expected:
         raise BadRequest(f"routed call {head.call_id}: {len(body)} bytes after the head, expected {expected}")
@@ -327,9 +342,9 @@ def add_in_pair_order(target: torch.Tensor, out: torch.Tensor, ys: torch.Tensor,
         target.index_add_(0, rows, part)
 
 
-def encode_reply(call_id: int, z: torch.Tensor, cold_starts: int, compute_s: float) -> bytes:
-    """REPLY for a call that ran (z follows it: `z`'s raw bytes)."""
-    return REPLY.pack(REPLY_MAGIC, call_id, 1, cold_starts, compute_s, z.shape[0], z.shape[1], dtype_code(z.dtype))
+def encode_reply(call_id: int, z: torch.Tensor, cold_starts: int, compute_s: float, apart: bool = False) -> bytes:
+    """REPLY for a call that ran (z follows it: `z`'s raw bytes; apart: z was written into the client's buffer)."""
+    return REPLY.pack(REPLY_APART_MAGIC if apart else REPLY_MAGIC, call_id, 1, cold_starts, compute_s, z.shape[0], z.shape[1], dtype_code(z.dtype))
 
 
 def encode_error(call_id: int, kind: str, message: str) -> bytes:
@@ -347,20 +362,23 @@ class ReplyHead:
     n_out: int  # ok: z's rows; not ok: the bytes of the error text that follow
     hidden: int
     dtype: torch.dtype
+    apart: bool = False  # z is not after the head (the host wrote it into the client's buffer)
 
     @property
     def body_bytes(self) -> int:
-        return self.n_out * self.hidden * item_bytes(self.dtype) if self.ok else self.n_out
+        if not self.ok:
+            return self.n_out
+        return 0 if self.apart else self.n_out * self.hidden * item_bytes(self.dtype)
 
 
 def decode_reply_head(data: bytes | memoryview) -> ReplyHead:
     """REPLY -> ReplyHead; ValueError for bytes that are not one (a broken or foreign peer)."""
-    if len(data) < REPLY.size or bytes(data[:4]) != REPLY_MAGIC:
+    if len(data) < REPLY.size or bytes(data[:4]) not in (REPLY_MAGIC, REPLY_APART_MAGIC):
         raise ValueError("malformed reply (bad head)")
-    _, call_id, ok, cold, compute, n_out, hidden, code = REPLY.unpack_from(data)
+    magic, call_id, ok, cold, compute, n_out, hidden, code = REPLY.unpack_from(data)
     if n_out < 0 or hidden < 0 or code >= len(DTYPES):
         raise ValueError(f"malformed reply to call {call_id}: n_out={n_out} H={hidden} dtype={code}")
-    return ReplyHead(call_id, bool(ok), cold, compute, n_out, hidden, DTYPES[code])
+    return ReplyHead(call_id, bool(ok), cold, compute, n_out, hidden, DTYPES[code], magic == REPLY_APART_MAGIC)
 
 
 def split_error(tail: bytes) -> tuple[str, str]:

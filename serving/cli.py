@@ -57,7 +57,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                             "(default 0: block at once)")
     serve.add_argument("--transport", choices=TRANSPORTS, default="auto",
                        help="how expert calls reach the hosts: auto (shared memory to a host on this machine, else "
-                            "TCP, else gRPC), or one of them for every host (default auto)")
+                            "TCP, else gRPC), or one of them for every host; nixl: TCP with the rows moved by NIXL "
+                            "(GPU memory over NVLink/RDMA; pip install 'moeless[nixl]' on both sides) (default auto)")
     add_knob_flags(serve)
     serve.set_defaults(func=_serve)
 

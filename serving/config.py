@@ -104,7 +104,7 @@ def config_from_args(args: Mapping[str, Any]):
     """A ServeConfig from Ray Serve's application args: {"config": knobs YAML file (optional),
     "model": "default" | "tiny:ARCH" | DIR (default "default"), "hosts": "host:port,..." or a pool
     such as "k8s://NS/POLICY:PORT?slots=N" (default: $MOELESS_EXPERT_HOSTS; controller/pool/sources.py),
-    "replicas": serving replicas (default 1), "transport": auto | local | tcp | grpc (default auto),
+    "replicas": serving replicas (default 1), "transport": auto | local | tcp | nixl | grpc (default auto),
     "micro_batches" (default 1), "micro_batch_tokens" (default 256): ping-pong}; the loop runs as in
     `moeless serve`. Raises KnobError for a bad value (the message names it)."""
     known = ("config", "model", "hosts", "replicas", "transport", "micro_batches", "micro_batch_tokens")

@@ -49,6 +49,7 @@ from moeless.twin.overlap import LayerCosts, hidden_fraction, pingpong_s, serial
 from moeless.expert_fn.routed import RoutedCall
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.expert_fn.nixl_link import unavailable as nixl_unavailable
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 from moeless.model.datasets import sharegpt_prompts
 from moeless.serving.cli import MODEL_HELP, _positive
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
     from moeless.serving.forecasting import LiveEngine
 
 FIT_TOKENS = (1, 8, 32, 128, 512)
-TRANSPORTS = ("local", "tcp", "grpc")  # node-local, pod path (TCP only), gRPC
+TRANSPORTS = ("local", "tcp", "nixl", "grpc")  # node-local, pod path (TCP only), NIXL where installed, gRPC
 PINGPONG_TRANSPORTS = ("tcp", "local")
 
 
@@ -151,14 +152,15 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
     store = export_store(moe, choice.name)
     ids = bench_prompts(Engine(moe), prompts, prompt_tokens)
     wide = hosts * threads  # the cores the hosts compute on together
+    transports = [t for t in TRANSPORTS if t != "nixl" or nixl_unavailable() is None]
     baselines = {f"in_process_{n}_threads": n for n in sorted({threads, wide})}
     timed = {name: TimedExecutor(moe.local_executor()) for name in baselines}
     with launch_local_hosts(hosts, store, keep_alive_s=600, threads=threads, metrics=False, poll_s=poll_s[0]) as group:
         clients = {t: [ExpertHostClient(a, timeout_s=120, transport=t, poll_s=poll_s[1]) for a in group.addresses]
-                   for t in TRANSPORTS}
+                   for t in transports}
         remotes = {t: RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers, spec.num_experts, hosts))
-                   for t in TRANSPORTS}
-        timed |= {f"expert_functions_{t}": TimedExecutor(remotes[t]) for t in TRANSPORTS}
+                   for t in transports}
+        timed |= {f"expert_functions_{t}": TimedExecutor(remotes[t]) for t in transports}
         wide_name = f"in_process_{wide}_threads" if wide != threads else None
         paired = PairedExecutor({name: (executor, threads) for name, executor in timed.items() if name != wide_name},
                                 threads)
@@ -253,9 +255,9 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                                                for name, ms in alone_ms.items()},
         "wire_per_layer_call": _wire(remotes["tcp"].times, spec.hidden_size, next(moe.hf.parameters()).dtype),
         "round_trip_us": trips,
-        "breakdown_ms_per_layer": {t: _breakdown(remotes[t].times, gate_ms) for t in TRANSPORTS},
+        "breakdown_ms_per_layer": {t: _breakdown(remotes[t].times, gate_ms) for t in transports},
         "pingpong": {t: _pingpong(_breakdown(remotes[t].times, gate_ms), 1e3 * outside_moe_s / max(len(timed["in_process_1_threads"].samples), 1),
-                                  trips["round_trip_decode"][t], spec.num_layers) for t in TRANSPORTS},
+                                  trips["round_trip_decode"][t], spec.num_layers) for t in transports},
         "pingpong_run": {"micro_batch_tokens": micro_batch_tokens, "engines": pingpong_run,
                          "effect": {t: _pingpong_effect(pingpong_run[f"{t}_1"], pingpong_run[f"{t}_2"])
                                     for t in PINGPONG_TRANSPORTS}},

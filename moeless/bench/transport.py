@@ -7,6 +7,9 @@ One expert host process serves the model's weight store; the same calls go over:
   process, on the frame's own rows: what a host adds to the compute before any transport;
 - local: the shared-memory local channel (memfd + Unix socket): hosts on the same machine (node);
 - tcp: the TCP channel (one connection, frames into preallocated buffers): the path between pods;
+- nixl: the TCP channel with the rows and z written by NIXL into each side's registered buffer
+  (nixl_link.py; only the head and the lists on the socket); left out, and said, where nixl is
+  not installed;
 - grpc: InvokeRouted over loopback gRPC (the frame as one bytes field);
 - grpc_per_expert: the first API, Invoke (one protobuf message per expert, float32);
 - ray_compiled_graph (with --ray): a Ray actor holding the same runtime behind a compiled graph
@@ -26,11 +29,12 @@ serving side's rows stay in host memory, so every transport stages them (host ->
 host, GPU -> host for the reply). The `staging` row times those two copies alone for the same
 rows: what a transport that moves GPU memory without a host copy (NIXL over NVLink or RDMA: not
 built) could save at most, and the `device_rows` row is the compute alone on rows already on
-the GPU, outputs left there: what static EP in one process on that GPU pays. Three rows start from
+the GPU, outputs left there: what static EP in one process on that GPU pays. Rows that start from
 rows on the GPU, as a serving replica on a GPU would: `routed_device_rows`, the host's whole
-routed call in this process, and `local_device`, the same call over the local channel with the
-rows and z in a GPU buffer the host maps (CUDA IPC, no host staging); `tcp_device` stages the
-same rows through host memory over TCP, as between nodes. On one GPU the host and
+routed call in this process; `local_device`, the same call over the local channel with the
+rows and z in a GPU buffer the host maps (CUDA IPC, no host staging); `nixl_device`, NIXL writing
+the rows and z from GPU buffer to GPU buffer (UCX's CUDA transports; the path between nodes over
+RDMA, no host staging); `tcp_device` stages the same rows through host memory over TCP. On one GPU the host and
 this process take turns on it: without MPS each turn is a context switch. Without CUDA it stops
 with one clear error before loading anything.
 
@@ -58,6 +62,7 @@ from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.expert_fn.nixl_link import unavailable as nixl_unavailable
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 from moeless.expert_fn.routed import RoutedCall, decode_call, encode_call, run_routed
 from moeless.expert_fn.runtime import ExpertHostRuntime
@@ -72,7 +77,7 @@ from moeless.twin.measure_cuda import CudaUnavailable, require_cuda
 
 BATCH_TOKENS = {"decode": 4, "prefill": 256}  # tokens of the layer call one host gets its share of
 ROUND_TRIP_ROWS = {"decode": 16, "prefill": 1024}  # 36 KB and 2.4 MB at H=576, float32
-TRANSPORTS = ("local", "tcp", "grpc")
+TRANSPORTS = ("local", "tcp", "nixl", "grpc")
 
 
 def register(benches: argparse._SubParsersAction) -> None:
@@ -223,7 +228,9 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
     # 2. A host process over each transport.
     with launch_local_hosts(1, store_dir, keep_alive_s=3600, threads=threads, metrics=False, poll_s=poll_s[0],
                             compute_dtype=compute_dtype) as group:
-        clients = {t: ExpertHostClient(group.addresses[0], timeout_s=60, transport=t, poll_s=poll_s[1]) for t in TRANSPORTS}
+        no_nixl = nixl_unavailable()
+        clients = {t: ExpertHostClient(group.addresses[0], timeout_s=60, transport=t, poll_s=poll_s[1])
+                   for t in TRANSPORTS if t != "nixl" or no_nixl is None}
         host_device = clients["grpc"].status()["device"]
         if not host_device.startswith(torch_device.split(":")[0]):
             raise RuntimeError(f"the expert host computes on {host_device!r}, not {device}: install the gpu extra "
@@ -232,9 +239,9 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
             for transport, client in clients.items():
                 identical[name][transport] = bool(torch.equal(client.submit(call, x).result().z.cpu(), reference[name]))
                 times[name][transport] = timed_calls(lambda c=client: c.submit(call, x).result(), repeats)
-            if device == "cuda":  # the caller's rows on the GPU: shared with the host (local), staged (tcp)
+            if device == "cuda":  # the caller's rows on the GPU: shared (local), written GPU to GPU (nixl), staged (tcp)
                 x_gpu = x.to(torch_device)
-                for transport in ("local", "tcp"):
+                for transport in [t for t in ("local", "nixl", "tcp") if t in clients]:
                     client = clients[transport]
                     same = torch.equal(client.submit(call, x_gpu).result().z.cpu(), reference[name])
                     identical[name][f"{transport}_device"] = bool(same)
@@ -256,6 +263,7 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
             "device": host_device, "repeats": repeats, "threads": threads, "hidden": hidden,
             "calls": sizes, "identical_to_in_process": identical,
             "poll_us": {"host": 1e6 * poll_s[0], "client": 1e6 * poll_s[1]},
+            "nixl": no_nixl or "measured",
             "load_average_1m": os.getloadavg()[0],
             "us": {n: {k: {stat: 1e6 * v for stat, v in f.items()} for k, f in t.items()} for n, t in times.items()},
             "ratio_to_in_process": {n: {k: f["p50"] / t["in_process"]["p50"] for k, f in t.items()}
@@ -323,3 +331,5 @@ def print_report(result: dict[str, Any]) -> None:
                                 for k, v in row.items()))
         differ = [t for t, same in result["identical_to_in_process"][name].items() if not same]
         print(f"   answers {'differ from in-process over ' + ', '.join(differ) if differ else 'bit-identical to in-process'}")
+    if result["nixl"] != "measured":
+        print(f"nixl not measured: {result['nixl']}")

@@ -77,12 +77,12 @@ def test_a_routed_call_with_shared_outputs_is_the_same_over_every_transport(host
     call = _top2(x, tokens, dtype)
     assert call.n_out < call.pairs
     z = {}
-    for transport in ("local", "tcp", "grpc"):
+    for transport in ("local", "tcp", "nixl", "grpc"):
         with ExpertHostClient(hosts.addresses[0], transport=transport) as client:
             z[transport] = client.submit(call, x).result().z.clone()
             assert client.path == transport
     assert z["local"].dtype == dtype and z["local"].shape == (call.n_out, HIDDEN)
-    assert torch.equal(z["local"], z["tcp"]) and torch.equal(z["local"], z["grpc"])
+    assert all(torch.equal(z["local"], z[t]) for t in ("tcp", "nixl", "grpc"))
     # The reference's sums: each expert in float32 on the token's row, weighted in the tokens' dtype.
     expected = torch.zeros(call.n_out, HIDDEN, dtype=dtype)
     start = 0

@@ -146,7 +146,7 @@ def test_serving_transport_reaches_the_command_and_the_ray_args_and_a_bad_one_is
     ray = next(d for d in render(helm, "serving.kuberay=true", "serving.transport=grpc") if d["kind"] == "RayService")
     assert yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"][0]["args"]["transport"] == "grpc"
     bad = helm_run(helm, "template", "t", str(CHART), "--set", "serving.transport=rdma", check=False)
-    assert bad.returncode != 0 and 'serving.transport: "rdma" is not one of auto, local, tcp, grpc' in bad.stderr
+    assert bad.returncode != 0 and 'serving.transport: "rdma" is not one of auto, local, tcp, nixl, grpc' in bad.stderr
 
 
 def test_serving_micro_batches_reach_the_command_and_the_ray_args_and_a_bad_one_is_refused(helm):

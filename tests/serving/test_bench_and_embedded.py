@@ -112,10 +112,12 @@ def test_bench_transport_times_every_transport_against_in_process(tmp_path, monk
     assert calls["round_trip_decode"]["rows_sent"] == 16 and calls["round_trip_prefill"]["rows_back"] == 1024
     assert calls["layer_prefill"]["rows_sent"] < calls["layer_prefill"]["pairs"]  # each token once: tiny mixtral, k = 2
     for name in calls:
-        assert set(result["us"][name]) == {"in_process", "routed_in_process", "local", "tcp", "grpc", "grpc_per_expert"}
+        assert set(result["us"][name]) == {"in_process", "routed_in_process", "local", "tcp", "nixl", "grpc",
+                                           "grpc_per_expert"}
         assert all(0 < f["p50"] <= f["p90"] for f in result["us"][name].values())
         assert result["ratio_to_in_process"][name]["in_process"] == 1.0
-        assert result["identical_to_in_process"][name] == {"local": True, "tcp": True, "grpc": True}
+        assert result["identical_to_in_process"][name] == {"local": True, "tcp": True, "nixl": True, "grpc": True}
+    assert result["nixl"] == "measured"
 
 
 def test_bench_transport_geometry_is_one_random_layer_in_its_shape_and_dtype_computed_in_it(tmp_path, monkeypatch):

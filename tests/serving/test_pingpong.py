@@ -143,7 +143,7 @@ def _serve(engine, prompts=PROMPTS) -> list[str]:
     return ["".join(e.get("text", "") for e in s) for s in sinks]
 
 
-@pytest.mark.parametrize("transport", ["tcp", "local"])
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "local"])
 def test_continuous_batching_with_micro_batches_on_real_hosts_equals_the_model(tiny_store, hosts, transport):
     # Every forward splits (one token per micro-batch is enough): prefills in two packed groups,
     # decode steps in two ranges of rows, both micro-batches' calls on the same hosts' channels.

@@ -64,7 +64,7 @@ def test_app_from_args_reads_the_knobs_file_and_the_hosts(tmp_path, monkeypatch)
     assert serve.knobs.predictor == "history" and serve.knobs.keep_alive_s == 7.0
     assert config_from_args({"hosts": "c:3", "model": "tiny:mixtral"}).host_addresses == ("c:3",)
     assert serve.transport == "auto" and config_from_args({"hosts": "c:3", "transport": "tcp"}).transport == "tcp"
-    with pytest.raises(KnobError, match="transport 'rdma'; use one of auto, local, tcp, grpc"):
+    with pytest.raises(KnobError, match="transport 'rdma'; use one of auto, local, tcp, nixl, grpc"):
         config_from_args({"hosts": "c:3", "transport": "rdma"})
     with pytest.raises(KnobError, match="unknown key 'port'"):
         config_from_args({"port": 1})

@@ -43,7 +43,7 @@ def _batch(seed: int, vocab: int = 128):
     return ids, torch.ones_like(ids)
 
 
-@pytest.mark.parametrize("transport", ["local", "tcp", "grpc"])
+@pytest.mark.parametrize("transport", ["local", "tcp", "nixl", "grpc"])
 def test_each_model_on_shared_hosts_equals_itself_alone(two_models, transport):
     models, group = two_models
     for i, (name, model) in enumerate(models.items()):

@@ -64,6 +64,6 @@ k8s://{{ .Release.Namespace }}/{{ include "moeless.policyName" . }}:{{ $h.grpcPo
 {{/* serving.transport, checked: how the serving pods' expert calls reach the hosts (`moeless serve --transport`). */}}
 {{- define "moeless.transport" -}}
 {{- $t := toString .Values.serving.transport -}}
-{{- if not (has $t (list "auto" "local" "tcp" "grpc")) -}}{{ fail (printf "serving.transport: %q is not one of auto, local, tcp, grpc" $t) }}{{- end -}}
+{{- if not (has $t (list "auto" "local" "tcp" "nixl" "grpc")) -}}{{ fail (printf "serving.transport: %q is not one of auto, local, tcp, nixl, grpc" $t) }}{{- end -}}
 {{- $t -}}
 {{- end -}}
