@@ -56,7 +56,7 @@ class HostClient(Protocol):
 
     @property
     def path(self) -> str:
-        """The data path calls take: "local" (shared memory), "tcp", "grpc" or "unopened" (not called yet)."""
+        """The data path calls take: "local" (shared memory), "tcp", "nixl", "grpc" or "unopened" (not called yet)."""
         ...
 
 

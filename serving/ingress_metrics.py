@@ -43,12 +43,12 @@ class IngressMetrics:
                                      registry=self.registry)
         self.model_wake_loads = Counter("moeless_model_wake_cold_starts", "replicas loaded for the first token of "
                                         "the requests that woke their model", ["model"], registry=self.registry)
-        self.paths = Gauge("moeless_expert_host_path", "1 for the data path (local: shared memory, tcp, grpc) the "
+        self.paths = Gauge("moeless_expert_host_path", "1 for the data path (local: shared memory, tcp, nixl, grpc) the "
                            "serving replica's calls to the expert host in this slot take", ["slot", "path"],
                            registry=self.registry)
 
     def set_paths(self, paths: dict) -> None:
-        """From a replica's stats: slot -> "local" | "tcp" | "grpc"."""
+        """From a replica's stats: slot -> "local" | "tcp" | "nixl" | "grpc"."""
         self.paths.clear()
         for slot, path in paths.items():
             self.paths.labels(str(slot), path).set(1)
