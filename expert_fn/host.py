@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from moeless.expert_fn.gpu import detect_device
@@ -29,7 +30,7 @@ from moeless.expert_fn.options import COMPUTE_DTYPES, add_tier_arguments
 from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S
 
 log = logging.getLogger("moeless.expert_fn.host")
-
+REPLY_LINGER_S = 0.5  # after the last call of a drain: time for its reply to be read before the server closes
 
 def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
@@ -159,12 +160,19 @@ def serve(args: argparse.Namespace) -> int:
     #    its first) changes nothing now: ignored, also through interpreter shutdown, where Python
     #    puts its own handlers back to the default and the signal would kill the host (exit -15).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    runtime.health = "draining"
+    runtime.health = "draining"  # new data calls are refused from now on, on every channel
     log.info("draining (up to %.1f s)", args.drain_s)
-    stopped = server.stop(grace=args.drain_s)
+    # gRPC's stop() closes each connection once its calls end, and a large reply still unread by
+    # the client then meets a reset (its unread flow-control frames make the close an RST): so the
+    # calls in flight finish and their replies get a moment to be read before the server stops.
+    deadline = time.monotonic() + args.drain_s
+    while runtime.inflight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(max(0.0, min(REPLY_LINGER_S, deadline - time.monotonic())))
+    stopped = server.stop(grace=max(0.0, deadline - time.monotonic()))
     for channel in (local, tcp):
         if channel:
-            channel.close(args.drain_s)
+            channel.close(max(0.0, deadline - time.monotonic()))
     stopped.wait()
     runtime.close()
     if http:

@@ -144,13 +144,15 @@ class NixlLink:
         with _as_nixl_error(f"a NIXL WRITE to {self._peer}"):
             self._finish_write(timeout_s, peer_gone)
 
-    def _finish_write(self, timeout_s: float, peer_gone: Callable[[], bool]) -> None:
+    def _finish_write(self, timeout_s: float, peer_gone: Callable[[], bool], fail: bool = True) -> None:
         if self._writing is None:
             return
         deadline = time.monotonic() + timeout_s
         state = self._agent.check_xfer_state(self._writing)
         while state == "PROC":
             if time.monotonic() > deadline or peer_gone():
+                if not fail:
+                    return
                 self._release()
                 raise NixlError(f"a NIXL WRITE to {self._peer} did not finish "
                                 + ("(the peer left)" if peer_gone() else f"within {timeout_s} s"))
@@ -159,6 +161,14 @@ class NixlLink:
         self._release()
         if state != "DONE":
             raise NixlError(f"a NIXL WRITE to {self._peer} ended in state {state}")
+
+    def finish_write_within(self, seconds: float) -> None:
+        """Drive the posted WRITE for up to `seconds` (no error if it is still going: finish_write
+        waits for it later). Before ringing the doorbell: the peer then finds the data and its
+        notification in place instead of spinning for them; bounded, since on some UCX transports
+        the WRITE completes only once the peer drives it too."""
+        with _as_nixl_error(f"a NIXL WRITE to {self._peer}"):
+            self._finish_write(seconds, lambda: False, fail=False)
 
     def wait_note(self, note: bytes, timeout_s: float, peer_gone: Callable[[], bool] = lambda: False) -> None:
         """Wait for the peer's WRITE that carries `note` to have landed here (its notification);

@@ -195,6 +195,11 @@ class ExpertHostRuntime:
         log.info("keep-alive now %g s", keep_alive_s)
         return keep_alive_s
 
+    @property
+    def inflight(self) -> int:
+        """Calls computing now (a drain waits for them)."""
+        return self._inflight
+
     def status(self) -> dict:
         """Host facts, every replica seen (state, bytes, GB·s, counts), the host's totals, the
         cold-start meters ("cold": per layer hidden / exposed seconds) and the host tier's counters."""

@@ -14,7 +14,14 @@ from moeless.expert_fn import expert_host_pb2 as pb
 from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
 from moeless.expert_fn.codec import batches_from_proto, put_batches
 from moeless.expert_fn.model_stores import ModelRange
-from moeless.expert_fn.errors import ERROR_KEY, BadRequest, ExpertHostError, HostMemoryFull, ReplicaLoadError
+from moeless.expert_fn.errors import (
+    ERROR_KEY,
+    BadRequest,
+    ExpertHostError,
+    ExpertHostUnavailable,
+    HostMemoryFull,
+    ReplicaLoadError,
+)
 from moeless.expert_fn.routed import decode_call, encode_reply, raw_bytes, run_routed
 from moeless.expert_fn.runtime import ExpertHostRuntime
 
@@ -55,6 +62,7 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
 
     def Invoke(self, request: pb.InvokeRequest, context: grpc.ServicerContext) -> pb.InvokeReply:
         try:
+            self._serving()
             result = self.runtime.invoke(request.layer, batches_from_proto(request.batches))
         except ExpertHostError as err:
             _abort(context, err)
@@ -64,11 +72,17 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
 
     def InvokeRouted(self, request: pb.RoutedFrame, context: grpc.ServicerContext) -> pb.RoutedFrame:
         try:
+            self._serving()
             call = decode_call(bytearray(request.frame))
             z, cold, compute = run_routed(self.runtime, call)
         except ExpertHostError as err:
             _abort(context, err)
         return pb.RoutedFrame(frame=encode_reply(call.head.call_id, z, cold, compute) + raw_bytes(z))
+
+    def _serving(self) -> None:
+        """Refuse a data call unless the host serves (a draining host finishes only what it runs)."""
+        if self.runtime.health != "serving":
+            raise ExpertHostUnavailable(f"expert host is {self.runtime.health}; route to another host")
 
     def LocalChannel(self, request: pb.LocalChannelRequest, context: grpc.ServicerContext) -> pb.LocalChannelReply:
         return pb.LocalChannelReply(socket=self.local_channel, tcp_port=self.tcp_port, models=self.models)

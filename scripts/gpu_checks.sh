@@ -8,6 +8,11 @@
 #   .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .whl .
 #   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl grpcio==1.85.1 protobuf==7.36.2 grpcio-reflection==1.85.1
+# and NIXL (transport nixl; bench transport then adds its nixl and nixl_device rows): its 69 MB wheel is
+# over the 64 MiB a run carries, and its nixl_ep_cu12 kernels (3 x 36 MB, for NIXL's own expert
+# dispatch, which moeless does not import) come out, leaving 31 MB:
+#   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl nixl-cu12==1.5.1 && zip -q -d .whl/nixl_cu12-*.whl 'nixl_ep_cu12/*'
 # then run `bash scripts/gpu_checks.sh [STEP...]` there with .whl carried; steps: planner, forward,
 # transport, mps (default: all). Results land in $OUT: gpu_checks.log and one JSON file per run.
 set -u

@@ -11,10 +11,10 @@ from moeless.model.weight_store import export_store
 def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkeypatch):
     monkeypatch.setenv("MOELESS_CACHE", str(tmp_path))
     result = run_bench("tiny:mixtral", hosts=2, prompts=2, prompt_tokens=16, max_tokens=3, batch=2, micro_batch_tokens=1)
-    paths = {"in_process_1_threads", "in_process_2_threads", "expert_functions_local", "expert_functions_tcp",
-             "expert_functions_grpc"}
+    remote = ("expert_functions_local", "expert_functions_tcp", "expert_functions_nixl", "expert_functions_grpc")
+    paths = {"in_process_1_threads", "in_process_2_threads", *remote}
     assert set(result["identical_outputs"]) == paths and result["layer_calls"] > 0
-    for name in ("in_process_1_threads", "expert_functions_local", "expert_functions_tcp", "expert_functions_grpc"):
+    for name in ("in_process_1_threads", *remote):
         assert result["identical_outputs"][name] and result["mismatches"][name] == 0
     for name in paths:
         assert result["tokens_per_s"][name] > 0
@@ -28,11 +28,11 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
     assert min(result["ratio_to_best_in_process"][n]["decode"] for n in paths if n.startswith("in_process")) == 1.0
     # each path alone generates what the paired run generated, every call timed
     assert set(result["alone_moe_layer_ms"]) == paths
-    for name in ("in_process_1_threads", "expert_functions_local", "expert_functions_tcp", "expert_functions_grpc"):
+    for name in ("in_process_1_threads", *remote):
         assert result["alone_generations_differing"][name] == 0
         assert result["alone_moe_layer_ms"][name]["all"]["calls"] == result["moe_layer_ms"][name]["all"]["calls"]
     assert min(result["alone_ratio_to_best_in_process"][n]["decode"] for n in paths if n.startswith("in_process")) == 1.0
-    for transport in ("local", "tcp", "grpc"):
+    for transport in ("local", "tcp", "nixl", "grpc"):
         pingpong = result["pingpong"][transport]  # twin/overlap.py on this run's figures
         assert 0 < pingpong["pingpong_ms_per_layer"] and 0 <= pingpong["hidden_fraction"] <= 1
         breakdown = result["breakdown_ms_per_layer"][transport]
@@ -54,7 +54,7 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
     wire = result["wire_per_layer_call"]  # each token once per host: fewer rows out than (token, expert) pairs
     assert 0 < wire["rows_sent"] < wire["pairs"] and 0 < wire["ratio_to_one_row_per_pair"] < 1
     for name in ("round_trip_decode", "round_trip_prefill"):
-        assert set(result["round_trip_us"][name]) == {"local", "tcp", "grpc"}
+        assert set(result["round_trip_us"][name]) == {"local", "tcp", "nixl", "grpc"}
         assert all(0 < row["p50"] <= row["p90"] for row in result["round_trip_us"][name].values())
 
 
