@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 HELLO = struct.Struct("<4sIQ20x")  # b"MRH1", the offer's bytes (they follow), the link's capacity: HEAD.size long
 HELLO_MAGIC = b"MRH1"
 MAX_OFFER_BYTES = 1 << 20
-REPLY_WRITE_HEAD_START_S = 0.002  # z's WRITE driven this long before the reply head goes (nixl_link.finish_write_within)
 
 
 class TcpServer:
@@ -140,7 +139,6 @@ class TcpServer:
             return
         if head.apart:
             link.post_write(1, z.numel() * z.element_size(), note(head.call_id))
-            link.finish_write_within(REPLY_WRITE_HEAD_START_S)
             conn.sendall(encode_reply(head.call_id, z, cold, compute, apart=True))
             link.finish_write(30.0, lambda: peer_gone(conn))  # the client's wait for the note drives UCX meanwhile
             return
