@@ -123,9 +123,10 @@ def test_a_reply_that_is_not_a_frame_is_an_error_naming_the_host_and_the_call():
     listener.close()
 
 
-def test_a_host_killed_mid_call_is_unavailable_and_reached_again_after_a_restart(store):
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])  # nixl: the 12.8 MB call goes through its link
+def test_a_host_killed_mid_call_is_unavailable_and_reached_again_after_a_restart(store, transport):
     with launch_local_hosts(1, store.root, metrics=False) as group:
-        client = ExpertHostClient(group.addresses[0], transport="tcp", timeout_s=30)
+        client = ExpertHostClient(group.addresses[0], transport=transport, timeout_s=30)
         x = torch.randn(4, HIDDEN)
         call = RoutedCall.packed(0, [0], [4], torch.arange(4))
         client.submit(call, x).result()
@@ -140,7 +141,7 @@ def test_a_host_killed_mid_call_is_unavailable_and_reached_again_after_a_restart
         assert time.monotonic() - started < 5.0
         group.restart(0)
         z = answer_after_restart(client, call, x)
-        assert client.path == "tcp"
+        assert client.path == transport
         torch.testing.assert_close(z, expert_forward(store.load(0, 0), x), rtol=1e-5, atol=1e-6)
         client.close()
 
