@@ -15,10 +15,11 @@ into the link's buffer, WRITEs them into the host's and sends only the head and 
 on the socket; the host WRITEs z back, and result.z is a view of the link's buffer. A call whose
 rows or z exceed nixl_bytes goes as a plain frame. A host that cannot take the offer (no nixl
 there, or turned off) is an ExpertHostError that says so; a transfer that fails breaks the
-channel (ExpertHostUnavailable), as a dead socket does. One call at a time per channel (a lock spans submit .. result); z stays
-valid until the next submit. A dead host (EOF, reset, refused) or a timeout raises
-ExpertHostUnavailable, and the channel is then broken for good: the caller opens a new one once
-the host is back. A reply that is not a frame of ours, or answers another call, is an
+channel (ExpertHostUnavailable), as a dead socket does.
+
+One call at a time per channel (a lock spans submit .. result); z stays valid until the next
+submit. A dead host (EOF, reset, refused) or a timeout raises ExpertHostUnavailable, and the
+channel is then broken for good: the caller opens a new one once the host is back. A reply that is not a frame of ours, or answers another call, is an
 ExpertHostError naming the host and the call, and breaks the channel too.
 """
 

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 HELLO = struct.Struct("<4sIQ20x")  # b"MRH1", the offer's bytes (they follow), the link's capacity: HEAD.size long
 HELLO_MAGIC = b"MRH1"
 MAX_OFFER_BYTES = 1 << 20
+MAX_LINK_BYTES = 1 << 30  # a client may ask for a link of up to this many bytes per region (the host allocates it)
 
 
 class TcpServer:
@@ -103,6 +104,8 @@ class TcpServer:
         if link is not None:
             link.close()
         why = "NIXL is turned off on this expert host (expert-host --no-nixl)" if not self.nixl else unavailable()
+        if why is None and not 0 < capacity <= MAX_LINK_BYTES:
+            why = f"a NIXL link of {capacity} bytes per region; ask for 1 to {MAX_LINK_BYTES}"
         if why is not None:
             conn.sendall(encode_error(0, BadRequest.kind, why))
             return None

@@ -22,7 +22,7 @@ from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.nixl_link import NixlError, NixlLink
 from moeless.expert_fn.routed import HEAD, REPLY, RoutedCall, decode_reply_head, lists_bytes
 from moeless.expert_fn.tcp_channel import TcpChannel
-from moeless.expert_fn.tcp_server import receive_into
+from moeless.expert_fn.tcp_server import HELLO, HELLO_MAGIC, receive_into
 from moeless.model.experts import expert_forward
 
 from expert_fn_support import HIDDEN, answer_after_restart
@@ -217,6 +217,23 @@ def test_a_host_without_nixl_says_so_and_plain_tcp_still_works(store):
         with ExpertHostClient(group.addresses[0], transport="tcp") as client:
             torch.testing.assert_close(client.submit(call, x).result().z, expert_forward(store.load(0, 0), x),
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_a_link_larger_than_the_host_allows_is_refused_by_name_and_the_connection_goes_on(hosts):
+    with ExpertHostClient(hosts.addresses[0], transport="tcp") as probe:
+        port = _tcp_port(probe)
+    with socket.create_connection((hosts.addresses[0].rpartition(":")[0], port), timeout=10) as peer:
+        peer.sendall(HELLO.pack(HELLO_MAGIC, 5, (1 << 30) + 1) + b"offer")  # the host allocates nothing for it
+        head = bytearray(REPLY.size)
+        assert receive_into(peer, memoryview(head))
+        reply = decode_reply_head(head)
+        text = bytearray(reply.body_bytes)
+        assert receive_into(peer, memoryview(text))
+        assert not reply.ok and b"a NIXL link of 1073741825 bytes per region; ask for 1 to 1073741824" in text
+        x = torch.randn(2, HIDDEN)  # a plain frame on the same connection is answered
+        peer.sendall(lists_bytes(6, RoutedCall.packed(0, [0], [2], torch.arange(2)), HIDDEN, torch.float32)
+                     + x.numpy().tobytes())
+        assert receive_into(peer, memoryview(head)) and decode_reply_head(head).ok
 
 
 def test_a_link_refuses_an_offer_that_is_not_one():
