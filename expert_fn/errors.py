@@ -40,3 +40,10 @@ class BadRequest(ExpertHostError, ValueError):
 
 
 ERRORS_BY_KIND = {cls.kind: cls for cls in (ExpertHostError, ExpertHostUnavailable, ReplicaLoadError, HostMemoryFull, BadRequest)}
+
+
+def refuse_unless_serving(health: str) -> None:
+    """A data call's first check on every channel: ExpertHostUnavailable unless the host's health is
+    "serving" (a starting host has nothing to run yet; a draining one finishes only what it runs)."""
+    if health != "serving":
+        raise ExpertHostUnavailable(f"expert host is {health}; route to another host")

@@ -34,7 +34,7 @@ import uuid
 import torch
 
 from moeless.expert_fn.cuda_ipc import DESCRIPTION_MAGIC, MAX_DESCRIPTION_BYTES, DeviceBufferError, open_described
-from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
+from moeless.expert_fn.errors import BadRequest, ExpertHostError, refuse_unless_serving
 from moeless.expert_fn.listener import Listener
 from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S, Poller
 from moeless.expert_fn.routed import HEAD, Head, decode_body, decode_head, encode_error, encode_reply, run_routed
@@ -129,8 +129,7 @@ def answer(runtime, msg: bytes, buffer: mmap.mmap | None) -> bytes:
         if frame_bytes > size or z_at < frame_bytes or z_at % head.item or z_at + z_bytes > size:
             raise BadRequest(f"routed call {call_id} (layer {head.layer}): its {frame_bytes}-byte frame and z "
                              f"({z_bytes} bytes at {z_at}) do not fit the shared buffer of {size} bytes")
-        if runtime.health != "serving":
-            raise ExpertHostUnavailable(f"expert host is {runtime.health}; route to another host")
+        refuse_unless_serving(runtime.health)
         call = decode_body(head, shared[HEAD.size:frame_bytes])
         z = torch.frombuffer(shared, dtype=head.dtype, offset=z_at, count=z_bytes // head.item) \
             if z_bytes else torch.empty(0, dtype=head.dtype)
@@ -163,8 +162,7 @@ def answer_device(runtime, msg: bytes, buffer: mmap.mmap | None, gpu_buffer) -> 
         if not inside or overlap or x_at % head.item or z_at % head.item:
             raise BadRequest(f"{where}: x ({x_bytes} bytes at {x_at}) and z ({z_bytes} bytes at {z_at}) do not fit "
                              f"apart in the device buffer of {gpu_buffer.numel()} bytes")
-        if runtime.health != "serving":
-            raise ExpertHostUnavailable(f"expert host is {runtime.health}; route to another host")
+        refuse_unless_serving(runtime.health)
         x = gpu_buffer[x_at:x_at + x_bytes].view(head.dtype).view(head.rows, head.hidden)
         call = decode_body(head, shared[HEAD.size:lists_bytes], x=x)
         z = gpu_buffer[z_at:z_at + z_bytes].view(head.dtype).view(head.n_out, head.hidden)

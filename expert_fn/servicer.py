@@ -18,9 +18,9 @@ from moeless.expert_fn.errors import (
     ERROR_KEY,
     BadRequest,
     ExpertHostError,
-    ExpertHostUnavailable,
     HostMemoryFull,
     ReplicaLoadError,
+    refuse_unless_serving,
 )
 from moeless.expert_fn.routed import decode_call, encode_reply, raw_bytes, run_routed
 from moeless.expert_fn.runtime import ExpertHostRuntime
@@ -62,7 +62,7 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
 
     def Invoke(self, request: pb.InvokeRequest, context: grpc.ServicerContext) -> pb.InvokeReply:
         try:
-            self._serving()
+            refuse_unless_serving(self.runtime.health)
             result = self.runtime.invoke(request.layer, batches_from_proto(request.batches))
         except ExpertHostError as err:
             _abort(context, err)
@@ -72,17 +72,12 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
 
     def InvokeRouted(self, request: pb.RoutedFrame, context: grpc.ServicerContext) -> pb.RoutedFrame:
         try:
-            self._serving()
+            refuse_unless_serving(self.runtime.health)
             call = decode_call(bytearray(request.frame))
             z, cold, compute = run_routed(self.runtime, call)
         except ExpertHostError as err:
             _abort(context, err)
         return pb.RoutedFrame(frame=encode_reply(call.head.call_id, z, cold, compute) + raw_bytes(z))
-
-    def _serving(self) -> None:
-        """Refuse a data call unless the host serves (a draining host finishes only what it runs)."""
-        if self.runtime.health != "serving":
-            raise ExpertHostUnavailable(f"expert host is {self.runtime.health}; route to another host")
 
     def LocalChannel(self, request: pb.LocalChannelRequest, context: grpc.ServicerContext) -> pb.LocalChannelReply:
         return pb.LocalChannelReply(socket=self.local_channel, tcp_port=self.tcp_port, models=self.models)

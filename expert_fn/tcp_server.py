@@ -29,7 +29,7 @@ import struct
 
 import torch
 
-from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
+from moeless.expert_fn.errors import BadRequest, ExpertHostError, refuse_unless_serving
 from moeless.expert_fn.listener import Listener
 from moeless.expert_fn.nixl_link import NixlError, NixlLink, unavailable
 from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S, Poller
@@ -125,8 +125,7 @@ class TcpServer:
         if head.apart and link is not None:
             link.wait_note(note(head.call_id), 30.0, lambda: peer_gone(conn))  # the rows have landed (waiting drives UCX)
         try:
-            if self.runtime.health != "serving":
-                raise ExpertHostUnavailable(f"expert host is {self.runtime.health}; route to another host")
+            refuse_unless_serving(self.runtime.health)
             if not head.apart:
                 z, cold, compute = run_routed(self.runtime, decode_body(head, body))
             else:
