@@ -46,6 +46,13 @@ class Routing:
     weight: torch.Tensor
     logits: torch.Tensor
 
+    def on_cpu(self) -> "Routing":
+        """This routing with idx and weight in host memory, where the planners read them as numpy
+        arrays (one copy each from a GPU); itself when they are there already."""
+        if self.idx.device.type == "cpu" and self.weight.device.type == "cpu":
+            return self
+        return Routing(idx=self.idx.cpu(), weight=self.weight.cpu(), logits=self.logits)
+
 
 class ExpertExecutor(Protocol):
     """Runs the routed experts of one layer; the only thing that differs between the in-process

@@ -154,6 +154,17 @@ class MoEModel:
         """The in-process reference executor over this model's own expert weights."""
         return LocalExecutor(self.expert_weights, self.spec.act)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (the non-expert layers', once the experts are dropped)."""
+        return next(self.hf.parameters()).device
+
+    def to(self, device: str | torch.device) -> "MoEModel":
+        """Move the model to `device` (e.g. "cuda:0"); forward then takes its inputs there. Drop
+        the experts first where only the non-expert layers should take the device's memory."""
+        self.hf.to(device)
+        return self
+
     def drop_experts(self) -> None:
         """Free the routed experts' weights; forward then needs a remote executor."""
         for block in self._blocks:
@@ -172,7 +183,11 @@ class MoEModel:
         position_ids: torch.Tensor | None = None,
     ):
         """One iteration. input_ids: [B, S]; attention_mask: [B, past + S] -> the HF output
-        (.logits [B, S, V], .past_key_values)."""
+        (.logits [B, S, V], .past_key_values) on the model's device, where the inputs are moved."""
+        device = self.device
+        input_ids = input_ids.to(device)
+        attention_mask = None if attention_mask is None else attention_mask.to(device)
+        position_ids = None if position_ids is None else position_ids.to(device)
         mask = None if attention_mask is None else attention_mask[:, -input_ids.shape[1]:].reshape(-1).bool()
         call = _Forward(executor or self.local_executor(), mask, self._captures.get(threading.get_ident()))
         if call.capture is not None:
@@ -211,12 +226,14 @@ class MoEModel:
         eos_token_id: int | None = None,
     ) -> torch.Tensor:
         """Greedy decoding with a KV cache. ids: [B, S] (left-padded when attention_mask is given)
-        -> [B, S + N], N <= max_new_tokens. Each step is one forward call (one capture iteration).
+        -> [B, S + N] on the model's device, N <= max_new_tokens. Each step is one forward call
+        (one capture iteration).
 
         With eos_token_id, stops once every sequence has produced it (tokens a sequence
         generates after its own EOS are greedy continuations, not padding).
         """
-        mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+        ids = ids.to(self.device)
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(ids.device)
         out, step_ids, cache = ids, ids, None
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         for _ in range(max_new_tokens):

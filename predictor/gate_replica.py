@@ -48,6 +48,12 @@ class ModulePredictor:
     def observe(self, loads: np.ndarray, trajectory: np.ndarray) -> None:
         """Stateless: predictions depend on the current hidden states only."""
 
+    def to(self, device: str | torch.device) -> "ModulePredictor":
+        """Move the modules to `device`, where the hidden states they read are (a GPU replica's)."""
+        for module in self.modules.values():
+            module.to(device)
+        return self
+
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for m in self.modules.values() for p in m.parameters())
 

@@ -14,10 +14,10 @@
 #   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .whl nixl-cu12==1.5.1 && zip -q -d .whl/nixl_cu12-*.whl 'nixl_ep_cu12/*'
 # then run `bash scripts/gpu_checks.sh [STEP...]` there with .whl carried; steps: planner, forward,
-# transport, mps (default: all). Results land in $OUT: gpu_checks.log and one JSON file per run.
+# transport, mps, serving (default: all). Results land in $OUT: gpu_checks.log and one JSON file per run.
 set -u
 OUT=${OUT:-/tmp/moeless-gpu}
-STEPS=${*:-planner forward transport mps}
+STEPS=${*:-planner forward transport mps serving}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_checks.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --ignore-requires-python \
@@ -48,3 +48,7 @@ if step mps && command -v nvidia-cuda-mps-control >/dev/null; then
       --compute-dtype store --out "$OUT/transport-store-mps"
   echo quit | nvidia-cuda-mps-control
 fi
+# 5. A serving replica on the GPU (`moeless serve --device cuda` without Ray): its experts on local
+#    hosts over every transport, each layer call bit-identical to in-process on the GPU, the tokens
+#    equal, the logits the unmodified model's; the MoE layer's ratio to in-process per phase.
+step serving && timeout 150 python3 "$OLDPWD/scripts/gpu_serving_check.py" --device cuda --out "$OUT/serving"

@@ -14,6 +14,7 @@ a 503 that says so.
 """
 
 import asyncio
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
@@ -55,6 +56,14 @@ class ModelServer:
         if config.plan_loop:  # before drop_experts: a predictor file is checked against the whole model
             runtime = build_predictor(model, config.knobs.predictor, config.knobs.distance, config.predictor_file)
         model.drop_experts()
+        if config.device != "cpu":  # after the drop: only the non-expert layers take the GPU's memory
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"replica on {config.device}: Ray gave this replica no GPU it can see "
+                                   f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); check the "
+                                   "node's GPUs and the replica's num_gpus, or serve with --device cpu")
+            model.to(config.device)
+            if runtime is not None:
+                runtime.primary.to(config.device)
         spec = model.spec
         self.pool, self.pool_follower = follow_pool(
             config.pool_source,
@@ -212,7 +221,7 @@ def build_app(configs: ServeConfig | list[ServeConfig]):
         name = "ModelServer" if len(configs) == 1 else f"ModelServer-{i}"
         servers[config.model_name] = ModelServer.options(
             name=name, num_replicas=config.num_replicas, max_ongoing_requests=ongoing,
-            ray_actor_options={"num_cpus": config.replica_cpus}).bind(config)
+            ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus}).bind(config)
         admitted += config.num_replicas * ongoing
     # The ingress holds each streamed request until its last token: it must admit every request the
     # servers can take (Ray Serve's default of 5 ongoing would cap the running batch at 5), plus

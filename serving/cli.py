@@ -10,6 +10,7 @@ from typing import Callable
 from moeless.controller.knobs import KnobError, add_knob_flags, knobs_from_args
 from moeless.expert_fn.options import TRANSPORTS
 
+DEVICES = ("cpu", "cuda")  # where a serving replica runs the non-expert layers (ServeConfig.device)
 MODEL_HELP = "'default' (SmolLM2-135M turned MoE; built and cached on first use), 'tiny:ARCH' (a random test model, e.g. tiny:mixtral) or a model directory"
 
 
@@ -55,6 +56,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                        help="the data plane's busy-poll: expert calls spin this many microseconds for their answer "
                             "(and local hosts for the next call) before blocking; worth it where cores are to spare "
                             "(default 0: block at once)")
+    serve.add_argument("--device", choices=DEVICES, default="cpu",
+                       help="where each replica runs the non-expert layers: cpu (default) or cuda (a GPU per replica, or "
+                            "an equal share where there are fewer; local expert hosts compute on GPU 0)")
     serve.add_argument("--transport", choices=TRANSPORTS, default="auto",
                        help="how expert calls reach the hosts: auto (shared memory to a host on this machine, else "
                             "TCP, else gRPC), or one of them for every host; nixl: TCP with the rows moved by NIXL "
@@ -128,7 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
                        profile=profile, predictor_file=args.predictor_file, batching=args.batching, limits=limits,
                        max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo, poll_s=args.poll_us / 1e6,
                        knob_file=args.config, transport=args.transport, micro_batches=args.micro_batches,
-                       micro_batch_tokens=args.micro_batch_tokens)
+                       micro_batch_tokens=args.micro_batch_tokens, device=args.device)
     except (KnobError, ProfileError) as err:
         print(f"moeless serve: {err}", file=sys.stderr)
         return 2

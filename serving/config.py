@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import torch
+
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.controller.planning.names import BOARD_NAME, LOOP_NAME
 from moeless.controller.pool.addresses import HOSTS_ENV
@@ -19,6 +21,7 @@ from moeless.model.default import default_model
 from moeless.model.hf_loader import load_moe_model
 from moeless.model.tiny import tiny_model
 from moeless.placement.types import Placement
+from moeless.serving.cli import DEVICES
 from moeless.serving.pingpong import check_split
 from moeless.serving.scheduler import BatchLimits
 
@@ -35,6 +38,11 @@ class ServeConfig:
     placement: Placement | None = None  # default: static, one replica per expert
     num_replicas: int = 1
     replica_cpus: float = 0.5
+    # Where each replica runs the non-expert layers; on "cuda" Ray gives it replica_gpus of a GPU
+    # (Ray hides the GPUs from an actor that asks for none). replica_gpus_for picks both from a
+    # device name.
+    device: str = "cpu"
+    replica_gpus: float = 0.0
     ingress_cpus: float = 0.25
     torch_threads: int = 1
     batching: str = "continuous"  # or "static" (the baseline)
@@ -74,8 +82,30 @@ class ServeConfig:
         if self.batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {self.batching!r}")
         check_split(self.micro_batches, self.micro_batch_tokens)
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if (self.device == "cuda") != (self.replica_gpus > 0):
+            raise ValueError(f"a replica on {self.device} needs replica_gpus {'> 0' if self.device == 'cuda' else '0'}, "
+                             f"got {self.replica_gpus}")
         if self.plan_loop and not (self.knobs and self.placement_board):
             raise ValueError("the live loop (plan_loop) needs knobs and a placement_board to publish on")
+
+
+def replica_gpus_for(device: str, replicas: int, visible: int | None = None) -> float:
+    """The share of a GPU each of `replicas` replicas asks Ray for on `device`: 0 on the CPU; on
+    "cuda" one GPU each where there are enough, else an equal share of the ones visible here
+    (`visible`, default torch's count), so that every replica starts. KnobError without a GPU."""
+    if device not in DEVICES:
+        raise KnobError(f"device {device!r}: use one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return 0.0
+    if visible is None:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < 1:
+        raise KnobError("device cuda: this machine shows no CUDA GPU to torch (check nvidia-smi, CUDA_VISIBLE_DEVICES "
+                        "and that torch is a CUDA build, not the CPU one scripts/install.sh installs); or serve on the CPU: "
+                        "--device cpu")
+    return min(1.0, visible / replicas)
 
 
 @dataclass(frozen=True)
@@ -105,9 +135,10 @@ def config_from_args(args: Mapping[str, Any]):
     "model": "default" | "tiny:ARCH" | DIR (default "default"), "hosts": "host:port,..." or a pool
     such as "k8s://NS/POLICY:PORT?slots=N" (default: $MOELESS_EXPERT_HOSTS; controller/pool/sources.py),
     "replicas": serving replicas (default 1), "transport": auto | local | tcp | nixl | grpc (default auto),
-    "micro_batches" (default 1), "micro_batch_tokens" (default 256): ping-pong}; the loop runs as in
-    `moeless serve`. Raises KnobError for a bad value (the message names it)."""
-    known = ("config", "model", "hosts", "replicas", "transport", "micro_batches", "micro_batch_tokens")
+    "micro_batches" (default 1), "micro_batch_tokens" (default 256): ping-pong, "device": cpu | cuda
+    (default cpu; cuda: one GPU per replica)}; the loop runs as in `moeless serve`. Raises KnobError for
+    a bad value (the message names it)."""
+    known = ("config", "model", "hosts", "replicas", "transport", "micro_batches", "micro_batch_tokens", "device")
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise KnobError(f"application args: unknown key {unknown[0]!r}; known: {', '.join(known)}")
@@ -121,6 +152,9 @@ def config_from_args(args: Mapping[str, Any]):
         check_split(**split)
     except ValueError as err:
         raise KnobError(f"application args: {err}") from None
+    device = str(args.get("device", "cpu"))
+    if device not in DEVICES:
+        raise KnobError(f"application args: device {device!r}; use one of {', '.join(DEVICES)}")
     knobs = Knobs.from_yaml(args["config"]) if args.get("config") else Knobs()
     hosts = args.get("hosts") or os.environ.get(HOSTS_ENV)
     if not hosts:
@@ -131,4 +165,5 @@ def config_from_args(args: Mapping[str, Any]):
     return ServeConfig(choice.name, choice.loader, source.addresses if fixed else (), pool=None if fixed else source,
                        num_replicas=int(args.get("replicas", 1)), placement_board=BOARD_NAME, knobs=knobs,
                        plan_loop=LOOP_NAME, knob_file=args.get("config") or None, transport=transport,
-                       host_model=getattr(source, "model", None), **split)
+                       host_model=getattr(source, "model", None), device=device,
+                       replica_gpus=1.0 if device == "cuda" else 0.0, **split)

@@ -37,7 +37,7 @@ from moeless.controller.pool.sources import FileSource, pool_source, write_membe
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.weight_store import export_store
 from moeless.serving.app import build_app
-from moeless.serving.config import ServeConfig, choose_model
+from moeless.serving.config import ServeConfig, choose_model, replica_gpus_for
 from moeless.serving.scheduler import BatchLimits
 from moeless.serving.shutdown import SIGNAL_NAME, drain_replicas
 from moeless.serving.supervisor import HostSupervisor
@@ -55,7 +55,8 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                    bind: str = "127.0.0.1", knobs=None, profile=None, predictor_file: str | None = None, batching: str = "continuous",
                    limits=None, max_batch: int = 8, drain_s: float = 30.0, demo: bool = False, poll_s: float = 0.0,
                    knob_file: str | None = None, transport: str = "auto", micro_batches: int = 1,
-                   micro_batch_tokens: int = 256, demo_question: str = DEMO_QUESTION, demo_tokens: int = 40) -> str | None:
+                   micro_batch_tokens: int = 256, demo_question: str = DEMO_QUESTION, demo_tokens: int = 40,
+                   device: str = "cpu") -> str | None:
     """Run the serving path locally (see the module docstring); returns the demo's answer. Several
     models (a list) share the local expert hosts, each with its own servers and planning loop, each
     answering by its name; the demo asks the first.
@@ -63,8 +64,12 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     at start); poll_s: the data plane's busy-poll, in the clients and the local hosts (expert_fn/polling.py);
     knob_file: the knobs' YAML (`--config`), followed while serving: an edit reaches the loop within seconds;
     transport: how the clients reach the hosts (expert_fn/client.py: auto, local, tcp or grpc);
-    micro_batches, micro_batch_tokens: ping-pong in continuous batching (ServeConfig).
+    micro_batches, micro_batch_tokens: ping-pong in continuous batching (ServeConfig); device: where
+    the replicas run the non-expert layers ("cpu" or "cuda": a GPU each, or a share where there are
+    fewer; the local expert hosts take GPU 0 where there is one, as `moeless expert-host` does).
     Raises KnobError for knobs that do not fit the model (before anything starts)."""
+    models = [model] if isinstance(model, str) else list(model)
+    replica_gpus = replica_gpus_for(device, replicas * len(models))
     import httpx
     import ray
     from ray import serve
@@ -74,7 +79,6 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     base_knobs = knobs or Knobs()
     remote = pool_source(os.environ[HOSTS_ENV]) if os.environ.get(HOSTS_ENV) else None
     stop = _stop_on_signals()
-    models = [model] if isinstance(model, str) else list(model)
     if remote and len(models) > 1:
         raise KnobError(f"{HOSTS_ENV}: several models need the local expert hosts (one pool serving them all)")
     # 1. Each model (its knobs checked) and its weight store.
@@ -113,7 +117,8 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                                        predictor_file=predictor_file if not several else None,
                                        client_poll_s=poll_s, knob_file=knob_file, transport=transport,
                                        micro_batches=micro_batches, micro_batch_tokens=micro_batch_tokens,
-                                       host_model=c.name if several else getattr(remote, "model", None))
+                                       host_model=c.name if several else getattr(remote, "model", None),
+                                       device=device, replica_gpus=replica_gpus)
                            for c, _, k, _ in served]
                 serve.run(build_app(configs), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"

@@ -181,6 +181,7 @@ class Engine:
         (it produced EOS or max_tokens tokens)."""
         # 1. Left-pad to one [B, S] batch; the mask hides the pads, positions count real tokens only.
         ids, mask = left_pad(prompts)
+        mask = mask.to(self.model.device)  # grows by the step's tokens, which the forward leaves there
         done = [False] * len(prompts)
         step_ids, cache = ids, None
         for step in range(max(max_tokens)):

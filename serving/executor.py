@@ -156,7 +156,9 @@ class RemoteExecutor:
         self._calls.last = call
 
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x: [T, H] -> [T, H], sum_j weight[t, j] * expert(layer, idx[t, j])(x[t]), on the hosts."""
+        """x: [T, H] -> [T, H], sum_j weight[t, j] * expert(layer, idx[t, j])(x[t]), on the hosts;
+        x may be on a GPU (a replica there): the answer is on x's device."""
+        routing = routing.on_cpu()  # the scatter is planned in numpy
         if self.waker is not None:
             self.waker.wait_for_hosts(lambda: bool(self.pool.clients()), lambda: bool(self.pool.not_ready()))
         self._probe_dead()
@@ -213,8 +215,9 @@ class RemoteExecutor:
                             failure = failure or err
                     invoked = time.perf_counter()
                     # 4. Gather: the hosts' rows into each token's combine slots, added in the reference's order.
-                    out = gather(plan, {h: r.z for h, r in results.items()}, x.shape[1], x.dtype) \
-                        if failure is None and not down else None
+                    # A GPU replica's answers arrive on its GPU (CUDA IPC, NIXL) or in host memory (TCP, gRPC).
+                    out = gather(plan, {h: r.z.to(x.device) for h, r in results.items()}, x.shape[1], x.dtype,
+                                 x.device) if failure is None and not down else None
                     done = time.perf_counter()
                 finally:
                     slots.close()  # before the baton comes back: the micro-batch holding it may wait for these

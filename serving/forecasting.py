@@ -116,6 +116,7 @@ class LiveExecutor:
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x: [T, H] -> [T, H] on the hosts; forecasting and reporting around the call."""
         lane = micro_batch()
+        routing = routing.on_cpu()  # the loads are counted in numpy (and the inner executor plans there)
         if layer == 0:
             self._running[lane] = _Iteration(self.num_layers, self.num_experts)
         it = self._running[lane]

@@ -182,17 +182,21 @@ def merge_small_chunks(expert: np.ndarray, counts: np.ndarray, min_rows: int) ->
     return counts
 
 
-def gather(plan: ScatterPlan, outputs: dict[int, torch.Tensor], hidden: int, dtype: torch.dtype) -> torch.Tensor:
-    """Combine the hosts' answers: outputs: host -> z [n_out, H] (its routed call's output rows)
-    -> [T, H]: each token's rank-0 row copied, then its later ranks added in rank order (ascending
-    expert), as the reference adds them (from zeros: 0 + a is a). Every token has one rank-0 row."""
-    out = torch.empty((plan.tokens, hidden), dtype=dtype)
+def gather(plan: ScatterPlan, outputs: dict[int, torch.Tensor], hidden: int, dtype: torch.dtype,
+           device: torch.device | str = "cpu") -> torch.Tensor:
+    """Combine the hosts' answers: outputs: host -> z [n_out, H] (its routed call's output rows, on
+    `device`) -> [T, H] on `device`: each token's rank-0 row copied, then its later ranks added in
+    rank order (ascending expert), as the reference adds them (from zeros: 0 + a is a). Every token
+    has one rank-0 row."""
+    out = torch.empty((plan.tokens, hidden), dtype=dtype, device=device)
+    on_cpu = out.device.type == "cpu"  # the plan's token lists are in host memory
     for g in plan.groups:  # ranks ascending; within a rank the hosts' tokens are distinct
         rows = outputs[g.host][g.rows]
+        tokens = g.tokens if on_cpu else g.tokens.to(out.device, non_blocking=True)
         if g.rank == 0:
-            out.index_copy_(0, g.tokens, rows)
+            out.index_copy_(0, tokens, rows)
         else:
-            out.index_add_(0, g.tokens, rows)
+            out.index_add_(0, tokens, rows)
     return out
 
 
