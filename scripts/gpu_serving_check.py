@@ -9,7 +9,8 @@ rows written from GPU memory; grpc):
    rotating call by call), and must be bit-identical (bench/serve_paths.PairedExecutor), each call
    timed to its end (a CUDA sync before and after: a GPU runs kernels after the call returns);
 2. continuous batching's generation over the transport alone (prefill packed, decode over
-   KVSlots) must equal the in-process one token for token;
+   KVSlots) must equal the in-process one token for token, and so must the live path's (a
+   LiveEngine forecasting every layer with gate copies on the device, as a ModelServer runs it);
 3. the remote forward's logits must match the unmodified transformers model's (float rounding:
    the MoE sums run in another order) with the same greedy tokens.
 Prints the MoE layer's p50 over each transport / in process per phase and writes JSON to --out.
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, generate_continuous
+from moeless.controller.knobs import Knobs
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.nixl_link import unavailable as nixl_unavailable
@@ -34,6 +36,7 @@ from moeless.model.tiny import TINY_ARCHS, tiny_model
 from moeless.model.weight_store import export_store
 from moeless.serving.engine import Engine
 from moeless.serving.executor import RemoteExecutor
+from moeless.serving.forecasting import LiveEngine, LiveExecutor, build_predictor
 from moeless.serving.placement_source import PlacementSource
 
 
@@ -57,7 +60,10 @@ def check(device: str, arch: str = "mixtral", hosts: int = 2, prompts: int = 4, 
     """The figures of every transport (see the module docstring); "ok": every output as promised."""
     moe = tiny_model(arch, 0)
     store = export_store(moe, f"tiny-{arch}")  # from host memory, before the move
+    knobs = Knobs()
+    runtime = build_predictor(moe, knobs.predictor, knobs.distance)  # before the move, as a ModelServer does
     moe.to(device)
+    runtime.primary.to(device)
     dev, spec = moe.device, moe.spec
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, spec.vocab_size, (prompts, prompt_tokens), generator=generator).tolist()
@@ -82,6 +88,10 @@ def check(device: str, arch: str = "mixtral", hosts: int = 2, prompts: int = 4, 
             started = time.perf_counter()
             generate_batch(Engine(moe, paired), ids, max_tokens)
             rows, _ = generate_continuous(Engine(moe, remote), ids, max_tokens)
+            reports: list = []
+            live = LiveExecutor(remote, spec.num_layers, spec.num_experts, replica="check", sink=reports.append,
+                                runtime=runtime, distance=knobs.distance)
+            live_rows, _ = generate_continuous(LiveEngine(moe, live), ids, max_tokens)
             with torch.no_grad():
                 logits = moe.forward(torch.tensor(ids), executor=remote).logits
             base, path = (paths[name].summary_ms(prompts) for name in ("in_process", transport))
@@ -90,6 +100,7 @@ def check(device: str, arch: str = "mixtral", hosts: int = 2, prompts: int = 4, 
                 "paths": sorted({c.path for c in clients}),
                 "layer_calls": paired._calls, "mismatched_calls": paired.mismatches[transport],
                 "tokens_equal": rows == reference_rows,
+                "live_tokens_equal": live_rows == reference_rows, "live_reports": len(reports),
                 "max_logit_diff_vs_transformers": float((logits - reference).abs().max()),
                 "greedy_equal_to_transformers": bool(torch.equal(logits.argmax(-1), reference.argmax(-1))),
                 "p50_ms": {phase: {"in_process": base[phase]["median"], transport: path[phase]["median"],
@@ -98,7 +109,8 @@ def check(device: str, arch: str = "mixtral", hosts: int = 2, prompts: int = 4, 
                 "seconds": time.perf_counter() - started}
             for client in clients:
                 client.close()
-    result["ok"] = all(r["mismatched_calls"] == 0 and r["tokens_equal"] and r["greedy_equal_to_transformers"]
+    result["ok"] = all(r["mismatched_calls"] == 0 and r["tokens_equal"] and r["live_tokens_equal"] and r["live_reports"]
+                       and r["greedy_equal_to_transformers"]
                        and r["max_logit_diff_vs_transformers"] < 1e-3 for r in result["transports"].values())
     return result
 
@@ -119,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios = ", ".join(f"{phase} {p[transport]:.2f} / {p['in_process']:.2f} ms = {p['ratio']:.2f}x"
                            for phase, p in r["p50_ms"].items())
         print(f"{transport:5s} paths {','.join(r['paths'])} hosts on {','.join(r['host_devices'])}: "
-              f"{r['mismatched_calls']} of {r['layer_calls']} calls differ, tokens equal {r['tokens_equal']}, "
+              f"{r['mismatched_calls']} of {r['layer_calls']} calls differ, tokens equal {r['tokens_equal']} "
+              f"(live path {r['live_tokens_equal']}, {r['live_reports']} reports), "
               f"vs transformers max |logit diff| {r['max_logit_diff_vs_transformers']:.1e} greedy equal "
               f"{r['greedy_equal_to_transformers']}; MoE layer p50 {ratios}")
     print("every output as promised" if result["ok"] else "OUTPUTS DIFFER", f"(replica on {result['device']})")

@@ -26,7 +26,8 @@ def test_a_replica_on_its_device_equals_the_model_in_process_over_every_transpor
     assert {"local", "tcp", "grpc"} <= set(result["transports"])
     for transport, r in result["transports"].items():
         assert r["layer_calls"] > 0 and r["mismatched_calls"] == 0, (transport, r)
-        assert r["tokens_equal"] and r["greedy_equal_to_transformers"], (transport, r)
+        assert r["tokens_equal"] and r["live_tokens_equal"] and r["greedy_equal_to_transformers"], (transport, r)
+        assert r["live_reports"] == 1 + 3, r  # one report per forward: the prefill, then 3 decode steps
         assert r["max_logit_diff_vs_transformers"] < 1e-3 and r["paths"] == [transport], (transport, r)
         assert set(r["p50_ms"]) == {"prefill", "decode"}, r
     assert result["ok"]
