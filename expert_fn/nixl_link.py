@@ -41,7 +41,7 @@ class NixlError(Exception):
     """A NIXL transfer failed, timed out, or a peer's offer could not be read (the message says which)."""
 
 
-def _api():
+def nixl_api():
     """NIXL's Python API module, or ImportError naming what to install."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines go to stdout
     for name in BACKENDS:
@@ -55,7 +55,7 @@ def _api():
 def unavailable() -> str | None:
     """Why NIXL cannot be used in this process (None: it can)."""
     try:
-        _api()
+        nixl_api()
     except ImportError as err:
         return str(err)
     return None
@@ -77,7 +77,7 @@ class NixlLink:
     and at most one peer."""
 
     def __init__(self, role: str, capacity: int, device: torch.device | str = "cpu"):
-        api = _api()
+        api = nixl_api()
         self.capacity = capacity
         self.name = f"moeless-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))

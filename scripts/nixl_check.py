@@ -17,15 +17,11 @@ compute in between. p50 and p90 of the round trip, in microseconds.
 3. A bare Python socket echo (TCP_NODELAY, length-prefixed, recv_into a preallocated buffer): the floor.
 Each checks that its last reply equals its request.
 
-nixl is not a dependency (~460 MB of wheels with a bundled UCX). Its own venv (torch: the CPU wheel
-via PIP_FIND_LINKS=/opt/wheels), moeless.expert_fn importable through a tree of links (the package
-folders are mapped in pyproject.toml; ../shared/ENVIRONMENT.md), from the repository root:
-    python3.11 -m venv /tmp/nixl-venv && /tmp/nixl-venv/bin/pip install nixl==1.5.1 torch==2.13.0 numpy
-    mkdir -p /tmp/nixl-path/moeless && ln -sf $PWD/moeless/__init__.py /tmp/nixl-path/moeless/ \
-        && ln -sfn $PWD/expert_fn /tmp/nixl-path/moeless/expert_fn
-    PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/tmp/nixl-path /tmp/nixl-venv/bin/python scripts/nixl_check.py \
-        [--quick] [--out DIR]
-(tcp_channel, tcp_server and routed import only torch and numpy: no grpc.)
+NIXL comes with the `nixl` extra (`pip install 'moeless[nixl]'`: nixl-cu12, ~130 MB with its UCX;
+the test extra has it), so from the repository root:
+    .venv/bin/python scripts/nixl_check.py [--quick] [--out DIR]
+The figures below were measured before it was an extra, in a venv of its own with the `nixl` meta
+package (the same 1.5.1 library) and moeless.expert_fn reached through links.
 
 Measured
 2026-11-25, this 2-core no-GPU VM, two full runs back to back with nothing else busy (load average
@@ -62,7 +58,6 @@ RDMA NIC).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pickle
@@ -75,10 +70,11 @@ from typing import Callable
 
 import numpy as np
 
+from moeless.expert_fn.nixl_link import nixl_api, unavailable
+
 H = 576
 SIZES = {"36 KB": 16, "2.4 MB": 1024}  # label -> rows of H float32
 MAX_BYTES = 4 * H * max(SIZES.values())
-VENV_HINT = __doc__[__doc__.index("    python3.11 -m venv"):__doc__.index("(tcp_channel, tcp_server")]
 
 def repeats(rows: int, quick: bool) -> tuple[int, int]:
     """(warm-up, measured) round trips for a call of `rows` rows."""
@@ -208,8 +204,8 @@ def measure_tcp_channel(poll_s: float, quick: bool) -> dict[str, dict]:
 
 def nixl_agent_with(name: str, buffers: int) -> tuple[object, list[np.ndarray]]:
     """An agent without the progress thread, and `buffers` DRAM buffers of MAX_BYTES registered."""
-    from nixl._api import nixl_agent, nixl_agent_config
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    api = nixl_api()
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     bufs = [np.frombuffer(np.random.bytes(MAX_BYTES), np.uint8).copy() for _ in range(buffers)]
     agent.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in bufs], "DRAM")
     return agent, bufs
@@ -291,16 +287,10 @@ def table(results: dict[str, dict]) -> str:
         rows.append(f"{name:<30}{cells}" + (f"  REPLY MISMATCH {bad}" if bad else ""))
     return "\n".join(rows)
 
-def importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # its parent package is missing
-        return False
-
 def compare(args: argparse.Namespace) -> None:
-    missing = [m for m in ("nixl", "torch", "moeless.expert_fn") if not importable(m)]
-    if missing:
-        sys.exit(f"{', '.join(missing)} not importable here; make nixl's venv, run this with it:\n{VENV_HINT}")
+    why = unavailable()
+    if why:
+        sys.exit(why)
     load_before = os.getloadavg()
     results = {
         "NIXL UCX default (cma)": measure_nixl(None, args.quick),
