@@ -58,7 +58,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                             "(default 0: block at once)")
     serve.add_argument("--device", choices=DEVICES, default="cpu",
                        help="where each replica runs the non-expert layers: cpu (default) or cuda (a GPU per replica, or "
-                            "an equal share where there are fewer; local expert hosts compute on GPU 0)")
+                            "1/n of one, n replicas to a GPU, where there are fewer; local expert hosts compute on GPU 0)")
     serve.add_argument("--transport", choices=TRANSPORTS, default="auto",
                        help="how expert calls reach the hosts: auto (shared memory to a host on this machine, else "
                             "TCP, else gRPC), or one of them for every host; nixl: TCP with the rows moved by NIXL "

@@ -5,6 +5,7 @@ read by controller/pool/sources.py (a fixed list, or a pool followed while servi
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,8 +94,8 @@ class ServeConfig:
 
 def replica_gpus_for(device: str, replicas: int, visible: int | None = None) -> float:
     """The share of a GPU each of `replicas` replicas asks Ray for on `device`: 0 on the CPU; on
-    "cuda" one GPU each where there are enough, else an equal share of the ones visible here
-    (`visible`, default torch's count), so that every replica starts. KnobError without a GPU."""
+    "cuda" one GPU each where there are enough, else 1/n of one, n replicas to a GPU, for the
+    GPUs visible here (`visible`, default torch's count), so that every replica starts. KnobError without a GPU."""
     if device not in DEVICES:
         raise KnobError(f"device {device!r}: use one of {', '.join(DEVICES)}")
     if device == "cpu":
@@ -105,7 +106,7 @@ def replica_gpus_for(device: str, replicas: int, visible: int | None = None) -> 
         raise KnobError("device cuda: this machine shows no CUDA GPU to torch (check nvidia-smi, CUDA_VISIBLE_DEVICES "
                         "and that torch is a CUDA build, not the CPU one scripts/install.sh installs); or serve on the CPU: "
                         "--device cpu")
-    return min(1.0, visible / replicas)
+    return 1.0 / math.ceil(replicas / visible)  # 1/n: Ray packs n replicas on a GPU (2/3 each would fit one)
 
 
 @dataclass(frozen=True)

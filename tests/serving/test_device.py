@@ -49,6 +49,8 @@ def test_a_replica_asks_ray_for_a_gpu_share_that_lets_every_replica_start():
     assert replica_gpus_for("cpu", 4) == 0.0
     assert replica_gpus_for("cuda", 2, visible=4) == 1.0  # one GPU each
     assert replica_gpus_for("cuda", 4, visible=2) == 0.5  # two replicas per GPU
+    assert replica_gpus_for("cuda", 3, visible=2) == 0.5  # not 2/3: Ray would fit one such replica per GPU
+    assert replica_gpus_for("cuda", 3, visible=1) == 1 / 3
     with pytest.raises(KnobError, match="no CUDA GPU .* --device cpu"):
         replica_gpus_for("cuda", 1, visible=0)
     with pytest.raises(KnobError, match="device 'tpu'"):
