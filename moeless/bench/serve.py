@@ -152,7 +152,8 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
     store = export_store(moe, choice.name)
     ids = bench_prompts(Engine(moe), prompts, prompt_tokens)
     wide = hosts * threads  # the cores the hosts compute on together
-    transports = [t for t in TRANSPORTS if t != "nixl" or nixl_unavailable() is None]
+    no_nixl = nixl_unavailable()
+    transports = [t for t in TRANSPORTS if t != "nixl" or no_nixl is None]
     baselines = {f"in_process_{n}_threads": n for n in sorted({threads, wide})}
     timed = {name: TimedExecutor(moe.local_executor()) for name in baselines}
     with launch_local_hosts(hosts, store, keep_alive_s=600, threads=threads, metrics=False, poll_s=poll_s[0]) as group:
@@ -233,6 +234,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         "max_tokens": max_tokens, "batch": batch, "threads_per_host": threads, "baseline_threads": list(baselines.values()),
         "load_average_1m": os.getloadavg()[0],  # a busy machine inflates every time below
         "poll_us": {"host": 1e6 * poll_s[0], "client": 1e6 * poll_s[1]},
+        "nixl": no_nixl or "measured",
         "layer_calls": len(next(iter(timed.values())).samples),
         # expert functions: layer calls not bit-identical to the in-process ones; the wide baseline
         # (2 threads round differently): generations that differ from the paired run's
@@ -347,6 +349,8 @@ def print_report(result: dict[str, Any]) -> None:
           f"{result['prompts']} prompts x {result['max_tokens']} new tokens, batch "
           f"{result['batch']}, {result['hosts']} expert hosts x {result['threads_per_host']} thread(s); load average "
           f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores")
+    if result["nixl"] != "measured":
+        print(f"nixl not measured: {result['nixl']}")
     print(f"{result['layer_calls']} MoE-layer calls; 'differ': calls whose output is not bit-identical to the 1-thread "
           f"in-process one (for the wide baseline: generations that differ; 2 threads round differently)")
     print(f"{'path':26s} {'tokens/s':>8s} {'differ':>6s}   MoE layer ms: p50 (ratio to the faster in-process) / "

@@ -32,6 +32,7 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
         assert result["alone_generations_differing"][name] == 0
         assert result["alone_moe_layer_ms"][name]["all"]["calls"] == result["moe_layer_ms"][name]["all"]["calls"]
     assert min(result["alone_ratio_to_best_in_process"][n]["decode"] for n in paths if n.startswith("in_process")) == 1.0
+    assert result["nixl"] == "measured"  # the test extra installs nixl; where it is missing the bench says why
     for transport in ("local", "tcp", "nixl", "grpc"):
         pingpong = result["pingpong"][transport]  # twin/overlap.py on this run's figures
         assert 0 < pingpong["pingpong_ms_per_layer"] and 0 <= pingpong["hidden_fraction"] <= 1
