@@ -159,6 +159,9 @@ def pod_template(owner: dict, spec: PolicySpec | PoolSpec, members: Sequence[Mem
     }
     if pool.host_network:
         pod_spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
+    if pool.cuda_ipc:  # CUDA IPC with serving pods on the node: the driver refuses a handle from another PID
+        # namespace, and torch's reference counter lives in /dev/shm (docs/serving.md). A change rolls the hosts.
+        pod_spec.update(hostPID=True, hostIPC=True)
     meta = {"labels": labels(name, "expert-host", kind),
             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(pool.metrics_port)}}
     return {"metadata": meta, "spec": pod_spec}

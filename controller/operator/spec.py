@@ -2,8 +2,8 @@
 
 The API server already refuses wrong types and out-of-range values (manifests/crd.yaml); this
 module adds what Kubernetes 1.20 cannot check: planner names, unknown serving keys, minHosts <=
-maxHosts. Defaults are the CRD's (tests/k8s/test_crd_schema.py keeps them equal), so a spec that
-did not pass through an API server (unit tests) parses the same.
+maxHosts, cudaIpc only with hostNetwork. Defaults are the CRD's (tests/k8s/test_crd_schema.py
+keeps them equal), so a spec that did not pass through an API server (unit tests) parses the same.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class HostPool:
     drain_seconds: int = 30
     poll_microseconds: float = 0.0  # the data plane's busy-poll (expert-host --poll-us)
     compute_dtype: str = "float32"  # expert-host --compute-dtype
+    cuda_ipc: bool = False  # the node's PID and IPC namespaces, for CUDA IPC with serving pods on the node
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ _POOL_KEYS = {
     "cpu": ("cpu", str), "grpcPort": ("grpc_port", int), "metricsPort": ("metrics_port", int),
     "hostNetwork": ("host_network", bool), "drainSeconds": ("drain_seconds", int),
     "pollMicroseconds": ("poll_microseconds", float), "computeDtype": ("compute_dtype", str),
+    "cudaIpc": ("cuda_ipc", bool),
 }
 
 
@@ -140,6 +142,9 @@ def parse_hosts(spec: Mapping[str, Any]) -> HostPool:
         raise SpecError(f"spec.hosts.pollMicroseconds: {pool.poll_microseconds:g} is outside 0..100000")
     if pool.compute_dtype not in COMPUTE_DTYPES:
         raise SpecError(f"spec.hosts.computeDtype: {pool.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
+    if pool.cuda_ipc and not pool.host_network:  # the handles travel over the local channel, a node-network socket
+        raise SpecError("spec.hosts.cudaIpc: needs spec.hosts.hostNetwork: CUDA IPC handles travel over the local "
+                        "channel, an abstract Unix socket of the node's network; set hostNetwork: true too")
     if pool.min_hosts > pool.max_hosts:
         raise SpecError(f"spec.hosts.minHosts: {pool.min_hosts} exceeds maxHosts {pool.max_hosts}")
     return pool

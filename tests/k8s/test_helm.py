@@ -171,6 +171,67 @@ def test_serving_micro_batches_reach_the_command_and_the_ray_args_and_a_bad_one_
         assert bad.returncode != 0 and f"{shown} is not a whole number >= 1" in bad.stderr
 
 
+def serving_pod(docs: list[dict], name: str = "t-moeless-serving") -> dict:
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)["spec"]["template"]["spec"]
+
+
+def test_serving_gpus_are_requested_and_run_the_replicas_on_cuda_and_a_bad_count_is_refused(helm):
+    from moeless.cli import build_parser
+    from moeless.serving.config import config_from_args
+
+    container = serving_pod(render(helm, "serving.gpus=1"))["containers"][0]
+    assert container["resources"] == {"requests": {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": 1},
+                                      "limits": {"memory": "8Gi", "nvidia.com/gpu": 1}}  # merged into serving.resources
+    assert container["command"][-2:] == ["--device", "cuda"]
+    assert build_parser().parse_args(container["command"][1:]).device == "cuda"  # the real CLI accepts it
+    plain = serving_pod(render(helm))["containers"][0]  # gpus 0: on CPU, no GPU asked for
+    assert "nvidia.com/gpu" not in str(plain["resources"]) and "--device" not in plain["command"]
+    assert build_parser().parse_args(plain["command"][1:]).device == "cpu"
+    # KubeRay: the workers run the replicas (the head has num-cpus 0), so they get the GPUs; the app its device.
+    for gpus, device in ((2, "cuda"), (0, None)):
+        ray = next(d for d in render(helm, "serving.kuberay=true", f"serving.gpus={gpus}") if d["kind"] == "RayService")
+        args = yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert args.get("device") == device
+        assert config_from_args({k: v for k, v in args.items() if k != "config"}).device == (device or "cpu")
+        cluster = ray["spec"]["rayClusterConfig"]
+        worker = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]
+        assert (worker["requests"].get("nvidia.com/gpu"), worker["limits"].get("nvidia.com/gpu")) == \
+            ((gpus, gpus) if gpus else (None, None))
+        assert "nvidia.com/gpu" not in str(cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"])
+    for flag, value, shown in (("--set", "serving.gpus=-1", "-1"), ("--set-json", "serving.gpus=1.5", "1.5"),
+                               ("--set", "serving.gpus=two", '"two"')):
+        bad = helm_run(helm, "template", "t", str(CHART), flag, value, check=False)
+        assert bad.returncode != 0 and f"serving.gpus: {shown} is not a whole number >= 0" in bad.stderr
+
+
+def test_cuda_ipc_puts_serving_and_hosts_in_the_node_s_namespaces_and_needs_the_node_s_network(helm, pool_values):
+    docs = render(helm, "serving.cudaIpc=true", "serving.hostNetwork=true", "policy.hosts.cudaIpc=true",
+                  "policy.hosts.hostNetwork=true")
+    pod = serving_pod(docs)
+    assert (pod["hostNetwork"], pod["hostPID"], pod["hostIPC"]) == (True, True, True)
+    # The node's /dev/shm (torch's CUDA IPC reference counters): no emptyDir over it.
+    assert all(m["mountPath"] != "/dev/shm" for m in pod["containers"][0]["volumeMounts"])
+    policy = next(d for d in docs if d["kind"] == "ExpertAutoscalingPolicy")
+    policy["metadata"].update(namespace=NS, uid="u")
+    host = objects.stateful_set(policy, parse_spec(policy["spec"]), 1)["spec"]["template"]["spec"]
+    assert (host["hostNetwork"], host["hostPID"], host["hostIPC"]) == (True, True, True)
+    plain = render(helm, "serving.hostNetwork=true", "policy.hosts.hostNetwork=true")
+    assert not {"hostPID", "hostIPC"} & set(serving_pod(plain))
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in serving_pod(plain)["containers"][0]["volumeMounts"]
+    pooled = render(helm, "pool.hosts.cudaIpc=true", "pool.hosts.hostNetwork=true", values=pool_values)
+    assert parse_pool_spec(next(d for d in pooled if d["kind"] == "ExpertPool")["spec"]).hosts.cuda_ipc
+    for sets, message in (
+            (("serving.cudaIpc=true",), "serving.cudaIpc needs serving.hostNetwork"),
+            (("policy.hosts.cudaIpc=true",), "policy.hosts.cudaIpc needs policy.hosts.hostNetwork"),
+            (("pool.enabled=true", "pool.hosts.cudaIpc=true"), "pool.hosts.cudaIpc needs pool.hosts.hostNetwork"),
+            (("serving.cudaIpc=true", "serving.hostNetwork=true", "serving.kuberay=true"),
+             "serving.cudaIpc: the RayService does not run on the node's network")):
+        bad = helm_run(helm, "template", "t", str(CHART), *[a for s in sets for a in ("--set", s)], check=False)
+        assert bad.returncode != 0 and message in bad.stderr, (sets, bad.stderr)
+        if "needs" in message:
+            assert "hostNetwork=true too" in bad.stderr
+
+
 def test_template_of_one_pool_for_several_models(helm, pool_values):
     """pool.enabled: an ExpertPool, a policy per model on it, a serving Deployment and Service per model that
     follows the pool's pods and addresses its model on the shared hosts; the operator admits both."""
@@ -210,6 +271,8 @@ def test_every_rendered_object_passes_a_server_side_dry_run(helm, kubectl, pool_
     for sets, values in [((), None), (("policy.model.hostPath=/srv/store", "policy.scaleToZero.enabled=true",
                                        "operator.replicas=2", "policy.serving.planner=static",
                                        "policy.serving.predictor=history"), None),
+                         (("serving.gpus=1", "serving.cudaIpc=true", "serving.hostNetwork=true",
+                           "policy.hosts.cudaIpc=true", "policy.hosts.hostNetwork=true"), None),
                          (("pool.scaleToZero.enabled=true",), pool_values)]:
         docs = render(helm, *sets, values=values)
         result = kubectl("apply", "--dry-run=server", "-n", NS, "-f", "-", stdin=yaml.safe_dump_all(docs))

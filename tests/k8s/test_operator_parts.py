@@ -1,6 +1,6 @@
 """Pure parts of the operator's shell: the Lease rule, where a host's /metrics is, the meters'
-parser on a real host's exposition, `moeless operator`'s usage errors, and a pass that outlives one
-owner's unexpected error."""
+parser on a real host's exposition, `moeless operator`'s usage errors, a pass that outlives one
+owner's unexpected error, and the host pods' namespaces for CUDA IPC."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from moeless.controller.operator.kube import metrics_url
 from moeless.controller.operator.leader import lease_step, micro_time, parse_micro_time
 from moeless.controller.operator.loop import Operator
 from moeless.controller.operator.meters import parse_host_metrics
-from moeless.controller.operator.objects import host_command
+from moeless.controller.operator.objects import TEMPLATE_HASH, host_command, pod_template, stateful_set
+from moeless.controller.operator.pool_spec import parse_pool_spec
 from moeless.controller.operator.spec import SpecError, parse_spec
 
 T0 = 1_700_000_000.0
@@ -75,6 +76,33 @@ def test_a_compute_dtype_reaches_the_host_command_and_a_bad_one_is_refused_namin
 def test_a_poll_outside_its_range_is_refused_naming_the_field():
     with pytest.raises(SpecError, match=r"spec.hosts.pollMicroseconds: -1 is outside"):
         parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "pollMicroseconds": -1}})
+
+
+def _hosts_spec(**hosts) -> dict:
+    return {"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, **hosts}}
+
+
+@pytest.mark.parametrize("kind", ["ExpertAutoscalingPolicy", "ExpertPool"])
+def test_cuda_ipc_puts_the_host_pods_in_the_node_s_pid_and_ipc_namespaces_and_a_change_rolls_them(kind):
+    parse = parse_spec if kind == "ExpertAutoscalingPolicy" else (lambda s: parse_pool_spec({"hosts": s["hosts"]}))
+    owner = {"kind": kind, "metadata": {"name": "mix", "namespace": "ml", "uid": "u"}}
+    ipc = pod_template(owner, parse(_hosts_spec(hostNetwork=True, cudaIpc=True)))["spec"]
+    assert (ipc["hostPID"], ipc["hostIPC"], ipc["hostNetwork"]) == (True, True, True)
+    for plain in (_hosts_spec(), _hosts_spec(hostNetwork=True), _hosts_spec(hostNetwork=True, cudaIpc=False)):
+        pod = pod_template(owner, parse(plain))["spec"]
+        assert "hostPID" not in pod and "hostIPC" not in pod
+    hashes = {stateful_set(owner, parse(_hosts_spec(hostNetwork=True, cudaIpc=on)), 1)["metadata"]["annotations"]
+              [TEMPLATE_HASH] for on in (False, True)}
+    assert len(hashes) == 2  # the hash covers it: turning it on or off restarts the hosts
+
+
+@pytest.mark.parametrize("parse", [parse_spec, lambda s: parse_pool_spec({"hosts": s["hosts"]})])
+def test_cuda_ipc_without_the_node_s_network_is_refused_naming_both_fields_and_the_remedy(parse):
+    with pytest.raises(SpecError, match=r"spec.hosts.cudaIpc: needs spec.hosts.hostNetwork: .*abstract Unix socket.*"
+                                        r"set hostNetwork: true too"):
+        parse(_hosts_spec(cudaIpc=True))
+    with pytest.raises(SpecError, match=r"spec.hosts.cudaIpc: expected bool, got 'yes'"):
+        parse(_hosts_spec(hostNetwork=True, cudaIpc="yes"))
 
 
 def test_meters_parser_reads_a_real_runtime_exposition(tmp_path):

@@ -218,6 +218,19 @@ def test_a_keep_alive_change_alone_does_not_roll_the_hosts():
         cluster.objects[("StatefulSet", "mix-hosts")]["spec"]["template"]["spec"]["containers"][0]["command"])
 
 
+def test_turning_cuda_ipc_on_rolls_the_hosts_into_the_node_s_namespaces():
+    cluster = Cluster(policy(hosts={"image": "moeless:test", "minHosts": 1, "maxHosts": 4, "memoryGiBPerHost": 1,
+                                    "hostNetwork": True}))
+    cluster.step(T0)
+    before = cluster.objects[("StatefulSet", "mix-hosts")]["metadata"]["annotations"][obj.TEMPLATE_HASH]
+    cluster.policy["spec"]["hosts"]["cudaIpc"] = True
+    actions = cluster.step(T0 + 5)
+    assert {(a.kind, a.name) for a in of(actions, Update)} == {("StatefulSet", "mix-hosts")}
+    sts = cluster.objects[("StatefulSet", "mix-hosts")]
+    assert sts["metadata"]["annotations"][obj.TEMPLATE_HASH] != before
+    assert sts["spec"]["template"]["spec"]["hostPID"] is sts["spec"]["template"]["spec"]["hostIPC"] is True
+
+
 def test_meters_add_what_is_new_and_survive_a_host_restart():
     cluster = Cluster(policy())
     cluster.step(T0)

@@ -67,3 +67,34 @@ k8s://{{ .Release.Namespace }}/{{ include "moeless.policyName" . }}:{{ $h.grpcPo
 {{- if not (has $t (list "auto" "local" "tcp" "nixl" "grpc")) -}}{{ fail (printf "serving.transport: %q is not one of auto, local, tcp, nixl, grpc" $t) }}{{- end -}}
 {{- $t -}}
 {{- end -}}
+
+{{/* serving.gpus, checked: nvidia.com/gpu each serving pod (KubeRay: each Ray worker) requests; 0 - CPU only. */}}
+{{- define "moeless.servingGpus" -}}
+{{- $v := .Values.serving.gpus -}}
+{{- if kindIs "invalid" $v -}}{{- $v = 0 -}}{{- end -}}
+{{- if or (not (or (kindIs "float64" $v) (kindIs "int64" $v) (kindIs "int" $v))) (lt (float64 $v) 0.0) (ne (float64 $v) (floor $v)) -}}{{ fail (printf "serving.gpus: %s is not a whole number >= 0 (nvidia.com/gpu each serving pod requests)" (toJson $v)) }}{{- end -}}
+{{- int $v -}}
+{{- end -}}
+
+{{/* serving.resources with serving.gpus in both requests and limits (an extended resource's request must equal
+its limit); a GPU in the user's own resources is replaced. */}}
+{{- define "moeless.servingResources" -}}
+{{- $r := deepCopy (.Values.serving.resources | default dict) -}}
+{{- $g := include "moeless.servingGpus" . | int -}}
+{{- if gt $g 0 -}}
+{{- range $k := list "requests" "limits" -}}
+{{- $_ := set $r $k (merge (dict "nvidia.com/gpu" $g) (index $r $k | default dict)) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $r -}}
+{{- end -}}
+
+{{/* "true" when a pod group asks for CUDA IPC (cudaIpc: the node's PID and IPC namespaces), checked: the handles
+travel over the local channel, an abstract Unix socket, which only pods on the node's network share. Called with
+(dict "where" "serving" "v" .Values.serving). */}}
+{{- define "moeless.cudaIpc" -}}
+{{- $on := .v.cudaIpc -}}
+{{- if not (or (kindIs "invalid" $on) (kindIs "bool" $on)) -}}{{ fail (printf "%s.cudaIpc: %v is not true or false" .where $on) }}{{- end -}}
+{{- if and $on (not .v.hostNetwork) -}}{{ fail (printf "%s.cudaIpc needs %s.hostNetwork: CUDA IPC handles travel over the local channel, an abstract Unix socket of the node's network; set %s.hostNetwork=true too" .where .where .where) }}{{- end -}}
+{{- if $on -}}true{{- end -}}
+{{- end -}}
