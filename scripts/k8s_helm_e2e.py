@@ -3,7 +3,7 @@ brings up the operator, the serving Deployment and the expert-host pool as pods 
 below is made from outside the pods.
 
     dockerd --bridge=none --iptables=false --ip-masq=false --ip6tables=false &    # Debian's docker.io, no bridge
-    .venv/bin/python scripts/k8s_helm_e2e.py [--ref HEAD] [--keep]
+    .venv/bin/python scripts/k8s_helm_e2e.py [--ref HEAD] [--transport T] [--cuda-ipc] [--keep]
 
 Steps (each check prints PASS or FAIL with its timing; the script exits 1 if any failed, and always stops
 what it started: the release, the kubelet's containers, the control plane):
@@ -319,6 +319,8 @@ class Run:
         if args.expert_hosts:
             sets["serving.expertHosts"] = args.expert_hosts
         sets["serving.transport"] = args.transport
+        if args.cuda_ipc:  # the pods join the node's PID and IPC namespaces (a GPU node's CUDA IPC; here: shared memory)
+            sets["serving.cudaIpc"] = sets["policy.hosts.cudaIpc"] = "true"
         # No Service network here (no kube-proxy): the in-cluster client reaches the API server on loopback.
         api_env = json.dumps([{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
                               {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.plane.port)}])
@@ -427,13 +429,18 @@ class Run:
         def ratios(s: dict, c: dict) -> str:
             return ", ".join(f"{p} {s[p] / c[p] * 1e3:.2f} ms / {self.in_process_moe_s[p] * 1e3:.2f} ms = "
                              f"{s[p] / c[p] / self.in_process_moe_s[p]:.2f}x" for p in self.in_process_moe_s if c.get(p))
+        # --cuda-ipc: every serving and host pod in the node's PID and IPC namespaces, as the chart and operator made them.
+        namespaces = {p["metadata"]["name"]: (p["spec"].get("hostPID", False), p["spec"].get("hostIPC", False))
+                      for p in self.pods("serving") + self.pods("expert-host")}
+        shared = all(pid and ipc for pid, ipc in namespaces.values()) if self.args.cuda_ipc else True
         warm_sums = {p: sums[p] - sums0.get(p, 0.0) for p in sums}
         warm_counts = {p: counts[p] - counts0.get(p, 0.0) for p in counts}
-        detail = (", ".join(f"host {slot} {path}" for slot, path in sorted(paths.items())) + "; MoE layer / in process, "
+        detail = (", ".join(f"host {slot} {path}" for slot, path in sorted(paths.items())) +
+                  (f"; hostPID/hostIPC {namespaces}" if self.args.cuda_ipc else "") + "; MoE layer / in process, "
                   f"warm ({len(QUESTIONS)} requests, exact: {exact}): {ratios(warm_sums, warm_counts)}; over every call "
                   f"so far: {ratios(sums, counts)}")
         self.checks.record("each host's data path and the MoE layer against in-process", sorted(paths) == [0, 1] and
-                           exact and all(warm_counts.get(p) for p in self.in_process_moe_s), detail,
+                           exact and shared and all(warm_counts.get(p) for p in self.in_process_moe_s), detail,
                            time.monotonic() - start)
 
     def check_eap_moved(self) -> None:
@@ -648,6 +655,8 @@ def main() -> int:
     parser.add_argument("--transport", default="auto", choices=TRANSPORTS,
                         help="serving.transport (default auto: shared memory here, every pod on the node's network; "
                              "tcp: the pod path between nodes, over loopback)")
+    parser.add_argument("--cuda-ipc", action="store_true", help="serving.cudaIpc and policy.hosts.cudaIpc: the pods in the "
+                        "node's PID and IPC namespaces (CUDA IPC on a GPU node; on a CPU node the shared-memory channel)")
     parser.add_argument("--keep", action="store_true", help="leave the cluster running after the checks (Ctrl-C stops it)")
     return run_checks(Run(parser.parse_args()), "k8s_helm_e2e")
 
