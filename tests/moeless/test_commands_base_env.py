@@ -179,6 +179,19 @@ def test_the_gpu_checks_run_without_ray_or_a_model_download(base_env, tmp_path, 
     assert list((tmp_path / "out").glob("*.json")), f"moeless {' '.join(args)} wrote no JSON"
 
 
+def test_the_gpu_serving_check_runs_without_ray_or_a_model_download(base_env, tmp_path):
+    """scripts/gpu_checks.sh's `serving` step (scripts/gpu_serving_check.py), here on the CPU."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=sorted(extras_only_modules() | set(GPU_MACHINE_LACKS))))
+    env = dict(base_env, PYTHONPATH=str(site), MOELESS_CACHE=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_serving_check.py"), "--device", "cpu",
+                          "--max-tokens", "2", "--out", str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert run.returncode == 0 and "every output as promised" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    assert (tmp_path / "out" / "serving-cpu.json").exists()
+
+
 # What `moeless --help` and every command but the benches start without (3 s of imports on two
 # cores: torch alone is 1.5 s); each is imported inside the command that runs.
 HEAVY_AT_START = ["torch", "numba", "scipy", "grpc", "ray", "transformers", "kubernetes", "safetensors", "tqdm"]
