@@ -38,6 +38,10 @@ def test_the_model_takes_its_inputs_to_its_device():
     assert moe.to("cpu") is moe and moe.device == torch.device("cpu")
     ids = torch.tensor([[5, 6, 7]])
     assert torch.equal(moe.generate(ids, 2), moe.generate(ids.to(moe.device), 2))
+    # The gates (and a predictor's routing through them) share the blocks' parameters; a move of hf must
+    # move them too: torch's Module._apply keeps each Parameter and swaps its data (a dtype shows it here).
+    moe.hf.to(torch.float64)
+    assert all(moe.gate(l).weight.dtype == torch.float64 for l in range(moe.spec.num_layers))
 
 
 def test_routing_on_cpu_is_itself_when_it_is_there():
