@@ -40,8 +40,7 @@ class ServeConfig:
     num_replicas: int = 1
     replica_cpus: float = 0.5
     # Where each replica runs the non-expert layers; on "cuda" Ray gives it replica_gpus of a GPU
-    # (Ray hides the GPUs from an actor that asks for none). replica_gpus_for picks both from a
-    # device name.
+    # (Ray hides the GPUs from an actor that asks for none; replica_gpus_for picks the share).
     device: str = "cpu"
     replica_gpus: float = 0.0
     ingress_cpus: float = 0.25
@@ -94,8 +93,9 @@ class ServeConfig:
 
 def replica_gpus_for(device: str, replicas: int, visible: int | None = None) -> float:
     """The share of a GPU each of `replicas` replicas asks Ray for on `device`: 0 on the CPU; on
-    "cuda" one GPU each where there are enough, else 1/n of one, n replicas to a GPU, for the
-    GPUs visible here (`visible`, default torch's count), so that every replica starts. KnobError without a GPU."""
+    "cuda" one GPU each where there are enough, else 1/n of one, n replicas to a GPU, for the GPUs
+    visible here (`visible`, default torch's count), so that every replica starts. KnobError
+    without a GPU."""
     if device not in DEVICES:
         raise KnobError(f"device {device!r}: use one of {', '.join(DEVICES)}")
     if device == "cpu":
