@@ -142,10 +142,8 @@ class TcpChannel:
             answer = bytearray(HELLO.size)
             self._read(memoryview(answer))
             if bytes(answer[:4]) != HELLO_MAGIC:  # an error reply: the host cannot take NIXL
-                head = decode_reply_head(answer)
-                text = bytearray(head.body_bytes)
-                self._read(memoryview(text))
-                raise ExpertHostError(f"expert host {self.address} takes no NIXL offer: {split_error(bytes(text))[1]}; "
+                text = bytes(self._read_body(decode_reply_head(answer)))
+                raise ExpertHostError(f"expert host {self.address} takes no NIXL offer: {split_error(text)[1]}; "
                                       "use transport 'tcp' or install nixl there")
             _, size, _ = HELLO.unpack_from(answer)
             if size > MAX_OFFER_BYTES:
@@ -196,10 +194,7 @@ class TcpChannel:
         if head.call_id != call_id and head.call_id != 0:
             self._break()
             raise ExpertHostError(f"{where}: the reply answers call {head.call_id}; the connection is closed")
-        if len(self._receive) < head.body_bytes:
-            self._receive = bytearray(1 << (head.body_bytes - 1).bit_length())
-        body = memoryview(self._receive)[:head.body_bytes]
-        self._read(body)
+        body = self._read_body(head)
         if not head.ok:
             kind, message = split_error(bytes(body))
             if head.call_id == 0:  # the host could not read our head: it hung up
@@ -220,6 +215,14 @@ class TcpChannel:
         z = torch.frombuffer(self._receive, dtype=head.dtype, count=count).view(head.n_out, head.hidden) \
             if count else torch.empty(head.n_out, head.hidden, dtype=head.dtype)
         return RoutedResult(z, head.cold_starts, head.compute_s)
+
+    def _read_body(self, head) -> memoryview:
+        """The body that follows a reply head (z, or a failure's text), read into the receive buffer."""
+        if len(self._receive) < head.body_bytes:
+            self._receive = bytearray(1 << (head.body_bytes - 1).bit_length())
+        body = memoryview(self._receive)[:head.body_bytes]
+        self._read(body)
+        return body
 
     def _fail(self, why: str) -> None:
         self._break()
