@@ -18,11 +18,16 @@ where it is (podIP, new after a restart), whether it takes calls (its Ready cond
 follows the host's /readyz, 503 while starting and while draining) and whether it is going away
 (deletionTimestamp, set when scale-in or a delete begins, before the host drains). DNS says none
 of the last two and is cached; the ConfigMap is written once per operator pass and only lists what
-is resident. The serving pod needs `list` on pods in the namespace. N = the policy's (or the
-pool's) `hosts.maxHosts` when serving starts; after that the slots follow `maxHosts` as the policy
-(the ExpertPool) says it now (`get` on it, which the Waker needs too), so `kubectl apply` of a
-larger maxHosts reaches running serving pods: the operator starts the pods, serving adds their
-slots, the planning loop plans over them, and the next placement uses them (no restart).
+is resident. N = the policy's (or the pool's) `hosts.maxHosts` when serving starts; after that the
+slots follow `maxHosts` as the policy (the ExpertPool) says it now, so `kubectl apply` of a larger
+maxHosts reaches running serving pods: the operator starts the pods, serving adds their slots, the
+planning loop plans over them, and the next placement uses them (no restart).
+
+Both are read through a list and a watch each per process (list_watch.py): a change reaches
+serving as the API server's event, and a quiet pool costs no request. The serving pod needs `list`
+and `watch` on pods and on the policy (ExpertPool), and `get` and `patch` on it for the Waker; with
+`list` alone it lists every second, as it did before the watch; where it cannot list the policy, it
+gets it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from moeless.controller.knobs import KnobError
 from moeless.controller.pool.addresses import HOSTS_ENV, expert_hosts
+from moeless.controller.pool.list_watch import ListWatch, ListWatchError
 from moeless.controller.pool.members import HostPool, Member
 
 log = logging.getLogger(__name__)
@@ -117,21 +123,29 @@ class KubePodSource:
     model: str | None = None  # the name the pool's hosts serve the model by (None: their only one)
 
     def members(self) -> list[Member]:
+        """The pods now, from this process's watch of them (ListWatchError until it has listed them)."""
         from kubernetes import client
 
         owner = f"moeless.io/pool={self.pool}" if self.pool else f"moeless.io/policy={self.policy}"
         selector = f"{owner},app.kubernetes.io/component=expert-host"
-        reply = client.CoreV1Api(_api_client(self.kubeconfig)).list_namespaced_pod(
-            self.namespace, label_selector=selector, _preload_content=False, _request_timeout=5)
-        return [m for m in (pod_member(p, self.port, self.host_network) for p in json.loads(reply.data)["items"]) if m]
+        pods = _watched(self.kubeconfig, client.CoreV1Api, "list_namespaced_pod", self.namespace,
+                        label_selector=selector).objects()
+        return [m for m in (pod_member(p, self.port, self.host_network) for p in pods) if m]
 
     def slots_now(self) -> int:
         """spec.hosts.maxHosts of the ExpertPool (or of the policy) now; the start-up N where it has none."""
         from kubernetes import client
 
         plural, name = ("expertpools", self.pool) if self.pool else ("expertautoscalingpolicies", self.policy)
-        doc = client.CustomObjectsApi(_api_client(self.kubeconfig)).get_namespaced_custom_object(
-            "moeless.io", "v1alpha1", self.namespace, plural, name, _request_timeout=5)
+        try:
+            found = _watched(self.kubeconfig, client.CustomObjectsApi, "list_namespaced_custom_object", "moeless.io",
+                             "v1alpha1", self.namespace, plural, field_selector=f"metadata.name={name}").objects()
+            if not found:
+                raise LookupError(f"{plural}/{name} is not in namespace {self.namespace}")
+            doc = found[0]
+        except ListWatchError:  # a Role without `list` on it: get it
+            doc = client.CustomObjectsApi(_api_client(self.kubeconfig)).get_namespaced_custom_object(
+                "moeless.io", "v1alpha1", self.namespace, plural, name, _request_timeout=5)
         value = ((doc.get("spec") or {}).get("hosts") or {}).get("maxHosts")
         return value if isinstance(value, int) and value > 0 else self.slots
 
@@ -154,6 +168,20 @@ def pod_member(pod: dict, port: int, host_network: bool = False) -> Member | Non
 
 
 _api_clients: dict[str | None, object] = {}
+_watches: dict[tuple, ListWatch] = {}
+_watches_lock = threading.Lock()
+
+
+def _watched(kubeconfig: str | None, api: type, method: str, *args: str, **selector: str) -> ListWatch:
+    """This process's ListWatch of api(...).method(*args, **selector), started at the first call
+    (sources are pickled to Ray actors; threads and clients are not)."""
+    key = (kubeconfig, method, args, tuple(sorted(selector.items())))
+    with _watches_lock:
+        if key not in _watches:
+            call = getattr(api(_api_client(kubeconfig)), method)
+            _watches[key] = ListWatch(call, *args, what=f"{method.removeprefix('list_namespaced_')} {selector}",
+                                      **selector)
+        return _watches[key]
 
 
 def _api_client(kubeconfig: str | None):

@@ -239,6 +239,17 @@ def wait_for(check: Callable[[], object], timeout: float = 30.0, what: str = "co
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
+def account_with_role(core, namespace: str, account: str, rules: list[dict]) -> None:
+    """Service account `account` in `namespace`, bound to a Role of its own with `rules`."""
+    rbac = client.RbacAuthorizationV1Api(core.api_client)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": account}})
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": account}, "rules": rules})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": account},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]})
+
+
 def service_account_kubeconfig(cluster: "ControlPlane", namespace: str, account: str, path: Path) -> Path:
     """A kubeconfig at `path` with a service account's token (its RBAC as deployed)."""
     core = client.CoreV1Api(config.new_client_from_config(config_file=str(cluster.kubeconfig)))

@@ -82,16 +82,16 @@ def test_template_default_is_a_deployment_and_a_gpu_pool_policy(helm):
     assert kinds(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Deployment", "ExpertAutoscalingPolicy",
                            "Role", "Role", "RoleBinding", "RoleBinding", "Service", "Service", "ServiceAccount",
                            "ServiceAccount"]
-    # Serving follows the pool through the API server: it may read pods in its namespace and patch the policy (the
-    # wake annotation), nothing more.
+    # Serving follows the pool through the API server: it may read and watch pods and the policy in its namespace
+    # and patch the policy (the wake annotation), nothing more.
     serving = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "t-moeless-serving")
     env = {e["name"]: e.get("value") for e in serving["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["MOELESS_EXPERT_HOSTS"] == f"k8s://{NS}/t:50051?slots=8"
     assert serving["spec"]["template"]["spec"]["serviceAccountName"] == "t-moeless-serving"
     role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "t-moeless-serving")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
                              {"apiGroups": ["moeless.io"], "resources": ["expertautoscalingpolicies", "expertpools"],
-                              "verbs": ["get", "patch"]}]
+                              "verbs": ["get", "list", "watch", "patch"]}]
     for spec in pod_specs(docs):  # non-root, read-only root filesystem everywhere
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert all(c["securityContext"]["readOnlyRootFilesystem"] for c in spec["containers"])

@@ -8,13 +8,12 @@ address (a restarted StatefulSet pod) is reached there; a pod that starts termin
 call, while forwards running across every change equal the unmodified model's outputs. A pool at
 zero is woken by the forward that finds it empty (controller/pool/wake.py): the policy gets the wake
 annotation, the forward is held until a pod is Ready, then completes exactly. Serving talks to the
-API server as a service account that may only list pods and get and patch policies: the RBAC a
-serving pod needs.
+API server as a service account with the chart's serving Role (list and watch pods; get, list, watch
+and patch policies): the RBAC a serving pod needs.
 """
 
 from __future__ import annotations
 
-import base64
 import threading
 
 import pytest
@@ -30,7 +29,7 @@ from moeless.serving.placement_source import PlacementSource
 from moeless.controller.pool.sources import KubePodSource, follow_pool
 from moeless.controller.pool.wake import WAKE_ANNOTATION, KubePolicy, Waker
 
-from k8s_support import ROOT, kubeconfig, wait_for
+from k8s_support import ROOT, account_with_role, service_account_kubeconfig, wait_for
 
 pytestmark = pytest.mark.k8s
 NS, POLICY, SLOTS = "pool", "tiny", 3
@@ -57,27 +56,13 @@ def model_and_hosts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reader_kubeconfig(cluster, core, tmp_path_factory):
-    """A kubeconfig of service account pool-reader, bound to a Role that may only list pods and get
-    and patch policies (to wake a pool at zero): what a serving pod needs."""
-    rbac = client.RbacAuthorizationV1Api(core.api_client)
-    core.create_namespaced_service_account(NS, {"metadata": {"name": "pool-reader"}})
-    rbac.create_namespaced_role(NS, {"metadata": {"name": "pool-reader"}, "rules": [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
-        {"apiGroups": ["moeless.io"], "resources": ["expertautoscalingpolicies"], "verbs": ["get", "patch"]}]})
-    rbac.create_namespaced_role_binding(NS, {
-        "metadata": {"name": "pool-reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pool-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "pool-reader", "namespace": NS}]})
-
-    def token():
-        for secret in core.list_namespaced_secret(NS).items:
-            if (secret.metadata.annotations or {}).get("kubernetes.io/service-account.name") == "pool-reader":
-                return base64.b64decode(secret.data["token"]).decode()
-
-    path = tmp_path_factory.mktemp("pool-reader") / "kubeconfig"
-    path.write_text(kubeconfig(cluster.server, cluster.run_dir / "certs" / "apiserver.crt",
-                               wait_for(token, what="pool-reader's token"), namespace=NS))
-    return path
+    """A kubeconfig of service account pool-reader with the chart's serving Role: list and watch pods,
+    and get, list, watch and patch policies (to follow maxHosts and wake a pool at zero)."""
+    account_with_role(core, NS, "pool-reader", [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["moeless.io"], "resources": ["expertautoscalingpolicies"],
+         "verbs": ["get", "list", "watch", "patch"]}])
+    return service_account_kubeconfig(cluster, NS, "pool-reader", tmp_path_factory.mktemp("pool-reader") / "kubeconfig")
 
 
 def create_pod(core, ordinal: int, address: str) -> None:
