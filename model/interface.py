@@ -49,7 +49,7 @@ class Routing:
     def on_cpu(self) -> "Routing":
         """This routing with idx and weight in host memory, where the planners read them as numpy
         arrays (one copy each from a GPU); itself when they are there already."""
-        if self.idx.device.type == "cpu" and self.weight.device.type == "cpu":
+        if self.idx.is_cpu and self.weight.is_cpu:
             return self
         return Routing(idx=self.idx.cpu(), weight=self.weight.cpu(), logits=self.logits)
 

@@ -215,9 +215,12 @@ class RemoteExecutor:
                             failure = failure or err
                     invoked = time.perf_counter()
                     # 4. Gather: the hosts' rows into each token's combine slots, added in the reference's order.
-                    # A GPU replica's answers arrive on its GPU (CUDA IPC, NIXL) or in host memory (TCP, gRPC).
-                    out = gather(plan, {h: r.z.to(x.device) for h, r in results.items()}, x.shape[1], x.dtype,
-                                 x.device) if failure is None and not down else None
+                    out = None
+                    if failure is None and not down:
+                        z = {h: r.z for h, r in results.items()}
+                        if not x.is_cpu:  # a GPU replica's answers: on its GPU (CUDA IPC, NIXL) or in host memory
+                            z = {h: rows.to(x.device) for h, rows in z.items()}
+                        out = gather(plan, z, x.shape[1], x.dtype, x.device)
                     done = time.perf_counter()
                 finally:
                     slots.close()  # before the baton comes back: the micro-batch holding it may wait for these

@@ -53,7 +53,7 @@ def record_checkpoint(model_dir: str | Path, prompts: str, count: int, new_token
 
     model = load_moe_model(model_dir)
     where = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    model.hf.to(where)
+    model.to(where)
     label = f"recorded routing of {Path(model_dir).name} on {count} {prompts} prompts ({where})"
     return record_routing(model, prompts_of(prompts, count), new_tokens, label, progress=progress)
 
