@@ -29,11 +29,13 @@ def topk_hit_rate(pred_idx: np.ndarray, true_idx: np.ndarray) -> float:
     return float(found.mean())
 
 
-def _normalised(load: np.ndarray) -> np.ndarray:
-    total = load.sum(axis=-1, keepdims=True)
-    if np.any(load < 0):
+def _shares(load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(load / its sum over experts, that sum [..., 1]); all-zero loads stay zeros. Few numpy calls:
+    the serving path scores every layer of every forward (predictor/runtime.py)."""
+    if (load < 0).any():
         raise ValueError("loads must be non-negative token counts")
-    return np.divide(load, total, out=np.zeros_like(load), where=total > 0)
+    total = load.sum(axis=-1, keepdims=True)
+    return load / np.where(total > 0, total, 1.0), total
 
 
 def load_accuracy(pred_load: np.ndarray, true_load: np.ndarray) -> np.ndarray:
@@ -41,12 +43,12 @@ def load_accuracy(pred_load: np.ndarray, true_load: np.ndarray) -> np.ndarray:
 
     pred_load, true_load: [..., E] -> [...]. A batch with no actual tokens scores NaN.
     """
-    p = _normalised(np.asarray(pred_load, dtype=np.float64))
-    t = _normalised(np.asarray(true_load, dtype=np.float64))
+    p, _ = _shares(np.asarray(pred_load, dtype=np.float64))
+    t, total = _shares(np.asarray(true_load, dtype=np.float64))
     if p.shape != t.shape:
         raise ValueError(f"predicted and actual loads differ in shape: {p.shape} vs {t.shape}")
     acc = 1.0 - 0.5 * np.abs(p - t).sum(axis=-1)
-    return np.where(np.asarray(true_load).sum(axis=-1) > 0, acc, np.nan)
+    return np.where(total[..., 0] > 0, acc, np.nan)
 
 
 def pearson(pred_load: np.ndarray, true_load: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ shared (one model of the traffic).
 from __future__ import annotations
 
 import contextlib
+import math
 import logging
 import threading
 from collections import deque
@@ -133,7 +134,8 @@ class PredictionRuntime:
     @property
     def online_accuracy(self) -> float:
         """Mean load accuracy of the primary over the last `window` reports (NaN before any)."""
-        return float(np.mean(self._scores)) if self._scores else float("nan")
+        # fsum, not np.mean: this runs after every layer of every forward, and np.mean of a deque costs ~14 us
+        return math.fsum(self._scores) / len(self._scores) if self._scores else float("nan")
 
     def metrics(self) -> dict[str, float]:
         """Prometheus-style gauges and counters of the runtime."""
