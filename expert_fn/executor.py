@@ -2,7 +2,8 @@
 
 Two ways, same results: one expert after another (`sequential_forward`), or all of them as one
 grouped computation (`grouped_forward`: weights stacked, tokens padded to the largest batch, three
-batched matmuls). A CPU runs them one after another. A GPU (`gpu_forward`) groups small experts,
+batched matmuls). A CPU runs them one after another, and so does a host computing in float32, which promises the
+reference model's bits. A GPU otherwise (`gpu_forward`) groups small experts,
 where kernel launches dominate, and runs large ones one after another: stacking copies every
 weight on every call: on an H200 at Mixtral-8x7B's expert (352 MB in bfloat16) the grouped
 forward took 2.0-2.6x the sequential one in bfloat16, 1.2-2.9x in float32 (docs/benchmarks.md).
@@ -60,6 +61,8 @@ def gpu_forward(weights: list[Weights], xs: list[torch.Tensor], act: str,
     return (grouped_forward if size <= GROUPED_MAX_BYTES else sequential_forward)(weights, xs, act, out)
 
 
-def forward_for(device: str):
-    """The forward used on `device`: gpu_forward on CUDA, sequential elsewhere."""
-    return gpu_forward if device.startswith("cuda") else sequential_forward
+def forward_for(device: str, exact: bool = False):
+    """The forward used on `device`: gpu_forward on CUDA, sequential elsewhere. exact: sequential
+    everywhere, the reference model's own kernels: a batched matmul rounds differently from the
+    model's per-expert matmul on a GPU (16 of 20 float32 layer calls differed on an H200)."""
+    return gpu_forward if device.startswith("cuda") and not exact else sequential_forward

@@ -50,7 +50,7 @@ def nvml_gpu(index: int) -> DeviceInfo | None:
         pynvml.nvmlShutdown()
 
 
-def detect_device(gpu_index: int = 0, memory_bytes: int | None = None) -> tuple[DeviceInfo, int]:
+def detect_device(gpu_index: int | None = 0, memory_bytes: int | None = None) -> tuple[DeviceInfo, int]:
     """(device, replica memory capacity in bytes) for a host.
 
     memory_bytes, when given, is the capacity; otherwise GPU_MEMORY_FRACTION of the GPU's free
@@ -59,7 +59,7 @@ def detect_device(gpu_index: int = 0, memory_bytes: int | None = None) -> tuple[
     """
     import torch
 
-    gpu = nvml_gpu(gpu_index)
+    gpu = nvml_gpu(gpu_index) if gpu_index is not None else None
     if gpu is not None and not torch.cuda.is_available():
         log.warning("NVML sees %s but this torch has no CUDA; running on the CPU", gpu.name)
         gpu = None

@@ -45,6 +45,7 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add("--metrics-port", type=int, metavar="P",
         help="serve /metrics, /healthz, /readyz over HTTP on this port (0: pick one)")
     add("--gpu", type=int, default=0, metavar="I", help="NVML index of the GPU to use where there is one (default 0)")
+    add("--cpu", action="store_true", help="compute on the CPU even where a GPU is visible")
     add("--threads", type=int, default=1, help="torch CPU threads for expert compute (default 1)")
     add("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",
         help="float32 (default: outputs bit-identical to the float32 reference model) or store: the weight store's own "
@@ -113,7 +114,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"expert-host: {err}", file=sys.stderr)
         return 2
     memory = round(args.memory_gb * 1e9) if args.memory_gb is not None else None
-    device, capacity = detect_device(args.gpu, memory)
+    device, capacity = detect_device(None if args.cpu else args.gpu, memory)
     try:
         shares = (store.shares(_gb_items(args.share, "--share"), capacity, args.keep_alive_s,
                                _gb_items(args.keep_warm, "--keep-warm")) if args.share or args.keep_warm else None)

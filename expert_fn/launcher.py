@@ -169,6 +169,7 @@ def launch_local_hosts(
     shares: dict[str, float] | None = None,
     compute_dtype: str = "float32",
     nixl: bool = True,
+    cpu: bool = False,
 ) -> LocalHostGroup:
     """Start num_hosts expert hosts serving store_dir on loopback and wait until all are ready.
     store_dir: a weight store, or (model name, store) pairs that every host serves from one memory
@@ -181,6 +182,7 @@ def launch_local_hosts(
     shares: GB each model is guaranteed while active on every host (expert-host --share; shares.py).
     compute_dtype: "float32" or "store" (expert-host --compute-dtype; runtime.py).
     nixl: take clients' NIXL offers on the TCP channel where nixl is installed (False: --no-nixl).
+    cpu: compute on the CPU even where a GPU is visible (--cpu).
     Hosts exit by themselves when this process dies without closing the group.
     """
     if num_hosts < 1:
@@ -201,6 +203,8 @@ def launch_local_hosts(
         args += ["--poll-us", repr(poll_s * 1e6)]
     if not nixl:
         args += ["--no-nixl"]
+    if cpu:
+        args += ["--cpu"]
     for name, gb in (shares or {}).items():
         args += ["--share", f"{name}={gb!r}"]
     return LocalHostGroup(args, num_hosts, startup_timeout_s)

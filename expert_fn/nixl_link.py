@@ -37,6 +37,15 @@ DEFAULT_CAPACITY = 32 << 20  # bytes per region: 8k rows of H=4096 in bfloat16; 
 BACKENDS = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")  # the meta package picks by CUDA version
 
 
+def _backends() -> tuple[str, ...]:
+    """BACKENDS, the build for torch's CUDA major first: nixl-cu12's UCX cannot reach GPU memory
+    beside a CUDA 13 torch (its CUDA transports load CUDA 12's runtime; measured on an H200)."""
+    if not torch.version.cuda:
+        return BACKENDS
+    major = torch.version.cuda.split(".")[0]
+    return tuple(sorted(BACKENDS, key=lambda name: not name.startswith(f"nixl_cu{major}.")))
+
+
 class NixlError(Exception):
     """A NIXL transfer failed, timed out, or a peer's offer could not be read (the message says which)."""
 
@@ -44,7 +53,7 @@ class NixlError(Exception):
 def nixl_api():
     """NIXL's Python API module, or ImportError naming what to install."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines go to stdout
-    for name in BACKENDS:
+    for name in _backends():
         try:
             return importlib.import_module(name)
         except ImportError:
@@ -84,8 +93,10 @@ class NixlLink:
         self.buffer = torch.empty(2 * capacity, dtype=torch.uint8, device=device)
         self._device = self.buffer.device.index or 0
         self._mem = "VRAM" if self.buffer.device.type == "cuda" else "DRAM"
-        self._registered = self._agent.register_memory([(self.buffer.data_ptr(), 2 * capacity, self._device, "")],
-                                                       self._mem)
+        with _as_nixl_error(f"registering {2 * capacity} bytes of {self._mem} on {self.buffer.device} (GPU memory needs "
+                            "a NIXL whose UCX has CUDA support: nixl-cu12 beside CUDA 12, nixl-cu13 beside CUDA 13)"):
+            self._registered = self._agent.register_memory([(self.buffer.data_ptr(), 2 * capacity, self._device, "")],
+                                                           self._mem)
         self._peer: str | None = None
         self._peer_buffer = (0, 0, 0, "DRAM")  # address, bytes, device, memory type
         self._notes: list[bytes] = []

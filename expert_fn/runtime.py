@@ -68,7 +68,7 @@ class ExpertHostRuntime:
         self._copier = DeviceCopier(device, self.dtype)
         self.keep_alive_s = keep_alive_s
         self.health = "starting"  # "serving" once the server listens, "draining" on SIGTERM
-        self._forward = forward_for(device)
+        self._forward = forward_for(device, exact=self.dtype == torch.float32)  # float32: the reference's bits
         self._lock = threading.Lock()
         self.meters = Meters(clock)
         self.table = ReplicaTable(capacity_bytes, keep_alive_s, clock, self.meters, shares)

@@ -136,6 +136,8 @@ class TcpChannel:
             link = NixlLink("client", self.nixl_bytes, device)
         except ImportError as err:
             raise ExpertHostError(f"TCP channel {self.address}: transport 'nixl' needs NIXL here: {err}") from None
+        except NixlError as err:
+            raise ExpertHostError(f"TCP channel {self.address}: no NIXL link on {device}: {err}") from None
         try:
             mine = link.offer()
             send_parts(self._sock, [HELLO.pack(HELLO_MAGIC, len(mine), self.nixl_bytes), mine])

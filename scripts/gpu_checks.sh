@@ -8,16 +8,19 @@
 #   .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .whl .
 #   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl grpcio==1.85.1 protobuf==7.36.2 grpcio-reflection==1.85.1
-# and NIXL (transport nixl; bench transport then adds its nixl and nixl_device rows): its 69 MB wheel is
-# over the 64 MiB a run carries, and its nixl_ep_cu12 kernels (3 x 36 MB, for NIXL's own expert
-# dispatch, which moeless does not import) come out, leaving 31 MB:
+# and NIXL (transport nixl; bench transport then adds its nixl and nixl_device rows), the build for that
+# machine's CUDA 13 torch (nixl-cu12's UCX cannot register GPU memory beside it: measured 2026-11-27).
+# Its 59 MB wheel is near the 64 MiB a run carries; its nixl_ep_cu13 kernels (3 x 31 MB, for NIXL's own
+# expert dispatch, which moeless does not import) and UCX's perftest come out, leaving 29 MB:
 #   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 -d .whl nixl-cu12==1.5.1 && zip -q -d .whl/nixl_cu12-*.whl 'nixl_ep_cu12/*'
+#       --platform manylinux_2_28_x86_64 -d .whl nixl-cu13==1.5.1 && \
+#       zip -q -d .whl/nixl_cu13-*.whl 'nixl_ep_cu13/*' 'nixl_cu13.libs/ucx/libucx_perftest*'
 # then run `bash scripts/gpu_checks.sh [STEP...]` there with .whl carried; steps: planner, forward,
-# transport, mps, serving (default: all). Results land in $OUT: gpu_checks.log and one JSON file per run.
+# transport, mps, serving, cpu (default: all). Results land in $OUT: gpu_checks.log and one JSON file per
+# run (more than 8 files: tar $OUT into one to bring it back).
 set -u
 OUT=${OUT:-/tmp/moeless-gpu}
-STEPS=${*:-planner forward transport mps serving}
+STEPS=${*:-planner forward transport mps serving cpu}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_checks.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --ignore-requires-python \
@@ -52,3 +55,10 @@ fi
 #    hosts over every transport, each layer call bit-identical to in-process on the GPU, the tokens
 #    equal, the logits the unmodified model's; the MoE layer's ratio to in-process per phase.
 step serving && timeout 150 python3 "$OLDPWD/scripts/gpu_serving_check.py" --device cuda --out "$OUT/serving"
+# 6. The CPU rows on that machine's 16 cores (the hosts kept off the GPU: --cpu): what the pod path costs
+#    where the replica and each host have cores of their own, blocking and polling, and a CPU replica.
+if step cpu; then
+  timeout 90 python3 -m moeless bench transport --geometry default --quick --out "$OUT/cpu-transport"
+  timeout 90 python3 -m moeless bench transport --geometry default --quick --poll-us 1000 1000 --out "$OUT/cpu-transport-poll"
+  timeout 120 python3 "$OLDPWD/scripts/gpu_serving_check.py" --device cpu --out "$OUT/cpu-serving"
+fi

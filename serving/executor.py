@@ -202,6 +202,9 @@ class RemoteExecutor:
                     pending[h] = clients[h].submit(batch.call, x)
                 except ExpertHostUnavailable:
                     down.append(h)
+                except Exception as err:  # e.g. no NIXL link: the calls in flight are still collected below
+                    failure = err
+                    break
         finally:
             scattered = time.perf_counter()
             with waiting() as handed_over:  # another micro-batch computes meanwhile; this one gathers when it can

@@ -61,6 +61,7 @@ from tqdm import tqdm
 from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
 from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.errors import ExpertHostError
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.nixl_link import unavailable as nixl_unavailable
 from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
@@ -227,7 +228,7 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
     runtime.close()
     # 2. A host process over each transport.
     with launch_local_hosts(1, store_dir, keep_alive_s=3600, threads=threads, metrics=False, poll_s=poll_s[0],
-                            compute_dtype=compute_dtype) as group:
+                            compute_dtype=compute_dtype, cpu=device == "cpu") as group:
         no_nixl = nixl_unavailable()
         clients = {t: ExpertHostClient(group.addresses[0], timeout_s=60, transport=t, poll_s=poll_s[1])
                    for t in TRANSPORTS if t != "nixl" or no_nixl is None}
@@ -235,6 +236,7 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
         if not host_device.startswith(torch_device.split(":")[0]):
             raise RuntimeError(f"the expert host computes on {host_device!r}, not {device}: install the gpu extra "
                                "(nvidia-ml-py), which the host needs to find the GPU")
+        no_nixl = no_nixl or _drop_unlinkable(clients, calls, torch_device if device == "cuda" else None)
         for name, (call, x) in calls.items():
             for transport, client in clients.items():
                 identical[name][transport] = bool(torch.equal(client.submit(call, x).result().z.cpu(), reference[name]))
@@ -268,6 +270,22 @@ def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph
             "us": {n: {k: {stat: 1e6 * v for stat, v in f.items()} for k, f in t.items()} for n, t in times.items()},
             "ratio_to_in_process": {n: {k: f["p50"] / t["in_process"]["p50"] for k, f in t.items()}
                                     for n, t in times.items()}}
+
+
+def _drop_unlinkable(clients: dict[str, ExpertHostClient], calls: dict, gpu: str | None) -> str | None:
+    """Why the nixl client cannot link to the host here (then it is closed and dropped), or None.
+    One call from host memory, and from the GPU where there is one: a NIXL whose UCX lacks CUDA
+    support refuses GPU memory on either side."""
+    if "nixl" not in clients:
+        return None
+    call, x = next(iter(calls.values()))
+    try:
+        for rows in (x, x.to(gpu)) if gpu else (x,):
+            clients["nixl"].submit(call, rows).result()
+    except ExpertHostError as err:
+        clients.pop("nixl").close()
+        return str(err)
+    return None
 
 
 def _stage(rows: torch.Tensor, device: str) -> torch.Tensor:

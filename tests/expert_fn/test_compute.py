@@ -52,6 +52,7 @@ def test_a_gpu_groups_small_experts_only_and_a_cpu_never(monkeypatch):
     import moeless.expert_fn.executor as executor
 
     assert forward_for("cuda:0") is executor.gpu_forward and forward_for("cpu") is sequential_forward
+    assert forward_for("cuda:0", exact=True) is sequential_forward  # float32: the reference model's kernels
     chosen = []
     monkeypatch.setattr(executor, "grouped_forward", lambda w, x, a, out=None: chosen.append("grouped") or [])
     monkeypatch.setattr(executor, "sequential_forward", lambda w, x, a, out=None: chosen.append("sequential") or [])

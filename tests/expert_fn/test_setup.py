@@ -69,3 +69,12 @@ def test_nvml_reports_the_gpu_and_its_free_memory(monkeypatch):
 def test_no_driver_means_no_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(driver=False))
     assert nvml_gpu(0) is None
+
+
+def test_a_host_told_cpu_stays_on_the_cpu_where_a_gpu_is_visible(monkeypatch):
+    """expert-host --cpu (detect_device(None)): what bench transport --device cpu asks of its host."""
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(driver=True))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert detect_device(0)[0].torch_device == "cuda:0"
+    device, capacity = detect_device(None)
+    assert device.torch_device == "cpu" and capacity == DEFAULT_CPU_MEMORY_BYTES

@@ -8,6 +8,7 @@ and bfloat16 equal every other transport's: test_transport.py.)"""
 
 from __future__ import annotations
 
+import importlib
 import socket
 import struct
 import threading
@@ -19,7 +20,7 @@ import torch
 from moeless.expert_fn.client import ExpertHostClient
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.expert_fn.nixl_link import NixlError, NixlLink
+from moeless.expert_fn.nixl_link import BACKENDS, NixlError, NixlLink, _backends, nixl_api
 from moeless.expert_fn.routed import HEAD, REPLY, RoutedCall, decode_reply_head, lists_bytes
 from moeless.expert_fn.tcp_channel import TcpChannel
 from moeless.expert_fn.tcp_server import HELLO, HELLO_MAGIC, receive_into
@@ -245,6 +246,42 @@ def test_a_link_refuses_an_offer_that_is_not_one():
             link.connect(struct.pack("<QQiB3xII", 0, 999, 0, 0, 0, 0))
     finally:
         link.close()
+
+
+def test_a_buffer_nixl_cannot_register_is_a_nixl_error_that_says_what_to_install(monkeypatch):
+    """On an H200 with CUDA 13, nixl-cu12's UCX refused GPU memory with its binding's own exception
+    (no NixlError, no RuntimeError): the host's HELLO handler let it through and dropped the client."""
+    api = nixl_api()
+    bindings = importlib.import_module(api.__name__.rpartition(".")[0] + "._bindings")
+
+    class Refusing(api.nixl_agent):
+        def register_memory(self, *args, **kwargs):
+            raise bindings.nixlBackendError("NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(api, "nixl_agent", Refusing)
+    with pytest.raises(NixlError, match=r"registering 2048 bytes of DRAM on cpu .*nixl-cu13 beside CUDA 13.*NIXL_ERR_BACKEND"):
+        NixlLink("test", 1024)
+
+
+def test_a_client_whose_link_cannot_register_gets_one_error_naming_the_host(hosts, monkeypatch):
+    import moeless.expert_fn.tcp_channel as tcp_channel
+
+    def refuse(role, capacity, device):
+        raise NixlError("registering 64 bytes of VRAM on cuda:0 failed: nixlBackendError: NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(tcp_channel, "NixlLink", refuse)
+    with ExpertHostClient(hosts.addresses[0], transport="nixl") as client:
+        with pytest.raises(ExpertHostError, match=r"TCP channel .*: no NIXL link on cpu: registering 64 bytes of VRAM"):
+            client.submit(RoutedCall.packed(0, [0], [2], torch.arange(2)), torch.randn(2, HIDDEN)).result()
+
+
+def test_nixl_is_taken_from_the_build_for_torchs_cuda(monkeypatch):
+    monkeypatch.setattr("torch.version.cuda", "13.0")
+    assert _backends()[0] == "nixl_cu13._api"
+    monkeypatch.setattr("torch.version.cuda", "12.8")
+    assert _backends()[0] == "nixl_cu12._api"
+    monkeypatch.setattr("torch.version.cuda", None)  # a CPU build: the declared order
+    assert _backends() == BACKENDS
 
 
 def test_the_apart_heads_are_the_documented_layout():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeless.expert_fn.errors import ExpertHostUnavailable
+from moeless.expert_fn.errors import ExpertHostError, ExpertHostUnavailable
 from moeless.model.tiny import tiny_model
 from moeless.placement.types import LayerPlacement, Placement
 from moeless.serving.executor import RemoteExecutor
@@ -115,3 +115,19 @@ def test_all_hosts_dead_raises_no_live_host(model):
 def test_client_count_must_match_placement(model):
     with pytest.raises(ValueError, match="one client per host"):
         RemoteExecutor([FakeHost(model)], PlacementSource.static(2, 4, 2))
+
+
+class RefusingHost(FakeHost):
+    """A host whose client cannot send at all (as a NIXL link that cannot register its buffer)."""
+
+    def submit(self, call, x):
+        raise ExpertHostError("TCP channel 10.0.0.1:7000: no NIXL link on cuda:0: registering failed")
+
+
+def test_a_call_that_cannot_be_sent_raises_its_own_error_and_every_sent_call_is_collected(model):
+    """Seen on an H200: the submit's error was masked by a KeyError from the gather."""
+    hosts = [FakeHost(model), RefusingHost(model)]
+    executor = RemoteExecutor(hosts, PlacementSource.static(model.spec.num_layers, model.spec.num_experts, 2))
+    with pytest.raises(ExpertHostError, match="no NIXL link on cuda:0"):
+        model.forward(_ids(), executor=executor)
+    assert hosts[0].seen and executor.dead_hosts == set()  # not marked dead: it is up, the path is not
