@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from moeless.expert_fn.host import add_host_arguments, serve
+from moeless.expert_fn.host.main import add_host_arguments, serve
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ Layout of a store directory:
 Expert functions load single experts from it: `load` takes one pass over the file, checks its
 sha256 on the bytes it read and parses them, so a corrupt or missing file fails that one load
 with an error naming the file. An expert host verifies a file once, when it enters its host
-memory tier (expert_fn/tiers.py); copies from that tier need no further check.
+memory tier (expert_fn/stores/tiers.py); copies from that tier need no further check.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Which expert forward a GPU expert host should run, measured: grouped (the stacked, padded bmm
-of expert_fn/executor.py) or sequential (one expert after another), in float32 or bfloat16, at
+of expert_fn/host/executor.py) or sequential (one expert after another), in float32 or bfloat16, at
 Mixtral-8x7B's expert shape (H=4096, F=14336: 1, 2 and 4 experts of one call) and the default
 model's (H=576, F=48: 2, 8 and 16 experts), 4, 16 and 256 rows each. Prints median microseconds
 and the weight bandwidth each reaches (a decode-sized call reads every weight once: bandwidth-bound);
@@ -16,7 +16,7 @@ import sys
 import torch
 
 from moeless.bench.transport import timed_calls
-from moeless.expert_fn.executor import grouped_forward, sequential_forward
+from moeless.expert_fn.host.executor import grouped_forward, sequential_forward
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, (1, 2, 4)), "default": (576, 48, (2, 8, 16))}  # H, F, experts per call
 FORWARDS = {"sequential": sequential_forward, "grouped": grouped_forward}

@@ -29,10 +29,10 @@ import torch
 
 from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, generate_continuous
 from moeless.controller.knobs import Knobs
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import ExpertHostError
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.expert_fn.nixl_link import unavailable as nixl_unavailable
+from moeless.expert_fn.wire.nixl_link import unavailable as nixl_unavailable
 from moeless.model.tiny import TINY_ARCHS, tiny_model
 from moeless.model.weight_store import export_store
 from moeless.serving.engine import Engine

@@ -106,7 +106,7 @@ def run_prompt(model, addresses: list[str]) -> float:
     """Max |logit difference| of the default model with its experts on `addresses` vs in process."""
     import torch
 
-    from moeless.expert_fn.client import ExpertHostClient
+    from moeless.expert_fn.client.client import ExpertHostClient
     from moeless.model.datasets import sharegpt_prompts
     from moeless.placement.types import Placement
     from moeless.serving.executor import RemoteExecutor

@@ -11,7 +11,7 @@ compute in between. p50 and p90 of the round trip, in microseconds.
    not shared memory: UCX_PROTO_INFO=y shows the WRITE by CMA (process_vm_writev, one kernel copy)
    and notifications over tcp/lo; posix/sysv are unreachable on this VM (UCX_TLS=posix,cma,self:
    "Destination is unreachable", no agent).
-2. moeless's TCP channel (expert_fn/tcp_channel.py against tcp_server.py in a subprocess with an
+2. moeless's TCP channel (expert_fn/client/tcp_channel.py against tcp_server.py in a subprocess with an
    identity runtime), RoutedCall.packed(0, [0], [rows], arange(rows)), poll_s 0 and 0.001 on both
    sides. A request carries 44 bytes of head and lists and 12 bytes a row beyond the rows; a reply 36.
 3. A bare Python socket echo (TCP_NODELAY, length-prefixed, recv_into a preallocated buffer): the floor.
@@ -70,7 +70,7 @@ from typing import Callable
 
 import numpy as np
 
-from moeless.expert_fn.nixl_link import nixl_api, unavailable
+from moeless.expert_fn.wire.nixl_link import nixl_api, unavailable
 
 H = 576
 SIZES = {"36 KB": 16, "2.4 MB": 1024}  # label -> rows of H float32
@@ -176,7 +176,7 @@ class Identity:
         return Result()
 
 def serve_tcp_channel(args: argparse.Namespace) -> None:
-    from moeless.expert_fn.tcp_server import TcpServer
+    from moeless.expert_fn.host.tcp_server import TcpServer
     server = TcpServer(Identity(), "127.0.0.1", 0, poll_s=args.poll_s)
     print("PORT", server.port, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
@@ -184,8 +184,8 @@ def serve_tcp_channel(args: argparse.Namespace) -> None:
 
 def measure_tcp_channel(poll_s: float, quick: bool) -> dict[str, dict]:
     import torch
-    from moeless.expert_fn.routed import RoutedCall
-    from moeless.expert_fn.tcp_channel import TcpChannel
+    from moeless.expert_fn.wire.routed import RoutedCall
+    from moeless.expert_fn.client.tcp_channel import TcpChannel
     torch.set_num_threads(1)
     proc, port = spawn("tcp-channel", "--poll-s", str(poll_s))
     channel, out = TcpChannel(f"127.0.0.1:{port}", poll_s=poll_s), {}

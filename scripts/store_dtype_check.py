@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.default import default_model
 from moeless.model.weight_store import export_experts

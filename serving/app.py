@@ -24,7 +24,7 @@ from ray import serve
 from moeless.controller.planning.board import BoardFollower
 from moeless.controller.pool.sources import follow_pool
 from moeless.controller.pool.wake import waker_for
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.placement.types import Placement
 from moeless.serving import api
 from moeless.serving.config import ServeConfig, config_from_args

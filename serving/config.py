@@ -55,7 +55,7 @@ class ServeConfig:
     batch_wait_s: float = 0.02  # static batching: how long a batch waits to fill
     host_timeout_s: float = 30.0
     transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else TCP, else gRPC
-    client_poll_s: float = 0.0  # the data channels spin this long for an answer before blocking (expert_fn/polling.py)
+    client_poll_s: float = 0.0  # the data channels spin this long for an answer before blocking (expert_fn/wire/polling.py)
     host_model: str | None = None  # the name the expert hosts serve this model by (None: their only one)
     placement_board: str | None = None  # follow placements published under this name (placement_board.py)
     drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)

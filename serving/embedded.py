@@ -61,9 +61,9 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     models (a list) share the local expert hosts, each with its own servers and planning loop, each
     answering by its name; the demo asks the first.
     knobs: moeless.controller.knobs.Knobs (default: the defaults); profile: a CostProfile (default: measured
-    at start); poll_s: the data plane's busy-poll, in the clients and the local hosts (expert_fn/polling.py);
+    at start); poll_s: the data plane's busy-poll, in the clients and the local hosts (expert_fn/wire/polling.py);
     knob_file: the knobs' YAML (`--config`), followed while serving: an edit reaches the loop within seconds;
-    transport: how the clients reach the hosts (expert_fn/client.py: auto, local, tcp or grpc);
+    transport: how the clients reach the hosts (expert_fn/client/client.py: auto, local, tcp or grpc);
     micro_batches, micro_batch_tokens: ping-pong in continuous batching (ServeConfig); device: where
     the replicas run the non-expert layers ("cpu" or "cuda": a GPU each, or a share where there are
     fewer; the local expert hosts take GPU 0 where there is one, as `moeless expert-host` does).

@@ -34,7 +34,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from moeless.expert_fn.errors import ExpertHostUnavailable
-from moeless.expert_fn.routed import Pending, RoutedCall
+from moeless.expert_fn.wire.routed import Pending, RoutedCall
 from moeless.model.interface import Routing
 from moeless.controller.pool.members import HostPool
 from moeless.placement.types import LayerPlacement
@@ -45,7 +45,7 @@ from moeless.controller.pool.wake import Waker
 
 
 class HostClient(Protocol):
-    """What the executor needs of moeless.expert_fn.client.ExpertHostClient (any transport)."""
+    """What the executor needs of moeless.expert_fn.client.client.ExpertHostClient (any transport)."""
 
     def submit(self, call: RoutedCall, x: torch.Tensor) -> Pending:
         """Start the routed call on x[call.tokens]; returns at once. Pending.result() -> RoutedResult

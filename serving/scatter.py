@@ -2,7 +2,7 @@
 
 Scatter: the gate chose experts idx: [T, k]; each expert's tokens are listed in token order and
 cut into consecutive chunks, one per replica, of the whole sizes LayerPlacement.replica_tokens
-gives (its share of the expert's tokens). A host receives one routed call (expert_fn/routed.py):
+gives (its share of the expert's tokens). A host receives one routed call (expert_fn/wire/routed.py):
 each token it needs once, and its (token, expert, gate weight) pairs expert-major, so one call
 per host per layer carries everything. All of it is a few vectorised array ops per layer.
 
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from moeless.controller.pool.members import NoLiveHostError
-from moeless.expert_fn.routed import RoutedCall
+from moeless.expert_fn.wire.routed import RoutedCall
 from moeless.placement.types import LayerPlacement
 
 MIN_CHUNK = 4  # rows; see the module docstring

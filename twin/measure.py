@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from moeless.expert_fn.tiers import DeviceCopier, HostTier, TierConfig
+from moeless.expert_fn.stores.tiers import DeviceCopier, HostTier, TierConfig
 from moeless.model.experts import expert_forward
 from moeless.model.weight_store import export_experts
 from moeless.placement.latency_model import LatencyModel
@@ -52,7 +52,7 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
         alpha, call = fit_line(token_counts, ffn_s)
 
         # 2. beta: copy a [T, H] float32 batch into a send buffer and out of it into a tensor (one
-        #    direction), both preallocated as the data plane's channels hold them (expert_fn/routed.py).
+        #    direction), both preallocated as the data plane's channels hold them (expert_fn/wire/routed.py).
         #    Decode-sized batches, whose three buffers stay in cache on any CPU with 1 MB of L2: with 256
         #    tokens (1.8 MB) and a fresh buffer per call the slope measured page faults and the memory level
         #    the batch spilled to (0.26-0.29x the roofline's beta on a 2 MB L2), not the per-token copy.

@@ -11,7 +11,7 @@ geometry's expert in its dtype (bf16 for the published models):
    disk (the weight store's read + sha256 + parse, pin, copy), synchronised before the clock stops.
 4. Bytes from the geometry; the serving replica's re-level measured on this CPU (it runs there).
 Each time is the fastest of its repeats, as on the CPU. Without CUDA: one clear error.
-The expert host (expert_fn/tiers.py) today converts weights to float32 on the device; this bench
+The expert host (expert_fn/stores/tiers.py) today converts weights to float32 on the device; this bench
 measures the geometry's own dtype, as a bf16 deployment (and the roofline) would run it.
 """
 

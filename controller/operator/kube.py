@@ -24,7 +24,7 @@ from moeless.controller.operator.actions import (Action, Configure, Create, Dele
 from moeless.controller.operator.meters import HostMeters, parse_host_metrics
 from moeless.controller.operator.pool_spec import parse_pool_spec
 from moeless.controller.operator.spec import HostPool, SpecError, parse_spec
-from moeless.expert_fn.control import configure_keep_alive
+from moeless.expert_fn.client.control import configure_keep_alive
 
 log = logging.getLogger("moeless.operator")
 

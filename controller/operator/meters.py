@@ -1,6 +1,6 @@
 """The expert hosts' meters as the operator reads them: parse a host's /metrics, sum them up.
 
-A host exposes moeless_expert_* families (expert_fn/metrics.py); counters are cumulative since
+A host exposes moeless_expert_* families (expert_fn/host/metrics.py); counters are cumulative since
 the host started, so the policy's totals since creation add each host's increase since the
 last reading (status.meters keeps the last reading per pod; a new pod uid or a counter that went
 down starts from zero). What a host held between its last reading and its exit is not billed:

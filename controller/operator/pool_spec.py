@@ -4,7 +4,7 @@ An ExpertPool is a pool of expert hosts that several models share at the grain o
 ExpertAutoscalingPolicy with `spec.pool: NAME` adds its model (`spec.model.store`, a path inside
 the pool's storage volume, served by `spec.model.name`). The hosts run one `--store NAME=DIR` per
 admitted model, one `--share NAME=GB` per guaranteed share and one `--keep-warm NAME=GB` per
-keep-warm set (expert_fn/shares.py).
+keep-warm set (expert_fn/host/shares.py).
 
 Admission (`admit`), in order of creation (then name), so an older model never loses its place to
 a newer one:

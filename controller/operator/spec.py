@@ -76,7 +76,7 @@ class PolicySpec(Sizing):
     A policy has its own pool (hosts set) or joins an ExpertPool (pool set, hosts None): then its
     model is served on the pool's hosts by model_name, with guaranteed_gib of each host's memory
     kept for it while it is active and its hottest replicas up to keep_warm_gib per host kept past
-    the keep-alive (expert_fn/shares.py).
+    the keep-alive (expert_fn/host/shares.py).
     """
 
     store: str

@@ -43,7 +43,7 @@ from moeless.controller.planning.window import (PHASES, Accumulated, Heartbeat, 
                                                 ReportWindow)
 from moeless.controller.pool.sources import follow_pool
 from moeless.controller.pool.wake import waker_for
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.placement.planner import get_planner, relevels
 from moeless.placement.profile import CostProfile
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from moeless.expert_fn.routed import RoutedCall
+from moeless.expert_fn.wire.routed import RoutedCall
 from moeless.placement.timing import measure_relevel_check_s, measure_relevel_s
 from moeless.placement.profile import CostProfile
 from moeless.placement.latency_model import LatencyModel

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
+from moeless.expert_fn.wire.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_poll_flag(parser: argparse.ArgumentParser) -> None:
-    """--poll-us HOST CLIENT: the data plane's busy-polling (expert_fn/polling.py)."""
+    """--poll-us HOST CLIENT: the data plane's busy-polling (expert_fn/wire/polling.py)."""
     parser.add_argument("--poll-us", type=float, nargs=2, metavar=("HOST", "CLIENT"),
                         help="spin for calls (hosts) and answers (clients) this many microseconds before blocking "
                              "(default: the hosts' and clients' defaults)")

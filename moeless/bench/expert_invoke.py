@@ -26,9 +26,9 @@ from tqdm import tqdm
 
 from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, write_result
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.expert_fn.tiers import DeviceCopier, HostTier, TierConfig
+from moeless.expert_fn.stores.tiers import DeviceCopier, HostTier, TierConfig
 from moeless.model.experts import expert_forward
 from moeless.model.shape import DEFAULT_EXPERT_SHAPE
 from moeless.model.weight_store import export_experts

@@ -19,7 +19,7 @@
 3. Measured per MoE-layer call (the serving replica's reports to the planning loop), per phase:
    the critical path = the slowest host's compute + exposed load waits + the transfer. Two cores
    cannot run several hosts without them taking turns, so a host's compute is its compute thread's
-   CPU time (expert_fn/runtime.py), not wall time; exposed waits are the hosts' own meters (the
+   CPU time (expert_fn/host/runtime.py), not wall time; exposed waits are the hosts' own meters (the
    seconds invocations waited for loads, shared out over the phases by the calls' cold starts);
    the transfer is a packed round trip's wall time minus the host's compute, fitted on an idle
    host before the run (c0 + 2 beta x tokens, medians of repeats) and applied to the tokens the
@@ -51,7 +51,7 @@ from moeless.bench.serve import bench_prompts
 from moeless.controller.knobs import Knobs
 from moeless.controller.planning.calibrate import calibrate_host
 from moeless.controller.planning.cost_fit import fit_scale
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.serving.cli import MODEL_HELP, _names_of, _non_negative_float, _positive, _positive_float
 from moeless.serving.loadgen import outcomes_json, replay, summarize

@@ -46,11 +46,11 @@ from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args,
 from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, run_alone, run_pingpong
 from moeless.bench.transport import round_trip_calls, timed_calls
 from moeless.twin.overlap import LayerCosts, hidden_fraction, pingpong_s, serial_s
-from moeless.expert_fn.routed import RoutedCall
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.wire.routed import RoutedCall
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.expert_fn.nixl_link import unavailable as nixl_unavailable
-from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
+from moeless.expert_fn.wire.nixl_link import unavailable as nixl_unavailable
+from moeless.expert_fn.wire.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 from moeless.model.datasets import sharegpt_prompts
 from moeless.serving.cli import MODEL_HELP, _positive
 from moeless.serving.codec import CharCodec

@@ -60,13 +60,14 @@ from tqdm import tqdm
 
 from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import ExpertHostError
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.expert_fn.nixl_link import unavailable as nixl_unavailable
-from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
-from moeless.expert_fn.routed import RoutedCall, decode_call, encode_call, run_routed
-from moeless.expert_fn.runtime import ExpertHostRuntime
+from moeless.expert_fn.wire.nixl_link import unavailable as nixl_unavailable
+from moeless.expert_fn.wire.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
+from moeless.expert_fn.wire.routed import RoutedCall, decode_call, encode_call
+from moeless.expert_fn.host.run_routed import run_routed
+from moeless.expert_fn.host.runtime import ExpertHostRuntime
 from moeless.expert_fn.options import COMPUTE_DTYPES
 from moeless.model.dtypes import DTYPES
 from moeless.model.weight_store import WeightStore, cached_store, export_experts, export_store, stored_dtype
@@ -310,7 +311,7 @@ def _ray_compiled_graph(store_dir, calls: dict, repeats: int, threads: int) -> d
     class Host:
         def __init__(self, root: str):
             # heavy (the expert runtime): kept off --help's start-up path
-            from moeless.expert_fn.runtime import ExpertHostRuntime
+            from moeless.expert_fn.host.runtime import ExpertHostRuntime
 
             torch.set_num_threads(threads)
             self.runtime = ExpertHostRuntime(WeightStore.open(root), capacity_bytes=4 * 10**9, keep_alive_s=3600)

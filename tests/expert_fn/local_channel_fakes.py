@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import torch
 
 from moeless.expert_fn.errors import BadRequest
-from moeless.expert_fn.routed import RoutedCall, decode_call, encode_call, run_routed
+from moeless.expert_fn.wire.routed import RoutedCall, decode_call, encode_call
+from moeless.expert_fn.host.run_routed import run_routed
 
 H = 8
 

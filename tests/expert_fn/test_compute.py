@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeless.expert_fn import expert_host_pb2 as pb
-from moeless.expert_fn.codec import batches_from_proto, put_batches, tensor_from_proto
+from moeless.expert_fn.wire import expert_host_pb2 as pb
+from moeless.expert_fn.wire.codec import batches_from_proto, put_batches, tensor_from_proto
 from moeless.expert_fn.errors import BadRequest
-from moeless.expert_fn.executor import forward_for, grouped_forward, sequential_forward
+from moeless.expert_fn.host.executor import forward_for, grouped_forward, sequential_forward
 from moeless.model.experts import expert_forward
 
 
@@ -49,7 +49,7 @@ def test_grouped_forward_of_nothing_is_nothing():
 
 
 def test_a_gpu_groups_small_experts_only_and_a_cpu_never(monkeypatch):
-    import moeless.expert_fn.executor as executor
+    import moeless.expert_fn.host.executor as executor
 
     assert forward_for("cuda:0") is executor.gpu_forward and forward_for("cpu") is sequential_forward
     assert forward_for("cuda:0", exact=True) is sequential_forward  # float32: the reference model's kernels

@@ -12,9 +12,9 @@ import socket
 import pytest
 import torch
 
-from moeless.expert_fn.cuda_ipc import DESCRIPTION, DESCRIPTION_MAGIC, DeviceBufferError, describe, open_described
+from moeless.expert_fn.wire.cuda_ipc import DESCRIPTION, DESCRIPTION_MAGIC, DeviceBufferError, describe, open_described
 from moeless.expert_fn.errors import BadRequest
-from moeless.expert_fn.local_channel_server import (
+from moeless.expert_fn.host.local_channel_server import (
     BUFFER,
     BUFFER_MAGIC,
     CALL,
@@ -25,8 +25,8 @@ from moeless.expert_fn.local_channel_server import (
     answer_device,
     z_offset,
 )
-from moeless.expert_fn.routed import HEAD, RoutedCall, decode_body, decode_call, decode_head, decode_reply_head, \
-    encode_call, lists_bytes, lists_on, run_routed, split_error
+from moeless.expert_fn.wire.routed import HEAD, RoutedCall, decode_body, decode_call, decode_head, decode_reply_head, encode_call, lists_bytes, split_error
+from moeless.expert_fn.host.run_routed import lists_on, run_routed
 from local_channel_fakes import H, FakeRuntime, _reference, _routed
 
 

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 import torch
 
-from moeless.expert_fn.client import ExpertHostClient, ReplicaLoadError
+from moeless.expert_fn.client.client import ExpertHostClient, ReplicaLoadError
 from moeless.expert_fn.errors import BadRequest
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.experts import expert_forward

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import torch
 
-from moeless.expert_fn.client import ExpertHostClient, ExpertHostUnavailable
+from moeless.expert_fn.client.client import ExpertHostClient, ExpertHostUnavailable
 from moeless.expert_fn.launcher import HostStartError, launch_local_hosts
 from moeless.model.experts import expert_forward
 

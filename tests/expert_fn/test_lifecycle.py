@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeless.expert_fn.errors import HostMemoryFull
-from moeless.expert_fn.lifecycle import ReplicaState as S
-from moeless.expert_fn.lifecycle import ReplicaTable
-from moeless.expert_fn.meters import Meters
+from moeless.expert_fn.host.lifecycle import ReplicaState as S
+from moeless.expert_fn.host.lifecycle import ReplicaTable
+from moeless.expert_fn.host.meters import Meters
 
 from expert_fn_support import FakeClock
 

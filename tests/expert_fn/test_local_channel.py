@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
-from moeless.expert_fn.local_channel import INITIAL_BYTES, LocalChannel
-from moeless.expert_fn.local_channel_server import CALL, CALL_MAGIC, LocalChannelServer, answer, z_offset
-from moeless.expert_fn.routed import RoutedCall, decode_reply_head, encode_call, split_error
+from moeless.expert_fn.client.local_channel import INITIAL_BYTES, LocalChannel
+from moeless.expert_fn.host.local_channel_server import CALL, CALL_MAGIC, LocalChannelServer, answer, z_offset
+from moeless.expert_fn.wire.routed import RoutedCall, decode_reply_head, encode_call, split_error
 
 from local_channel_fakes import H, FakeRuntime, _reference, _routed
 

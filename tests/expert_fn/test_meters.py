@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moeless.expert_fn.lifecycle import ReplicaTable
-from moeless.expert_fn.meters import Meters
+from moeless.expert_fn.host.lifecycle import ReplicaTable
+from moeless.expert_fn.host.meters import Meters
 
 
 def test_gb_seconds_integrate_bytes_held_from_load_start_to_eviction(clock):

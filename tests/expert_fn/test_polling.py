@@ -1,4 +1,4 @@
-"""Busy-polling before a blocking read (expert_fn/polling.py), and hosts and clients that poll
+"""Busy-polling before a blocking read (expert_fn/wire/polling.py), and hosts and clients that poll
 answering exactly as those that block."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.expert_fn.polling import Poller
-from moeless.expert_fn.routed import RoutedCall
+from moeless.expert_fn.wire.polling import Poller
+from moeless.expert_fn.wire.routed import RoutedCall
 
 from expert_fn_support import HIDDEN
 

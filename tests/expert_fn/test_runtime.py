@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeless.expert_fn.errors import BadRequest, HostMemoryFull, ReplicaLoadError
-from moeless.expert_fn.runtime import ExpertHostRuntime
+from moeless.expert_fn.host.runtime import ExpertHostRuntime
 from moeless.model.experts import expert_forward
 
 from expert_fn_support import CORRUPT, HIDDEN

@@ -5,15 +5,15 @@ from __future__ import annotations
 import sys
 import types
 
-from moeless.expert_fn import gen_proto
-from moeless.expert_fn.gpu import DEFAULT_CPU_MEMORY_BYTES, DeviceInfo, detect_device, nvml_gpu
+from moeless.expert_fn.wire import gen_proto
+from moeless.expert_fn.host.gpu import DEFAULT_CPU_MEMORY_BYTES, DeviceInfo, detect_device, nvml_gpu
 
 
 def test_committed_generated_code_matches_the_proto(tmp_path):
     for path in gen_proto.generate(tmp_path):
         committed = gen_proto.HERE / path.name
         assert committed.read_text() == path.read_text(), (
-            f"{committed} is stale: run `python -m moeless.expert_fn.gen_proto`"
+            f"{committed} is stale: run `python -m moeless.expert_fn.wire.gen_proto`"
         )
 
 

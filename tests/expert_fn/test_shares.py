@@ -1,4 +1,4 @@
-"""Who yields memory on a host shared by models (expert_fn/shares.py): the module's golden example,
+"""Who yields memory on a host shared by models (expert_fn/host/shares.py): the module's golden example,
 and a property: one model's eviction storm never takes another active model's guaranteed share."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from moeless.expert_fn.errors import HostMemoryFull
-from moeless.expert_fn.lifecycle import ReplicaTable
-from moeless.expert_fn.meters import Meters
-from moeless.expert_fn.shares import Candidate, Shares, pick_victims, saving_per_gb_s, warm_set
+from moeless.expert_fn.host.lifecycle import ReplicaTable
+from moeless.expert_fn.host.meters import Meters
+from moeless.expert_fn.host.shares import Candidate, Shares, pick_victims, saving_per_gb_s, warm_set
 
 from expert_fn_support import random_store
 

@@ -17,13 +17,13 @@ import time
 import pytest
 import torch
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.expert_fn.nixl_link import BACKENDS, NixlError, NixlLink, _backends, nixl_api
-from moeless.expert_fn.routed import HEAD, REPLY, RoutedCall, decode_reply_head, lists_bytes
-from moeless.expert_fn.tcp_channel import TcpChannel
-from moeless.expert_fn.tcp_server import HELLO, HELLO_MAGIC, receive_into
+from moeless.expert_fn.wire.nixl_link import BACKENDS, NixlError, NixlLink, _backends, nixl_api
+from moeless.expert_fn.wire.routed import HEAD, REPLY, RoutedCall, decode_reply_head, lists_bytes
+from moeless.expert_fn.client.tcp_channel import TcpChannel
+from moeless.expert_fn.host.tcp_server import HELLO, HELLO_MAGIC, receive_into
 from moeless.model.experts import expert_forward
 
 from expert_fn_support import HIDDEN, answer_after_restart
@@ -264,7 +264,7 @@ def test_a_buffer_nixl_cannot_register_is_a_nixl_error_that_says_what_to_install
 
 
 def test_a_client_whose_link_cannot_register_gets_one_error_naming_the_host(hosts, monkeypatch):
-    import moeless.expert_fn.tcp_channel as tcp_channel
+    import moeless.expert_fn.client.tcp_channel as tcp_channel
 
     def refuse(role, capacity, device):
         raise NixlError("registering 64 bytes of VRAM on cuda:0 failed: nixlBackendError: NIXL_ERR_BACKEND")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from moeless.expert_fn.errors import ReplicaLoadError
-from moeless.expert_fn.metrics import registry_for
-from moeless.expert_fn.runtime import ExpertHostRuntime
-from moeless.expert_fn.tiers import HostTier, TierConfig
+from moeless.expert_fn.host.metrics import registry_for
+from moeless.expert_fn.host.runtime import ExpertHostRuntime
+from moeless.expert_fn.stores.tiers import HostTier, TierConfig
 from moeless.model.experts import expert_forward
 
 from expert_fn_support import CORRUPT, HIDDEN, corrupt, random_store
@@ -226,7 +226,7 @@ def test_tier_flags_make_a_config():
     import argparse
 
     from moeless.expert_fn.options import add_tier_arguments
-    from moeless.expert_fn.tiers import tier_config_from_args
+    from moeless.expert_fn.stores.tiers import tier_config_from_args
 
     parser = argparse.ArgumentParser()
     add_tier_arguments(parser)

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, ExpertHostUnavailable, ReplicaLoadError
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.expert_fn.routed import RoutedCall
+from moeless.expert_fn.wire.routed import RoutedCall
 from moeless.model.experts import expert_forward
 
 from expert_fn_support import CORRUPT, EXPERTS, HIDDEN, answer_after_restart

@@ -24,7 +24,7 @@ from moeless.controller.operator.kube import Kube
 from moeless.controller.operator.actions import Create, Delete, Update, UpdateStatus
 from moeless.controller.operator.reconcile import reconcile
 from moeless.controller.operator.spec import GIB
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.controller.knobs import Knobs
 from moeless.model.weight_store import export_experts

@@ -109,8 +109,8 @@ def test_meters_parser_reads_a_real_runtime_exposition(tmp_path):
     """The exposition of expert_fn.metrics over a real runtime with two replicas computed."""
     import torch
 
-    from moeless.expert_fn.metrics import registry_for
-    from moeless.expert_fn.runtime import ExpertHostRuntime
+    from moeless.expert_fn.host.metrics import registry_for
+    from moeless.expert_fn.host.runtime import ExpertHostRuntime
     from moeless.model.weight_store import WeightStore, export_experts
 
     gen = torch.Generator().manual_seed(0)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from kubernetes import client, config
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.tiny import tiny_model
 from moeless.model.weight_store import export_experts

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import torch
 
-from moeless.expert_fn.routed import RoutedResult, decode_call, encode_call, run_routed
+from moeless.expert_fn.wire.routed import RoutedResult, decode_call, encode_call
+from moeless.expert_fn.host.run_routed import run_routed
 from moeless.model.experts import expert_forward
 
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.experts import expert_forward
 from moeless.serving.api import GenerationRequest

@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.placement.types import LayerPlacement, Placement
 from moeless.controller.planning.board import publish_placement
 

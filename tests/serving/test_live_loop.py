@@ -18,7 +18,7 @@ import torch
 
 from moeless.twin.arrivals import arrival_times
 from moeless.placement.profile import CostProfile
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.controller.knobs import Knobs
 from moeless.model.interface import Routing

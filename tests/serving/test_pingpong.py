@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.serving.api import GenerationRequest
 from moeless.serving.engine import Engine
 from moeless.serving.executor import RemoteExecutor

@@ -9,7 +9,7 @@ over real expert-host processes and a pool file, as `moeless serve`'s supervisor
 import time
 from pathlib import Path
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.controller.knobs import Knobs
 from moeless.controller.pool.members import Member
 from moeless.controller.planning.actor import LoopSettings, PlanLoop

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.controller.pool.members import Member
 from moeless.controller.pool.sources import FileSource, write_members
 

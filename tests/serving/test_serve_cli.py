@@ -83,7 +83,7 @@ def test_app_from_args_reads_the_knobs_file_and_the_hosts(tmp_path, monkeypatch)
 def test_serve_uses_the_expert_hosts_named_in_the_environment(hosts, tmp_path):
     """With MOELESS_EXPERT_HOSTS set (the Helm chart's Deployment), `moeless serve` starts no hosts of
     its own: the demo request is answered by the hosts given, which see the calls."""
-    from moeless.expert_fn.client import ExpertHostClient
+    from moeless.expert_fn.client.client import ExpertHostClient
 
     env = dict(os.environ, MOELESS_CACHE=str(tmp_path), MOELESS_EXPERT_HOSTS=",".join(hosts.addresses))
     proc = subprocess.run([sys.executable, "-m", "moeless", "serve", "--model", "tiny:mixtral", "--port", "0", "--demo",

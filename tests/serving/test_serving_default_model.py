@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.placement.types import LayerPlacement, Placement
 from moeless.serving.api import ChatMessage, GenerationRequest

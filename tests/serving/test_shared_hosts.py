@@ -1,4 +1,4 @@
-"""Two models on the same expert-host processes (expert_fn/model_stores.py): each model's forward
+"""Two models on the same expert-host processes (expert_fn/stores/model_stores.py): each model's forward
 through the shared hosts equals that model alone, in-process; their replicas share the hosts'
 memory; a client bound to one model sees only its own replicas."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moeless.controller.operator.meters import parse_host_metrics
-from moeless.expert_fn.client import ExpertHostClient
+from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import ExpertHostError
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.tiny import tiny_model

@@ -3,7 +3,7 @@
 gRPC costs 0.6-0.8 ms per decode-sized call on loopback and falls off a cliff past 0.5 MB
 (protobuf, HTTP/2 framing, several thread hops). A client on another machine (another pod)
 instead keeps one TCP connection per host and sends each routed call as one frame
-(expert_fn/routed.py): a fixed head, the pair lists and the token rows, read here straight into
+(expert_fn/wire/routed.py): a fixed head, the pair lists and the token rows, read here straight into
 a buffer that grows once and is reused; the reply is a head and the output rows, sent from the
 tensor's own memory. gRPC stays the control plane (load, evict, status, health, and the offer of
 this port).
@@ -30,10 +30,11 @@ import struct
 import torch
 
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, refuse_unless_serving
-from moeless.expert_fn.listener import Listener
-from moeless.expert_fn.nixl_link import NixlError, NixlLink, unavailable
-from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S, Poller
-from moeless.expert_fn.routed import HEAD, decode_body, decode_head, encode_error, encode_reply, run_routed
+from moeless.expert_fn.host.listener import Listener
+from moeless.expert_fn.wire.nixl_link import NixlError, NixlLink, unavailable
+from moeless.expert_fn.wire.polling import DEFAULT_HOST_POLL_S, Poller
+from moeless.expert_fn.wire.routed import HEAD, decode_body, decode_head, encode_error, encode_reply
+from moeless.expert_fn.host.run_routed import run_routed
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from moeless.expert_fn.runtime import ExpertHostRuntime
+from moeless.expert_fn.host.runtime import ExpertHostRuntime
 
 PREFIX = "moeless_expert"
 

@@ -4,7 +4,7 @@
     pending = channel.submit(call, x)   # the frame: head, lists, x[call.tokens], written into shared memory
     result = pending.result()           # RoutedResult; result.z is a view of shared memory
 
-The shared buffer holds the whole routed call's frame (expert_fn/routed.py) at offset 0, each
+The shared buffer holds the whole routed call's frame (expert_fn/wire/routed.py) at offset 0, each
 token's row once, copied from x straight into it (one index_select) in x's dtype; the host
 writes z [n_out, H] in that dtype after it, at the frame's size rounded up to 64 bytes. Only a
 tiny control message crosses the socket each way (CALL; routed's REPLY), whatever the call's
@@ -33,10 +33,10 @@ import threading
 
 import torch
 
-from moeless.expert_fn.cuda_ipc import describe
+from moeless.expert_fn.wire.cuda_ipc import describe
 from moeless.expert_fn.errors import ERRORS_BY_KIND, ExpertHostError, ExpertHostUnavailable
-from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, Poller
-from moeless.expert_fn.local_channel_server import (
+from moeless.expert_fn.wire.polling import DEFAULT_CLIENT_POLL_S, Poller
+from moeless.expert_fn.host.local_channel_server import (
     BUFFER,
     BUFFER_MAGIC,
     CALL,
@@ -45,7 +45,7 @@ from moeless.expert_fn.local_channel_server import (
     CALL_MAGIC,
     z_offset,
 )
-from moeless.expert_fn.routed import (
+from moeless.expert_fn.wire.routed import (
     REPLY,
     HeldCall,
     RoutedCall,

@@ -1,7 +1,7 @@
 """The expert host's engine, without the network: replicas, loads off the request path, invokes.
 
 Thread-safe: gRPC handler threads call load / evict / invoke / status concurrently. A load
-goes through the weight tiers (expert_fn/tiers.py): disk -> host memory (sha256 checked once, on
+goes through the weight tiers (expert_fn/stores/tiers.py): disk -> host memory (sha256 checked once, on
 entry) -> device, on a small thread pool, so a pre-warm or prefetch returns at once; an invoke
 that needs a replica still loading waits for it (a cold start), and a load already running is
 never started twice. Per layer the meters count the cold-start time a prefetch hid and the time
@@ -28,14 +28,14 @@ from typing import Callable
 
 import torch
 
-from moeless.expert_fn.codec import InvokeResult
+from moeless.expert_fn.wire.codec import InvokeResult
 from moeless.expert_fn.errors import BadRequest, ReplicaLoadError
-from moeless.expert_fn.executor import forward_for
-from moeless.expert_fn.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
-from moeless.expert_fn.meters import Meters
-from moeless.expert_fn.model_stores import as_model_stores
-from moeless.expert_fn.shares import Shares
-from moeless.expert_fn.tiers import DeviceCopier, HostTier, TierConfig, compute_dtype_of
+from moeless.expert_fn.host.executor import forward_for
+from moeless.expert_fn.host.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
+from moeless.expert_fn.host.meters import Meters
+from moeless.expert_fn.stores.model_stores import as_model_stores
+from moeless.expert_fn.host.shares import Shares
+from moeless.expert_fn.stores.tiers import DeviceCopier, HostTier, TierConfig, compute_dtype_of
 from moeless.model.weight_store import WeightStore, WeightStoreError, stored_dtype
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from moeless.expert_fn.metrics import registry_for
-from moeless.expert_fn.runtime import ExpertHostRuntime
+from moeless.expert_fn.host.metrics import registry_for
+from moeless.expert_fn.host.runtime import ExpertHostRuntime
 
 
 def start_http_endpoints(runtime: ExpertHostRuntime, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:

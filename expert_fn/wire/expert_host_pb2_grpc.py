@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from moeless.expert_fn import expert_host_pb2 as moeless_dot_expert__fn_dot_expert__host__pb2
+from moeless.expert_fn.wire import expert_host_pb2 as moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in moeless/expert_fn/expert_host_pb2_grpc.py depends on'
+        + ' but the generated code in moeless/expert_fn/wire/expert_host_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,43 +36,43 @@ class ExpertHostStub:
         """
         self.Load = channel.unary_unary(
                 '/moeless.expert_fn.ExpertHost/Load',
-                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.LoadRequest.SerializeToString,
-                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.LoadReply.FromString,
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadReply.FromString,
                 _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/moeless.expert_fn.ExpertHost/Evict',
-                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.ReplicaRef.SerializeToString,
-                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.EvictReply.FromString,
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaRef.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.EvictReply.FromString,
                 _registered_method=True)
         self.Invoke = channel.unary_unary(
                 '/moeless.expert_fn.ExpertHost/Invoke',
-                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.InvokeRequest.SerializeToString,
-                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.InvokeReply.FromString,
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.InvokeRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.InvokeReply.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/moeless.expert_fn.ExpertHost/Status',
-                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.StatusRequest.SerializeToString,
-                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.StatusReply.FromString,
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.StatusRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.StatusReply.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/moeless.expert_fn.ExpertHost/Health',
-                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthRequest.SerializeToString,
-                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthReply.FromString,
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.HealthRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.HealthReply.FromString,
                 _registered_method=True)
         self.InvokeRouted = channel.unary_unary(
                 '/moeless.expert_fn.ExpertHost/InvokeRouted',
-                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.SerializeToString,
-                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.FromString,
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.RoutedFrame.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.RoutedFrame.FromString,
                 _registered_method=True)
         self.LocalChannel = channel.unary_unary(
                 '/moeless.expert_fn.ExpertHost/LocalChannel',
-                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelRequest.SerializeToString,
-                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelReply.FromString,
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelReply.FromString,
                 _registered_method=True)
         self.Configure = channel.unary_unary(
                 '/moeless.expert_fn.ExpertHost/Configure',
-                request_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureRequest.SerializeToString,
-                response_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureReply.FromString,
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureReply.FromString,
                 _registered_method=True)
 
 
@@ -142,43 +142,43 @@ def add_ExpertHostServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
-                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.LoadRequest.FromString,
-                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.LoadReply.SerializeToString,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadReply.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
-                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.ReplicaRef.FromString,
-                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.EvictReply.SerializeToString,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaRef.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.EvictReply.SerializeToString,
             ),
             'Invoke': grpc.unary_unary_rpc_method_handler(
                     servicer.Invoke,
-                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.InvokeRequest.FromString,
-                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.InvokeReply.SerializeToString,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.InvokeRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.InvokeReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.StatusRequest.FromString,
-                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.StatusReply.SerializeToString,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.StatusRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.StatusReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthRequest.FromString,
-                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.HealthReply.SerializeToString,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.HealthRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.HealthReply.SerializeToString,
             ),
             'InvokeRouted': grpc.unary_unary_rpc_method_handler(
                     servicer.InvokeRouted,
-                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.FromString,
-                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.SerializeToString,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.RoutedFrame.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.RoutedFrame.SerializeToString,
             ),
             'LocalChannel': grpc.unary_unary_rpc_method_handler(
                     servicer.LocalChannel,
-                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelRequest.FromString,
-                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelReply.SerializeToString,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelReply.SerializeToString,
             ),
             'Configure': grpc.unary_unary_rpc_method_handler(
                     servicer.Configure,
-                    request_deserializer=moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureRequest.FromString,
-                    response_serializer=moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureReply.SerializeToString,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -206,8 +206,8 @@ class ExpertHost:
             request,
             target,
             '/moeless.expert_fn.ExpertHost/Load',
-            moeless_dot_expert__fn_dot_expert__host__pb2.LoadRequest.SerializeToString,
-            moeless_dot_expert__fn_dot_expert__host__pb2.LoadReply.FromString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -233,8 +233,8 @@ class ExpertHost:
             request,
             target,
             '/moeless.expert_fn.ExpertHost/Evict',
-            moeless_dot_expert__fn_dot_expert__host__pb2.ReplicaRef.SerializeToString,
-            moeless_dot_expert__fn_dot_expert__host__pb2.EvictReply.FromString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaRef.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.EvictReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -260,8 +260,8 @@ class ExpertHost:
             request,
             target,
             '/moeless.expert_fn.ExpertHost/Invoke',
-            moeless_dot_expert__fn_dot_expert__host__pb2.InvokeRequest.SerializeToString,
-            moeless_dot_expert__fn_dot_expert__host__pb2.InvokeReply.FromString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.InvokeRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.InvokeReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -287,8 +287,8 @@ class ExpertHost:
             request,
             target,
             '/moeless.expert_fn.ExpertHost/Status',
-            moeless_dot_expert__fn_dot_expert__host__pb2.StatusRequest.SerializeToString,
-            moeless_dot_expert__fn_dot_expert__host__pb2.StatusReply.FromString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.StatusRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -314,8 +314,8 @@ class ExpertHost:
             request,
             target,
             '/moeless.expert_fn.ExpertHost/Health',
-            moeless_dot_expert__fn_dot_expert__host__pb2.HealthRequest.SerializeToString,
-            moeless_dot_expert__fn_dot_expert__host__pb2.HealthReply.FromString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.HealthRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.HealthReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -341,8 +341,8 @@ class ExpertHost:
             request,
             target,
             '/moeless.expert_fn.ExpertHost/InvokeRouted',
-            moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.SerializeToString,
-            moeless_dot_expert__fn_dot_expert__host__pb2.RoutedFrame.FromString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.RoutedFrame.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.RoutedFrame.FromString,
             options,
             channel_credentials,
             insecure,
@@ -368,8 +368,8 @@ class ExpertHost:
             request,
             target,
             '/moeless.expert_fn.ExpertHost/LocalChannel',
-            moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelRequest.SerializeToString,
-            moeless_dot_expert__fn_dot_expert__host__pb2.LocalChannelReply.FromString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -395,8 +395,8 @@ class ExpertHost:
             request,
             target,
             '/moeless.expert_fn.ExpertHost/Configure',
-            moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureRequest.SerializeToString,
-            moeless_dot_expert__fn_dot_expert__host__pb2.ConfigureReply.FromString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from moeless.expert_fn.shares import Shares
+from moeless.expert_fn.host.shares import Shares
 from moeless.model.weight_store import WeightStore, WeightStoreError
 
 

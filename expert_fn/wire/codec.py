@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeless.expert_fn import expert_host_pb2 as pb
+from moeless.expert_fn.wire import expert_host_pb2 as pb
 from moeless.expert_fn.errors import BadRequest
 
 # Both ends raise gRPC's 4 MB default: a prefill batch of a few thousand tokens is larger.

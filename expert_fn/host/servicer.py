@@ -10,10 +10,10 @@ from typing import Sequence
 
 import grpc
 
-from moeless.expert_fn import expert_host_pb2 as pb
-from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
-from moeless.expert_fn.codec import batches_from_proto, put_batches
-from moeless.expert_fn.model_stores import ModelRange
+from moeless.expert_fn.wire import expert_host_pb2 as pb
+from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
+from moeless.expert_fn.wire.codec import batches_from_proto, put_batches
+from moeless.expert_fn.stores.model_stores import ModelRange
 from moeless.expert_fn.errors import (
     ERROR_KEY,
     BadRequest,
@@ -22,8 +22,9 @@ from moeless.expert_fn.errors import (
     ReplicaLoadError,
     refuse_unless_serving,
 )
-from moeless.expert_fn.routed import decode_call, encode_reply, raw_bytes, run_routed
-from moeless.expert_fn.runtime import ExpertHostRuntime
+from moeless.expert_fn.wire.routed import decode_call, encode_reply, raw_bytes
+from moeless.expert_fn.host.run_routed import run_routed
+from moeless.expert_fn.host.runtime import ExpertHostRuntime
 
 STATUS_CODES = {
     ReplicaLoadError: grpc.StatusCode.FAILED_PRECONDITION,

@@ -41,9 +41,9 @@ from dataclasses import fields, replace
 import grpc
 import torch
 
-from moeless.expert_fn import expert_host_pb2 as pb
-from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
-from moeless.expert_fn.codec import (
+from moeless.expert_fn.wire import expert_host_pb2 as pb
+from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
+from moeless.expert_fn.wire.codec import (
     CLIENT_OPTIONS,
     InvokeResult,
     batches_from_proto,
@@ -56,13 +56,13 @@ from moeless.expert_fn.errors import (
     ExpertHostUnavailable,
     ReplicaLoadError,  # noqa: F401 (re-exported: callers catch it from here)
 )
-from moeless.expert_fn.local_channel import LocalChannel
-from moeless.expert_fn.meters import ModelTotals
+from moeless.expert_fn.client.local_channel import LocalChannel
+from moeless.expert_fn.host.meters import ModelTotals
 from moeless.expert_fn.options import TRANSPORTS
-from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S
-from moeless.expert_fn.nixl_link import DEFAULT_CAPACITY
-from moeless.expert_fn.routed import Pending, RoutedCall, RoutedResult, decode_reply_head, encode_call, split_error, staged
-from moeless.expert_fn.tcp_channel import TcpChannel
+from moeless.expert_fn.wire.polling import DEFAULT_CLIENT_POLL_S
+from moeless.expert_fn.wire.nixl_link import DEFAULT_CAPACITY
+from moeless.expert_fn.wire.routed import Pending, RoutedCall, RoutedResult, decode_reply_head, encode_call, split_error, staged
+from moeless.expert_fn.client.tcp_channel import TcpChannel
 
 
 # Codes that mean "this host cannot answer", whatever the call was.

@@ -4,7 +4,7 @@ gRPC costs about 1 ms per call on loopback (protobuf, HTTP/2 framing, several th
 several times a decode step's expert compute. A client on the same machine instead connects to
 this Unix socket (abstract namespace: no file, gone with the process) and hands over a memfd
 (BUFFER, with the fd). Each call is then one tiny message each way: the client writes the whole
-routed call's frame (expert_fn/routed.py: HEAD, the pair lists, each token's row once, in its
+routed call's frame (expert_fn/wire/routed.py: HEAD, the pair lists, each token's row once, in its
 own dtype) at the start of that shared memory and sends CALL (the frame's size and where z
 goes); the host reads the frame in place, writes z [n_out, H] (the tokens' dtype) at that
 offset and answers with routed's REPLY (an error: REPLY, kind, message). gRPC stays the control
@@ -33,11 +33,12 @@ import uuid
 
 import torch
 
-from moeless.expert_fn.cuda_ipc import DESCRIPTION_MAGIC, MAX_DESCRIPTION_BYTES, DeviceBufferError, open_described
+from moeless.expert_fn.wire.cuda_ipc import DESCRIPTION_MAGIC, MAX_DESCRIPTION_BYTES, DeviceBufferError, open_described
 from moeless.expert_fn.errors import BadRequest, ExpertHostError, refuse_unless_serving
-from moeless.expert_fn.listener import Listener
-from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S, Poller
-from moeless.expert_fn.routed import HEAD, Head, decode_body, decode_head, encode_error, encode_reply, run_routed
+from moeless.expert_fn.host.listener import Listener
+from moeless.expert_fn.wire.polling import DEFAULT_HOST_POLL_S, Poller
+from moeless.expert_fn.wire.routed import HEAD, Head, decode_body, decode_head, encode_error, encode_reply
+from moeless.expert_fn.host.run_routed import run_routed
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from moeless.expert_fn.gpu import detect_device
+from moeless.expert_fn.host.gpu import detect_device
 from moeless.expert_fn.options import COMPUTE_DTYPES, add_tier_arguments
-from moeless.expert_fn.polling import DEFAULT_HOST_POLL_S
+from moeless.expert_fn.wire.polling import DEFAULT_HOST_POLL_S
 
 log = logging.getLogger("moeless.expert_fn.host")
 REPLY_LINGER_S = 0.5  # after the last call of a drain: time for its reply to be read before the server closes
@@ -79,15 +79,15 @@ def serve(args: argparse.Namespace) -> int:
     import torch
 
     # heavy, as above: the gRPC service and its endpoints
-    from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
-    from moeless.expert_fn.codec import CHANNEL_OPTIONS
-    from moeless.expert_fn.http_endpoints import start_http_endpoints
-    from moeless.expert_fn.local_channel_server import LocalChannelServer
-    from moeless.expert_fn.model_stores import ModelStores
-    from moeless.expert_fn.runtime import ExpertHostRuntime
-    from moeless.expert_fn.servicer import ExpertHostServicer
-    from moeless.expert_fn.tcp_server import TcpServer
-    from moeless.expert_fn.tiers import tier_config_from_args
+    from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
+    from moeless.expert_fn.wire.codec import CHANNEL_OPTIONS
+    from moeless.expert_fn.host.http_endpoints import start_http_endpoints
+    from moeless.expert_fn.host.local_channel_server import LocalChannelServer
+    from moeless.expert_fn.stores.model_stores import ModelStores
+    from moeless.expert_fn.host.runtime import ExpertHostRuntime
+    from moeless.expert_fn.host.servicer import ExpertHostServicer
+    from moeless.expert_fn.host.tcp_server import TcpServer
+    from moeless.expert_fn.stores.tiers import tier_config_from_args
     from moeless.model.weight_store import WeightStoreError
 
     parent = os.getppid()  # before the ready line: the launcher is alive until it has read it
@@ -206,7 +206,3 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moeless.expert_fn.host", description=__doc__.split("\n\n")[0])
     add_host_arguments(parser)
     return serve(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

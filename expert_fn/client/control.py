@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import grpc
 
-from moeless.expert_fn import expert_host_pb2 as pb
-from moeless.expert_fn import expert_host_pb2_grpc as pb_grpc
+from moeless.expert_fn.wire import expert_host_pb2 as pb
+from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
 
 
 def configure_keep_alive(address: str, keep_alive_s: float, timeout_s: float = 2.0) -> float:

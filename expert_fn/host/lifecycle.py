@@ -25,8 +25,8 @@ from enum import Enum
 from typing import Callable
 
 from moeless.expert_fn.errors import HostMemoryFull
-from moeless.expert_fn.meters import Meters
-from moeless.expert_fn.shares import Candidate, Shares, pick_victims, warm_set
+from moeless.expert_fn.host.meters import Meters
+from moeless.expert_fn.host.shares import Candidate, Shares, pick_victims, warm_set
 
 Key = tuple[int, int]  # (layer, expert)
 Clock = Callable[[], float]  # seconds, monotonic

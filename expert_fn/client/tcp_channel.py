@@ -32,9 +32,9 @@ import threading
 import torch
 
 from moeless.expert_fn.errors import ERRORS_BY_KIND, ExpertHostError, ExpertHostUnavailable
-from moeless.expert_fn.nixl_link import NixlError, NixlLink
-from moeless.expert_fn.polling import DEFAULT_CLIENT_POLL_S, Poller
-from moeless.expert_fn.routed import (
+from moeless.expert_fn.wire.nixl_link import NixlError, NixlLink
+from moeless.expert_fn.wire.polling import DEFAULT_CLIENT_POLL_S, Poller
+from moeless.expert_fn.wire.routed import (
     HeldCall,
     REPLY,
     RoutedCall,
@@ -46,7 +46,7 @@ from moeless.expert_fn.routed import (
     staged,
     write_call,
 )
-from moeless.expert_fn.tcp_server import HELLO, HELLO_MAGIC, MAX_OFFER_BYTES, note, peer_gone, receive_into, send_parts
+from moeless.expert_fn.host.tcp_server import HELLO, HELLO_MAGIC, MAX_OFFER_BYTES, note, peer_gone, receive_into, send_parts
 
 INITIAL_BYTES = 1 << 20
 
