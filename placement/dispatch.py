@@ -1,0 +1,187 @@
+"""Dispatch-time pairing: each layer call's tokens assigned to the replicas that hold their experts,
+on this batch's own loads, once its gate has run (the rule the twin and the data plane share).
+
+The imbalance of a fine-grained MoE is mostly each batch's own: a pairing of experts to GPUs chosen
+from past loads keeps little of it, while every batch's loads are known exactly before its tokens
+are sent. So, per layer call, with the loads W [E] and the resident replicas (expert, gpu):
+
+1. Three starts, each a token count per replica:
+   a. the plan's own shares (whole tokens, largest remainder);
+   b. every expert on its first replica (its home; static EP's split where the plan lists homes
+      first, as moeless's planners do);
+   c. whole experts: those with one GPU first, then the others largest first, each to the least
+      loaded GPU that holds it.
+2. Each start improved in rounds: the busiest GPU hands tokens of one of its experts to another GPU
+   holding that expert, the move that lowers the pair's larger work the most: all of the expert's
+   tokens there (its call moves too), or a split that evens the pair, made only past the knee
+   (both parts at least c / alpha tokens: a new call costs c, so a smaller part does not pay for
+   it). Stops when no move lowers the busiest GPU.
+3. The start with the least serial layer time wins (`kernels.serial_time`: busiest GPU's alpha x
+   tokens + c per call with tokens, plus 2 beta x the most tokens a GPU receives); ties go to the
+   earlier start, so the plan's shares and static EP's split are never beaten by a worse pairing.
+
+Compiled (numba): microseconds per layer (`moeless bench planner` times it). Which experts each
+GPU holds is the planner's choice; this only chooses who computes what among them.
+
+Golden example (alpha = 1 s per token, c = 2, beta = 0; 2 GPUs; experts 0, 1 at home on GPU 0 and
+2, 3 on GPU 1; expert 1 also on GPU 1; W = [6, 5, 1, 0]): the plan (every expert at home) makes
+GPU 0 work 6 + 2 + 5 + 2 = 15 and GPU 1 3. Expert 1 moving whole to GPU 1 makes 8 and 10, a split
+of 5 tokens cannot have both parts at the knee of 2 tokens and even the pair (7 + 3 would need
+parts of 4 and 1): tokens per replica [6, 0, 1, 0 | 5] (the copy of expert 1 last), layer time 10.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeless.placement.kernels import compiled, largest_remainder, serial_time
+from moeless.placement.latency_model import LatencyModel
+from moeless.placement.types import LayerPlacement
+
+EPSILON_S = 1e-12  # a move must lower the busiest GPU by more than rounding
+
+
+def pair_tokens(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int) -> LayerPlacement:
+    """The layer's replicas with shares that pair this batch's loads with them (module docstring).
+    load: [E] whole tokens per expert -> the same replicas (expert, gpu), new shares; one replica per
+    expert comes back as it is (nothing to choose)."""
+    tokens = np.asarray(load, dtype=np.int64)
+    num_experts = tokens.shape[0]
+    if layer.num_replicas == num_experts:
+        return layer
+    counts = pair_counts(tokens, layer.expert, layer.gpu, layer.share, num_gpus, model.alpha, model.call_overhead,
+                         model.beta)
+    share = np.divide(counts, tokens[layer.expert], out=np.zeros(layer.num_replicas), where=tokens[layer.expert] > 0)
+    missing = np.bincount(layer.expert, weights=share, minlength=num_experts) == 0
+    if missing.any():  # an expert without tokens routes to its first replica
+        _, first = np.unique(layer.expert, return_index=True)
+        share[first[missing]] = 1.0
+    return LayerPlacement(layer.expert, layer.gpu, share)
+
+
+@compiled
+def pair_counts(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
+    """Whole tokens per replica [R] of the best start of the module docstring's steps 1-3.
+    tokens [E] int, expert [R], gpu [R], share [R] (the plan's)."""
+    num_replicas, num_experts = expert.shape[0], tokens.shape[0]
+    start, members = _by_expert(expert, gpu, num_experts, num_gpus)
+    flexible = np.flatnonzero(start[1:] - start[:-1] > 1)
+    knee = call / alpha if alpha > 0 else 0.0
+    best = largest_remainder(tokens, expert, share)  # a.
+    _improve(best, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee)
+    best_s = serial_time(tokens, expert, gpu, _as_share(best, tokens, expert), num_gpus, alpha, call, beta)
+    for kind in range(2):  # b. home, c. whole experts to the least loaded holder
+        counts = _home(tokens, expert, start, members, num_replicas) if kind == 0 else \
+            _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_replicas)
+        _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee)
+        seconds = serial_time(tokens, expert, gpu, _as_share(counts, tokens, expert), num_gpus, alpha, call, beta)
+        if seconds < best_s - EPSILON_S:
+            best, best_s = counts, seconds
+    return best
+
+
+@compiled
+def _by_expert(expert, gpu, num_experts, num_gpus):
+    """Each expert's replicas, one per GPU (the first listed there), in listed order: members
+    [start[e]:start[e + 1]] are replica indices (CSR)."""
+    seen = np.zeros((num_experts, num_gpus), np.bool_)
+    keep = np.zeros(expert.shape[0], np.bool_)
+    size = np.zeros(num_experts + 1, np.int64)
+    for r in range(expert.shape[0]):
+        if not seen[expert[r], gpu[r]]:
+            seen[expert[r], gpu[r]] = True
+            keep[r] = True
+            size[expert[r] + 1] += 1
+    start = np.cumsum(size)
+    fill = start[:-1].copy()
+    members = np.empty(start[-1], np.int64)
+    for r in range(expert.shape[0]):
+        if keep[r]:
+            members[fill[expert[r]]] = r
+            fill[expert[r]] += 1
+    return start, members
+
+
+@compiled
+def _home(tokens, expert, start, members, num_replicas):
+    counts = np.zeros(num_replicas, np.int64)
+    for e in range(tokens.shape[0]):
+        counts[members[start[e]]] = tokens[e]
+    return counts
+
+
+@compiled
+def _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_replicas):
+    """Whole experts: one-GPU experts first, then the others largest first (stable), each to its
+    least loaded holder (the earlier listed on ties)."""
+    counts = np.zeros(num_replicas, np.int64)
+    work = np.zeros(num_gpus)
+    for e in range(tokens.shape[0]):
+        if tokens[e] > 0 and start[e + 1] - start[e] == 1:
+            r = members[start[e]]
+            counts[r] = tokens[e]
+            work[gpu[r]] += call + alpha * tokens[e]
+    order = np.argsort(-tokens, kind="mergesort")
+    for i in range(order.shape[0]):
+        e = order[i]
+        if tokens[e] == 0:
+            break
+        if start[e + 1] - start[e] == 1:
+            continue
+        pick = members[start[e]]
+        for j in range(start[e] + 1, start[e + 1]):
+            if work[gpu[members[j]]] < work[gpu[pick]] - EPSILON_S:
+                pick = members[j]
+        counts[pick] = tokens[e]
+        work[gpu[pick]] += call + alpha * tokens[e]
+    return counts
+
+
+@compiled
+def _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee):
+    """Step 2, in place on counts [R]: moves off the busiest GPU while one lowers it (only experts
+    held on two GPUs or more can move: `flexible`)."""
+    work = np.zeros(num_gpus)
+    for r in range(expert.shape[0]):
+        if counts[r] > 0:
+            work[gpu[r]] += call + alpha * counts[r]
+    for _ in range(4 * (flexible.shape[0] + num_gpus)):
+        top = np.argmax(work)
+        most = work[top]
+        best, src, dst, moved = most, -1, -1, 0
+        for f in range(flexible.shape[0]):
+            e = flexible[f]
+            for i in range(start[e], start[e + 1]):
+                r = members[i]
+                if gpu[r] != top or counts[r] == 0:
+                    continue
+                have = counts[r]
+                for j in range(start[e], start[e + 1]):
+                    q = members[j]
+                    if q == r:
+                        continue
+                    extra = call if counts[q] == 0 else 0.0
+                    after = max(most - call - alpha * have, work[gpu[q]] + extra + alpha * have)  # all of it
+                    part = have
+                    even = int(np.floor((most - work[gpu[q]] - extra) / (2.0 * alpha))) if alpha > 0 else 0
+                    if knee <= even <= have - knee:  # a split, past the knee: both parts at least c / alpha
+                        split = max(most - alpha * even, work[gpu[q]] + extra + alpha * even)
+                        if split < after:
+                            after, part = split, even
+                    if after < best - EPSILON_S:
+                        best, src, dst, moved = after, r, q, part
+        if src < 0:
+            return
+        work[gpu[src]] -= alpha * moved + (call if moved == counts[src] else 0.0)
+        work[gpu[dst]] += alpha * moved + (call if counts[dst] == 0 else 0.0)
+        counts[src] -= moved
+        counts[dst] += moved
+
+
+@compiled
+def _as_share(counts, tokens, expert):
+    share = np.zeros(expert.shape[0])
+    for r in range(expert.shape[0]):
+        if tokens[expert[r]] > 0:
+            share[r] = counts[r] / tokens[expert[r]]
+    return share

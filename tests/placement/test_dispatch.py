@@ -1,0 +1,76 @@
+"""Dispatch-time pairing (placement/dispatch.py): the golden example, the knee, stable ties, and
+never worse than the plan's shares or static EP's split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeless.placement.dispatch import pair_counts, pair_tokens
+from moeless.placement.latency_model import LatencyModel
+from moeless.placement.types import LayerPlacement
+
+GOLDEN = LatencyModel(alpha=1.0, beta=0.0, cold_start=0.0, call_overhead=2.0)  # a call costs 2 tokens: the knee
+
+
+def seconds(layer: LayerPlacement, load: np.ndarray, num_gpus: int, model: LatencyModel) -> float:
+    return model.layer_time(load, layer, num_gpus, "serial")
+
+
+def test_golden_example():
+    layer = LayerPlacement(np.array([0, 1, 2, 3, 1]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
+    load = np.array([6, 5, 1, 0])
+    counts = pair_counts(load, layer.expert, layer.gpu, layer.share, 2, 1.0, 2.0, 0.0)
+    assert counts.tolist() == [6, 0, 1, 0, 5]
+    paired = pair_tokens(load, layer, GOLDEN, 2)
+    assert seconds(paired, load, 2, GOLDEN) == 10.0 and seconds(layer, load, 2, GOLDEN) == 15.0
+    assert paired.share.tolist() == [1.0, 0.0, 1.0, 1.0, 1.0]  # expert 3 (no token) routes to its only replica
+
+
+def test_an_expert_is_split_only_past_the_knee():
+    """Expert 0 (40 tokens) alone on GPU 0 and also on GPU 1, which has 10 tokens of expert 1:
+    evening the pair splits it. With a knee above what either part would get, it stays whole."""
+    layer = LayerPlacement(np.array([0, 1, 0]), np.array([0, 1, 1]), np.array([1.0, 1.0, 0.0]))
+    load = np.array([40, 10])
+    split = pair_counts(load, layer.expert, layer.gpu, layer.share, 2, 1.0, 2.0, 0.0)
+    assert split.tolist() == [26, 10, 14]  # 26 + 2 on GPU 0, 10 + 2 + 14 + 2 on GPU 1
+    whole = pair_counts(load, layer.expert, layer.gpu, layer.share, 2, 1.0, 15.0, 0.0)  # knee: 15 tokens; evening would move 7
+    assert whole.tolist() == [40, 10, 0]
+
+
+def test_ties_are_stable_and_go_to_the_earlier_replica():
+    """Four equal experts, each on both GPUs: the pairing is the same every time, homes first."""
+    layer = LayerPlacement(np.array([0, 1, 2, 3, 0, 1, 2, 3]), np.array([0, 0, 1, 1, 1, 1, 0, 0]), np.array([1.0] * 4 + [0.0] * 4))
+    load = np.array([5, 5, 5, 5])
+    first = pair_counts(load, layer.expert, layer.gpu, layer.share, 2, 1.0, 1.0, 0.0)
+    assert first.tolist() == [5, 5, 5, 5, 0, 0, 0, 0]
+    for _ in range(3):
+        assert pair_counts(load, layer.expert, layer.gpu, layer.share, 2, 1.0, 1.0, 0.0).tolist() == first.tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_never_worse_than_the_plan_or_static_ep_and_every_token_kept(data):
+    num_experts = data.draw(st.integers(2, 12))
+    num_gpus = data.draw(st.integers(1, 4))
+    load = np.array(data.draw(st.lists(st.integers(0, 60), min_size=num_experts, max_size=num_experts)))
+    home = np.arange(num_experts) * num_gpus // num_experts
+    extra = data.draw(st.lists(st.tuples(st.integers(0, num_experts - 1), st.integers(0, num_gpus - 1)), max_size=10))
+    expert = np.concatenate([np.arange(num_experts), [e for e, _ in extra]]).astype(np.int64)
+    gpu = np.concatenate([home, [g for _, g in extra]]).astype(np.int64)
+    share = np.array([1.0] * num_experts + [0.0] * len(extra))
+    plan = LayerPlacement(expert, gpu, share)
+    model = LatencyModel(alpha=1.0, beta=data.draw(st.sampled_from([0.0, 0.1])), cold_start=0.0,
+                         call_overhead=data.draw(st.sampled_from([0.0, 1.0, 4.0])))
+    paired = pair_tokens(load, plan, model, num_gpus)
+    assert seconds(paired, load, num_gpus, model) <= seconds(plan, load, num_gpus, model) + 1e-9
+    assert np.bincount(paired.expert, weights=paired.share, minlength=num_experts) == pytest.approx(1.0)
+    counts = paired.replica_tokens(load)
+    assert np.bincount(paired.expert, weights=counts, minlength=num_experts).tolist() == load.tolist()
+    knee = model.call_overhead / model.alpha
+    for e in range(num_experts):  # a split expert's parts are each past the knee
+        parts = counts[(paired.expert == e) & (counts > 0)]
+        if parts.size > 1:
+            assert (parts >= knee).all()
