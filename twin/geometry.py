@@ -177,6 +177,16 @@ GEOMETRIES: dict[str, Geometry] = {g.name: g for g in (
     Geometry("olmoe-1b-7b", _hub("allenai/OLMoE-1B-7B-0924"), num_layers=16, moe_layers=16, num_experts=64, top_k=8,
              hidden=2048, expert_ffn=1024, dtype="bfloat16", vocab=50304, heads=16, kv_heads=16, head_dim=128,
              qk_norm="full"),
+    Geometry("deepseek-v3", _hub("deepseek-ai/DeepSeek-V3"), num_layers=61, moe_layers=58, num_experts=256, top_k=8,
+             hidden=7168, expert_ffn=2048, dtype="float8", vocab=129280, heads=128, kv_heads=128, head_dim=128,
+             shared_experts=1, shared_ffn=2048, dense_ffn=18432, router_bias=True,
+             mla=Mla(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+             notes=("first_k_dense_replace 3: layers 0-2 have a dense FFN of 18432",
+                    "weights as published: FP8 (e4m3) with 128 x 128 block scales, the scales not counted",
+                    "the multi-token-prediction module (num_nextn_predict_layers 1) is not served")),
+    Geometry("qwen3-235b-a22b", _hub("Qwen/Qwen3-235B-A22B"), num_layers=94, moe_layers=94, num_experts=128, top_k=8,
+             hidden=4096, expert_ffn=1536, dtype="bfloat16", vocab=151936, heads=64, kv_heads=4, head_dim=128,
+             qk_norm="head"),
 )}
 
 # Published parameter counts (total, active) and where: the test checks the formula against them.
@@ -187,6 +197,8 @@ PUBLISHED: dict[str, tuple[float, float, str]] = {
     "deepseek-v2-lite": (15.7e9, 2.4e9, "https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite"),
     "qwen3-30b-a3b": (30.5e9, 3.3e9, "https://huggingface.co/Qwen/Qwen3-30B-A3B"),
     "olmoe-1b-7b": (6.9e9, 1.3e9, "https://arxiv.org/abs/2409.02060"),
+    "deepseek-v3": (671e9, 37e9, "https://arxiv.org/abs/2412.19437"),
+    "qwen3-235b-a22b": (235e9, 22e9, "https://huggingface.co/Qwen/Qwen3-235B-A22B"),
 }
 
 # SmolLM2-135M's config (https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct/blob/main/config.json).
