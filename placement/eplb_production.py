@@ -1,0 +1,79 @@
+"""EPLB as production runs it (SGLang's and vLLM's expert-parallel load balancer): the baseline a
+planner for fine-grained MoEs must beat at equal memory.
+
+What they do, and so what this planner does:
+1. A fixed number N of redundant experts per layer (SGLang's default for DeepSeek-V3: 32 of 256),
+   so a layer holds E + N replicas, rounded up to a multiple of the GPUs (every GPU holds the same
+   number: DeepSeek's EPLB packs them so).
+2. Statistics: each iteration's loads (what the gates did: never a forecast) summed since the last
+   rebalance.
+3. A rebalance every `period` iterations (default 1000): DeepSeek's EPLB (eplb.py) on the summed
+   loads picks which experts get the N copies and packs all replicas onto the GPUs. Before the
+   first window is full it serves static EP's blocks with the N copies of an even load; the
+   first rebalance comes after `first` iterations (production starts from such a layout and
+   rebalances once it has statistics).
+4. Tokens split evenly over an expert's replicas (shares 1 / count): production dispatches by
+   token index, not by each batch's loads.
+5. Weight moves behind serving: a rebalance's new replicas load while the old layout serves; the
+   new layout takes over once they are resident (the twin counts the loads, their link time and
+   the memory both layouts hold meanwhile: twin.py).
+
+The twin replays it with the "previous" forecast kind, whose entry at iteration i is iteration
+i - 1's actual loads (what the gates reported).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from moeless.placement.cluster import Cluster
+from moeless.placement.eplb import rebalance_experts
+from moeless.placement.types import Placement, PlacementError
+
+PERIOD = 1000  # iterations between rebalances (SGLang's --eplb-rebalance-num-iterations default)
+FIRST = 50  # iterations of statistics before the first rebalance
+
+
+def production_replicas(num_experts: int, redundant: int, num_gpus: int) -> int:
+    """Replicas per layer: E + N rounded up to a multiple of the GPUs."""
+    if redundant < 0:
+        raise ValueError(f"redundant experts must be >= 0, got {redundant}")
+    return -(-(num_experts + redundant) // num_gpus) * num_gpus
+
+
+def production_eplb(redundant: int, period: int = PERIOD, first: int = FIRST) -> Callable:
+    """A fresh stateful plan function (forecast, cluster, previous, config) -> Placement: EPLB with
+    `redundant` copies per layer, rebalanced after `first` iterations and then every `period` on
+    the loads summed since the last rebalance (module docstring)."""
+    if period < 1 or first < 1:
+        raise ValueError(f"period and first must be >= 1 iteration, got {period}, {first}")
+    state: dict = {"calls": 0, "window": None, "plan": None, "next": first}
+
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config) -> Placement:
+        num_layers, num_experts = forecast.shape
+        replicas = production_replicas(num_experts, redundant, cluster.num_gpus)
+        state["window"] = forecast.copy() if state["window"] is None else state["window"] + forecast
+        if state["plan"] is None:
+            state["plan"] = _eplb(np.ones_like(forecast), replicas, cluster)
+        if state["calls"] == state["next"]:
+            state["plan"] = _eplb(state["window"], replicas, cluster)
+            state["window"] = np.zeros_like(forecast)
+            state["next"] += period
+        state["calls"] += 1
+        return state["plan"]
+
+    return plan
+
+
+def _eplb(loads: np.ndarray, replicas: int, cluster: Cluster) -> Placement:
+    """DeepSeek's EPLB with `replicas` per layer on one node and one group (loads [L, E])."""
+    num_experts, num_gpus = loads.shape[1], cluster.num_gpus
+    phy2log, _, _ = rebalance_experts(np.asarray(loads, dtype=np.float64), replicas, 1, 1, num_gpus)
+    placement = Placement.from_eplb(phy2log, num_experts, num_gpus)
+    held = sum(np.bincount(layer.gpu, minlength=num_gpus) for layer in placement.layers)
+    if (held > cluster.slots()).any():
+        raise PlacementError(f"EPLB with {replicas} replicas per layer needs {held.max()} slots on a GPU; the GPUs have "
+                             f"{int(cluster.slots().min())}: lower the redundant experts")
+    return placement

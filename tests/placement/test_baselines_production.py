@@ -1,0 +1,48 @@
+"""Production EPLB (N redundant experts, rebalanced on past loads every period) and full replication."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeless.placement.cluster import Cluster
+from moeless.placement.eplb_production import production_eplb, production_replicas
+from moeless.placement.full_replication import plan_full_replication
+from moeless.placement.types import PlacementError
+
+
+def test_replicas_are_rounded_up_to_a_multiple_of_the_gpus():
+    assert production_replicas(64, 8, 8) == 72 and production_replicas(64, 8, 16) == 80
+    assert production_replicas(256, 32, 64) == 320 and production_replicas(4, 0, 2) == 4
+    with pytest.raises(ValueError, match="redundant"):
+        production_replicas(4, -1, 2)
+
+
+def test_it_rebalances_on_the_loads_since_the_last_rebalance_only_at_its_times():
+    """E = 4 on 2 GPUs with 2 copies: expert 0 hot from the start. The first plan (even loads)
+    gives no expert two copies for a reason; after `first` = 2 calls, EPLB on the summed loads
+    gives expert 0 the most replicas; the plan then holds until the next period."""
+    plan = production_eplb(redundant=2, period=3, first=2)
+    cluster = Cluster.uniform(2, 8, 1)
+    hot = np.array([[30.0, 1, 1, 1]])
+    plans = [plan(hot, cluster, None, None) for _ in range(6)]
+    counts = [p.layers[0].logcnt(4).tolist() for p in plans]
+    assert plans[0] is plans[1]  # no rebalance before `first`
+    assert counts[2][0] == 3 and sum(counts[2]) == 6  # both copies to the hot expert
+    assert plans[2] is plans[3] is plans[4] and plans[5] is not plans[4]  # then every `period`
+    assert all(abs(np.bincount(p.layers[0].expert, weights=p.layers[0].share) - 1).max() < 1e-9 for p in plans)
+
+
+def test_a_layout_that_does_not_fit_is_refused_by_name():
+    plan = production_eplb(redundant=4, period=1, first=1)
+    with pytest.raises(PlacementError, match="lower the redundant experts"):
+        plan(np.ones((2, 4)), Cluster.uniform(2, 5, 1), None, None)
+
+
+def test_full_replication_puts_every_expert_on_every_gpu_of_the_layers_that_fit():
+    cluster = Cluster.uniform(2, 6, 1)  # 12 slots: layer 0 whole (8), layer 1 static (4)
+    placement = plan_full_replication(np.ones((2, 4)), cluster, None, None)
+    first, second = placement.layers
+    assert sorted(zip(first.expert.tolist(), first.gpu.tolist())) == [(e, g) for e in range(4) for g in range(2)]
+    assert first.share[:4].tolist() == [1.0] * 4 and first.share[4:].tolist() == [0.0] * 4  # homes first
+    assert second.gpu.tolist() == [0, 0, 1, 1]
