@@ -13,9 +13,9 @@ are sent. So, per layer call, with the loads W [E] and the resident replicas (ex
       loaded GPU that holds it.
 2. Each start improved in rounds: the busiest GPU hands tokens of one of its experts to another GPU
    holding that expert, the move that lowers the pair's larger work the most: all of the expert's
-   tokens there (its call moves too), or a split that evens the pair, made only past the knee
-   (both parts at least c / alpha tokens: a new call costs c, so a smaller part does not pay for
-   it). Stops when no move lowers the busiest GPU.
+   tokens there (its call moves too), or a split that evens the pair, made only of an expert
+   whose tokens there pass the knee (c / alpha: below it a call's fixed cost dominates, and a
+   split doubles it). Stops when no move lowers the busiest GPU.
 3. The start with the least serial layer time wins (`kernels.serial_time`: busiest GPU's alpha x
    tokens + c per call with tokens, plus 2 beta x the most tokens a GPU receives); ties go to the
    earlier start, so the plan's shares and static EP's split are never beaten by a worse pairing.
@@ -25,9 +25,9 @@ GPU holds is the planner's choice; this only chooses who computes what among the
 
 Golden example (alpha = 1 s per token, c = 2, beta = 0; 2 GPUs; experts 0, 1 at home on GPU 0 and
 2, 3 on GPU 1; expert 1 also on GPU 1; W = [6, 5, 1, 0]): the plan (every expert at home) makes
-GPU 0 work 6 + 2 + 5 + 2 = 15 and GPU 1 3. Expert 1 moving whole to GPU 1 makes 8 and 10, a split
-of 5 tokens cannot have both parts at the knee of 2 tokens and even the pair (7 + 3 would need
-parts of 4 and 1): tokens per replica [6, 0, 1, 0 | 5] (the copy of expert 1 last), layer time 10.
+GPU 0 work 6 + 2 + 5 + 2 = 15 and GPU 1 3. Expert 1 moving whole to GPU 1 makes 8 and 10 (evening
+the pair would move 5 tokens, all of them): tokens per replica [6, 0, 1, 0 | 5] (the copy of
+expert 1 last), layer time 10; no move lowers GPU 1 further.
 """
 
 from __future__ import annotations
@@ -63,6 +63,17 @@ def pair_tokens(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, nu
 def pair_counts(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
     """Whole tokens per replica [R] of the best start of the module docstring's steps 1-3.
     tokens [E] int, expert [R], gpu [R], share [R] (the plan's)."""
+    return _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta)[0]
+
+
+@compiled
+def paired_seconds(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
+    """The serial layer time of pair_counts' pairing (what a replica set is worth on a batch)."""
+    return _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta)[1]
+
+
+@compiled
+def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
     num_replicas, num_experts = expert.shape[0], tokens.shape[0]
     start, members = _by_expert(expert, gpu, num_experts, num_gpus)
     flexible = np.flatnonzero(start[1:] - start[:-1] > 1)
@@ -77,7 +88,7 @@ def pair_counts(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
         seconds = serial_time(tokens, expert, gpu, _as_share(counts, tokens, expert), num_gpus, alpha, call, beta)
         if seconds < best_s - EPSILON_S:
             best, best_s = counts, seconds
-    return best
+    return best, best_s
 
 
 @compiled
@@ -164,7 +175,7 @@ def _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, al
                     after = max(most - call - alpha * have, work[gpu[q]] + extra + alpha * have)  # all of it
                     part = have
                     even = int(np.floor((most - work[gpu[q]] - extra) / (2.0 * alpha))) if alpha > 0 else 0
-                    if knee <= even <= have - knee:  # a split, past the knee: both parts at least c / alpha
+                    if have > knee and 0 < even < have:  # a split, only of tokens past the knee
                         split = max(most - alpha * even, work[gpu[q]] + extra + alpha * even)
                         if split < after:
                             after, part = split, even

@@ -20,13 +20,12 @@ recent loads and the forecast):
    when no prefix pays, or at the budget or the slots.
 4. The plan: homes with share 1, copies with share 0 (the data plane's pairing gives them tokens).
 
-Golden example (alpha = 1 s/token, a call 1 s, beta 0, 2 GPUs, static EP homes: experts 0, 1 on
-GPU 0, 2, 3 on GPU 1; samples [8, 1, 1, 1] and [1, 1, 8, 1]; a copy costs 1 s, horizon 1): each
-sample's busy GPU does 8 + 1 + 1 + 1 = 11 against 4. A copy of expert 0 on GPU 1 lets the first
-sample pair 3 of its tokens there... whole: 0 on GPU 1 makes 2 and 13: no; split past the knee
-(1 token): 6 + 1 + 2 + 1 = ... the kernel finds 7.5 -> 7 and 8; the mean of the two samples falls
-from 11 to 9, a gain of 2 > 1: added; then a copy of expert 2 on GPU 0 takes the second sample
-to 8: added. Both samples are then at 8 (tests/placement/test_replica_sets.py checks the numbers).
+Golden example (alpha = 1 s/token, a call 1 s, beta 0, 2 GPUs, static EP's homes: experts 0, 1 on
+GPU 0 and 2, 3 on GPU 1; samples [8, 1, 1, 1] and [1, 1, 8, 1]; a copy costs 1 s, horizon 1):
+each sample's busy GPU works 8 + 1 + 1 + 1 = 11, the other 4. A copy of expert 0 on GPU 1 lets the
+first sample split it 5 + 3 (8 and 8): the mean falls from 11 to 9.5, a gain of 1.5 for 1. With a
+copy of expert 2 on GPU 0 as well both samples are at 8: a gain of 3 for 2, the better net, so
+both are added (tests/placement/test_replica_sets.py).
 """
 
 from __future__ import annotations
