@@ -22,11 +22,9 @@ from moeless.model.default import default_model
 from moeless.model.hf_loader import load_moe_model
 from moeless.model.tiny import tiny_model
 from moeless.placement.types import Placement
-from moeless.serving.cli import DEVICES
+from moeless.serving.options import BATCHING, DEVICES
 from moeless.serving.pingpong import check_split
 from moeless.serving.scheduler import BatchLimits
-
-BATCHING = ("continuous", "static")
 
 
 @dataclass(frozen=True)
