@@ -24,10 +24,9 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
-def package_tree(dest: Path, real: dict[str, dict[str, str]] | None = None) -> Path:
-    """dest/moeless: links to every folder of [tool.setuptools.package-dir], nested as the names are.
-    real: {package: {file name: source}} makes that package's folder a real one (links to its files)
-    with extra files added: how a test plants a violation."""
+def package_tree(dest: Path) -> Path:
+    """dest/moeless: links to every folder of [tool.setuptools.package-dir], nested as the names are
+    (plant() puts a violation in)."""
     dirs = PYPROJECT["tool"]["setuptools"]["package-dir"]
     top = dest / "moeless"
     top.mkdir(parents=True)
@@ -38,16 +37,7 @@ def package_tree(dest: Path, real: dict[str, dict[str, str]] | None = None) -> P
         parts = name.split(".")[1:]
         if len(parts) != 1 or (top / parts[0]).exists():
             continue  # nested packages come with their parent's folder; moeless/core etc. with moeless/
-        target = top / parts[0]
-        if real and name in real:
-            target.mkdir()
-            for entry in (ROOT / folder).iterdir():
-                if entry.name != "__pycache__":
-                    (target / entry.name).symlink_to(entry)
-            for file, source in real[name].items():
-                (target / file).write_text(source)
-        else:
-            target.symlink_to(ROOT / folder)
+        (top / parts[0]).symlink_to(ROOT / folder)
     return dest
 
 
@@ -101,7 +91,8 @@ def test_the_import_contracts_hold(tmp_path: Path):
     ("moeless.twin", "moeless.twin is not allowed to import moeless.serving"),
 ])
 def test_a_violation_breaks_the_layers(tmp_path: Path, package: str, broken: str):
-    tree = package_tree(tmp_path, {package: {"violation.py": "from moeless.serving import scatter\n"}})
+    tree = package_tree(tmp_path)
+    plant(tree, f"{package}.violation", "from moeless.serving import scatter\n")
     result = lint_imports(tree)
     assert result.returncode != 0, result.stdout
     assert broken in result.stdout and f"{package}.violation -> moeless.serving.scatter" in result.stdout
