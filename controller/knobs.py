@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from moeless.placement.names import DEFAULT_PLANNER
+from moeless.placement.names import DEFAULT_PLANNER, PLANNER_NAMES
 
 PREDICTORS = ("gate", "history", "off")
 
@@ -84,11 +84,9 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any, str], str]:
 def _planner(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise KnobError(f"{where}: expected a planner name, got {value!r}")
-    from moeless.placement.planner import PLANNERS, STATEFUL_PLANNERS  # compiled kernels: off --help's path
-
-    names = sorted([*PLANNERS, *STATEFUL_PLANNERS])
-    if value not in names and ":" not in value:
-        raise KnobError(f"{where}: unknown planner {value!r}; use one of {', '.join(names)} or 'module:function'")
+    if value not in PLANNER_NAMES and ":" not in value:
+        raise KnobError(f"{where}: unknown planner {value!r}; use one of {', '.join(sorted(PLANNER_NAMES))} "
+                        "or 'module:function'")
     return value
 
 

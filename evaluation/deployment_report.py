@@ -103,7 +103,7 @@ def _markdown(run: dict, table: list[dict], accept: list[dict]) -> str:
            "- Prefetch: the forecasts a trace allows exist before an iteration starts, so every planner's cold loads "
            "for an iteration start with its first layer (distance L - 1).",
            "- moeless's own forecast here is the history window (no gate replica runs for these models); the bound is "
-           "twin/bound.py's lossless bound (DESIGN.md: each expert's call paid once, work spread over the GPUs); the call "
+           "twin/bound.py's lossless bound (docs/design.md: each expert's call paid once, work spread over the GPUs); the call "
            "bound is twin/bound.py's tighter lossless bound that pays every replica's call (a weight read on a GPU) and "
            "counts calls whole, so splitting an expert is not free in it; the offline reference (twin/reference.py) is EPLB "
            "on each iteration's own loads with its shares re-levelled and moves free: not a bound and never reachable "

@@ -5,7 +5,7 @@ the non-expert part (embeddings, attention + norms + gate per layer, shared expe
 runs in-process, and the routed experts, addressed as (layer, expert), run wherever an
 ExpertExecutor sends them: in-process for the reference, on expert hosts for serving.
 
-Vocabulary (../DESIGN.md): L MoE layers (layer indices 0..L-1 count MoE layers only), E
+Vocabulary (docs/design.md): L MoE layers (layer indices 0..L-1 count MoE layers only), E
 experts per layer, k experts per token, H hidden size, F one expert's FFN width, T tokens.
 """
 

@@ -1,11 +1,10 @@
 """moeless's planner for one layer: plan against what is resident, add a replica only where it pays.
 
 Balancing is free among resident replicas; a new one costs a cold start (exposed unless a
-forecast d layers ahead started it in time) and the memory it then holds (DESIGN.md, "What a plan
-costs"). So, for one layer and one forecast:
-
-The forecast is counted in whole tokens, and an expert counts a call unless the forecast makes it
-idle with IDLE_CONFIDENCE (90%): a plan does not bet on a token staying away.
+forecast d layers ahead started it in time) and the memory it then holds (docs/design.md, "What a
+plan costs"). The forecast is counted in whole tokens, and an expert counts a call unless the
+forecast makes it idle with IDLE_CONFIDENCE (90%): a plan does not bet on a token staying away.
+So, for one layer and one forecast:
 
 1. Base: each expert's home replica (static EP's block: GPU e * G // E; home replicas always stay
    in the plan, so static EP's layout is always resident) and every other resident replica of the
@@ -96,8 +95,7 @@ class ReplicaCost:
     @property
     def memory_s(self) -> float:
         """The GB·s one replica will hold (horizon x iteration_s + keep_alive_s), priced."""
-        gb_s = self.expert_bytes / GB * (self.horizon * self.iteration_s + self.keep_alive_s)
-        return self.gb_s_price * gb_s
+        return self.gb_s_price * (self.expert_bytes / GB * (self.horizon * self.iteration_s + self.keep_alive_s))
 
     def exposed_s(self, loads: int, layer_s: float) -> float:
         """Cold-start seconds a GPU loading `loads` replicas for a layer of `layer_s` still waits."""

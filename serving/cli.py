@@ -9,8 +9,8 @@ from typing import Callable
 
 from moeless.controller.knobs import KnobError, add_knob_flags, knobs_from_args
 from moeless.expert_fn.options import TRANSPORTS
+from moeless.serving.options import BATCHING, DEVICES
 
-DEVICES = ("cpu", "cuda")  # where a serving replica runs the non-expert layers (ServeConfig.device)
 MODEL_HELP = "'default' (SmolLM2-135M turned MoE; built and cached on first use), 'tiny:ARCH' (a random test model, e.g. tiny:mixtral) or a model directory"
 
 
@@ -28,7 +28,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--replicas", type=int, default=1, help="data-parallel replicas of the non-expert layers (default 1)")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0 picks a free one)")
     serve.add_argument("--bind", default="127.0.0.1", help="HTTP address to listen on (default 127.0.0.1; 0.0.0.0 in a pod)")
-    serve.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+    serve.add_argument("--batching", choices=BATCHING, default="continuous",
                        help="continuous: a request joins the running batch at the next iteration and leaves when it "
                             "ends (default); static: a batch decodes to its longest request (the old baseline)")
     serve.add_argument("--max-running", type=_positive, default=64,

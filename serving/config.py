@@ -22,11 +22,9 @@ from moeless.model.default import default_model
 from moeless.model.hf_loader import load_moe_model
 from moeless.model.tiny import tiny_model
 from moeless.placement.types import Placement
-from moeless.serving.cli import DEVICES
+from moeless.serving.options import BATCHING, DEVICES
 from moeless.serving.pingpong import check_split
 from moeless.serving.scheduler import BatchLimits
-
-BATCHING = ("continuous", "static")
 
 
 @dataclass(frozen=True)
@@ -57,9 +55,9 @@ class ServeConfig:
     transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else TCP, else gRPC
     client_poll_s: float = 0.0  # the data channels spin this long for an answer before blocking (expert_fn/wire/polling.py)
     host_model: str | None = None  # the name the expert hosts serve this model by (None: their only one)
-    placement_board: str | None = None  # follow placements published under this name (placement_board.py)
+    placement_board: str | None = None  # follow placements published under this name (controller/planning/board.py)
     drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)
-    # The live loop (serving/live.py, plan_loop.py): the knobs, the loop actor's name (None: no loop,
+    # The live loop (serving/live.py, controller/planning/actor.py): the knobs, the loop actor's name (None: no loop,
     # the placement stays static), a cost profile (None: the loop measures one on an expert host),
     # a gate-replica predictor file (None: the cache's for this model), other LoopSettings fields.
     knobs: Any = None  # moeless.controller.knobs.Knobs

@@ -7,7 +7,7 @@ submit returns at once: shared memory for hosts on this machine, the TCP channel
 other machines, gRPC where a host offers neither), then gather the hosts' combined rows
 (moeless.serving.scatter).
 
-The hosts are a HostPool (controller/pool/members.py): slot i is GPU i of the placement; a slot with no
+The hosts are a HostPool (controller/pool/host_pool.py): slot i is GPU i of the placement; a slot with no
 ready host in it (scaled in, draining, not started yet) is treated like a dead host, and a host
 that joins the pool is called from the next layer on. The placement says how many hosts a call
 spans (its GPU count): a pool that grew (maxHosts raised) serves from its new slots once a
@@ -36,7 +36,7 @@ import torch
 from moeless.expert_fn.errors import ExpertHostUnavailable
 from moeless.expert_fn.wire.routed import Pending, RoutedCall
 from moeless.model.interface import Routing
-from moeless.controller.pool.members import HostPool
+from moeless.controller.pool.host_pool import HostPool
 from moeless.placement.types import LayerPlacement
 from moeless.serving.pingpong import waiting
 from moeless.serving.placement_source import PlacementSource

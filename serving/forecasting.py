@@ -12,7 +12,7 @@ input [T, H], the routing known):
 3. runs the layer on the hosts (the RemoteExecutor re-levels each expert's tokens over the
    published replicas on the actual loads when the planner asks for it, `relevel_for`);
 4. at the iteration's last layer hands an IterationReport (phase, tokens, forecast [L, E],
-   actual [L, E], per-layer times) to `sink`, which must not block (plan_loop.ReportSender).
+   actual [L, E], per-layer times) to `sink`, which must not block (controller/planning/report_sender.ReportSender).
 
 Layers t < d have no source layer in the same forward: their forecast is the history window's.
 `LiveEngine` tells the executor whether a forward is a prefill or a decode step.

@@ -26,7 +26,7 @@ class LiveParts:
     """A serving replica's part of the loop: its executor, report sender and the loop actor."""
 
     executor: Any  # forecasting.LiveExecutor
-    sender: Any  # plan_loop.ReportSender
+    sender: Any  # controller/planning/report_sender.ReportSender
     loop: Any  # the PlanLoop actor handle
 
 

@@ -1,6 +1,6 @@
 """Where the serving path gets its placement: an input that may change between iterations.
 
-The serving path never decides a placement (DESIGN.md); a planner, a benchmark or a test calls
+The serving path never decides a placement (docs/design.md); a planner, a benchmark or a test calls
 `set` and the next layer that runs reads the new one. Until the planner exists the default is
 static expert parallelism: one replica per expert, contiguous blocks of experts per host.
 """

@@ -1,7 +1,7 @@
 """Draining every ModelServer replica of a running app before it is shut down.
 
 A Serve handle reaches one replica per call, so the signal goes through a named Ray actor
-instead (as placements do, placement_board.py): `drain_replicas` raises it, each replica's
+instead (as placements do, controller/planning/board.py): `drain_replicas` raises it, each replica's
 DrainWatcher sees it within `interval_s`, drains (no new requests, running ones finish until
 the deadline, the rest fail with a 503 that says so) and reports; `drain_replicas` returns
 once every replica has reported, or at the deadline plus a margin.

@@ -4,7 +4,7 @@ A supervisor thread checks the local host processes every `check_s`; a dead one 
 on its address after a delay that doubles with each failure in a row (0.5 s, 1 s, 2 s ... up
 to `max_delay_s`), and the count resets once a host has stayed up for `stable_s`.
 
-It publishes the pool's members (`publish`, e.g. pool_sources.write_members to the file every
+It publishes the pool's members (`publish`, e.g. controller/pool/sources.write_members to the file every
 serving replica and the planning loop follow; controller/pool/members.py): a dead host leaves the pool
 at once, so no new call goes to it and the planning loop plans without it, and it re-joins once
 restarted, at its address then. (A call that reached it before that fails over as well:

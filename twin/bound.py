@@ -1,5 +1,5 @@
 """The lossless bound: the least MoE-layer time any plan that keeps every token on its gate's
-expert can reach under the serial execution model (DESIGN.md, "What a plan costs").
+expert can reach under the serial execution model (docs/design.md, "What a plan costs").
 
 Per layer with loads W [E] (tokens per expert) on G GPUs, costs alpha (s/token of expert
 compute), c (s per replica call with tokens) and beta (s/token moved one way):

@@ -6,7 +6,7 @@ expert bytes) and a measured cost profile; settings: keep-alive, prefetch distan
 cold loads come from. Out: per-iteration, per-layer records (`TwinRecord`). `moeless bench
 planner` and `moeless eval` are built on it.
 
-The model, per iteration (DESIGN.md, "What a plan costs" and "The paper's model"):
+The model, per iteration (docs/design.md, "What a plan costs" and "The paper's model"):
 1. Resident set. Every planner starts with static EP's replicas resident (pre-warmed when the
    deployment starts, not counted as loads). A replica the current plan uses stays resident; one
    the plan leaves out stays keep_alive_s after it was last planned, then is evicted (checked

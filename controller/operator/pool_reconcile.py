@@ -28,7 +28,7 @@ from moeless.controller.operator.actions import (Action, Configure, Observed, Up
                                                  take_wake)
 from moeless.controller.operator.meters import HostMeters, resident
 from moeless.controller.operator.pool_spec import Member, PoolSpec, admit, parse_pool_spec
-from moeless.controller.pool.sources import pod_member
+from moeless.controller.pool.members import pod_member
 from moeless.controller.operator.spec import SpecError
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Protocol
 import yaml
 
 from moeless.controller.knobs import KnobError, Knobs
-from moeless.controller.pool.sources import KubePodSource, _api_client
+from moeless.controller.pool.kube import KubePodSource, api_client
 
 log = logging.getLogger(__name__)
 APPLIED_ANNOTATION = "moeless.io/serving-generation"  # controller/operator/objects.py: serving does not import the operator
@@ -75,7 +75,7 @@ class PolicyKnobs:
     def _api(self):
         from kubernetes import client
 
-        return client.CustomObjectsApi(_api_client(self.kubeconfig))
+        return client.CustomObjectsApi(api_client(self.kubeconfig))
 
     def read(self) -> tuple[int, Mapping[str, Any]]:
         doc = self._api().get_namespaced_custom_object("moeless.io", "v1alpha1", self.namespace,

@@ -1,8 +1,8 @@
 """The live planning loop's decisions, as pure functions: one plan for all traffic.
 
 The planning loop (controller/planning/actor.py, a Ray actor) reads what every expert host holds (the
-hosts are the truth of what is resident), merges the serving replicas' reports (controller/
-live_window.py) and, every period, calls `plan_step`:
+hosts are the truth of what is resident), merges the serving replicas' reports
+(controller/planning/window.py) and, every period, calls `plan_step`:
 
 1. The cluster: every live host's replica memory; a dead host has none (its replicas are planned
    elsewhere; it re-joins, empty, when it answers again).

@@ -4,7 +4,7 @@ The operator scales a policy's pool (or an ExpertPool, for every model on it) to
 idle delay and starts it again when the policy's (the pool's) annotation `moeless.io/wake` takes a
 value other than its status.wokenBy
 (controller/operator/reconcile.py). A layer call that finds no ready host in a pool followed on
-Kubernetes (controller/pool/sources.py KubePodSource) does not fail: the `Waker` sets that
+Kubernetes (controller/pool/kube.py KubePodSource) does not fail: the `Waker` sets that
 annotation to the wall-clock time and holds the call until the pool follower sees a ready host,
 for at most `timeout_s` (MOELESS_WAKE_TIMEOUT_S, default 180 s), then fails it with a 503 that
 says what to check. The call then completes on the woken hosts, its outputs unchanged.
@@ -14,6 +14,10 @@ write through: no write while a wake is pending (annotation != wokenBy: the oper
 yet), one was written less than `min_interval_s` ago by any replica (the annotation is that time)
 or the pool has pods not Ready yet (it is starting); each replica reads the policy at most once
 per min_interval_s.
+
+This module is the part a layer call holds, and imports no Kubernetes client: the Waker writes
+through the `WakeTarget` its pool's source gives (controller/pool/kube.py: the policy on the API
+server).
 """
 
 from __future__ import annotations
@@ -22,12 +26,10 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from moeless.controller.knobs import KnobError
 from moeless.controller.pool.members import NoLiveHostError
-from moeless.controller.pool.sources import KubePodSource, _api_client
 
 log = logging.getLogger(__name__)
 WAKE_ANNOTATION = "moeless.io/wake"  # controller/operator/objects.py: serving does not import the operator
@@ -65,42 +67,6 @@ class WakeTarget(Protocol):
     def write(self, value: str) -> None:
         """Set the wake annotation to `value`."""
         ...
-
-
-@dataclass(frozen=True)
-class KubePolicy:
-    """The ExpertAutoscalingPolicy (or, plural expertpools, the ExpertPool) via the API server (needs
-    get and patch on it; kubeconfig as KubePodSource's)."""
-
-    namespace: str
-    policy: str
-    kubeconfig: str | None = None
-    plural: str = "expertautoscalingpolicies"
-
-    @property
-    def name(self) -> str:
-        return f"{self.namespace}/{self.policy}"
-
-    @property
-    def selector(self) -> str:
-        """The label of its expert-host pods."""
-        return f"moeless.io/{'pool' if self.plural == 'expertpools' else 'policy'}={self.policy}"
-
-    def _api(self):
-        from kubernetes import client
-
-        return client.CustomObjectsApi(_api_client(self.kubeconfig))
-
-    def read(self) -> tuple[str | None, str | None]:
-        doc = self._api().get_namespaced_custom_object("moeless.io", "v1alpha1", self.namespace,
-                                                       self.plural, self.policy, _request_timeout=5)
-        return ((doc["metadata"].get("annotations") or {}).get(WAKE_ANNOTATION),
-                (doc.get("status") or {}).get("wokenBy"))
-
-    def write(self, value: str) -> None:
-        self._api().patch_namespaced_custom_object(  # a dict body: a merge patch, only this annotation
-            "moeless.io", "v1alpha1", self.namespace, self.plural, self.policy,
-            {"metadata": {"annotations": {WAKE_ANNOTATION: value}}}, _request_timeout=5)
 
 
 class Waker:
@@ -173,14 +139,12 @@ class Waker:
                 log.warning("cannot wake the expert-host pool %s (%s)", self.target.name, self._error)
 
 
-def waker_for(source) -> Waker | None:
-    """A Waker for a pool followed on Kubernetes (its timeout from MOELESS_WAKE_TIMEOUT_S); None for
-    other sources (nothing to wake: an empty pool is a 503 at once)."""
-    if not isinstance(source, KubePodSource):
-        return None
-    if source.pool:  # a shared pool wakes for every model at once
-        return Waker(KubePolicy(source.namespace, source.pool, source.kubeconfig, "expertpools"), wake_timeout_s())
-    return Waker(KubePolicy(source.namespace, source.policy, source.kubeconfig), wake_timeout_s())
+def waker_for(source: object) -> Waker | None:
+    """A Waker for a pool that can be woken, a source with a `wake_target()` (a pool followed on
+    Kubernetes: controller/pool/kube.py), its timeout from MOELESS_WAKE_TIMEOUT_S; None for other
+    sources (nothing to wake: an empty pool is a 503 at once)."""
+    wake_target = getattr(source, "wake_target", None)
+    return Waker(wake_target(), wake_timeout_s()) if wake_target else None
 
 
 def wake_timeout_s() -> float:

@@ -2,7 +2,7 @@
 and per MoE layer the cold-start time prefetching hid and the time invocations waited (exposed).
 
 GB·s integrates the bytes each replica holds, from the start of its load to its eviction
-(the `resident` billing model of DESIGN.md), with GB = 1e9 bytes. Pure bookkeeping on an
+(the `resident` billing model of docs/design.md), with GB = 1e9 bytes. Pure bookkeeping on an
 injected clock; metrics.py exposes it, the Status RPC reports it.
 
 Cold starts: a load started ahead of the invocation that needs it (a prefetch: `load` without

@@ -14,7 +14,8 @@ import yaml
 from kubernetes import client, config
 
 from moeless.controller.pool.sources import pool_source
-from moeless.controller.pool.wake import KubePolicy, Waker, waker_for
+from moeless.controller.pool.kube import KubePolicy
+from moeless.controller.pool.wake import Waker, waker_for
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.weight_store import export_experts

@@ -26,8 +26,9 @@ from moeless.model.tiny import tiny_model
 from moeless.model.weight_store import export_experts
 from moeless.serving.executor import RemoteExecutor
 from moeless.serving.placement_source import PlacementSource
-from moeless.controller.pool.sources import KubePodSource, follow_pool
-from moeless.controller.pool.wake import WAKE_ANNOTATION, KubePolicy, Waker
+from moeless.controller.pool.kube import KubePodSource, KubePolicy
+from moeless.controller.pool.sources import follow_pool
+from moeless.controller.pool.wake import WAKE_ANNOTATION, Waker
 
 from k8s_support import ROOT, account_with_role, service_account_kubeconfig, wait_for
 

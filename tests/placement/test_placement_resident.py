@@ -99,7 +99,7 @@ def layer_cases(draw):
 
 
 def independent_cost(cost: ReplicaCost, loads_before: int, layer_s: float) -> float:
-    """One more replica's price, from the cost model's definition (DESIGN.md, "What a plan costs")."""
+    """One more replica's price, from the cost model's definition (docs/design.md, "What a plan costs")."""
     def exposed(n):
         return max(n * cost.model.cold_start - cost.prefetch_layers * layer_s, 0.0)
 

@@ -1,4 +1,4 @@
-"""Following the expert-host pool (controller/pool/members.py, pool_sources.py), pure logic on a fake clock.
+"""Following the expert-host pool (controller/pool/members.py, host_pool.py, sources.py), pure logic on a fake clock.
 
 Pods appear, disappear, restart with new addresses; the executor over the pool uses a host that
 joined without a restart, sends no new call to one that left (a call in flight completes), and
@@ -14,9 +14,11 @@ import torch
 from moeless.controller.knobs import KnobError
 from moeless.model.tiny import tiny_model
 from moeless.serving.executor import RemoteExecutor
-from moeless.controller.pool.members import HostPool, Member, PoolChange, diff
+from moeless.controller.pool.host_pool import HostPool
+from moeless.controller.pool.kube import KubePodSource
+from moeless.controller.pool.members import Member, PoolChange, diff, pod_member
 from moeless.serving.placement_source import PlacementSource
-from moeless.controller.pool.sources import FileSource, KubePodSource, StaticSource, pod_member, pool_source, write_members
+from moeless.controller.pool.sources import FileSource, StaticSource, pool_source, write_members
 from routed_fakes import answer
 
 

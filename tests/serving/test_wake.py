@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from moeless.controller.knobs import KnobError
-from moeless.controller.pool.sources import KubePodSource, StaticSource
+from moeless.controller.pool.kube import KubePodSource
+from moeless.controller.pool.sources import StaticSource
 from moeless.controller.pool.wake import PoolDidNotWake, Waker, health_word, wake_value, waker_for
 
 

@@ -34,7 +34,7 @@ def test_golden_mixtral_on_8_h100():
       load host     = B / (64e9 x 0.8) + 5 us                 = 6.88128 ms + 5 us     = 6.88628 ms
       load disk     = B/2e9 + B/1.5e9 + B/10e9 + load host    = 176.161 + 234.881 + 35.232 + 6.886 = 453.160 ms
       relevel_s     = 14 us + 0.2 us x 8 experts              = 15.6 us (the serving replica's CPU)
-      knee          = call_overhead / alpha                   = 229.9 tokens per call (DESIGN.md: ~200)"""
+      knee          = call_overhead / alpha                   = 229.9 tokens per call"""
     gpu, count = parse_gpu_arg("H100x8")
     p = roofline_profile(load_geometry("mixtral-8x7b"), gpu, count)
     assert p.expert_bytes == 352_321_536
@@ -58,7 +58,7 @@ def test_one_gpu_moves_nothing_and_a6000_pairs_share_pcie():
     assert a6000.all_to_all_bw(8) == pytest.approx(32e9 * 7 / 6)
     assert a6000.all_to_all_bw(2) == pytest.approx(56.25e9)
     assert gpu_spec("L40S").all_to_all_bw(8) == 32e9
-    # A6000's weight read: 352 MB / (768 GB/s x 0.8) = 0.573 ms (DESIGN.md's 0.45 ms is at peak).
+    # A6000's weight read: 352 MB / (768 GB/s x 0.8) = 0.573 ms (0.46 ms at peak).
     assert roofline_profile(mixtral, a6000, 8).call_overhead == pytest.approx(352_321_536 / 614.4e9 + 5e-6)
 
 
