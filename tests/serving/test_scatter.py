@@ -206,7 +206,7 @@ def test_long_prefix_runs_add_up_as_the_reference_on_a_prefill_sized_layer():
 def test_both_ways_of_adding_in_pair_order_equal_a_row_by_row_loop(threads):
     """add_in_pair_order's one op (a CPU host's) and its op per expert (a GPU host's, run here on the
     CPU) add shared rows exactly as one row at a time, in pair order, does."""
-    from moeless.expert_fn.wire.routed import add_in_pair_order
+    from moeless.expert_fn.host.run_routed import add_in_pair_order
 
     rng, before = np.random.default_rng(2), torch.get_num_threads()
     torch.set_num_threads(threads)
