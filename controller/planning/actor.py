@@ -32,7 +32,6 @@ import ray
 
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.controller.planning.board import publish_placement
-from moeless.controller.planning.calibrate import calibrate_host
 from moeless.controller.planning.cost_fit import OnlineCostFit
 from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.names import NAMESPACE
@@ -44,6 +43,7 @@ from moeless.controller.planning.window import (PHASES, Accumulated, Heartbeat, 
 from moeless.controller.pool.sources import follow_pool
 from moeless.controller.pool.wake import waker_for
 from moeless.expert_fn.client.client import ExpertHostClient
+from moeless.hardware.host_profile import calibrate_host
 from moeless.placement.planner import get_planner, relevels
 from moeless.placement.profile import CostProfile
 
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 class LoopSettings:
     """What the loop plans for: the hosts (`pool`, a PoolSource read every pool_period_s; slot i
     is the placement's GPU i), the model's shape,
-    the knobs, the cost profile (None: measured on host 0 at start, controller/planning/calibrate.py), the
+    the knobs, the cost profile (None: measured on host 0 at start, hardware/host_profile.py), the
     board to publish on; period_s: seconds between passes (a pass plans when reports came in or
     loads are pending, else only refreshes what the hosts hold every idle_s; without traffic in the
     window it sends no loads, so keep-alive can evict idle replicas, except on the first pass and

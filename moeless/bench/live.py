@@ -49,10 +49,10 @@ from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, write_result
 from moeless.bench.serve import bench_prompts
 from moeless.controller.knobs import Knobs
-from moeless.controller.planning.calibrate import calibrate_host
 from moeless.controller.planning.cost_fit import fit_scale
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.hardware.host_profile import calibrate_host
 from moeless.serving.cli import MODEL_HELP, _names_of, _non_negative_float, _positive, _positive_float
 from moeless.serving.loadgen import outcomes_json, replay, summarize
 from moeless.twin.arrivals import arrival_times
@@ -235,7 +235,7 @@ class _Run:
 def config_figures(metrics: dict, before: Sequence[dict], after: Sequence[dict], fit: dict) -> dict:
     """Per phase: the mean critical path per MoE-layer call and its parts, the latency model's
     prediction and its error; the hosts' GB·s, loads and cold starts over the run (meters after -
-    before). fit: controller/planning/calibrate.fit_costs's host_s, c0, beta (seconds)."""
+    before). fit: hardware/host_profile.fit_costs's host_s, c0, beta (seconds)."""
     delta = {k: sum(a[k] - b[k] for a, b in zip(after, before))
              for k in ("gb_s", "loads", "cold_starts", "cold_exposed_s", "cold_hidden_s", "evictions")}
     phases = metrics["stats"]["phases"]

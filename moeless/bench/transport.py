@@ -69,13 +69,13 @@ from moeless.expert_fn.wire.routed import RoutedCall, decode_call, encode_call
 from moeless.expert_fn.host.run_routed import run_routed
 from moeless.expert_fn.host.runtime import ExpertHostRuntime
 from moeless.expert_fn.options import COMPUTE_DTYPES
+from moeless.hardware.cuda_profile import CudaUnavailable, require_cuda
 from moeless.model.dtypes import DTYPES
 from moeless.model.weight_store import WeightStore, cached_store, export_experts, export_store, stored_dtype
 from moeless.placement.types import LayerPlacement
 from moeless.serving.scatter import plan_scatter
 from moeless.serving.cli import MODEL_HELP, _positive
 from moeless.twin.geometry import Geometry, GeometryError, load_geometry
-from moeless.twin.measure_cuda import CudaUnavailable, require_cuda
 
 BATCH_TOKENS = {"decode": 4, "prefill": 256}  # tokens of the layer call one host gets its share of
 ROUND_TRIP_ROWS = {"decode": 16, "prefill": 1024}  # 36 KB and 2.4 MB at H=576, float32

@@ -9,7 +9,7 @@ from moeless.controller.planning.window import IterationReport, LayerFigures, Li
 from moeless.bench.live import add_in_run_model, config_figures, fit_in_run, ratios
 
 L = 2
-FIT = {"host_s": 1e-5, "c0": 1e-4, "beta": 1e-7}  # calibrate.fit_costs's keys
+FIT = {"host_s": 1e-5, "c0": 1e-4, "beta": 1e-7}  # hardware/host_profile.fit_costs's keys
 
 
 def metrics(compute_s, model_s, host_tokens=10.0, cold=0, online_s=None):
