@@ -46,11 +46,11 @@ from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args,
 from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, run_alone, run_pingpong
 from moeless.bench.transport import round_trip_calls, timed_calls
 from moeless.twin.overlap import LayerCosts, hidden_fraction, pingpong_s, serial_s
-from moeless.expert_fn.wire.routed import RoutedCall
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.wire.nixl_link import unavailable as nixl_unavailable
 from moeless.expert_fn.wire.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
+from moeless.hardware.host_profile import fit_host_calls
 from moeless.model.datasets import sharegpt_prompts
 from moeless.serving.cli import MODEL_HELP, _positive
 from moeless.serving.codec import CharCodec
@@ -110,25 +110,12 @@ def bench_prompts(engine, count: int, prompt_tokens: int) -> list[list[int]]:
 
 
 def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
-    """Fit alpha, beta and the per-call overhead from packed calls of expert (0, 0) on T tokens
-    (least squares over the median of `repeats` calls per T)."""
-    compute, transfer = [], []
-    client.load(0, 0, wait=True)
-    for tokens in FIT_TOKENS:
-        x, rows = torch.randn(tokens, hidden), torch.arange(tokens)
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            result = client.submit(RoutedCall.packed(0, [0], [tokens], rows), x).result()
-            samples.append((result.compute_s, time.perf_counter() - start - result.compute_s))
-        median = np.median(np.array(samples), axis=0)  # robust to a busy machine's outliers
-        compute.append(median[0])
-        transfer.append(median[1])
-    alpha, _ = np.polyfit(FIT_TOKENS, compute, 1)
-    slope, overhead = np.polyfit(FIT_TOKENS, transfer, 1)
-    return {"alpha_s_per_token": float(alpha), "beta_s_per_token": float(slope / 2),
-            "call_overhead_s": float(overhead), "fit_tokens": list(FIT_TOKENS), "repeats": repeats,
-            "transport": client.path}
+    """alpha, beta and the per-call overhead (the round trip's beyond the host's compute) from
+    packed calls of expert (0, 0) on T tokens: the host cost fitter (hardware/host_profile.py) on
+    single-expert calls, least squares over the median of `repeats` calls per T."""
+    fit = fit_host_calls(client, hidden, experts=(1,), tokens=FIT_TOKENS, repeats=repeats)
+    return {"alpha_s_per_token": fit["alpha"], "beta_s_per_token": fit["beta"], "call_overhead_s": fit["c0"],
+            "fit_tokens": list(FIT_TOKENS), "repeats": repeats, "transport": client.path}
 
 
 def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, prompt_tokens: int = 64,
