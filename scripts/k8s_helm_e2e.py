@@ -132,7 +132,7 @@ def build_images(bin_dir: Path, work: Path, ref: str) -> str:
 def reference_answers(model) -> tuple[dict[str, str], dict[str, float]]:
     """The unmodified default model's greedy answers (no expert host), as tests/serving checks them,
     and its in-process MoE-layer seconds per call by phase (mean; the baseline of the pod's ratio)."""
-    from moeless.bench.serve_paths import TimedExecutor
+    from moeless.serving.path_timing import TimedExecutor
     from moeless.serving.api import ChatMessage, GenerationRequest
     from moeless.serving.engine import Engine
 

@@ -21,9 +21,9 @@
    generation's time outside the MoE layers plus that path's MoE time); each remote path's layer
    broken into gate, scatter (plan + pack + send), invoke (of which the slowest host's expert
    compute; the rest is transfer and call overhead) and gather; each path also alone, as serving
-   runs it (serve_paths.run_alone); and what two micro-batches in flight would give on cores of
+   runs it (serving/path_timing.run_alone); and what two micro-batches in flight would give on cores of
    their own (twin/overlap.py on this run's figures: modelled), beside what they gave when run
-   (serve_paths.run_pingpong: continuous batching's prefill and decode forwards over TCP and shared
+   (serving/path_timing.run_pingpong: continuous batching's prefill and decode forwards over TCP and shared
    memory with 1 and 2 micro-batches, serving/pingpong.py, as `moeless serve` runs them: the live
    loop's forecasts and reports on every forward (the knobs' default predictor and distance; no
    planning loop, so the placement stays static EP's), against in-process without them).
@@ -43,8 +43,8 @@ import torch
 
 from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
-from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, run_alone, run_pingpong
-from moeless.bench.transport import round_trip_calls, timed_calls
+from moeless.bench.transport import round_trip_calls
+from moeless.core.timing import timed_calls
 from moeless.twin.overlap import LayerCosts, hidden_fraction, pingpong_s, serial_s
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
@@ -54,6 +54,7 @@ from moeless.hardware.host_profile import fit_host_calls
 from moeless.model.datasets import sharegpt_prompts
 from moeless.serving.cli import MODEL_HELP, _positive
 from moeless.serving.codec import CharCodec
+from moeless.serving.path_timing import PairedExecutor, TimedExecutor, generate_batch, run_alone, run_pingpong
 from moeless.serving.placement_source import PlacementSource
 
 if TYPE_CHECKING:
@@ -178,12 +179,12 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                 paired.mismatches.setdefault(wide_name, 0)
                 paired.mismatches[wide_name] += sum(a != b for a, b in zip(rows, wide_rows))
         torch.set_num_threads(threads)
-        # 2. Each path alone, as serving runs it (serve_paths.py).
+        # 2. Each path alone, as serving runs it (serving/path_timing.py).
         alone, alone_differ = run_alone(lambda executor: Engine(moe, executor),
                                         {name: (executor.inner, wide if name == wide_name else threads)
                                          for name, executor in timed.items()},
                                         [ids[i:i + batch] for i in range(0, len(ids), batch)], max_tokens, paired_rows)
-        # 3. Two micro-batches in flight (ping-pong), run on continuous batching's forwards (serve_paths.py).
+        # 3. Two micro-batches in flight (ping-pong), run on continuous batching's forwards (serving/path_timing.py).
         reports: dict[str, list] = {}
         engines = {"in_process": Engine(moe, moe.local_executor())} | {
             f"{t}_{m}": _live_engine(moe, RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers,
@@ -235,7 +236,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                                          for name, ms in layer_ms.items()},
         "ratio_to_best_in_process_p90": {name: {phase: ms[phase]["p90"] / best["p90"][phase] for phase in phases}
                                          for name, ms in layer_ms.items()},
-        # each path alone (serve_paths.run_alone): the MoE layer as serving runs it
+        # each path alone (serving/path_timing.run_alone): the MoE layer as serving runs it
         "alone_moe_layer_ms": alone_ms,
         "alone_generations_differing": alone_differ,
         "alone_ratio_to_best_in_process": {name: {phase: ms[phase]["median"] / best_alone["median"][phase] for phase in phases}
