@@ -34,9 +34,11 @@ from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.wire.nixl_link import unavailable as nixl_unavailable
 from moeless.model.tiny import TINY_ARCHS, tiny_model
 from moeless.model.weight_store import export_store
+from moeless.predictor.build import build_predictor
 from moeless.serving.engine import Engine
 from moeless.serving.executor import RemoteExecutor
-from moeless.serving.forecasting import LiveEngine, LiveExecutor, build_predictor
+from moeless.serving.live_engine import LiveEngine
+from moeless.serving.live_executor import LiveExecutor
 from moeless.serving.path_timing import PairedExecutor, TimedExecutor, generate_batch, generate_continuous
 from moeless.serving.placement_source import PlacementSource
 

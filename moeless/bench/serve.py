@@ -58,7 +58,7 @@ from moeless.serving.path_timing import PairedExecutor, TimedExecutor, generate_
 from moeless.serving.placement_source import PlacementSource
 
 if TYPE_CHECKING:
-    from moeless.serving.forecasting import LiveEngine
+    from moeless.serving.live_engine import LiveEngine
 
 FIT_TOKENS = (1, 8, 32, 128, 512)
 TRANSPORTS = ("local", "tcp", "nixl", "grpc")  # node-local, pod path (TCP only), NIXL where installed, gRPC
@@ -296,7 +296,9 @@ def _live_engine(moe, remote, reports: list, **split) -> "LiveEngine":
     untrained gate copies, the same work), its reports appended to `reports`."""
     # heavy (transformers, through the engine): kept off --help's start-up path, as in run_bench
     from moeless.controller.knobs import Knobs
-    from moeless.serving.forecasting import LiveEngine, LiveExecutor, build_predictor
+    from moeless.predictor.build import build_predictor
+    from moeless.serving.live_engine import LiveEngine
+    from moeless.serving.live_executor import LiveExecutor
 
     knobs, spec = Knobs(), moe.spec
     runtime = build_predictor(moe, knobs.predictor, knobs.distance)

@@ -252,7 +252,7 @@ def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_t
     import torch
 
     from moeless.model.interface import Routing
-    from moeless.serving.forecasting import relevel_for
+    from moeless.serving.relevel import relevel_for
 
     model = LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0)
     layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
