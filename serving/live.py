@@ -12,7 +12,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from moeless.controller.planning.actor import LoopSettings, plan_loop
+from moeless.controller.planning.actor import plan_loop
+from moeless.controller.planning.settings import LoopSettings
 from moeless.controller.planning.knob_sources import knob_source_for
 from moeless.controller.planning.report_sender import ReportSender
 from moeless.controller.planning.rules import live_planner_name
