@@ -1,5 +1,5 @@
 """The RemoteExecutor's per-call shares on the layer's actual loads (`relevel_for`): the rule the
-planner asks for (placement.planner.relevels) and the twin prices (placement/resident_planner.py)."""
+planner asks for (placement.planner.relevels) and the twin prices (placement/shares.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 
 from moeless.model.interface import Routing
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import actual_shares
+from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement
 from moeless.serving.executor import Relevel
 

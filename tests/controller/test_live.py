@@ -19,7 +19,7 @@ from moeless.placement.planner import get_planner, relevels
 from moeless.placement.profile import CostProfile, ProfileError
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import actual_shares, relevel_layer
+from moeless.placement.shares import actual_shares, relevel_layer
 from moeless.placement.types import LayerPlacement, Placement
 
 L, E, G = 2, 4, 2
