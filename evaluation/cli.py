@@ -229,7 +229,7 @@ def _shared_pool_config(args: argparse.Namespace):
     # heavy (the evaluation pipeline): kept off --help's start-up path
     from moeless.evaluation.deployment import DeploymentError
     from moeless.evaluation.shared_pool_run import SharedPoolConfig
-    from moeless.twin.gpus import parse_gpu_arg
+    from moeless.hardware.gpus import parse_gpu_arg
     from moeless.twin.shared_pool import PoolSettings
 
     base, settings = SharedPoolConfig(), PoolSettings()
@@ -286,8 +286,8 @@ def _errors() -> tuple[type[Exception], ...]:
     from moeless.placement.profile import ProfileError
     from moeless.twin.arrivals import TraceError
     from moeless.twin.geometry import GeometryError
-    from moeless.twin.gpus import GpuError
-    from moeless.twin.routing import RoutingError
+    from moeless.hardware.gpus import GpuError
+    from moeless.traces.routing_file import RoutingError
 
     return (ProfileError, TraceError, RunDirError, CaseError, WorkloadError, KnobError, DatasetError, ClusterError,
             DeploymentError, GeometryError, GpuError, RoutingError)

@@ -1,7 +1,7 @@
 """`moeless eval --geometry`: the paper's models on GPU clusters, one cell per (model, GPUs, workload).
 
 A cell, in numbered steps:
-1. Geometry (twin/geometry.py), GPUs (twin/gpus.py) and the cost profile: a real profile file
+1. Geometry (twin/geometry.py), GPUs (hardware/gpus.py) and the cost profile: a real profile file
    when given, else the roofline's (twin/roofline.py), said in the report.
 2. Routing per token: a routing file (`moeless trace import|record`) or "moefied" (the default
    model rebuilt at the geometry's (E, k): "moefied SmolLM2 routing at E, k"); its layers are

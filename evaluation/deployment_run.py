@@ -19,11 +19,11 @@ from moeless.controller.knobs import Knobs
 from moeless.evaluation.deployment import DeploymentError, DeploymentSizes, iterations_for, run_cell
 from moeless.evaluation.lengths import dataset_lengths
 from moeless.evaluation.workload import Sizes, WorkloadSpec, read_arrivals
+from moeless.hardware.gpus import parse_gpu_arg
+from moeless.traces.recording import moefied_routing
+from moeless.traces.routing_file import load_routing
 from moeless.twin.geometry import load_geometry
-from moeless.twin.gpus import parse_gpu_arg
-from moeless.twin.recording import moefied_routing
 from moeless.twin.roofline import resolve_profile
-from moeless.twin.routing import load_routing
 
 FORMAT = "moeless-deployments/1"
 RUN_FILE = "run.json"

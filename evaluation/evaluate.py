@@ -19,12 +19,12 @@ from moeless.controller.planning.rules import memory_price
 from moeless.core.paths import cache_dir
 from moeless.evaluation import runs
 from moeless.evaluation.workload import Sizes, WorkloadSpec, prepare, read_arrivals
+from moeless.hardware.cpu_profile import measure_profile
 from moeless.placement.cluster import Cluster, ClusterError
 from moeless.placement.fill_placer import HORIZON
 from moeless.placement.planner import PlannerConfig
 from moeless.placement.profile import CostProfile, ProfileError
 from moeless.twin.batching import BATCHING
-from moeless.twin.measure import measure_profile
 from moeless.twin.twin import TwinSettings
 
 FORMAT = "moeless-eval/1"

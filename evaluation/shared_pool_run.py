@@ -27,9 +27,9 @@ from tqdm import tqdm
 
 from moeless.evaluation.deployment import MEM_FRACTION, DeploymentError, gpu_slots
 from moeless.evaluation.lengths import dataset_lengths
+from moeless.hardware.gpus import GpuSpec, gpu_spec
 from moeless.twin import arrivals as arr
 from moeless.twin.geometry import Geometry, load_geometry
-from moeless.twin.gpus import GpuSpec, gpu_spec
 from moeless.twin.roofline import roofline_profile
 from moeless.twin.shared_pool import PoolModel, PoolSettings, Requests, evaluate_pool
 
@@ -81,7 +81,7 @@ def popularity(geometry: Geometry, routing: str, prompts: str, config: SharedPoo
     if routing == "uniform":
         return np.full((layers, e), 1.0 / e), "uniform (every expert alike)"
     # heavy (torch, the model build): kept off --help's start-up path
-    from moeless.twin.recording import moefied_routing
+    from moeless.traces.recording import moefied_routing
 
     found = moefied_routing(e, geometry.top_k, prompts, config.routing_prompts, config.routing_tokens, progress=progress)[0]
     counts = np.stack([np.bincount(found.topk[:, l].reshape(-1), minlength=e) for l in range(found.num_layers)]).astype(float)

@@ -18,11 +18,11 @@ from typing import Sequence
 import numpy as np
 
 from moeless.core.threads import torch_threads
+from moeless.traces.sources import requests_from
 from moeless.twin import arrivals as arr
 from moeless.twin.batching import compose
 from moeless.twin.forecasts import accuracy, forecast_set
 from moeless.twin.iterations import Iteration
-from moeless.twin.loads import requests_from
 
 PROMPTS = ("sharegpt", "humaneval")
 
@@ -91,7 +91,7 @@ class Workload:
     spec: WorkloadSpec
     arrivals: arr.Arrivals
     loads_note: str
-    facts: object  # twin/loads.ModelFacts
+    facts: object  # model/shape.ModelFacts
     top_k: int
     batchings: dict[str, Batched]
 

@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "moeless.serving.cli",
     "moeless.evaluation.cli",
     "moeless.twin.cli",
+    "moeless.traces.cli",
 )
 
 

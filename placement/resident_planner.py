@@ -44,10 +44,10 @@ import numpy as np
 
 from moeless.placement import kernels, resident_kernels
 from moeless.placement.latency_model import LatencyModel
+from moeless.placement.shares import GAIN_EPSILON_S, relevel_tokens, routable, token_shares
 from moeless.placement.types import LayerPlacement, PlacementError
 
 GB = 1e9
-GAIN_EPSILON_S = 1e-12  # a gain must beat its cost by more than rounding
 # A plan leaves static EP's split only when the forecast says it saves a fraction of static EP's
 # time (on the forecast) beyond what forecast noise moves: max(MARGIN, NOISE / sqrt(n)), n the mean
 # forecast tokens of the experts with tokens. Routing counts are multinomial: an expert's count
@@ -175,22 +175,22 @@ def place_resident(
     active = tokens_in[tokens_in > 0]
     margin = max(margin, NOISE / np.sqrt(active.mean())) if active.size else margin
     at_home = np.where(home, tokens_in[expert], 0)
-    static_s = _time(tokens_in, expert, gpu, _shares(at_home, tokens_in[expert]), num_gpus, model)
+    static_s = _time(tokens_in, expert, gpu, token_shares(at_home, tokens_in[expert]), num_gpus, model)
     tokens = kernels.largest_remainder(tokens_in, expert, kernels.reshare(load, expert, gpu, call, num_gpus))
-    base_s = _relevel(tokens_in, expert, gpu, tokens, num_gpus, model)
+    base_s = relevel_tokens(tokens_in, expert, gpu, tokens, num_gpus, model)
     if base_s > (1.0 - margin) * static_s:
         tokens, base_s = at_home.copy(), static_s
     # 2. Additions in steps, each step's priced gain beating its cost (compiled), then a last re-level.
     grown_e, grown_g, grown_t, rows = resident_kernels.grow(
         tokens_in, expert, gpu, tokens, free, budget, call, model.alpha, model.call_overhead, model.beta,
         model.cold_start, float(cost.prefetch_layers), cost.memory_s, float(cost.horizon), GAIN_EPSILON_S, LOOKAHEAD)
-    grown_s = _time(tokens_in, grown_e, grown_g, _shares(grown_t, tokens_in[grown_e]), num_gpus, model)
-    final_s = _relevel(tokens_in, grown_e, grown_g, grown_t, num_gpus, model) if rows.shape[0] else grown_s
+    grown_s = _time(tokens_in, grown_e, grown_g, token_shares(grown_t, tokens_in[grown_e]), num_gpus, model)
+    final_s = relevel_tokens(tokens_in, grown_e, grown_g, grown_t, num_gpus, model) if rows.shape[0] else grown_s
     if final_s <= (1.0 - margin) * static_s or not rows.shape[0]:
         expert, gpu, tokens = grown_e, grown_g, grown_t
     else:  # the additions leave too little of a gain over static EP to trust the forecast with: none
         final_s, grown_s, rows = base_s, base_s, rows[:0]
-    share = _shares(tokens, tokens_in[expert])
+    share = token_shares(tokens, tokens_in[expert])
     added = tuple(Addition(int(e), int(g), float(gain), float(price), float(before), int(n), int(step))
                   for e, g, gain, price, before, n, step in rows)
     # 3. The plan: replicas with tokens, and every home replica (static EP's layout stays resident).
@@ -198,64 +198,9 @@ def place_resident(
     used = share > 0
     keep = used | home | ~_has_used(expert, used | home, num_experts)
     layer = LayerPlacement(expert[keep], gpu[keep], np.where(used[keep], share[keep], 0.0))
-    layer = _routable(layer, num_experts)
+    layer = routable(layer, num_experts)
     left = free - np.bincount(layer.gpu, minlength=num_gpus)
     return layer, left, ResidentDecision(static_s, base_s, grown_s, final_s, added)
-
-
-def relevel_layer(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int) -> LayerPlacement:
-    """The layer's replicas with shares re-levelled for the load it actually got: what a serving
-    replica does per MoE layer once the gate has run (microseconds; free, since every replica is
-    resident). load: [E] whole tokens per expert -> the same replicas (expert, gpu), new shares.
-
-    Experts water-filled over their replicas least-loaded GPU first (`kernels.reshare`), whole
-    tokens, then the busiest GPU's experts re-levelled while that shortens the layer
-    (`resident_kernels.relevel`); replicas may get no token; an expert without tokens routes to
-    its first replica. One replica per expert: nothing to re-level, the layer comes back as is. An
-    expert twice on one GPU (EPLB's packing can do that) is one replica there: the first takes its
-    tokens, the others none.
-    """
-    num_experts = load.shape[0]
-    if layer.num_replicas == num_experts:
-        return layer
-    pair = layer.expert * num_gpus + layer.gpu
-    _, first, which = np.unique(pair, return_index=True, return_inverse=True)
-    if first.shape[0] < layer.num_replicas:
-        once = relevel_layer(load, LayerPlacement(layer.expert[first], layer.gpu[first],
-                                                  np.bincount(which, weights=layer.share)), model, num_gpus)
-        share = np.zeros(layer.num_replicas)
-        share[first] = once.share
-        return LayerPlacement(layer.expert, layer.gpu, share)
-    tokens_in = np.asarray(load, dtype=np.int64)
-    expert, gpu = layer.expert, layer.gpu
-    tokens = kernels.largest_remainder(tokens_in, expert, kernels.reshare(tokens_in.astype(np.float64), expert, gpu,
-                                                                          model.call_tokens, num_gpus))
-    _relevel(tokens_in, expert, gpu, tokens, num_gpus, model)
-    return _routable(LayerPlacement(expert, gpu, _shares(tokens, tokens_in[expert])), num_experts)
-
-
-def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int,
-                  relevel_s: float) -> tuple[LayerPlacement, bool]:
-    """The shares a serving replica routes one layer's actual loads with, once its gate has run:
-    the same rule in the twin and in the data plane. load: [E] whole tokens per expert.
-
-    A check (`resident_kernels.route_check`, 2-3.5 us measured) times the planned shares and the
-    unsplit ones (each expert on its first replica: static EP's split, since a moeless plan lists
-    its home replicas first) and bounds what any split can reach. A re-level runs where the most it
-    can save over the better of the two beats relevel_s, its own seconds; otherwise the better of
-    the two is routed, so a forecast that split the wrong expert costs the check, not the miss.
-    One replica per expert: nothing to choose, no check. Returns (shares, whether it re-levelled).
-    """
-    if layer.num_replicas == load.shape[0]:
-        return layer, False
-    planned_s, unsplit_s, floor_s, unsplit_share = resident_kernels.route_check(
-        np.asarray(load, dtype=np.int64), layer.expert, layer.gpu, layer.share, num_gpus,
-        model.alpha, model.call_overhead, model.beta)
-    if min(planned_s, unsplit_s) - floor_s > relevel_s:
-        return relevel_layer(load, layer, model, num_gpus), True
-    if unsplit_s < planned_s:
-        return LayerPlacement(layer.expert, layer.gpu, unsplit_share), False
-    return layer, False
 
 
 def _base(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, budget: int,
@@ -318,26 +263,6 @@ def _whole_tokens(load: np.ndarray) -> np.ndarray:
     where the expert is not idle with IDLE_CONFIDENCE."""
     called = load >= -np.log(IDLE_CONFIDENCE)
     return np.where(called, np.maximum(np.rint(load), 1.0), 0.0).astype(np.int64)
-
-
-def _routable(layer: LayerPlacement, num_experts: int) -> LayerPlacement:
-    """Every expert with a share summing to 1: an expert without tokens routes to its first replica."""
-    share = layer.share.copy()
-    missing = np.bincount(layer.expert, weights=share, minlength=num_experts) == 0
-    if missing.any():
-        experts, first = np.unique(layer.expert, return_index=True)
-        share[first[missing[experts]]] = 1.0
-    return LayerPlacement(layer.expert, layer.gpu, share)
-
-
-def _relevel(tokens_in: np.ndarray, expert, gpu, tokens, num_gpus, model: LatencyModel) -> float:
-    """Re-level tokens [R] (in place) over fixed replicas; returns the layer time."""
-    return resident_kernels.relevel(tokens_in, expert, gpu, tokens, num_gpus, model.call_tokens, model.alpha,
-                                    model.call_overhead, model.beta, GAIN_EPSILON_S)
-
-
-def _shares(tokens: np.ndarray, expert_tokens: np.ndarray) -> np.ndarray:
-    return np.divide(tokens, expert_tokens, out=np.zeros(tokens.shape[0]), where=expert_tokens > 0)
 
 
 def _time(tokens: np.ndarray, expert, gpu, share, num_gpus, model: LatencyModel) -> float:

@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import actual_shares, relevel_layer
+from moeless.placement.shares import actual_shares, relevel_layer
 from moeless.placement.types import LayerPlacement
 
 

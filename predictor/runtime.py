@@ -6,7 +6,7 @@ on its own CUDA stream, so it overlaps the layer's kernels; when layer l + d is 
 to a thread costs more than the forecast (a one-off timing on 2 cores, 30 layers, gate replicas:
 6.1 ms an iteration through the thread against 1.1 ms inline at 4 tokens, 32 against 6.6 at 256), so
 CPU tensors are forecast inline in `begin` (`threaded=None`, the default); the time is the
-caller's to measure and report (serving/forecasting.py: forecast_s). After the layer runs,
+caller's to measure and report (serving/live_executor.py: forecast_s). After the layer runs,
 `report` scores the primary predictor's forecast against the actual load (load accuracy). When
 the mean over the last `window` reports falls under `floor`, the runtime serves the fallback
 (history) forecasts and says so in its metrics; the primary keeps running in the shadow and

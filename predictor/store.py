@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from moeless.core.paths import cache_dir
 from moeless.predictor.fingerprint import model_hash
 from moeless.predictor.gate_replica import ModulePredictor, Pair, gate_copies, gate_route, topk_route
 from moeless.predictor.scratch import scratch_mlp
@@ -20,6 +21,11 @@ KINDS = {"gate_replica": "gate", "gate_reuse": "gate", "mlp": "mlp"}  # method -
 
 class PredictorFileError(ValueError):
     """A predictor file that is unreadable or belongs to another model."""
+
+
+def default_path(model) -> Path:
+    """Where `moeless predictor train` keeps a model's gate replicas: <cache>/predictor/gate-replicas-<hash>.pt."""
+    return cache_dir() / "predictor" / f"gate-replicas-{model_hash(model)}.pt"
 
 
 def _key(pair: Pair) -> str:

@@ -3,7 +3,8 @@
 1. Trace ShareGPT prompts through the model (its real routing; cached per model).
 2. Fine-tune every (layer, distance) gate copy whose held-out top-k hit rate is under the threshold.
 3. Save the replicas with the model's fingerprint (predictor/store.py).
-`moeless predictor train` runs it, and so does the twin when a predictor it needs is missing.
+`moeless predictor train` runs it, and so does `trained_gate_replicas` (the twin's workload,
+traces/sources.py) when the file it needs is missing.
 """
 
 from __future__ import annotations
@@ -11,22 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from moeless.core.paths import cache_dir
 from moeless.core.threads import torch_threads
 from moeless.predictor.finetune import FitConfig, layer_aware_finetune
-from moeless.predictor.fingerprint import model_hash
-from moeless.predictor.gate_replica import all_pairs
+from moeless.predictor.gate_replica import ModulePredictor, all_pairs
 from moeless.predictor.sources import dataset_traces, load_model
-from moeless.predictor.store import save_predictor
+from moeless.predictor.store import PredictorFileError, default_path, load_predictor, save_predictor
 
 DEFAULT_DISTANCES = (1, 2, 3, 4)
 DEFAULT_PROMPTS = 240
 DEFAULT_MAX_TOKENS = 96
-
-
-def default_path(model) -> Path:
-    """Where `moeless predictor train` keeps a model's gate replicas: <cache>/predictor/gate-replicas-<hash>.pt."""
-    return cache_dir() / "predictor" / f"gate-replicas-{model_hash(model)}.pt"
 
 
 def train_gate_replicas(model_dir: str | None = None, distances: Sequence[int] = DEFAULT_DISTANCES,
@@ -56,3 +50,17 @@ def train_gate_replicas(model_dir: str | None = None, distances: Sequence[int] =
                          f"{sum(r.tuned for r in rows):>5} {before:>14.3f} {after:>6.3f}")
     lines.append(f"saved {len(pairs)} gate replicas ({replicas.nbytes() / 2**20:.2f} MiB) to {path}")
     return "\n".join(lines)
+
+
+def trained_gate_replicas(model, distances: Sequence[int]) -> tuple[ModulePredictor, Path]:
+    """(the gate-replica predictor of `model` covering `distances`, its file): the file `moeless
+    predictor train` writes for this model, trained now (ShareGPT train split) if missing or short."""
+    path = default_path(model)
+    try:
+        predictor, meta = load_predictor(path, model)
+        if set(distances) <= set(meta["distances"]):
+            return predictor, path
+    except PredictorFileError:
+        pass
+    print(train_gate_replicas(distances=sorted({*distances, 1, 2, 3, 4}), out=path))
+    return load_predictor(path, model)[0], path

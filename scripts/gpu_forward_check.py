@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from moeless.bench.transport import timed_calls
+from moeless.core.timing import timed_calls
 from moeless.expert_fn.host.executor import grouped_forward, sequential_forward
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, (1, 2, 4)), "default": (576, 48, (2, 8, 16))}  # H, F, experts per call

@@ -6,7 +6,7 @@ Engine with a RemoteExecutor, as a ModelServer runs them. Per transport (local: 
 GPU, shared memory on a CPU; tcp: rows staged through host memory; nixl, where installed: the
 rows written from GPU memory; grpc):
 1. every MoE-layer call runs in process and over the transport on the same input (the order
-   rotating call by call), and must be bit-identical (bench/serve_paths.PairedExecutor), each call
+   rotating call by call), and must be bit-identical (serving/path_timing.PairedExecutor), each call
    timed to its end (a CUDA sync before and after: a GPU runs kernels after the call returns);
 2. continuous batching's generation over the transport alone (prefill packed, decode over
    KVSlots) must equal the in-process one token for token, and so must the live path's (a
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, generate_continuous
 from moeless.controller.knobs import Knobs
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import ExpertHostError
@@ -35,9 +34,12 @@ from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.wire.nixl_link import unavailable as nixl_unavailable
 from moeless.model.tiny import TINY_ARCHS, tiny_model
 from moeless.model.weight_store import export_store
+from moeless.predictor.build import build_predictor
 from moeless.serving.engine import Engine
 from moeless.serving.executor import RemoteExecutor
-from moeless.serving.forecasting import LiveEngine, LiveExecutor, build_predictor
+from moeless.serving.live_engine import LiveEngine
+from moeless.serving.live_executor import LiveExecutor
+from moeless.serving.path_timing import PairedExecutor, TimedExecutor, generate_batch, generate_continuous
 from moeless.serving.placement_source import PlacementSource
 
 

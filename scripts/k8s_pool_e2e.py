@@ -1,5 +1,5 @@
 """`helm install` of one ExpertPool shared by two models, end to end on a real node (docs/kubernetes.md; slow,
-not in CI). The node, images and cleanup are scripts/k8s_helm_e2e.py's; the chart runs with pool.enabled and two
+not in CI). The node, images and cleanup are scripts/k8s_helm_release.py's; the chart runs with pool.enabled and two
 models: the default model and tiny:mixtral, each with its own policy, serving Deployment and port, on one pool of
 expert hosts. Every check is made from outside the pods.
 
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 import urllib.request
@@ -31,151 +29,17 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from k8s_helm_e2e import (DOCKER, GRPC_PORT, METRICS_PORT, NS, OPERATOR_PORT, RELEASE, ROOT, ControlPlane,  # noqa: E402
-                          Kubectl, Run, build_images, k8s_binaries, log, pod_ready, port_free, run_checks, sh,
-                          start_node, strip_for_apply, wait_for)
-
-POOL = f"{RELEASE}-pool"
-MODELS = {"moeless-default": ("default", 18000), "tiny-mixtral": ("tiny:mixtral", 18001)}  # policy: (--model, port)
-PROMPTS = ("The capital of France is", "Three primary colours are")
-MAX_TOKENS = 12
-KEEP_ALIVE_S = 20
-KEEP_WARM = 3  # replicas of the quiet model its keepWarmGiB holds past the keep-alive
+from k8s_helm_release import METRICS_PORT, NS, RELEASE, run_checks, strip_for_apply, wait_for  # noqa: E402
+from k8s_pool_release import KEEP_ALIVE_S, KEEP_WARM, MODELS, POOL, PROMPTS, PoolRelease, model_meters  # noqa: E402
 
 
-def references() -> tuple[dict[str, dict[str, str]], dict[str, Path]]:
-    """Each model's greedy completions in process (no expert host) and its weight store."""
-    # torch and the models load here, once the docker engine and the ports are checked (as k8s_helm_e2e)
-    from moeless.serving.api import GenerationRequest
-    from moeless.serving.config import choose_model
-    from moeless.model.weight_store import export_store
-    from moeless.serving.engine import Engine
-
-    answers, stores = {}, {}
-    for policy, (flag, _) in MODELS.items():
-        choice = choose_model(flag)
-        model = (choice.first_load or choice.loader)()
-        stores[policy] = Path(export_store(model, choice.name))
-        engine = Engine(model, model.local_executor())
-        answers[policy] = {}
-        for prompt in PROMPTS:
-            request = GenerationRequest(choice.name, MAX_TOKENS, False, prompt=prompt)
-            answers[policy][prompt] = "".join(e.get("text", "") for step in engine.run([request]) for e in step[0])
-    return answers, stores
-
-
-def model_meters(name: str) -> dict[str, float]:
-    """The pool host's moeless_expert_model_* values of one model (host 0, on the node's network)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("moeless_expert_model_") and f'model="{name}"' in line:
-            out[line.split("{")[0].removeprefix("moeless_expert_model_")] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-class PoolRun(Run):
-    def complete(self, policy: str, prompt: str, timeout: float = 300) -> tuple[str, float]:
-        from openai import OpenAI  # the test extra; the checks above run without it
-
-        flag, port = MODELS[policy]
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=timeout, max_retries=0)
-        start = time.perf_counter()
-        reply = client.completions.create(model=self.served[policy], prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-        return reply.choices[0].text, time.perf_counter() - start
-
-    def serving_pod_of(self, policy: str) -> dict:
-        pods = [p for p in self.kubectl.json("get", "pods", "-n", NS, "-l", f"moeless.io/serves={policy}")["items"]
-                if not p["metadata"].get("deletionTimestamp")]
-        assert len(pods) == 1, f"{len(pods)} serving pods of {policy}"
-        return pods[0]
-
-    def identity_of(self, policy: str) -> tuple[str, int]:
-        pod = self.serving_pod_of(policy)
-        return pod["metadata"]["uid"], sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or [])
-
-    def epool(self) -> dict:
-        return self.kubectl.json("get", "expertpool", POOL, "-n", NS)
-
-    def eap_of(self, policy: str) -> dict:
-        return self.kubectl.json("get", "eap", policy, "-n", NS)
-
-    def tables(self) -> None:
-        print(self.kubectl("get", "epool,eap", "-n", NS, "-o", "wide").stdout, flush=True)
+class PoolRun(PoolRelease):
+    """The whole run: install (k8s_pool_release.py), then every check in order."""
 
     def run(self) -> int:
-        if subprocess.run([DOCKER, "info"], capture_output=True).returncode != 0:
-            print("k8s_pool_e2e: no docker engine; start dockerd first (see the docstring)", file=sys.stderr)
-            return 2
-        busy = [p for p in (GRPC_PORT, METRICS_PORT, OPERATOR_PORT, *(port for _, port in MODELS.values()))
-                if not port_free(p)]
-        if busy:
-            print(f"k8s_pool_e2e: ports {busy} are in use on this machine", file=sys.stderr)
-            return 2
-        bin_dir = k8s_binaries()
-        tag = build_images(bin_dir, self.work, self.args.ref)
-        import torch  # heavy: only once the checks above passed (as k8s_helm_e2e)
-
-        from moeless.core.paths import cache_dir
-        from moeless.model.default import BuildConfig, model_path
-        from moeless.serving.config import choose_model
-
-        torch.set_num_threads(1)
-        self.reference, stores = references()
-        from moeless.model.weight_store import WeightStore
-
-        self.expert_bytes = WeightStore.open(stores[list(MODELS)[1]]).expert_bytes(0, 0)  # the quiet model's
-        self.served = {policy: choose_model(flag).name for policy, (flag, _) in MODELS.items()}
-        models_dir = self.work / "models"  # the pool's storage: one directory holding both stores
-        models_dir.mkdir()
-        for policy, store in stores.items():
-            sh("cp", "-r", str(store), str(models_dir / policy))
-        cache = cache_dir()
-        for path in (models_dir, model_path(BuildConfig())):  # the pods run as user 10001
-            sh("chmod", "-R", "a+rX", str(path))
-        os.chmod(cache, os.stat(cache).st_mode | 0o055)
-        log(f"models ready in {models_dir}: {', '.join(MODELS)}; references computed in process")
-
-        self.plane = ControlPlane(self.work / "k8s", bin_dir).start()
-        start_node(self.plane, bin_dir)
-        self.kubectl = Kubectl(self.plane.kubeconfig)
-        wait_for(lambda: self.kubectl.json("get", "node", "localhost")["metadata"], timeout=60, what="the node")
-        values = {
-            "image": {"repository": "local/moeless", "tag": tag, "pullPolicy": "Never"},
-            "operator": {"hostNetwork": True, "metricsPort": OPERATOR_PORT, "resyncSeconds": 2,
-                         "resources": {"requests": {"cpu": "50m"}}},
-            "pool": {"enabled": True, "storage": {"hostPath": str(models_dir), "mountPath": "/models"},
-                     "keepAliveSeconds": KEEP_ALIVE_S, "upscaleDelaySeconds": 0, "downscaleDelaySeconds": 30,
-                     "hosts": {"minHosts": 1, "maxHosts": 1, "gpusPerHost": 0, "cpu": "500m", "memoryGiBPerHost": 2,
-                               "hostNetwork": True, "grpcPort": GRPC_PORT, "metricsPort": METRICS_PORT,
-                               "drainSeconds": 5},
-                     "models": [{"name": policy, "store": f"/models/{policy}", "port": port,
-                                 **({"model": flag} if flag != "default" else {}),
-                                 **({"keepWarmGiB": (KEEP_WARM + 0.5) * self.expert_bytes / 2**30} if i == 1 else {}),
-                                 "guaranteedGiB": 0.05, "serving": {"keepAliveSeconds": KEEP_ALIVE_S}}
-                                for i, (policy, (flag, port)) in enumerate(MODELS.items())]},
-            "serving": {"hostNetwork": True, "modelCache": {"hostPath": str(cache)},
-                        "resources": {"requests": {"cpu": "400m", "memory": "1Gi"}, "limits": {"memory": "6Gi"}},
-                        "env": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
-                                {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.plane.port)}]},
-        }
-        values["operator"]["env"] = values["serving"]["env"]
-        path = self.work / "values.yaml"
-        path.write_text(yaml.safe_dump(values))
-        print(yaml.safe_dump(values["pool"]), flush=True)
-        start = time.monotonic()
-        self.helm_cmd("install", RELEASE, str(ROOT / "helm" / "moeless"), "-n", NS, "--create-namespace", "-f", str(path))
-        self.installed = True
-        self.wait_hosts(1, timeout=300)
-        for policy, (_, port) in MODELS.items():
-            wait_for(lambda: pod_ready(self.serving_pod_of(policy)), timeout=900, every=2, what=f"{policy}'s serving pod")
-            wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).status == 200,
-                     timeout=300, every=2, what=f"{policy}'s /healthz 200")
-        command = " ".join(self.pods("expert-host")[0]["spec"]["containers"][0]["command"])
-        both = all(f"--store {policy}=/models/{policy}" in command for policy in MODELS)
-        self.checks.record("helm install: one pool, two models, each with its policy and serving pod", both,
-                           f"{len(self.pods())} pods; the pool's host runs {command.split('exec ')[-1][:160]}...",
-                           time.monotonic() - start)
+        failed = self.install()
+        if failed is not None:
+            return failed
         self.tables()
         self.check_each_model_exact()
         self.check_billing_adds_up()

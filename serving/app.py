@@ -26,13 +26,14 @@ from moeless.controller.pool.sources import follow_pool
 from moeless.controller.pool.wake import waker_for
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.placement.types import Placement
+from moeless.predictor.build import build_predictor
 from moeless.serving import api
 from moeless.serving.config import ServeConfig, config_from_args
 from moeless.serving.engine import Engine, error_event
 from moeless.serving.executor import RemoteExecutor
-from moeless.serving.forecasting import LiveEngine, build_predictor
 from moeless.serving.ingress import Ingress
 from moeless.serving.live import start_live
+from moeless.serving.live_engine import LiveEngine
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.scheduler import Scheduler, SchedulerLoop
 from moeless.serving.shutdown import DrainWatcher

@@ -2,7 +2,7 @@
 
 `start_live` puts a serving replica (ModelServer) on the loop: its RemoteExecutor re-levels shares
 per layer (moeless's planners), a LiveExecutor around it forecasts and reports every forward
-(serving/forecasting.py), a ReportSender carries the reports to the planning loop actor, which
+(serving/live_executor.py), a ReportSender carries the reports to the planning loop actor, which
 the first replica creates (controller/planning/actor.py).
 """
 
@@ -12,27 +12,29 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from moeless.controller.planning.actor import LoopSettings, plan_loop
+from moeless.controller.planning.actor import plan_loop
+from moeless.controller.planning.settings import LoopSettings
 from moeless.controller.planning.knob_sources import knob_source_for
 from moeless.controller.planning.report_sender import ReportSender
 from moeless.controller.planning.rules import live_planner_name
 from moeless.controller.pool.wake import wake_timeout_s
 from moeless.placement.planner import relevels
-from moeless.serving.forecasting import LiveExecutor, relevel_for
+from moeless.serving.live_executor import LiveExecutor
+from moeless.serving.relevel import relevel_for
 
 
 @dataclass
 class LiveParts:
     """A serving replica's part of the loop: its executor, report sender and the loop actor."""
 
-    executor: Any  # forecasting.LiveExecutor
+    executor: Any  # live_executor.LiveExecutor
     sender: Any  # controller/planning/report_sender.ReportSender
     loop: Any  # the PlanLoop actor handle
 
 
 def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     """Put a ModelServer on the loop. model: the served model (experts dropped); remote: its
-    RemoteExecutor; runtime: the PredictionRuntime (forecasting.build_predictor, None without
+    RemoteExecutor; runtime: the PredictionRuntime (predictor/build.build_predictor, None without
     one); profile: a CostProfile (default: the loop measures one on host 0 at its start)."""
     import ray
 

@@ -1,2 +1,2 @@
 """moeless.twin: the one simulator: serving iterations (real arrivals, batching, forecasts) replayed
-through any planner on a modelled cluster, every cost counted; `moeless plan` and `moeless trace`."""
+through any planner on a modelled cluster, every cost counted; `moeless plan`."""

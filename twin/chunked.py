@@ -23,7 +23,8 @@ from typing import Sequence
 import numpy as np
 
 from moeless.twin.iterations import Iteration
-from moeless.twin.routing import Routing, cumulative_counts, token_loads
+from moeless.traces.routing_file import Routing
+from moeless.twin.routing import cumulative_counts, token_loads
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import numpy as np
 
 from moeless.placement.eplb import rebalance_experts
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import relevel_layer
+from moeless.placement.shares import relevel_layer
 from moeless.placement.types import Placement
 
 

@@ -3,7 +3,7 @@
 Public API (what `moeless eval --geometry/--gpu` and reports use):
 
     from moeless.twin.geometry import load_geometry        # name, "default" or a config.json path
-    from moeless.twin.gpus import gpu_spec, parse_gpu_arg  # "H100", "A6000x8"
+    from moeless.hardware.gpus import gpu_spec, parse_gpu_arg  # "H100", "A6000x8"
     from moeless.twin.roofline import roofline_profile, resolve_profile, efficiency, load_efficiency
 
     geometry = load_geometry("mixtral-8x7b")
@@ -27,26 +27,21 @@ A profile's fields (seconds, bytes), for H hidden, F expert FFN, b bytes per wei
 Efficiency factors (`Efficiency`, below) are the fractions of datasheet peaks that real kernels
 reach, each with its reason; override them by keyword, `efficiency(**kw)` or a JSON file.
 
-The same formulas with this CPU's measured peaks (`measure_cpu_peaks`, `cpu_roofline_profile`)
+The same formulas with this CPU's measured peaks (`cpu_roofline_profile` over hardware/cpu_peaks.py)
 predict the profile `moeless bench planner` measures here; `compare_profiles` gives the ratios
 (docs/planner.md, "Profiles by roofline").
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Callable
 
-import numpy as np
-
+from moeless.hardware.cpu_peaks import CpuPeaks
+from moeless.hardware.gpus import GpuSpec
 from moeless.placement.profile import CostProfile
 from moeless.twin.geometry import Geometry
-from moeless.twin.gpus import GpuSpec
 
 # Efficiency factors: what fraction of a datasheet peak the expert host's kernels reach.
 COMPUTE_EFF = 0.6  # grouped/batched bf16 expert GEMMs at hundreds of tokens reach ~50-70% of dense peak
@@ -180,70 +175,6 @@ def compare_profiles(predicted: CostProfile, measured: CostProfile) -> dict[str,
 
 # ---- This CPU as a roofline device ---------------------------------------------------------------
 
-@dataclass(frozen=True)
-class CpuPeaks:
-    """This CPU's measured peaks on `threads` torch threads (the bench's setting)."""
-
-    flops: float  # float32 FLOP/s of a cache-resident matmul
-    cache_bw: float  # bytes/s of a copy that fits the L2 cache (bytes copied, not read + written)
-    dram_bw: float  # bytes/s of a 64 MiB copy (main memory)
-    cache_bytes: int  # working sets up to this size move at cache_bw: half the L2
-    op_s: float  # seconds of one torch op's dispatch on a tiny tensor
-    hash_bw: float  # sha256 bytes/s
-    threads: int
-
-    def copy_bw(self, nbytes: int) -> float:
-        """Copy bandwidth for a working set of nbytes: the memory level it lives in (the bench
-        repeats each measurement on the same buffers, so small ones stay in cache)."""
-        return self.cache_bw if nbytes <= self.cache_bytes else self.dram_bw
-
-
-def _fastest(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _l2_bytes() -> int:
-    try:
-        size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        size = 0
-    return int(size) if size and size > 0 else 2 << 20
-
-
-def measure_cpu_peaks(threads: int = 1, repeats: int = 30) -> CpuPeaks:
-    """Measure this CPU in about a second: a 256^3 float32 matmul, a copy of a quarter of the L2
-    and of 64 MiB, a tiny op's dispatch, sha256 of 1 MiB. Each the fastest of `repeats` (as bench
-    planner takes its timings: on this shared 2-core machine a median swings 2-3x)."""
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, c = torch.randn(256, 256), torch.randn(256, 256)
-        flops = 2 * 256**3 / _fastest(lambda: a @ c, repeats)
-        cache_bytes = _l2_bytes() // 2
-
-        def copy_bw(nbytes: int, times: int) -> float:
-            src = np.ones(nbytes // 4, dtype=np.float32)
-            dst = np.empty_like(src)
-            return src.nbytes / _fastest(lambda: np.copyto(dst, src), times)
-
-        cache_bw, dram_bw = copy_bw(cache_bytes // 2, repeats), copy_bw(64 << 20, max(3, repeats // 5))
-        tiny = torch.ones(4)
-        op_s = _fastest(lambda: [tiny + tiny for _ in range(100)], repeats) / 100
-        blob = bytes(1 << 20)
-        hash_bw = len(blob) / _fastest(lambda: hashlib.sha256(blob).digest(), repeats)
-    finally:
-        torch.set_num_threads(saved)
-    return CpuPeaks(flops, cache_bw, dram_bw, cache_bytes, op_s, hash_bw, threads)
-
-
 CPU_OPS_PER_CALL = 7  # expert_forward: three matmuls, two transposes, silu, a product (each dispatched)
 
 
@@ -256,7 +187,7 @@ def cpu_roofline_profile(peaks: CpuPeaks, geometry: Geometry, num_gpus: int) -> 
     link bw = copy bw / 2); the host tier's load is one copy (PCIe bw = copy bw); the disk tier
     reads the file from the page cache (a copy), hashes it and parses it (a copy)."""
     bw = peaks.copy_bw(geometry.expert_bytes)
-    cpu = GpuSpec("CPU", peaks.flops, bw, 0.0, "nvswitch", bw / 2, bw, "measured by moeless.twin.roofline.measure_cpu_peaks")
+    cpu = GpuSpec("CPU", peaks.flops, bw, 0.0, "nvswitch", bw / 2, bw, "measured by moeless.hardware.cpu_peaks.measure_cpu_peaks")
     eff = Efficiency(compute=1.0, memory=1.0, link=1.0, pcie=1.0, launch_s=CPU_OPS_PER_CALL * peaks.op_s,
                      disk_bw=bw, hash_bw=peaks.hash_bw, host_copy_bw=bw)
     return roofline_profile(geometry, cpu, max(num_gpus, 2), eff,

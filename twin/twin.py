@@ -41,7 +41,7 @@ from moeless.twin.iterations import Iteration
 from moeless.placement.planner import Planner
 from moeless.placement.profile import CostProfile
 from moeless.placement.cluster import Cluster
-from moeless.placement.resident_planner import actual_shares
+from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement, Placement
 
 GB = 1e9

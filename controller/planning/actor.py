@@ -3,7 +3,7 @@
     serving replicas --IterationReport (fire and forget, ReportSender)--> PlanLoop
     PlanLoop, on each report: the latency model refitted to the calls' measured compute (cost_fit)
     PlanLoop, every period_s:  hosts' Status (what is resident) + the merged reports
-        --> the planner, with the refitted model (controller/planning/rules.py: plan_step)
+        --> the planner, with the refitted model (controller/planning/rules.py: plan_groups)
         --> Load RPCs (prefetch) to the hosts
         --> the loaded replicas of the plan on the placement board --> every serving replica
 
@@ -13,9 +13,9 @@ ready hosts only, and a host that joins is planned for on the next pass. So is a
 grew or shrank (maxHosts changed while serving): the next pass plans over its slots now, and the
 placement it publishes spans them.
 
-The decisions are pure functions (controller/planning/rules.py); this module only does the talking: Status
-and Load RPCs to the hosts, publishing on the board, a heartbeat (/healthz reports a loop whose
-heartbeat is older than stall_s), and the figures /metrics and `moeless bench live` read.
+The decisions are pure functions (controller/planning/rules.py; what it plans for: settings.py);
+this module only does the talking: Status and Load RPCs to the hosts, publishing on the board, a
+heartbeat (/healthz: a loop whose heartbeat is older than stall_s), the figures /metrics reads.
 """
 
 from __future__ import annotations
@@ -24,65 +24,30 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 import ray
 
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.controller.planning.board import publish_placement
-from moeless.controller.planning.calibrate import calibrate_host
 from moeless.controller.planning.cost_fit import OnlineCostFit
 from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.names import NAMESPACE
-from moeless.controller.planning.rules import (HostView, LoopTerms, hosts_to_configure, loop_terms,
-                                               plan_phases, plan_step, planner_config, restart_knobs_changed,
-                                               same_placement)
+from moeless.controller.planning.rules import (HostView, LoopTerms, forecast_groups, held_forecasts,
+                                               hosts_to_configure, loop_terms, pass_due, plan_groups, planner_config,
+                                               restart_knobs_changed, to_publish)
+from moeless.controller.planning.settings import LoopSettings
 from moeless.controller.planning.window import (PHASES, Accumulated, Heartbeat, IterationReport, LiveStats,
-                                                ReportWindow)
+                                                ReportWindow, meter_totals)
 from moeless.controller.pool.sources import follow_pool
 from moeless.controller.pool.wake import waker_for
 from moeless.expert_fn.client.client import ExpertHostClient
-from moeless.placement.planner import get_planner, relevels
+from moeless.hardware.host_profile import calibrate_host
+from moeless.placement.planner import get_planner
 from moeless.placement.profile import CostProfile
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoopSettings:
-    """What the loop plans for: the hosts (`pool`, a PoolSource read every pool_period_s; slot i
-    is the placement's GPU i), the model's shape,
-    the knobs, the cost profile (None: measured on host 0 at start, controller/planning/calibrate.py), the
-    board to publish on; period_s: seconds between passes (a pass plans when reports came in or
-    loads are pending, else only refreshes what the hosts hold every idle_s; without traffic in the
-    window it sends no loads, so keep-alive can evict idle replicas, except on the first pass and
-    when a host comes or goes); window_s: the reports
-    a forecast merges; stall_s: a heartbeat older than this is a stall; status_timeout_s: a host
-    slower than this to answer Status counts as down for the pass; replicas: serving replicas
-    (non-expert memory); planner_extra: other PlannerConfig fields."""
-
-    pool: Any
-    num_layers: int
-    num_experts: int
-    knobs: Knobs
-    profile: CostProfile | None
-    board: str
-    hidden_size: int = 0
-    non_expert_bytes: int = 0
-    replicas: int = 1
-    period_s: float = 0.25
-    idle_s: float = 1.0
-    window_s: float = 2.0
-    stall_s: float = 3.0
-    status_timeout_s: float = 1.0
-    planner_extra: dict = field(default_factory=dict)
-    pool_period_s: float = 1.0
-    first_host_wait_s: float = 60.0  # measuring the profile needs a ready host: how long to wait for one (_first_host)
-    knob_source: Any = None  # controller/planning/knob_sources.py: knobs followed while running (None: fixed)
-    host_model: str | None = None  # the name the hosts serve this model by (None: their only one)
-    knob_period_s: float = 1.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -185,15 +150,10 @@ class PlanLoop:
     def metrics(self) -> dict:
         """Everything /metrics shows (see app.py's LoopCollector)."""
         with self._lock:
-            meters = [m for m in self.host_meters if m]
             return {
                 **self.state(), "stats": self.stats.as_dict(), "plan_s": dict(self.plan_s),
-                "latency_fit": self.fit.as_dict(),
-                "resident_replicas": self.resident_replicas,
-                "cold_hidden_s": sum(m.get("cold_hidden_s", 0.0) for m in meters),
-                "cold_exposed_s": sum(m.get("cold_exposed_s", 0.0) for m in meters),
-                "cold_starts": sum(m.get("cold_starts", 0) for m in meters),
-                "loads": sum(m.get("loads", 0) for m in meters),
+                "latency_fit": self.fit.as_dict(), "resident_replicas": self.resident_replicas,
+                **meter_totals([m for m in self.host_meters if m]),
                 "expert_gb_s": self._gb_s.total,
                 "non_expert_gb_s": self.s.profile.non_expert_bytes / 1e9 * self.s.replicas * (time.time() - self.started),
             }
@@ -269,12 +229,12 @@ class PlanLoop:
                 self.last_error = ""
                 self.heartbeat.beat()
 
-    def _pass(self) -> None:
+    def _pass(self) -> None:  # the decisions are rules.py's: read the hosts, plan, prefetch, publish
         s = self.s
         with self._lock:
-            due = self._fresh or self._pending_loads or time.monotonic() - self._refreshed >= s.idle_s
+            due = pass_due(self._fresh, self._pending_loads, time.monotonic() - self._refreshed, s.idle_s)
             self._fresh = False
-        if not due:  # no traffic, nothing loading: nothing to re-plan (a pass all the same)
+        if not due:
             return
         self._refreshed = time.monotonic()
         # 1. What the hosts hold (the truth of what is resident), their meters.
@@ -283,7 +243,7 @@ class PlanLoop:
         for i in hosts_to_configure(statuses, s.knobs.keep_alive_s, s.host_model is not None):
             self._configure(i, s.knobs.keep_alive_s)
         view = HostView.from_status(statuses, s.num_layers, s.num_experts)
-        self._memory = np.where(view.live, view.memory, self._memory)
+        self._memory = np.where(view.live, view.memory, self._memory)  # a dead host's: as last seen
         with self._lock:
             joined = self._planned and view.live.tolist() != self.hosts_live  # plan for a host that came or went
             self.hosts_live = view.live.tolist()
@@ -295,30 +255,18 @@ class PlanLoop:
             now = time.time()
             iteration_s = self.window.iteration_s(now)
             first, self._planned = not self._planned, True
-            if not (first or joined or self.window.reports(now) or self._actuals):
-                # No traffic: hosts evict idle replicas after keep-alive; re-loading them would churn.
-                groups = []
-            elif self.stateful:  # every iteration's loads, in order: one plan each (first: the homes)
-                pending, self._actuals = self._actuals, []
-                groups = [[a] for a in pending] or ([[]] if first else [])
-            else:  # one forecast per phase: the union of their plans is resident
-                groups = [self._phase_forecasts(now)]
+            groups = forecast_groups(first, joined, bool(self.window.reports(now)), self.stateful, self._actuals,
+                                     lambda: self._phase_forecasts(now))
+            if self.stateful:  # every iteration's loads, each planned once
+                self._actuals = []
         if not view.live.any():
             return
-        # 2. The plan: the home replicas (static EP's) until there is traffic and always with the
-        #    predictor off, else the planner on the merged forecasts.
-        planner = self._planner_for(iteration_s, get_planner)
-        decision = None
-        for forecasts in groups:
-            if s.knobs.predictor == "off" or not forecasts:  # home replicas only, planned around dead hosts
-                zeros = np.zeros((s.num_layers, s.num_experts))
-                decision = plan_step(get_planner("moeless-no-scaler", planner.config), zeros, view,
-                                     s.profile.expert_bytes, self.layer_cap)
-            else:
-                decision = plan_phases(planner, forecasts, view, s.profile.expert_bytes, self.layer_cap, self._memory)
+        # 2. The plan; 3. prefetch what it needs; 4. publish what is loaded.
+        off = s.knobs.predictor == "off"
+        decision = plan_groups(self._planner_for(iteration_s, get_planner), groups, view, s.profile.expert_bytes,
+                               self.layer_cap, self._memory, off)
         if decision is None:  # a stateful planner without new iterations: nothing to change
             return
-        # 3. Prefetch what the plan needs; 4. publish what is loaded.
         for layer, expert, host in decision.loads:
             client = self.pool.client(host)
             try:
@@ -331,28 +279,19 @@ class PlanLoop:
         with self._lock:
             self.counts["plans"] += len(groups)
             self.counts["loads_sent"] += len(decision.loads)
-        if s.knobs.predictor == "off":
-            return
-        if not same_placement(self._published, decision.publish, shares=not relevels(self.name)):
-            publish_placement(decision.publish, s.board)
-            self._published = decision.publish
+        publish = to_publish(self._published, decision, off, self.name)
+        if publish is not None:
+            publish_placement(publish, s.board)
+            self._published = publish
             with self._lock:
                 self.counts["publishes"] += 1
 
     def _phase_forecasts(self, now: float) -> list[np.ndarray]:
-        """Each phase's merged forecast over the window; a phase without reports in it keeps its last
-        one for keep-alive seconds (its replicas stay resident that long anyway), so a pause between
-        prefills does not drop what they need. Call under the lock."""
+        """Each phase's merged forecast over the window, or its held one (rules.held_forecasts). Call
+        under the lock."""
         source = "forecast" if self.s.knobs.predictor == "gate" else "actual"
-        out = []
-        for phase in PHASES:
-            merged = self.window.merged(now, source, phase)
-            if merged is not None:
-                self._held[phase] = (now, merged)
-            elif phase in self._held and now - self._held[phase][0] <= self.s.knobs.keep_alive_s:
-                merged = self._held[phase][1]
-            if merged is not None:
-                out.append(merged)
+        merged = {phase: self.window.merged(now, source, phase) for phase in PHASES}
+        out, self._held = held_forecasts(merged, self._held, now, self.s.knobs.keep_alive_s)
         return out
 
     def _fit_slots(self, slots: int) -> None:

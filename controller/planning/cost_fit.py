@@ -7,7 +7,7 @@ loop refits, from the layer calls the serving replicas report, with old calls fo
 
     compute_s[call] ~ a * model_s[call] + b
 
-model_s: the calibrated model's compute for the call (forecasting.py: max over hosts of alpha x
+model_s: the calibrated model's compute for the call (live_executor.py: max over hosts of alpha x
 tokens + call_overhead x replicas); b: a host call's fixed cost, which the per-replica model
 leaves out. Least squares with exponential forgetting (weights halve every half_life_s of report
 time); until min_calls calls are in, the prior (a = 1, b = the calibration's host call cost) holds.

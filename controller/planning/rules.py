@@ -1,8 +1,10 @@
 """The live planning loop's decisions, as pure functions: one plan for all traffic.
 
 The planning loop (controller/planning/actor.py, a Ray actor) reads what every expert host holds (the
-hosts are the truth of what is resident), merges the serving replicas' reports
-(controller/planning/window.py) and, every period, calls `plan_step`:
+hosts are the truth of what is resident), merges the serving replicas' reports (controller/
+planning/window.py) and, every period, decides what to plan for (`pass_due`, `forecast_groups`,
+`held_forecasts`), plans it (`plan_groups`: `plan_step` per forecast) and what to publish
+(`to_publish`). `plan_step`:
 
 1. The cluster: every live host's replica memory; a dead host has none (its replicas are planned
    elsewhere; it re-joins, empty, when it answers again).
@@ -18,17 +20,17 @@ hosts are the truth of what is resident), merges the serving replicas' reports
    keeps them (the host loads on demand: an exposed cold start, counted by the host).
 
 Serving replicas re-level each expert's tokens over the published replicas per layer on the
-actual loads (placement.resident_planner.relevel_layer); outputs never depend on the placement.
+actual loads (placement.shares.relevel_layer); outputs never depend on the placement.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from moeless.placement.planner import STATEFUL_PLANNERS, Planner, PlannerConfig
+from moeless.placement.planner import STATEFUL_PLANNERS, Planner, PlannerConfig, get_planner, relevels
 from moeless.placement.profile import CostProfile
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.placement.cluster import Cluster, ClusterError
@@ -278,3 +280,66 @@ def same_placement(a: Placement | None, b: Placement, shares: bool = True) -> bo
         return False
     return all(x.num_replicas == y.num_replicas and np.array_equal(x.expert, y.expert) and np.array_equal(x.gpu, y.gpu)
                and (not shares or np.allclose(x.share, y.share)) for x, y in zip(a.layers, b.layers))
+
+
+# ---- One pass of the loop: what to plan for, the plan, what to publish ----------------------------
+
+def pass_due(fresh: bool, pending_loads: bool, since_read_s: float, idle_s: float) -> bool:
+    """Whether a pass reads the hosts and plans: reports came in, loads are pending, or the hosts
+    were last read idle_s ago (no traffic and nothing loading: nothing to re-plan)."""
+    return fresh or pending_loads or since_read_s >= idle_s
+
+
+def held_forecasts(merged: Mapping[str, np.ndarray | None], held: Mapping[str, tuple[float, np.ndarray]], now: float,
+                   hold_s: float) -> tuple[list[np.ndarray], dict[str, tuple[float, np.ndarray]]]:
+    """(each phase's forecast, what is held now): its merged forecast over the window; a phase without
+    reports in it keeps its last one for hold_s (keep-alive) seconds (its replicas stay resident that
+    long anyway), so a pause between prefills does not drop what they need."""
+    held, out = dict(held), []
+    for phase, forecast in merged.items():
+        if forecast is not None:
+            held[phase] = (now, forecast)
+        elif phase in held and now - held[phase][0] <= hold_s:
+            forecast = held[phase][1]
+        if forecast is not None:
+            out.append(forecast)
+    return out, held
+
+
+def forecast_groups(first: bool, joined: bool, traffic: bool, stateful: bool, actuals: Sequence[np.ndarray],
+                    phases: Callable[[], list[np.ndarray]]) -> list[list[np.ndarray]]:
+    """What a pass plans for: groups of forecasts [L, E], each one plan (plan_groups). Without traffic
+    (no reports in the window, no pending iteration, not the first pass, no host came or went):
+    none, as hosts evict idle replicas after keep-alive and re-loading them would churn. A stateful
+    planner: every reported iteration's loads in order, one each (the first pass: the homes). Else
+    one group, each phase's forecast (phases())."""
+    if not (first or joined or traffic or actuals):
+        return []
+    if stateful:
+        return [[a] for a in actuals] or ([[]] if first else [])
+    return [phases()]
+
+
+def plan_groups(planner: Planner, groups: Sequence[Sequence[np.ndarray]], view: HostView, expert_bytes: int,
+                layer_cap: int | None, known: np.ndarray | None, predictor_off: bool) -> StepDecision | None:
+    """Each group planned in turn (a stateful planner learns from every one), the last decision
+    kept (None without groups): the home replicas (static EP's, planned around dead hosts) until
+    there is traffic and always with the predictor off, else the planner on the group's forecasts
+    (plan_phases)."""
+    decision = None
+    for forecasts in groups:
+        if predictor_off or not forecasts:
+            home = get_planner("moeless-no-scaler", planner.config)
+            decision = plan_step(home, np.zeros(view.resident.shape[:2]), view, expert_bytes, layer_cap)
+        else:
+            decision = plan_phases(planner, forecasts, view, expert_bytes, layer_cap, known)
+    return decision
+
+
+def to_publish(published: Placement | None, decision: StepDecision, predictor_off: bool, planner: str) -> Placement | None:
+    """The placement to publish on the board, or None: nothing with the predictor off (serving keeps
+    static EP's) or when it has the published replicas (and shares, for a planner whose shares
+    serving does not re-level: placement.planner.relevels)."""
+    if predictor_off or same_placement(published, decision.publish, shares=not relevels(planner)):
+        return None
+    return decision.publish

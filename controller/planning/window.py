@@ -229,3 +229,11 @@ class Accumulated:
     def resize(self, hosts: int) -> None:
         """Slots added start from 0; a slot removed keeps what it added to the total."""
         self.last = self.last[:hosts] + [0.0] * (hosts - len(self.last))
+
+
+def meter_totals(meters: list[dict]) -> dict:
+    """The hosts' cold starts (hidden and exposed seconds, count) and loads, summed over each host's
+    last meters (hosts that never answered: {})."""
+    return {"cold_hidden_s": sum(m.get("cold_hidden_s", 0.0) for m in meters),
+            "cold_exposed_s": sum(m.get("cold_exposed_s", 0.0) for m in meters),
+            "cold_starts": sum(m.get("cold_starts", 0) for m in meters), "loads": sum(m.get("loads", 0) for m in meters)}

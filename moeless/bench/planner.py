@@ -1,7 +1,7 @@
 """`moeless bench planner`: the cost profile measured here, planning time, and every planner
 replayed through the digital twin with every cost counted.
 
-1. The cost profile (twin/measure.py on this CPU, twin/measure_cuda.py with --device cuda), beside
+1. The cost profile (hardware/cpu_profile.py on this CPU, hardware/cuda_profile.py with --device cuda), beside
    the roofline's prediction of it.
 2. Planning time per layer for several (E, G): moeless, moeless-fill and the paper beside EPLB.
 3. Plan quality: real per-request loads batched by real arrivals, replayed through the twin for
@@ -23,6 +23,7 @@ from tqdm import tqdm
 from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, write_result
 from moeless.bench.planner_report import print_profile, print_quality, print_roofline, print_timing
+from moeless.hardware.gpus import gpu_from_device_name, gpu_spec, known_gpus
 from moeless.placement.cluster import Cluster
 from moeless.placement.fill_placer import HORIZON
 from moeless.placement.latency_model import LatencyModel
@@ -31,7 +32,6 @@ from moeless.placement.profile import CostProfile
 from moeless.twin import compare as q, roofline as rl
 from moeless.twin.arrivals import arrival_times
 from moeless.twin.geometry import default_geometry, load_geometry
-from moeless.twin.gpus import gpu_from_device_name, gpu_spec, known_gpus
 from moeless.twin.iterations import compose_iterations
 from moeless.twin.twin import TwinSettings
 
@@ -157,8 +157,9 @@ def _fail(message: str) -> int:
 def bench_planner(args: argparse.Namespace) -> int:
     # heavy (torch): kept off --help's start-up path, as in every bench
     from moeless.model.default import default_model
-    from moeless.twin.loads import model_facts, requests_from
-    from moeless.twin.measure_cuda import CudaUnavailable, require_cuda
+    from moeless.model.shape import model_facts
+    from moeless.traces.sources import requests_from
+    from moeless.hardware.cuda_profile import CudaUnavailable, require_cuda
 
     quick = args.quick
     distances = sorted(set(args.distances or ([1] if quick else [1, 2, 3])))
@@ -215,18 +216,19 @@ def _measure(args: argparse.Namespace, shape, num_experts: int, repeats: int):
     overrides = rl.parse_efficiency_args(args.efficiency)
     if args.device == "cpu":
         # heavy (torch): kept off --help's start-up path
-        from moeless.twin.measure import measure_profile
+        from moeless.hardware.cpu_peaks import measure_cpu_peaks
+        from moeless.hardware.cpu_profile import measure_profile
 
         profile, facts = measure_profile(shape.hidden, shape.ffn, shape.non_expert_bytes, repeats,
-                                               num_experts=num_experts, num_gpus=args.gpus)
+                                         num_experts=num_experts, num_gpus=args.gpus)
         geometry = default_geometry()
         if (geometry.hidden, geometry.expert_ffn) == (shape.hidden, shape.ffn):
-            peaks = rl.measure_cpu_peaks(threads=1)
+            peaks = measure_cpu_peaks(threads=1)
             predicted = rl.cpu_roofline_profile(peaks, geometry, args.gpus)
             facts["roofline"] = {"device": "this CPU", "peaks": asdict(peaks), "profile": vars(predicted),
                                  "ratios": rl.compare_profiles(predicted, profile)}
         return profile, facts
-    from moeless.twin.measure_cuda import measure_cuda_profile  # heavy (torch): off --help's path
+    from moeless.hardware.cuda_profile import measure_cuda_profile  # heavy (torch): off --help's path
 
     geometry, spec = load_geometry(args.geometry), _datasheet(args)
     stand_in = rl.roofline_profile(geometry, spec, args.gpus, **overrides).beta if spec else 0.0

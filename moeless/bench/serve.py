@@ -21,9 +21,9 @@
    generation's time outside the MoE layers plus that path's MoE time); each remote path's layer
    broken into gate, scatter (plan + pack + send), invoke (of which the slowest host's expert
    compute; the rest is transfer and call overhead) and gather; each path also alone, as serving
-   runs it (serve_paths.run_alone); and what two micro-batches in flight would give on cores of
+   runs it (serving/path_timing.run_alone); and what two micro-batches in flight would give on cores of
    their own (twin/overlap.py on this run's figures: modelled), beside what they gave when run
-   (serve_paths.run_pingpong: continuous batching's prefill and decode forwards over TCP and shared
+   (serving/path_timing.run_pingpong: continuous batching's prefill and decode forwards over TCP and shared
    memory with 1 and 2 micro-batches, serving/pingpong.py, as `moeless serve` runs them: the live
    loop's forecasts and reports on every forward (the knobs' default predictor and distance; no
    planning loop, so the placement stays static EP's), against in-process without them).
@@ -43,21 +43,23 @@ import torch
 
 from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
-from moeless.bench.serve_paths import PairedExecutor, TimedExecutor, generate_batch, run_alone, run_pingpong
-from moeless.bench.transport import round_trip_calls, timed_calls
+from moeless.bench.serve_report import print_report
+from moeless.bench.transport import round_trip_calls
+from moeless.core.timing import timed_calls
 from moeless.twin.overlap import LayerCosts, hidden_fraction, pingpong_s, serial_s
-from moeless.expert_fn.wire.routed import RoutedCall
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.wire.nixl_link import unavailable as nixl_unavailable
 from moeless.expert_fn.wire.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
+from moeless.hardware.host_profile import fit_host_calls
 from moeless.model.datasets import sharegpt_prompts
 from moeless.serving.cli import MODEL_HELP, _positive
 from moeless.serving.codec import CharCodec
+from moeless.serving.path_timing import PairedExecutor, TimedExecutor, generate_batch, run_alone, run_pingpong
 from moeless.serving.placement_source import PlacementSource
 
 if TYPE_CHECKING:
-    from moeless.serving.forecasting import LiveEngine
+    from moeless.serving.live_engine import LiveEngine
 
 FIT_TOKENS = (1, 8, 32, 128, 512)
 TRANSPORTS = ("local", "tcp", "nixl", "grpc")  # node-local, pod path (TCP only), NIXL where installed, gRPC
@@ -110,25 +112,12 @@ def bench_prompts(engine, count: int, prompt_tokens: int) -> list[list[int]]:
 
 
 def fit_alpha_beta(client, hidden: int, repeats: int = 7) -> dict[str, float]:
-    """Fit alpha, beta and the per-call overhead from packed calls of expert (0, 0) on T tokens
-    (least squares over the median of `repeats` calls per T)."""
-    compute, transfer = [], []
-    client.load(0, 0, wait=True)
-    for tokens in FIT_TOKENS:
-        x, rows = torch.randn(tokens, hidden), torch.arange(tokens)
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            result = client.submit(RoutedCall.packed(0, [0], [tokens], rows), x).result()
-            samples.append((result.compute_s, time.perf_counter() - start - result.compute_s))
-        median = np.median(np.array(samples), axis=0)  # robust to a busy machine's outliers
-        compute.append(median[0])
-        transfer.append(median[1])
-    alpha, _ = np.polyfit(FIT_TOKENS, compute, 1)
-    slope, overhead = np.polyfit(FIT_TOKENS, transfer, 1)
-    return {"alpha_s_per_token": float(alpha), "beta_s_per_token": float(slope / 2),
-            "call_overhead_s": float(overhead), "fit_tokens": list(FIT_TOKENS), "repeats": repeats,
-            "transport": client.path}
+    """alpha, beta and the per-call overhead (the round trip's beyond the host's compute) from
+    packed calls of expert (0, 0) on T tokens: the host cost fitter (hardware/host_profile.py) on
+    single-expert calls, least squares over the median of `repeats` calls per T."""
+    fit = fit_host_calls(client, hidden, experts=(1,), tokens=FIT_TOKENS, repeats=repeats)
+    return {"alpha_s_per_token": fit["alpha"], "beta_s_per_token": fit["beta"], "call_overhead_s": fit["c0"],
+            "fit_tokens": list(FIT_TOKENS), "repeats": repeats, "transport": client.path}
 
 
 def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, prompt_tokens: int = 64,
@@ -191,12 +180,12 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                 paired.mismatches.setdefault(wide_name, 0)
                 paired.mismatches[wide_name] += sum(a != b for a, b in zip(rows, wide_rows))
         torch.set_num_threads(threads)
-        # 2. Each path alone, as serving runs it (serve_paths.py).
+        # 2. Each path alone, as serving runs it (serving/path_timing.py).
         alone, alone_differ = run_alone(lambda executor: Engine(moe, executor),
                                         {name: (executor.inner, wide if name == wide_name else threads)
                                          for name, executor in timed.items()},
                                         [ids[i:i + batch] for i in range(0, len(ids), batch)], max_tokens, paired_rows)
-        # 3. Two micro-batches in flight (ping-pong), run on continuous batching's forwards (serve_paths.py).
+        # 3. Two micro-batches in flight (ping-pong), run on continuous batching's forwards (serving/path_timing.py).
         reports: dict[str, list] = {}
         engines = {"in_process": Engine(moe, moe.local_executor())} | {
             f"{t}_{m}": _live_engine(moe, RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers,
@@ -248,7 +237,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                                          for name, ms in layer_ms.items()},
         "ratio_to_best_in_process_p90": {name: {phase: ms[phase]["p90"] / best["p90"][phase] for phase in phases}
                                          for name, ms in layer_ms.items()},
-        # each path alone (serve_paths.run_alone): the MoE layer as serving runs it
+        # each path alone (serving/path_timing.run_alone): the MoE layer as serving runs it
         "alone_moe_layer_ms": alone_ms,
         "alone_generations_differing": alone_differ,
         "alone_ratio_to_best_in_process": {name: {phase: ms[phase]["median"] / best_alone["median"][phase] for phase in phases}
@@ -308,7 +297,9 @@ def _live_engine(moe, remote, reports: list, **split) -> "LiveEngine":
     untrained gate copies, the same work), its reports appended to `reports`."""
     # heavy (transformers, through the engine): kept off --help's start-up path, as in run_bench
     from moeless.controller.knobs import Knobs
-    from moeless.serving.forecasting import LiveEngine, LiveExecutor, build_predictor
+    from moeless.predictor.build import build_predictor
+    from moeless.serving.live_engine import LiveEngine
+    from moeless.serving.live_executor import LiveExecutor
 
     knobs, spec = Knobs(), moe.spec
     runtime = build_predictor(moe, knobs.predictor, knobs.distance)
@@ -333,61 +324,3 @@ def _gate_seconds(moe, iterations) -> float:
             for layer, record in enumerate(iteration):
                 moe.route(layer, record.gate_input)
     return time.perf_counter() - start
-
-
-def _cells(result: dict[str, Any], prefix: str, name: str) -> str:
-    """A path's MoE-layer ms and ratios per phase, p50 / p90, from the paired ("") or alone ("alone_") figures."""
-    ms = result[f"{prefix}moe_layer_ms"][name]
-    ratios, high = result[f"{prefix}ratio_to_best_in_process"][name], result[f"{prefix}ratio_to_best_in_process_p90"][name]
-    return "  ".join(f"{phase} {ms[phase]['median']:.3f} ({ratios[phase]:.2f}x) / {ms[phase]['p90']:.3f} "
-                     f"({high[phase]:.2f}x)" for phase in ("prefill", "decode") if phase in ms)
-
-
-def print_report(result: dict[str, Any]) -> None:
-    fit = result["latency_model"]
-    print(f"model {result['model']} (E={result['experts']}, k={result['top_k']}, F={result['expert_ffn']}): "
-          f"{result['prompts']} prompts x {result['max_tokens']} new tokens, batch "
-          f"{result['batch']}, {result['hosts']} expert hosts x {result['threads_per_host']} thread(s); load average "
-          f"{result['load_average_1m']:.1f} on {os.cpu_count()} cores")
-    if result["nixl"] != "measured":
-        print(f"nixl not measured: {result['nixl']}")
-    print(f"{result['layer_calls']} MoE-layer calls; 'differ': calls whose output is not bit-identical to the 1-thread "
-          f"in-process one (for the wide baseline: generations that differ; 2 threads round differently)")
-    print(f"{'path':26s} {'tokens/s':>8s} {'differ':>6s}   MoE layer ms: p50 (ratio to the faster in-process) / "
-          f"p90 (ratio)")
-    for name in result["moe_layer_ms"]:
-        print(f"{name:26s} {result['tokens_per_s'][name]:8.1f} {result['mismatches'][name]:6d}   {_cells(result, '', name)}")
-    print("each path alone, as serving runs it (hosts idle only during the model's other layers; 'differ': "
-          "generations unlike the paired run's):")
-    for name in result["alone_moe_layer_ms"]:
-        print(f"{name:26s} {'':8s} {result['alone_generations_differing'][name]:6d}   {_cells(result, 'alone_', name)}")
-    wire = result["wire_per_layer_call"]
-    print(f"on the wire per layer call ({wire['dtype']}): {wire['rows_sent']:.1f} token rows out, {wire['rows_received']:.1f} "
-          f"back for {wire['pairs']:.1f} (token, expert) pairs; {(wire['bytes_sent'] + wire['bytes_received']) / 1e3:.1f} KB, "
-          f"{wire['ratio_to_one_row_per_pair']:.2f}x one float32 row per pair each way "
-          f"({wire['bytes_one_row_per_pair_float32'] / 1e3:.1f} KB)")
-    for name, row in result["round_trip_us"].items():
-        print(f"{name} (us p50 / p90): " + "  ".join(f"{t} {v['p50']:.0f} / {v['p90']:.0f}" for t, v in row.items()))
-    for transport, pp in result["pingpong"].items():
-        print(f"ping-pong over {transport}, 2 micro-batches, modelled (twin/overlap.py on this run's figures, the replica and "
-              f"the hosts on cores of their own): "
-              f"{pp['serial_ms_per_layer']:.3f} -> {pp['pingpong_ms_per_layer']:.3f} ms per layer (forward and MoE), "
-              f"{pp['hidden_fraction']:.0%} of the transfer hidden (each call pays {pp['call_ms']:.3f} ms again)")
-    run = result["pingpong_run"]
-    engines = run["engines"]
-    print(f"ping-pong run (continuous batching's forwards as `moeless serve` runs them, forecasts included, p50 ms per "
-          f"forward; a forward splits in 2 where each part has >= {run['micro_batch_tokens']} tokens): in-process prefill {engines['in_process']['prefill']['ms']:.1f}, "
-          f"decode {engines['in_process']['decode']['ms']:.1f}")
-    for transport, effect in run["effect"].items():
-        one, two = engines[f"{transport}_1"], engines[f"{transport}_2"]
-        print(f"  over {transport}: " + "; ".join(
-            f"{phase} {one[phase]['ms']:.1f} -> {two[phase]['ms']:.1f} ({e['ratio']:.2f}x, {e['hidden_fraction']:+.0%} of "
-            f"{one[phase]['transfer_ms']:.1f} ms transfer hidden)" for phase, e in effect.items())
-            + f"; generations differing from in-process {one['generations_differing']} / {two['generations_differing']}; "
-              f"forecasting {one['forecast_ms_per_report']:.2f} / {two['forecast_ms_per_report']:.2f} ms per report "
-              f"({one['reports']} / {two['reports']} reports)")
-    for transport, br in result["breakdown_ms_per_layer"].items():
-        print(f"breakdown over {transport} (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
-    print(f"latency model ({fit['transport']}): alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), "
-          f"beta {fit['beta_s_per_token'] * 1e6:.3f} us/token moved (each way), call overhead "
-          f"{fit['call_overhead_s'] * 1e3:.3f} ms")

@@ -49,10 +49,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,6 +59,7 @@ from tqdm import tqdm
 
 from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
+from moeless.core.timing import timed_calls
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import ExpertHostError
 from moeless.expert_fn.launcher import launch_local_hosts
@@ -69,13 +69,13 @@ from moeless.expert_fn.wire.routed import RoutedCall, decode_call, encode_call
 from moeless.expert_fn.host.run_routed import run_routed
 from moeless.expert_fn.host.runtime import ExpertHostRuntime
 from moeless.expert_fn.options import COMPUTE_DTYPES
+from moeless.hardware.cuda_profile import CudaUnavailable, require_cuda
 from moeless.model.dtypes import DTYPES
 from moeless.model.weight_store import WeightStore, cached_store, export_experts, export_store, stored_dtype
 from moeless.placement.types import LayerPlacement
 from moeless.serving.scatter import plan_scatter
 from moeless.serving.cli import MODEL_HELP, _positive
 from moeless.twin.geometry import Geometry, GeometryError, load_geometry
-from moeless.twin.measure_cuda import CudaUnavailable, require_cuda
 
 BATCH_TOKENS = {"decode": 4, "prefill": 256}  # tokens of the layer call one host gets its share of
 ROUND_TRIP_ROWS = {"decode": 16, "prefill": 1024}  # 36 KB and 2.4 MB at H=576, float32
@@ -164,21 +164,6 @@ def random_layer_store(geometry: Geometry, seed: int = 0) -> Path:
 
     return cached_store(f"random-{geometry.name}", sizes, lambda root: export_experts(
         experts(), root, model=f"random-{geometry.name}", num_layers=1, num_experts=geometry.num_experts, act="silu"))
-
-
-def timed_calls(call: Callable[[], Any], repeats: int) -> dict[str, float]:
-    """p50 and p90 seconds of `repeats` calls after a warm-up, and p50 of what call() returns as
-    the host's compute (a RoutedResult's compute_s; 0 for anything else)."""
-    for _ in range(max(3, repeats // 10)):
-        call()
-    wall, compute = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = call()
-        wall.append(time.perf_counter() - start)
-        compute.append(getattr(result, "compute_s", 0.0))
-    return {"p50": float(np.percentile(wall, 50)), "p90": float(np.percentile(wall, 90)),
-            "compute_p50": float(np.percentile(compute, 50))}
 
 
 def run_transport_bench(model: str = "default", *, repeats: int = 200, ray_graph: bool = False,

@@ -19,7 +19,7 @@ from moeless.placement.planner import get_planner, relevels
 from moeless.placement.profile import CostProfile, ProfileError
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import actual_shares, relevel_layer
+from moeless.placement.shares import actual_shares, relevel_layer
 from moeless.placement.types import LayerPlacement, Placement
 
 L, E, G = 2, 4, 2
@@ -252,7 +252,7 @@ def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_t
     import torch
 
     from moeless.model.interface import Routing
-    from moeless.serving.forecasting import relevel_for
+    from moeless.serving.relevel import relevel_for
 
     model = LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0)
     layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))

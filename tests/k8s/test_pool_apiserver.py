@@ -205,7 +205,8 @@ def test_a_forward_on_a_pool_at_zero_wakes_it_and_completes_exactly(reader_kubec
 def test_a_planning_loop_started_on_a_pool_at_zero_wakes_it_to_measure_the_profile(reader_kubeconfig, core, policies,
                                                                                   model_and_hosts):
     from moeless.controller.knobs import Knobs
-    from moeless.controller.planning.actor import LoopSettings, PlanLoop
+    from moeless.controller.planning.actor import PlanLoop
+    from moeless.controller.planning.settings import LoopSettings
 
     _, (a, _, _) = model_and_hosts
     spec = tiny_model("mixtral", 0).spec

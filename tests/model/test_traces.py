@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeless.model.traces import RequestLoads, TraceError, load_request_loads, request_loads, save_request_loads
+from moeless.traces.request_loads import RequestLoads, TraceError, load_request_loads, request_loads, save_request_loads
 
 
 def test_loads_follow_the_models_own_routing(tiny):

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests" / "k8s"))
 
-import k8s_helm_e2e  # noqa: E402
+import k8s_helm_release  # noqa: E402
 import k8s_node_e2e  # noqa: E402
 
 PACKAGE_DIRS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
@@ -32,8 +32,8 @@ def test_the_e2e_images_carry_every_package():
     for package, folder in PACKAGE_DIRS.items():
         assert carried(folder, sources), f"{package} ({folder}/) is not in the e2e images' sources {sources}"
     # The helm tier builds its image from the same list, not one of its own.
-    assert k8s_helm_e2e.image_sources is k8s_node_e2e.image_sources
-    assert "image_sources()" in inspect.getsource(k8s_helm_e2e.build_images)
+    assert k8s_helm_release.image_sources is k8s_node_e2e.image_sources
+    assert "image_sources()" in inspect.getsource(k8s_helm_release.build_images)
 
 
 def test_the_dockerfile_copies_every_package():

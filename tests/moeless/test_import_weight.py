@@ -30,7 +30,7 @@ def tops(modules: set[str]) -> set[str]:
 
 
 def test_a_layer_call_imports_no_kubernetes_client():
-    modules = imported("-c", "import moeless.serving.executor, moeless.serving.forecasting")
+    modules = imported("-c", "import moeless.serving.executor, moeless.serving.live_executor, moeless.serving.live_engine, moeless.serving.relevel")
     assert {"moeless.serving.executor", "moeless.controller.pool.wake", "torch"} <= modules  # the report is read
     assert not tops(modules) & {"kubernetes", "urllib3", "ray"}, sorted(
         name for name in modules if name.split(".")[0] in ("kubernetes", "urllib3", "ray"))

@@ -159,7 +159,7 @@ def test_bench_transport_refuses_an_unknown_geometry_naming_the_known_ones(capsy
 def test_bench_transport_on_cuda_without_cuda_is_one_clear_error(capsys):
     from moeless.bench.transport import run_transport_bench
     from moeless.cli import main
-    from moeless.twin.measure_cuda import CudaUnavailable
+    from moeless.hardware.cuda_profile import CudaUnavailable
 
     assert main(["bench", "transport", "--device", "cuda", "--quick"]) == 2
     err = capsys.readouterr().err

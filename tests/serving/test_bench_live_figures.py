@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from moeless.controller.planning.window import IterationReport, LayerFigures, LiveStats
-from moeless.bench.live import add_in_run_model, config_figures, fit_in_run, ratios
+from moeless.bench.live_figures import add_in_run_model, config_figures, fit_in_run, ratios
 
 L = 2
-FIT = {"host_s": 1e-5, "c0": 1e-4, "beta": 1e-7}  # calibrate.fit_costs's keys
+FIT = {"host_s": 1e-5, "c0": 1e-4, "beta": 1e-7}  # hardware/host_profile.fit_costs's keys
 
 
 def metrics(compute_s, model_s, host_tokens=10.0, cold=0, online_s=None):

@@ -16,7 +16,8 @@ from moeless.serving.executor import RemoteExecutor
 from moeless.predictor.gate_replica import all_pairs, gate_reuse
 from moeless.predictor.history import HistoryPredictor
 from moeless.predictor.runtime import PredictionRuntime
-from moeless.serving.forecasting import LiveEngine, LiveExecutor
+from moeless.serving.live_engine import LiveEngine
+from moeless.serving.live_executor import LiveExecutor
 from moeless.serving.pingpong import micro_batch, run_micro_batches, split_by_weight, split_rows, waiting
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.scheduler import BatchLimits, Scheduler

@@ -12,7 +12,8 @@ from pathlib import Path
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.controller.knobs import Knobs
 from moeless.controller.pool.members import Member
-from moeless.controller.planning.actor import LoopSettings, PlanLoop
+from moeless.controller.planning.actor import PlanLoop
+from moeless.controller.planning.settings import LoopSettings
 from moeless.controller.planning.knob_sources import FileKnobs
 from moeless.controller.pool.sources import FileSource, write_members
 from moeless.placement.profile import CostProfile

@@ -177,7 +177,7 @@ def test_evacuate_merges_two_replicas_of_an_expert_on_one_host():
     """Per-call re-levelling (the live loop) assumes one replica per (expert, host): shares of
     duplicates were lost there (30% of an expert's tokens unrouted); merged, every token is routed."""
     from moeless.placement.latency_model import LatencyModel
-    from moeless.placement.resident_planner import relevel_layer
+    from moeless.placement.shares import relevel_layer
 
     placement = LayerPlacement(np.array([0, 1, 2, 3, 0, 1]), np.array([0, 0, 1, 1, 2, 2]),
                                np.array([0.5, 0.7, 1, 1, 0.5, 0.3]))

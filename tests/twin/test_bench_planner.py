@@ -80,8 +80,8 @@ def test_bench_planner_command_end_to_end(tmp_path: Path, capsys):
 
 
 def test_loads_from_a_saved_trace_file(tmp_path: Path):
-    from moeless.twin.loads import requests_from
-    from moeless.model.traces import RequestLoads, save_request_loads
+    from moeless.traces.request_loads import RequestLoads, save_request_loads
+    from moeless.traces.sources import requests_from
 
     saved = [RequestLoads(np.full((2, 4), i), np.ones((i, 2, 4), dtype=np.int64), prompt_tokens=4) for i in range(3)]
     path = save_request_loads(tmp_path / "t.npz", saved)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moeless.twin.chunked import Step, scale_to_load, schedule, split_counts, step_loads
-from moeless.twin.routing import Routing
+from moeless.traces.routing_file import Routing
 
 
 def test_golden_schedule():

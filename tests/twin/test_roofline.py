@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from moeless.twin.geometry import default_geometry, load_geometry
-from moeless.twin.gpus import GpuError, gpu_spec, parse_gpu_arg
+from moeless.hardware.cpu_peaks import measure_cpu_peaks
+from moeless.hardware.gpus import GpuError, gpu_spec, parse_gpu_arg
 from moeless.placement.profile import CostProfile
+from moeless.twin.geometry import default_geometry, load_geometry
 from moeless.twin.roofline import (
     compare_profiles,
     cpu_roofline_profile,
     efficiency,
     load_efficiency,
-    measure_cpu_peaks,
     parse_efficiency_args,
     resolve_profile,
     roofline_profile,
@@ -113,7 +113,7 @@ def test_cpu_roofline_predicts_the_measured_profile():
     fastest-of-20 by up to ~1.5x), and narrow enough to catch a wrong formula: FLOPs counted for one
     GEMM instead of three (alpha x 0.33), the weight read priced at main-memory bandwidth while the bench's
     expert sits in L2 (call overhead x 3-7: 2.6-7 GB/s seen for a 64 MiB copy)."""
-    from moeless.twin.measure import measure_profile
+    from moeless.hardware.cpu_profile import measure_profile
 
     g = default_geometry()
     timed = ("alpha", "call_overhead", "beta", "load_s.host", "load_s.disk")
@@ -131,7 +131,7 @@ def test_cpu_roofline_predicts_the_measured_profile():
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error where there is no CUDA")
 def test_bench_planner_on_cuda_without_cuda_is_one_clear_error(capsys):
     from moeless.cli import main
-    from moeless.twin.measure_cuda import CudaUnavailable, measure_cuda_profile
+    from moeless.hardware.cuda_profile import CudaUnavailable, measure_cuda_profile
 
     assert main(["bench", "planner", "--device", "cuda", "--skip-quality", "--skip-timing"]) == 2
     assert "--device cuda:" in capsys.readouterr().err
@@ -140,7 +140,7 @@ def test_bench_planner_on_cuda_without_cuda_is_one_clear_error(capsys):
 
 
 def test_cuda_device_names_to_datasheets():
-    from moeless.twin.gpus import gpu_from_device_name
+    from moeless.hardware.gpus import gpu_from_device_name
 
     names = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA RTX A6000": "A6000", "NVIDIA A100-SXM4-80GB": "A100",
              "NVIDIA L40S": "L40S", "NVIDIA H200": "H200"}

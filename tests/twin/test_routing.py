@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from moeless.cli import main
-from moeless.twin.routing import Routing, RoutingError, cumulative_counts, load_routing, save_routing, token_loads
-from moeless.twin.routing_import import import_routing
+from moeless.traces.routing_file import Routing, RoutingError, load_routing, save_routing
+from moeless.traces.routing_import import import_routing
+from moeless.twin.routing import cumulative_counts, token_loads
 
 
 def write(path, records) -> str:
@@ -63,7 +64,7 @@ def test_import_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_project_capture_imports_with_the_same_loads(tmp_path):
-    from moeless.model.traces import RequestLoads, save_request_loads
+    from moeless.traces.request_loads import RequestLoads, save_request_loads
 
     prefill = np.array([[2, 1, 3, 0], [1, 1, 2, 2]])  # P = 3 tokens, k = 2, L = 2
     decode = np.array([[[1, 1, 0, 0], [0, 0, 1, 1]]])

@@ -1,4 +1,4 @@
-"""Routing logs as people record them -> the twin's routing file (twin/routing.py).
+"""Routing logs as people record them -> the routing file (traces/routing_file.py).
 
 Reads:
 - JSONL, one record per (token, layer): a request id (req_id, request_id, problem_id, rid), the
@@ -6,7 +6,7 @@ Reads:
   layer_id, layer_idx) and its top-k expert ids (topk_ids, experts, expert_ids, selected_experts,
   topk); optional gate weights (topk_weights, weights, expert_weights, gate_weights) and phase
   ("prefill"/"decode": the prompt's length, else every token counts as prompt);
-- the project's own capture (model/traces.py's .npz: per-request loads), whose decode rows are
+- the project's own capture (traces/request_loads.py's .npz: per-request loads), whose decode rows are
   per token and whose prefill tokens get picks dealt from the request's counts (said in the label);
 - a routing file (returned as is).
 Layer ids are mapped, in sorted order, to 0..L-1 (a log may name only the MoE layers). Every
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moeless.model.traces import TraceError, load_request_loads
-from moeless.twin.routing import Routing, RoutingError, load_routing
+from moeless.traces.request_loads import TraceError, load_request_loads
+from moeless.traces.routing_file import Routing, RoutingError, load_routing
 
 KEYS = {
     "request": ("req_id", "request_id", "problem_id", "rid"),
@@ -129,7 +129,7 @@ def _from_jsonl(path: Path, num_experts: int | None) -> Routing:
 
 
 def _from_capture(path: Path, num_experts: int | None) -> Routing:
-    """model/traces.py's per-request loads as per-token routing: decode rows are one token each;
+    """traces/request_loads.py's per-request loads as per-token routing: decode rows are one token each;
     a prompt of P tokens gets its counts dealt so that token j takes the j-th, (P + j)-th, ... pick."""
     try:
         requests = load_request_loads(path)

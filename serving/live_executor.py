@@ -10,12 +10,13 @@ input [T, H], the routing known):
    critical path; inline on a CPU, where the thread costs more than the forecast); the time begin
    and collect add to the forward is measured and reported;
 3. runs the layer on the hosts (the RemoteExecutor re-levels each expert's tokens over the
-   published replicas on the actual loads when the planner asks for it, `relevel_for`);
+   published replicas on the actual loads when the planner asks for it, serving/relevel.py);
 4. at the iteration's last layer hands an IterationReport (phase, tokens, forecast [L, E],
    actual [L, E], per-layer times) to `sink`, which must not block (controller/planning/report_sender.ReportSender).
 
 Layers t < d have no source layer in the same forward: their forecast is the history window's.
-`LiveEngine` tells the executor whether a forward is a prefill or a decode step.
+`LiveEngine` (serving/live_engine.py) tells the executor whether a forward is a prefill or a decode
+step; the runtime is the `predictor` knob's (predictor/build.py).
 
 With micro-batches in flight together (ping-pong, serving/pingpong.py) each micro-batch is an
 iteration of its own: its own forecasts (a lane of the runtime), figures and report. That is what
@@ -25,67 +26,18 @@ iteration is the call the placement serves.
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
 
 from moeless.controller.planning.window import IterationReport, LayerFigures
-from moeless.core.paths import cache_dir
 from moeless.model.interface import Routing
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import actual_shares
-from moeless.placement.types import LayerPlacement
-from moeless.predictor.fingerprint import model_hash
-from moeless.predictor.gate_replica import all_pairs, gate_reuse
-from moeless.predictor.history import HistoryPredictor
 from moeless.predictor.runtime import PredictionRuntime
-from moeless.predictor.store import PredictorFileError, load_predictor
-from moeless.serving.engine import Engine
-from moeless.serving.executor import Relevel, RemoteExecutor
+from moeless.serving.executor import RemoteExecutor
 from moeless.serving.pingpong import micro_batch
-
-log = logging.getLogger(__name__)
-
-
-def build_predictor(model, predictor: str, distance: int, path: str | None = None) -> PredictionRuntime | None:
-    """The prediction runtime of the `predictor` knob for `model` (call before drop_experts: the
-    predictor file is checked against the full model): "gate": the trained gate replicas of
-    `moeless predictor train` (path, else the cache's file for this model), or, when there is
-    none, the untrained gate copies (gate reuse), said in the log; the history window as the
-    fallback. "history" and "off": None (the loop plans from the reported actual loads, or not
-    at all)."""
-    if predictor != "gate":
-        return None
-    spec = model.spec
-    file = path or str(cache_dir() / "predictor" / f"gate-replicas-{model_hash(model)}.pt")
-    try:
-        primary, meta = load_predictor(file, model)
-        if distance not in meta["distances"]:
-            raise PredictorFileError(f"{file}: trained for distances {meta['distances']}, not {distance}")
-        log.info("predictor: gate replicas from %s at distance %d", file, distance)
-    except PredictorFileError as err:
-        if path:
-            raise
-        log.warning("predictor: %s; forecasting with untrained gate copies (train them with `moeless predictor "
-                    "train --distances %d` for better forecasts)", err, distance)
-        primary = gate_reuse(model, all_pairs(spec.num_layers, [distance]))
-    return PredictionRuntime(primary, HistoryPredictor(spec.num_layers, spec.num_experts, spec.top_k))
-
-
-def relevel_for(model: LatencyModel, cost_s: float) -> Relevel:
-    """The RemoteExecutor's per-call shares on the layer's actual tokens per expert
-    (`actual_shares`: re-levelled where that can save more than cost_s, the profile's relevel_s,
-    else the better of the planned shares and static EP's split), the rule the twin prices it by."""
-
-    def relevel(layer: int, placement: LayerPlacement, routing: Routing, num_hosts: int) -> LayerPlacement:
-        num_experts = int(placement.expert.max()) + 1
-        load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
-        return actual_shares(load, placement, model, num_hosts, cost_s)[0]
-
-    return relevel
 
 
 class _Iteration:
@@ -192,22 +144,3 @@ class LiveExecutor:
     @property
     def clients(self):
         return self.inner.clients
-
-
-class LiveEngine(Engine):
-    """The Engine, telling its LiveExecutor the phase of every forward (prefill or decode)."""
-
-    def prefill(self, prompts: Sequence[list[int]]):
-        self.executor.phase = "prefill"
-        return super().prefill(prompts)
-
-    def decode(self, slots, tokens: Sequence[int]) -> list[int]:
-        self.executor.phase = "decode"
-        return super().decode(slots, tokens)
-
-    def token_steps(self, prompts: Sequence[list[int]], max_tokens: Sequence[int]) -> Iterator[list[int | None]]:
-        """Static batches: the first step is the prefill, the rest decode."""
-        self.executor.phase = "prefill"
-        for tokens in super().token_steps(prompts, max_tokens):
-            yield tokens
-            self.executor.phase = "decode"

@@ -6,7 +6,7 @@ tokens; beta from copying a decode-sized [T, H] float32 batch through a prealloc
 (read, sha256, parse, copy: the expert host's path with its host tier off) and from the host
 memory tier (the copy alone); expert and non-expert bytes; the serving replica's re-level of one
 layer's shares on its actual loads and the check whether it pays (placement/timing.py). Each time
-is the fastest of its repeats. The same on a GPU: twin/measure_cuda.py.
+is the fastest of its repeats. The same on a GPU: hardware/cuda_profile.py.
 """
 
 from __future__ import annotations

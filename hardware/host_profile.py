@@ -1,9 +1,12 @@
-"""The cost profile of a running deployment, measured on one of its own expert hosts.
+"""The cost profile of a running deployment, measured on one of its own expert hosts: the one
+fitter of a host's per-call cost (the planning loop's calibration, `moeless bench live` and `bench
+serve`'s latency model use it).
 
-Packed calls of m experts x n tokens each (m in CALL_EXPERTS, n in CALL_TOKENS) to a real host:
-the host's compute (its own clock: the compute thread's CPU time on a CPU) and the rest of the
-round trip (wall - compute: the transfer and the call's handling). `fit_costs` fits, over the
-medians of `repeats` calls per shape (the typical call, not the luckiest):
+Packed calls of m experts x n tokens each (m in CALL_EXPERTS, n in CALL_TOKENS by default) to a
+real host: the host's compute (its own clock: the compute thread's CPU time on a CPU) and the rest
+of the round trip (wall - compute: the transfer and the call's handling). `fit_costs` fits, over
+the medians of `repeats` calls per shape (the typical call, not the luckiest; `fit_host_calls`
+makes the calls and fits them):
 
     compute  = host_s + call_overhead x m + alpha x T      (T = m x n tokens)
     transfer = c0 + 2 beta x T
@@ -24,9 +27,9 @@ from typing import Sequence
 import numpy as np
 
 from moeless.expert_fn.wire.routed import RoutedCall
-from moeless.placement.timing import measure_relevel_check_s, measure_relevel_s
-from moeless.placement.profile import CostProfile
 from moeless.placement.latency_model import LatencyModel
+from moeless.placement.profile import CostProfile
+from moeless.placement.timing import measure_relevel_check_s, measure_relevel_s
 
 CALL_EXPERTS = (1, 2, 4, 8)
 CALL_TOKENS = (1, 4, 16, 64)
@@ -55,33 +58,42 @@ def fit_costs(shapes: Sequence[tuple[int, int]], compute_s: Sequence[float], tra
             "c0": max(float(c0), 0.0), "beta": max(float(slope), 0.0) / 2}
 
 
+def fit_host_calls(client, hidden: int, experts: Sequence[int] = CALL_EXPERTS, tokens: Sequence[int] = CALL_TOKENS,
+                   repeats: int = 10, layer: int = 0) -> dict:
+    """Time packed calls of m experts x n tokens (m in `experts`, n in `tokens`; `repeats` calls per
+    shape, their median) on `client`'s host, which loads and keeps experts 0..max(experts)-1 of
+    `layer`, and fit them (fit_costs): its host_s, call_overhead, alpha, c0 and beta with the
+    samples (shapes (m, T), compute_s, transfer_s)."""
+    import torch
+
+    names = list(range(max(experts)))
+    for e in names:
+        client.load(layer, e, wait=True)
+    shapes, compute, transfer = [], [], []
+    for m in experts:
+        for n in tokens:
+            x, rows = torch.randn(m * n, hidden), torch.arange(m * n)
+            samples = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                result = client.submit(RoutedCall.packed(layer, names[:m], [n] * m, rows), x).result()
+                samples.append((result.compute_s, time.perf_counter() - started - result.compute_s))
+            median = np.median(np.array(samples), axis=0)  # robust to a busy machine's outliers
+            shapes.append((m, m * n))
+            compute.append(float(median[0]))
+            transfer.append(float(median[1]))
+    return {"shapes": shapes, "compute_s": compute, "transfer_s": transfer, **fit_costs(shapes, compute, transfer)}
+
+
 def calibrate_host(client, hidden: int, non_expert_bytes: int, num_experts: int, num_hosts: int, repeats: int = 10,
                    layer: int = 0) -> HostCosts:
     """Measure `client`'s host (see the module docstring) on calls of up to num_experts (a layer's)
     experts, and this process's re-level of a layer over num_hosts hosts; the host keeps the
     replicas of `layer` it loads."""
-    import torch
-
     sizes = [m for m in CALL_EXPERTS if m <= num_experts] or [num_experts]
-    experts = list(range(max(sizes)))
-    for e in experts:
-        client.load(layer, e, wait=True)
-    shapes, compute, transfer = [], [], []
-    for m in sizes:
-        for n in CALL_TOKENS:
-            x, rows = torch.randn(m * n, hidden), torch.arange(m * n)
-            samples = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                result = client.submit(RoutedCall.packed(layer, experts[:m], [n] * m, rows), x).result()
-                samples.append((result.compute_s, time.perf_counter() - started - result.compute_s))
-            median = np.median(np.array(samples), axis=0)
-            shapes.append((m, m * n))
-            compute.append(float(median[0]))
-            transfer.append(float(median[1]))
-    fit = fit_costs(shapes, compute, transfer)
-    loads = _load_seconds(client, layer, experts[-1])
-    replica = next(r for r in client.status()["replicas"] if (r["layer"], r["expert"]) == (layer, experts[0]))
+    fit = fit_host_calls(client, hidden, sizes, CALL_TOKENS, repeats, layer)
+    loads = _load_seconds(client, layer, max(sizes) - 1)
+    replica = next(r for r in client.status()["replicas"] if (r["layer"], r["expert"]) == (layer, 0))
     model = LatencyModel(alpha=fit["alpha"], beta=fit["beta"], cold_start=loads["host"], call_overhead=fit["call_overhead"])
     profile = CostProfile(alpha=fit["alpha"], beta=fit["beta"], call_overhead=fit["call_overhead"], load_s=loads,
                           expert_bytes=int(replica["bytes"]), non_expert_bytes=int(non_expert_bytes),
@@ -89,8 +101,7 @@ def calibrate_host(client, hidden: int, non_expert_bytes: int, num_experts: int,
                           relevel_check_s=measure_relevel_check_s(num_experts, num_hosts, model, repeats),
                           source=f"expert host {client.address}: one copy of each token per expert, medians of {repeats}, compute on the host's "
                                  "clock")
-    return HostCosts(profile, fit["host_s"] + fit["c0"], {"shapes": shapes, "compute_s": compute, "transfer_s": transfer,
-                                                          **fit})
+    return HostCosts(profile, fit["host_s"] + fit["c0"], fit)
 
 
 def _load_seconds(client, layer: int, expert: int) -> dict[str, float]:

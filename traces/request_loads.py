@@ -1,5 +1,5 @@
 """Real routing traces for benchmarks: tokens per expert of every request, prefill and decode
-(`token_picks`: each token's expert ids, for the twin's routing file, twin/routing.py).
+(`token_picks`: each token's expert ids, for the routing file, traces/routing_file.py).
 
 Each request (one prompt) is a prefill over the prompt, then greedy decode steps, each feeding
 one generated token. Requests run in batches for speed, but each request's loads count only its

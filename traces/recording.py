@@ -14,8 +14,8 @@ from moeless.core.threads import torch_threads
 from moeless.model.datasets import humaneval_prompts, sharegpt_prompts
 from moeless.model.default import BuildConfig, build
 from moeless.model.hf_loader import load_moe_model
-from moeless.model.traces import token_picks
-from moeless.twin.routing import Routing, RoutingError, load_routing, save_routing
+from moeless.traces.request_loads import token_picks
+from moeless.traces.routing_file import Routing, RoutingError, load_routing, save_routing
 
 PROMPT_SETS = ("sharegpt", "humaneval")
 

@@ -1,6 +1,6 @@
 """`moeless bench planner --device cuda`: the cost profile measured on a GPU, for a model geometry.
 
-The same fields as the CPU profile (twin/measure.py), measured with CUDA events on the
+The same fields as the CPU profile (hardware/cpu_profile.py), measured with CUDA events on the
 geometry's expert in its dtype (bf16 for the published models):
 1. alpha and the call overhead: least squares over 1..4096 tokens of one `expert_forward` call.
    Each call uses the next of enough expert copies to overflow the GPU's L2 twice, so every call
@@ -21,13 +21,12 @@ import tempfile
 import time
 from typing import Callable
 
+from moeless.hardware.cpu_profile import fit_line
 from moeless.model.experts import expert_forward
 from moeless.model.weight_store import export_experts
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.profile import CostProfile
 from moeless.placement.timing import measure_relevel_check_s, measure_relevel_s
-from moeless.twin.geometry import Geometry
-from moeless.twin.measure import fit_line
 
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 MOVED = (256, 1024, 4096)
@@ -85,10 +84,11 @@ def _wall_seconds(torch, fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def measure_cuda_profile(geometry: Geometry, repeats: int, *, num_experts: int, num_gpus: int,
+def measure_cuda_profile(geometry, repeats: int, *, num_experts: int, num_gpus: int,
                          roofline_beta: float) -> tuple[CostProfile, dict]:
-    """The cost profile of `geometry`'s experts measured on cuda:0 (steps 1-4 of the module
-    docstring). roofline_beta (the replayed cluster's, by roofline) stands in for beta on a one-GPU
+    """The cost profile of `geometry`'s experts (a model geometry, twin/geometry.Geometry: its name,
+    hidden, expert_ffn, dtype, expert_bytes and non_expert_bytes) measured on cuda:0 (steps 1-4 of
+    the module docstring). roofline_beta (the replayed cluster's, by roofline) stands in for beta on a one-GPU
     machine. Returns (profile, facts)."""
     torch = require_cuda()
     dev = torch.device("cuda", 0)

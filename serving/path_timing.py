@@ -1,5 +1,8 @@
-"""How `moeless bench serve` drives its paths (serve.py): every MoE-layer call timed, the paths
-paired call by call on the same input (outputs compared bit for bit), or each path alone.
+"""Serving's paths (experts in-process, over each transport) timed against each other: every
+MoE-layer call timed (TimedExecutor), the paths paired call by call on the same input (outputs
+compared bit for bit, PairedExecutor), or each path alone (run_alone); greedy generations of a
+batch as static and continuous batching run them, and ping-pong runs over them. `moeless bench
+serve` drives them, and so do scripts/gpu_serving_check.py and scripts/k8s_helm_e2e.py.
 
 Paired, a remote path's hosts sit idle while the other paths run the same layer (milliseconds),
 so every call finds them asleep; serving gives them only the model's other layers between calls.

@@ -1,18 +1,19 @@
-"""Where `moeless bench planner` gets real per-request loads, forecasts and the model's expert facts.
+"""Where `moeless bench planner` and `moeless eval` get real per-request loads, forecasts and the
+model's expert facts.
 
 'default': the default model on ShareGPT test prompts (held out from the predictor's training
 prompts), with the gate-replica predictor's forecasts at every distance; the predictor is the
-one `moeless predictor train` caches for this model (trained on the ShareGPT train split first if
-missing). Traced once and cached under the moeless cache, keyed by the model's build and the
-predictor file. 'tiny': a tiny random moeless-sliced model on random token ids with untrained gate
-copies as the predictor (wiring only). Anything else: a .npz written by forecasts.save (loads and
-forecasts) or by moeless.model.traces.save_request_loads (loads only: no predictor forecasts).
+one `moeless predictor train` caches for this model (predictor/train.trained_gate_replicas: trained on the ShareGPT
+train split first if missing). Traced once and cached under the moeless cache, keyed by the
+model's build and the predictor file. 'tiny': a tiny random moeless-sliced model on random token
+ids with untrained gate copies as the predictor (wiring only). Anything else: a .npz written by
+traces/request_forecasts.save_forecasts (loads and forecasts) or by
+traces/request_loads.save_request_loads (loads only: no predictor forecasts).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -21,32 +22,14 @@ import numpy as np
 from moeless.core.paths import cache_dir
 from moeless.model.datasets import humaneval_prompts, sharegpt_prompts
 from moeless.model.default import BuildConfig, default_model, model_path
+from moeless.model.shape import ModelFacts, model_facts
 from moeless.model.tiny import tiny_model
-from moeless.model.traces import load_request_loads
 from moeless.predictor.gate_replica import all_pairs, gate_reuse
-from moeless.predictor.store import PredictorFileError, load_predictor
-from moeless.predictor.train import default_path, train_gate_replicas
-from moeless.twin import forecasts as fc
+from moeless.predictor.train import trained_gate_replicas
+from moeless.traces.request_forecasts import load_forecasts, save_forecasts, trace_with_forecasts
+from moeless.traces.request_loads import load_request_loads
 
 DATASETS = {"sharegpt": "ShareGPT test", "humaneval": "HumanEval"}  # the default model's prompt sources
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the cost profile needs of the model: expert shape (H, F) and non-expert bytes (float32)."""
-
-    hidden: int
-    ffn: int
-    non_expert_bytes: int
-
-
-def model_facts(model) -> ModelFacts:
-    """Expert shape and non-expert bytes of a MoEModel (routed experts excluded, float32)."""
-    ffn, hidden = model.expert_weights(0, 0)["gate"].shape
-    params = {id(p): p for p in model.hf.parameters()}  # tied weights counted once
-    total = sum(p.numel() for p in params.values())
-    experts = model.spec.num_layers * model.spec.num_experts * 3 * hidden * ffn
-    return ModelFacts(int(hidden), int(ffn), 4 * max(total - experts, 0))
 
 
 def requests_from(source: str, requests: int, new_tokens: int, distances: Sequence[int],
@@ -63,22 +46,22 @@ def requests_from(source: str, requests: int, new_tokens: int, distances: Sequen
         model = tiny_model("moeless-sliced")
         distances = [d for d in distances if d < model.spec.num_layers] or [1]
         prompts = [rng.integers(0, model.spec.vocab_size, size=int(rng.integers(8, 64))).tolist() for _ in range(requests)]
-        loads, forecasts = fc.trace_with_forecasts(model, gate_reuse(model, all_pairs(model.spec.num_layers, distances)),
-                                                   prompts, new_tokens, distances)
+        loads, forecasts = trace_with_forecasts(model, gate_reuse(model, all_pairs(model.spec.num_layers, distances)),
+                                                prompts, new_tokens, distances)
         note = f"tiny random moeless-sliced model, {requests} random-token prompts, untrained gate copies (wiring check, not real loads)"
         return loads, forecasts, model_facts(model), note
     if source == "default":
         model = default_model()
-        predictor, path = gate_replicas(model, distances)
+        predictor, path = trained_gate_replicas(model, distances)
         tag = hashlib.sha256(path.read_bytes()).hexdigest()[:8]
         ds = "".join(map(str, sorted(set(distances))))
         named = "" if dataset == "sharegpt" else f"-{dataset}"
         cached = cache_dir() / f"planner-forecasts-{model_path(BuildConfig()).name}-p{tag}{named}-n{requests}-t{new_tokens}-d{ds}.npz"
         if not cached.is_file():
             prompts = sharegpt_prompts(requests, split="test") if dataset == "sharegpt" else humaneval_prompts(requests)
-            loads, forecasts = fc.trace_with_forecasts(model, predictor, prompts, new_tokens, distances)
-            fc.save(cached, loads, forecasts)
-        loads, forecasts = fc.load(cached)
+            loads, forecasts = trace_with_forecasts(model, predictor, prompts, new_tokens, distances)
+            save_forecasts(cached, loads, forecasts)
+        loads, forecasts = load_forecasts(cached)
         note = (f"default model on {len(loads)} {DATASETS[dataset]} prompts, {new_tokens} decode tokens; gate-replica predictor "
                 f"{path.name} (trained on the train split) ({cached})")
         return loads, forecasts, model_facts(model), note
@@ -86,21 +69,7 @@ def requests_from(source: str, requests: int, new_tokens: int, distances: Sequen
     with np.load(path) as f:
         has_forecasts = "predicted_prefill" in f.files
     if has_forecasts:
-        loads, forecasts = fc.load(path)
+        loads, forecasts = load_forecasts(path)
     else:
         loads, forecasts = load_request_loads(path), None
     return loads, forecasts, model_facts(default_model()), f"routing trace {path} (expert shape of the default model)"
-
-
-def gate_replicas(model, distances: Sequence[int]):
-    """(the gate-replica predictor of `model` covering `distances`, its file): the file `moeless
-    predictor train` writes for this model, trained now (ShareGPT train split) if missing or short."""
-    path = default_path(model)
-    try:
-        predictor, meta = load_predictor(path, model)
-        if set(distances) <= set(meta["distances"]):
-            return predictor, path
-    except PredictorFileError:
-        pass
-    print(train_gate_replicas(distances=sorted({*distances, 1, 2, 3, 4}), out=path))
-    return load_predictor(path, model)[0], path

@@ -1,0 +1,53 @@
+"""The knobs of every planner in one PlannerConfig (placement/planner.py binds it to a plan function)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeless.placement.fill_placer import HORIZON
+from moeless.placement.latency_model import LatencyModel
+from moeless.placement.resident_planner import MARGIN
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Knobs of all planners (each planner reads the ones it needs).
+
+    model: measured latency model (moeless prices replicas with it; its cold_start is one load from
+           the host memory tier);
+    cv_threshold: the paper's V; slack: moeless's straggler slack over the balanced GPU load;
+    dead_band: hysteresis added to the stopping rule before a layer's counts are re-planned;
+    min_replicas / max_replicas: per expert (max defaults to the GPU count);
+    horizon: iterations over which moeless counts a new replica's gain (and moeless-fill spreads a
+             new plan's cold starts); fill_placer.HORIZON = 30, about 1.5 s of serving;
+    prefetch_layers: d, layers a forecast looks ahead (a load started then hides d layer times);
+    keep_alive_s: how long an unused replica stays resident (memory a new replica holds at least);
+    gb_s_price: seconds of layer time one GB·s of replica memory is worth (0: memory is free; the
+                benches and the live loop set it: knob memoryPrice, by default
+                CostProfile.memory_neutral_price);
+    iteration_s: seconds one serving iteration takes (memory held over the horizon);
+    static_margin: the fraction of static EP's time (on the forecast) moeless must save before it
+                   leaves static EP's split (resident_planner.MARGIN);
+    eplb_replicas: EPLB's replicas per layer (default: the smallest multiple of G >= E);
+    eplb_groups / eplb_nodes: EPLB's expert groups and nodes (hierarchical packing);
+    eplb_window / eplb_period: "eplb-window" re-plans every period iterations from the loads of
+    the last window iterations (DeepSeek's usage; never the current iteration's loads).
+    """
+
+    model: LatencyModel | None = None
+    cv_threshold: float = 0.2
+    slack: float = 0.0
+    dead_band: float = 0.0
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    horizon: float = HORIZON
+    prefetch_layers: int = 1
+    keep_alive_s: float = 60.0
+    gb_s_price: float = 0.0
+    iteration_s: float = 0.05
+    static_margin: float = MARGIN
+    eplb_replicas: int | None = None
+    eplb_groups: int = 1
+    eplb_nodes: int = 1
+    eplb_window: int = 10
+    eplb_period: int = 10
