@@ -75,10 +75,14 @@ def paired_seconds(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
 @compiled
 def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
     num_replicas, num_experts = expert.shape[0], tokens.shape[0]
-    start, members = _by_expert(expert, gpu, num_experts, num_gpus)
+    start, members, owner = _by_expert(expert, gpu, num_experts, num_gpus)
     flexible = np.flatnonzero(start[1:] - start[:-1] > 1)
     knee = call / alpha if alpha > 0 else 0.0
     best = largest_remainder(tokens, expert, share)  # a.
+    for r in range(num_replicas):  # a twin's tokens to the one replica of its (expert, GPU)
+        if owner[r] != r:
+            best[owner[r]] += best[r]
+            best[r] = 0
     _improve(best, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee)
     best_s = serial_time(tokens, expert, gpu, _as_share(best, tokens, expert), num_gpus, alpha, call, beta)
     for kind in range(2):  # b. home, c. whole experts to the least loaded holder
@@ -94,23 +98,24 @@ def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
 @compiled
 def _by_expert(expert, gpu, num_experts, num_gpus):
     """Each expert's replicas, one per GPU (the first listed there), in listed order: members
-    [start[e]:start[e + 1]] are replica indices (CSR)."""
-    seen = np.zeros((num_experts, num_gpus), np.bool_)
-    keep = np.zeros(expert.shape[0], np.bool_)
+    [start[e]:start[e + 1]] are replica indices (CSR); owner [R]: the member each replica's
+    (expert, GPU) is (an expert twice on one GPU, as EPLB's packing can do, is one replica there)."""
+    first = np.full((num_experts, num_gpus), -1, np.int64)
+    owner = np.empty(expert.shape[0], np.int64)
     size = np.zeros(num_experts + 1, np.int64)
     for r in range(expert.shape[0]):
-        if not seen[expert[r], gpu[r]]:
-            seen[expert[r], gpu[r]] = True
-            keep[r] = True
+        if first[expert[r], gpu[r]] < 0:
+            first[expert[r], gpu[r]] = r
             size[expert[r] + 1] += 1
+        owner[r] = first[expert[r], gpu[r]]
     start = np.cumsum(size)
     fill = start[:-1].copy()
     members = np.empty(start[-1], np.int64)
     for r in range(expert.shape[0]):
-        if keep[r]:
+        if owner[r] == r:
             members[fill[expert[r]]] = r
             fill[expert[r]] += 1
-    return start, members
+    return start, members, owner
 
 
 @compiled

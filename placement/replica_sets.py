@@ -37,7 +37,8 @@ import numpy as np
 from moeless.placement.dispatch import _pair
 from moeless.placement.kernels import compiled
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import GAIN_EPSILON_S, ReplicaCost, _base
+from moeless.placement.resident_planner import ReplicaCost, _base
+from moeless.placement.shares import GAIN_EPSILON_S
 from moeless.placement.types import LayerPlacement, PlacementError
 
 LOOKAHEAD = 4  # best-scored candidates timed exactly per step before the set stops growing

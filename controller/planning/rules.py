@@ -20,7 +20,7 @@ planning/window.py) and, every period, decides what to plan for (`pass_due`, `fo
    keeps them (the host loads on demand: an exposed cold start, counted by the host).
 
 Serving replicas re-level each expert's tokens over the published replicas per layer on the
-actual loads (placement.shares.relevel_layer); outputs never depend on the placement.
+actual loads (placement.shares.actual_shares: dispatch-time pairing); outputs never depend on the placement.
 """
 
 from __future__ import annotations
