@@ -179,7 +179,7 @@ def _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, al
                     extra = call if counts[q] == 0 else 0.0
                     after = max(most - call - alpha * have, work[gpu[q]] + extra + alpha * have)  # all of it
                     part = have
-                    even = int(np.floor((most - work[gpu[q]] - extra) / (2.0 * alpha))) if alpha > 0 else 0
+                    even = int(np.floor((most - work[gpu[q]] - extra) / (2.0 * alpha) + 1e-6)) if alpha > 0 else 0  # rounding
                     if have > knee and 0 < even < have:  # a split, only of tokens past the knee
                         split = max(most - alpha * even, work[gpu[q]] + extra + alpha * even)
                         if split < after:

@@ -22,7 +22,8 @@ import numpy as np
 from moeless.twin.iterations import Iteration
 from moeless.placement.planner import PlannerConfig, get_planner
 from moeless.placement.profile import CostProfile
-from moeless.twin.twin import TwinRecord, TwinSettings, replay
+from moeless.twin.record import TwinRecord
+from moeless.twin.twin import TwinSettings, replay
 from moeless.placement.cluster import Cluster
 
 FORECAST_PLANNERS = ("eplb", "paper", "moeless-fill", "moeless")  # replayed with every forecast kind
