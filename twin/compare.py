@@ -65,7 +65,7 @@ def run_all(runs: Sequence[Run], iterations: Sequence[Iteration], forecasts: dic
     records: dict[Run, TwinRecord] = {}
     for run in runs:
         knobs = replace(config, prefetch_layers=run.distance)
-        if run.planner.startswith("eplb"):
+        if run.planner.startswith("eplb") and run.planner != "eplb-production":  # production EPLB: its own N
             knobs = replace(knobs, eplb_replicas=_eplb_budget(records, run, cluster))
         record = replay(get_planner(run.planner, knobs), iterations, forecasts[(run.forecast, run.distance)], cluster,
                         profile, replace(settings, distance=run.distance), progress)

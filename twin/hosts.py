@@ -9,8 +9,9 @@ Per GPU one `ReplicaTable` on the twin's clock (`TwinClock`) with `slots x exper
 - each GPU loads one replica after another (`load_s` each): a load issued at t starts when the
   GPU's previous load is done and is done load_s later; it lands (resident) at that time.
 A mirror `resident` / `loading` [L, E, G] of the tables' states gives the planners what is resident
-(as the loop reads hosts' Status) without walking the tables. Static EP's replicas are resident
-from the start (pre-warmed, not counted as loads).
+(as the loop reads hosts' Status) without walking the tables. The deployment's initial layout
+(static EP's, or a planner's fixed one: placement/planner.initial_placement) is resident from the
+start (pre-warmed, not counted as loads).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class TwinHosts:
     """G expert hosts' replica tables and load queues (module docstring)."""
 
     def __init__(self, cluster: Cluster, num_layers: int, num_experts: int, keep_alive_s: float, load_s: float,
-                 clock: TwinClock) -> None:
+                 clock: TwinClock, initial: Placement | None = None) -> None:
         cluster.check_fits(num_layers, num_experts)
         self.clock, self.load_s, self.bytes = clock, load_s, cluster.expert_bytes
         self.num_gpus = cluster.num_gpus
@@ -53,8 +54,9 @@ class TwinHosts:
         self.loading = np.zeros(shape, dtype=bool)
         self.queue = np.zeros(cluster.num_gpus)  # when each GPU's last issued load is done
         self._landing: list[tuple[float, int, int, int]] = []  # (done, layer, expert, gpu)
-        for l, layer in enumerate(Placement.static(num_layers, num_experts, cluster.num_gpus).layers):
-            for e, g in zip(layer.expert.tolist(), layer.gpu.tolist()):
+        initial = initial or Placement.static(num_layers, num_experts, cluster.num_gpus)
+        for l, layer in enumerate(initial.layers):
+            for e, g in set(zip(layer.expert.tolist(), layer.gpu.tolist())):
                 self.tables[g].begin_load((l, e), self.bytes)
                 self.tables[g].finish_load((l, e))
                 self.resident[l, e, g] = True
@@ -123,10 +125,25 @@ class TwinHosts:
             self.tables[g].acquire((l, e))
         return taken
 
-    def release(self, taken: np.ndarray) -> None:
-        """Release what `hold` acquired (their last use: the clock's time)."""
+    def release(self, taken: np.ndarray) -> np.ndarray:
+        """Release what `hold` acquired (their last use: the clock's time); returns the evictions
+        per layer [L] that were deferred until then (`evict` of a replica in use)."""
+        evicted = np.zeros(self.resident.shape[0], dtype=np.int64)
         for l, e, g in taken.tolist():
-            self.tables[g].release((l, e))
+            if self.tables[g].release((l, e)):
+                self.resident[l, e, g] = False
+                evicted[l] += 1
+        return evicted
+
+    def evict(self, pairs: np.ndarray) -> np.ndarray:
+        """Evict the replicas among pairs [n, 3] (a layout that moved away frees them): idle ones
+        now, ones in use when their use ends (`release`); returns the evictions made now per layer [L]."""
+        evicted = np.zeros(self.resident.shape[0], dtype=np.int64)
+        for l, e, g in pairs.tolist():
+            if self.resident[l, e, g] and self.tables[g].evict((l, e)):
+                self.resident[l, e, g] = False
+                evicted[l] += 1
+        return evicted
 
     def held(self) -> np.ndarray:
         """Replicas holding memory (resident or loading) per layer: [L]."""

@@ -4,7 +4,7 @@ the twin plans when and as `moeless serve` does (TwinSettings.cadence "loop").
 A pass every period_s of twin time (the first at the first iteration):
 1. What the hosts hold (twin/hosts.py) as the loop reads it from their Status (`HostView`).
 2. What to plan for (`forecast_groups`, `held_forecasts`): each phase's forecast merged (the
-   mean) over the reports of the last window_s, the reports being the past iterations' entries
+   mean; a planner on samples gets the reports themselves) over the reports of the last window_s, the reports being the past iterations' entries
    of the forecast kind (a serving replica reports each iteration's forecast); a phase without
    reports keeps its last forecast for keep-alive seconds. A stateful planner (EPLB's window)
    gets every reported iteration's entry since the last pass, one at a time. No report yet: the
@@ -76,6 +76,9 @@ class LoopMirror:
         merged = {}
         for phase in ("prefill", "decode"):
             mine = [j for j in recent if self.phases[j] == phase]
-            merged[phase] = np.mean(self.forecasts[mine], axis=0) if mine else None
+            if mine:  # a sample planner plans on the reports themselves, the others on their mean
+                merged[phase] = self.forecasts[mine] if self.planner.samples else np.mean(self.forecasts[mine], axis=0)
+            else:
+                merged[phase] = None
         out, self.held = held_forecasts(merged, self.held, now, self.s.keep_alive_s)
         return out

@@ -8,7 +8,8 @@ cold loads come from, the cadence of planning. Out: per-iteration, per-layer rec
 
 The model, per iteration (docs/design.md, "What a plan costs" and "The paper's model"):
 1. Hosts (twin/hosts.py): each GPU's replicas in expert_fn's replica table, so keep-alive and
-   eviction are the hosts' own rules. Static EP's replicas are resident from the start
+   eviction are the hosts' own rules. The deployment's initial layout (static EP's, or the
+   planner's fixed one: full replication, production EPLB's first) is resident from the start
    (pre-warmed, not counted as loads). Before each iteration, loads that are done land and
    replicas idle for keep_alive_s are evicted; a load evicts idle replicas to make room.
 2. Plan, at one of two cadences (`TwinSettings.cadence`):
@@ -44,16 +45,17 @@ from typing import Sequence
 import numpy as np
 
 from moeless.placement.cluster import Cluster
-from moeless.placement.planner import Planner
+from moeless.placement.planner import Planner, initial_placement
 from moeless.placement.profile import CostProfile
 from moeless.placement.shares import actual_shares
-from moeless.placement.types import Placement
 from moeless.twin.hosts import TwinClock, TwinHosts, pairs_of
 from moeless.twin.iterations import Iteration
 from moeless.twin.loop_mirror import LoopMirror
 from moeless.twin.record import GB, TwinRecord
 
 CADENCES = ("iteration", "loop")
+BEHIND_PLANNERS = frozenset({"eplb-production"})  # move weights behind serving (eplb_production.py, step 5)
+SAMPLES = 16  # a sample planner's batches at cadence "iteration": the phase's last ones and the forecast
 
 
 @dataclass(frozen=True)
@@ -101,19 +103,24 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
                                "cadence": settings.cadence, "load_s": model.cold_start, "planner": planner.name,
                                "num_experts": num_experts})
     clock = TwinClock(float(times[0]))
-    hosts = TwinHosts(cluster, num_layers, num_experts, settings.keep_alive_s, model.cold_start, clock)
+    initial = initial_placement(planner, cluster, num_layers, num_experts)
+    hosts = TwinHosts(cluster, num_layers, num_experts, settings.keep_alive_s, model.cold_start, clock, initial)
     loop = LoopMirror(planner, cluster, hosts, forecasts, rec.phase, times, settings) if settings.cadence == "loop" else None
+    behind = Behind(hosts, initial) if loop is None and planner.name in BEHIND_PLANNERS else None
     bytes_gb = cluster.expert_bytes / GB
-    previous = hosts.hold(pairs_of(Placement.static(num_layers, num_experts, num_gpus)) if loop is None
-                          else np.zeros((0, 3), np.int64))
+    previous = hosts.hold(pairs_of(initial) if loop is None else np.zeros((0, 3), np.int64))
     for i, it in enumerate(iterations):
         now = clock.now = float(times[i])
         # 1. Loads that are done land; keep-alive.
         hosts.land(now)
         rec.evictions[i] += hosts.expire()
         # 2. The placement this iteration runs on; its replicas in use meanwhile ("iteration").
-        if loop is None:
-            plan = planner(forecasts[i], cluster, hosts.placement())
+        if behind is not None:
+            sent, evicted = behind.step(planner(forecasts[i], cluster, hosts.placement()), now)
+            rec.evictions[i] += evicted
+            plan = behind.served
+        elif loop is None:
+            plan = planner(_samples(iterations, forecasts, i) if planner.samples else forecasts[i], cluster, hosts.placement())
         else:
             sent, evicted = loop.step(i, now)
             rec.evictions[i] += evicted
@@ -122,7 +129,7 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
         # the previous plan (at first static EP's, which the deployment starts on) stayed in use until
         # this one: no expiry in between; its last use was its own time
         clock.now = float(times[max(i - 1, 0)])
-        hosts.release(previous)
+        rec.evictions[i] += hosts.release(previous)
         clock.now = now
         previous = in_use
         actual = planner.lossy_load(it.load) if planner.lossy_load else it.load
@@ -142,7 +149,7 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
             if pending.any():
                 done = max(done, float(max(hosts.queue[g] for g in np.unique(lp.gpu[pending]))))
             per_gpu = np.bincount(cold[:, 1], minlength=num_gpus) if cold.size else np.zeros(num_gpus, np.int64)
-            rec.loads[i, l] = int(per_gpu.sum()) + (int(sent[l]) if loop is not None else 0)
+            rec.loads[i, l] = int(per_gpu.sum()) + (int(sent[l]) if loop is not None or behind is not None else 0)
             rec.cold_s[i, l] = float(per_gpu.max()) * model.cold_start
             rec.exposed_s[i, l] = max(done - (now + start), 0.0) if (cold.size or pending.any()) else 0.0
             dispatch = 0.0
@@ -167,3 +174,40 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
     hosts.release(previous)
     rec.non_expert_gb_s = profile.non_expert_bytes / GB * float(window.sum())
     return rec
+
+
+def _samples(iterations: Sequence[Iteration], forecasts: np.ndarray, i: int) -> np.ndarray:
+    """[B, L, E] for a planner that plans on samples at iteration i: the actual loads of the last
+    SAMPLES - 1 iterations of i's phase (what the gates reported) and the forecast for i."""
+    phase = iterations[i].phase
+    past = [j for j in range(i - 1, -1, -1) if iterations[j].phase == phase][:SAMPLES - 1]
+    return np.stack([*(iterations[j].load.astype(np.float64) for j in reversed(past)), forecasts[i]])
+
+
+class Behind:
+    """A planner whose layout changes load behind serving (production EPLB): the layout served
+    stays until every replica of the new one has landed, then the new one is served and the
+    replicas it dropped are evicted at once (their buffers freed). Its loads are never waited for."""
+
+    def __init__(self, hosts: TwinHosts, initial) -> None:
+        self.hosts, self.served, self.target = hosts, initial, initial
+
+    def step(self, plan, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """(loads sent, evictions made), each per layer [L]."""
+        hosts = self.hosts
+        sent = np.zeros(hosts.resident.shape[0], dtype=np.int64)
+        evicted = sent.copy()
+        if plan is not self.target and plan is not self.served:
+            self.target = plan
+            new = np.unique(pairs_of(plan), axis=0)
+            for l, e, g in new[~(hosts.resident[new[:, 0], new[:, 1], new[:, 2]] | hosts.loading[new[:, 0], new[:, 1], new[:, 2]])].tolist():
+                evicted += hosts.load(l, e, g, now)[1]
+                sent[l] += 1
+        if self.target is not self.served:
+            wanted = pairs_of(self.target)
+            if hosts.resident[wanted[:, 0], wanted[:, 1], wanted[:, 2]].all():
+                keep = {tuple(p) for p in wanted.tolist()}
+                dropped = np.array([p for p in pairs_of(self.served).tolist() if tuple(p) not in keep], np.int64).reshape(-1, 3)
+                self.served = self.target
+                evicted += hosts.evict(dropped)
+        return sent, evicted

@@ -110,3 +110,20 @@ def test_loop_cadence_of_static_ep_is_static_ep():
     assert both[0].serial_s.tolist() == both[1].serial_s.tolist() and both[1].loads.sum() == 0
     with pytest.raises(ValueError, match="cadence"):
         TwinSettings(cadence="weekly")
+
+
+def test_production_eplb_moves_its_weights_behind_serving_and_frees_the_old_layout():
+    """Production EPLB (eplb_production.py) rebalances after `first` iterations; the twin keeps
+    serving the old layout until the new one's loads land (never waited for), then frees what the
+    new layout dropped at once (no keep-alive)."""
+    its = iterations(12, step=0.1, load=(30, 1, 1, 1))
+    config = PlannerConfig(model=PROFILE.latency_model(), eplb_redundant=2, eplb_first_rebalance=2)
+    profile = CostProfile(**{**vars(PROFILE), "load_s": {"disk": 1e-3, "host": 0.15}})
+    record = replay(get_planner("eplb-production", config), its, np.stack([i.load for i in its]),
+                    Cluster.uniform(G, 8, PROFILE.expert_bytes), profile, TwinSettings(keep_alive_s=60.0))
+    assert (record.exposed_s == 0).all() and record.loads[:2].sum() == 0  # the first layout was pre-warmed
+    assert record.loads[2].sum() > 0  # the rebalance at the third iteration sends its loads
+    switched = int(np.argmax(record.serial_s[:, 0] < record.serial_s[0, 0] - 1e-12))
+    assert switched > 2  # served once they landed, not before
+    assert record.evictions[switched].sum() > 0 and record.evictions.sum() == record.evictions[switched].sum()
+    assert (record.resident[switched:] < record.resident[switched - 1]).all()  # the old layout's dropped replicas freed at once
