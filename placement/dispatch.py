@@ -16,7 +16,7 @@ are sent. So, per layer call, with the loads W [E] and the resident replicas (ex
    tokens there (its call moves too), or a split that evens the pair, made only of an expert
    whose tokens there pass the knee (c / alpha: below it a call's fixed cost dominates, and a
    split doubles it). Stops when no move lowers the busiest GPU.
-3. The start with the least serial layer time wins (`kernels.serial_time`: busiest GPU's alpha x
+3. The start with the least serial layer time wins (kernels.serial_time's rule: busiest GPU's alpha x
    tokens + c per call with tokens, plus 2 beta x the most tokens a GPU receives); ties go to the
    earlier start, so the plan's shares and static EP's split are never beaten by a worse pairing.
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeless.placement.kernels import compiled, largest_remainder, serial_time
+from moeless.placement.kernels import compiled, largest_remainder
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import LayerPlacement
 
@@ -46,17 +46,26 @@ def pair_tokens(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, nu
     load: [E] whole tokens per expert -> the same replicas (expert, gpu), new shares; one replica per
     expert comes back as it is (nothing to choose)."""
     tokens = np.asarray(load, dtype=np.int64)
-    num_experts = tokens.shape[0]
-    if layer.num_replicas == num_experts:
+    if layer.num_replicas == tokens.shape[0]:
         return layer
-    counts = pair_counts(tokens, layer.expert, layer.gpu, layer.share, num_gpus, model.alpha, model.call_overhead,
-                         model.beta)
-    share = np.divide(counts, tokens[layer.expert], out=np.zeros(layer.num_replicas), where=tokens[layer.expert] > 0)
-    missing = np.bincount(layer.expert, weights=share, minlength=num_experts) == 0
-    if missing.any():  # an expert without tokens routes to its first replica
-        _, first = np.unique(layer.expert, return_index=True)
-        share[first[missing]] = 1.0
-    return LayerPlacement(layer.expert, layer.gpu, share)
+    return LayerPlacement(layer.expert, layer.gpu, pair_shares(tokens, layer.expert, layer.gpu, layer.share, num_gpus,
+                                                               model.alpha, model.call_overhead, model.beta))
+
+
+@compiled
+def pair_shares(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
+    """pair_counts as shares [R]: each replica's fraction of its expert's tokens; an expert without
+    tokens routes to its first replica."""
+    counts = _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta)[0]
+    out = np.zeros(expert.shape[0])
+    routed = np.zeros(tokens.shape[0], np.bool_)
+    for r in range(expert.shape[0]):
+        e = expert[r]
+        if tokens[e] > 0:
+            out[r] = counts[r] / tokens[e]
+        elif not routed[e]:
+            out[r], routed[e] = 1.0, True
+    return out
 
 
 @compiled
@@ -84,15 +93,27 @@ def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
             best[owner[r]] += best[r]
             best[r] = 0
     _improve(best, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee)
-    best_s = serial_time(tokens, expert, gpu, _as_share(best, tokens, expert), num_gpus, alpha, call, beta)
+    best_s = _seconds(best, gpu, num_gpus, alpha, call, beta)
     for kind in range(2):  # b. home, c. whole experts to the least loaded holder
         counts = _home(tokens, expert, start, members, num_replicas) if kind == 0 else \
             _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_replicas)
         _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee)
-        seconds = serial_time(tokens, expert, gpu, _as_share(counts, tokens, expert), num_gpus, alpha, call, beta)
+        seconds = _seconds(counts, gpu, num_gpus, alpha, call, beta)
         if seconds < best_s - EPSILON_S:
             best, best_s = counts, seconds
     return best, best_s
+
+
+@compiled
+def _seconds(counts, gpu, num_gpus, alpha, call, beta):
+    """The serial layer time of whole tokens per replica (kernels.serial_time's rule, from counts)."""
+    tokens = np.zeros(num_gpus, np.int64)
+    work = np.zeros(num_gpus)
+    for r in range(counts.shape[0]):
+        if counts[r] > 0:
+            tokens[gpu[r]] += counts[r]
+            work[gpu[r]] += call + alpha * counts[r]
+    return work.max() + 2.0 * beta * tokens.max()
 
 
 @compiled
@@ -192,12 +213,3 @@ def _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, al
         work[gpu[dst]] += alpha * moved + (call if counts[dst] == 0 else 0.0)
         counts[src] -= moved
         counts[dst] += moved
-
-
-@compiled
-def _as_share(counts, tokens, expert):
-    share = np.zeros(expert.shape[0])
-    for r in range(expert.shape[0]):
-        if tokens[expert[r]] > 0:
-            share[r] = counts[r] / tokens[expert[r]]
-    return share
