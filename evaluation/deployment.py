@@ -118,10 +118,11 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
     neutral = memory_price(replace(knobs, memory_price=None), profile, num_layers, num_experts)
     price = memory_price(knobs, profile, num_layers, num_experts)
     step = float(np.median(np.diff([it.time_s for it in iterations])))
-    base = PlannerConfig(model=profile.latency_model("host"), cv_threshold=knobs.cv_threshold, horizon=life(HORIZON, knobs.keep_alive_s, step),
+    tier = "peer" if "peer" in profile.load_s else "host"  # a copy comes from a GPU that holds the expert
+    base = PlannerConfig(model=profile.latency_model(tier), cv_threshold=knobs.cv_threshold, horizon=life(HORIZON, knobs.keep_alive_s, step),
                          keep_alive_s=knobs.keep_alive_s, gb_s_price=price, iteration_s=step,
                          dispatch_s=profile.relevel_s + profile.check_s)
-    settings = TwinSettings(keep_alive_s=knobs.keep_alive_s, distance=d, tier="host")
+    settings = TwinSettings(keep_alive_s=knobs.keep_alive_s, distance=d, tier=tier)
     records = run_all([Run(p, f, d) for _, _, p, f in CASES if p.startswith("moeless")] +
                       [Run(p, f, d) for _, _, p, f in CASES if not p.startswith("moeless")],
                       iterations, forecasts, cluster, profile, base, settings, progress)
