@@ -92,7 +92,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     sp.add_argument("--finetunes", nargs="+", type=int, metavar="N",
                     help="instead of several models: N fine-tunes of each --geometry (a base; default mixtral-8x7b "
                          "deepseek-v2-lite), each base's pool apart, for each N given, four ways: dedicated, whole-model, "
-                         "expert-grain, and shared keys (a replica of an expert the fine-tunes did not change serves them all)")
+                         "expert-grain, and shared keys (a replica of an expert the fine-tunes did not change serves them all); "
+                         "--quick: the level 1 request/min alone unless --levels")
     sp.add_argument("--replaced", nargs="+", type=float, metavar="SHARE",
                     help="with --finetunes: shares of the base's experts each fine-tune replaces, ESFT-style, in [0, 1) "
                          "(default 0.05 0.15)")
@@ -282,6 +283,8 @@ def _finetune_config(args: argparse.Namespace):
     if not args.finetunes:
         raise DeploymentError("--replaced: give --finetunes N too (how many fine-tunes of each base share its pool)")
     pool = replace(_shared_pool_config(args), geometries=tuple(args.geometry or BASES))
+    if args.quick and not args.levels:
+        pool = replace(pool, levels=(1.0,))  # the level alone: under a minute
     return FineTuneConfig(pool, tuple(args.finetunes), tuple(args.replaced or FineTuneConfig.replaced))
 
 

@@ -39,7 +39,9 @@ def test_a_finetunes_run_beside_a_shared_pool_run_is_a_section_of_its_report(tmp
     alone = (out / "report.md").read_text()
     assert "fine-tunes" not in alone
     assert main(["eval", "--shared-pool", "--quick", "--finetunes", "2", "--replaced", "0.05", "--geometry", "mixtral-8x7b",
-                 "--levels", "1", "--out", str(out / "finetunes")]) == 0
+                 "--out", str(out / "finetunes")]) == 0
+    cells = json.loads((out / "finetunes" / "run.json").read_text())["cells"]
+    assert [c["requests_per_minute"] for c in cells] == [1.0]  # --quick: the level alone
     assert main(["report", str(out), "--markdown", str(tmp_path / "shared-pool.md")]) == 0
     md = (tmp_path / "shared-pool.md").read_text()
     assert md.startswith(alone.replace("](", "](pool/")) and "\n## Many fine-tunes of one base" in md
