@@ -4,13 +4,14 @@ ESFT (Wang et al. 2024, "Let the Expert Stick to His Last", DeepSeek's method fo
 trains, per layer, the experts its task routes the most tokens to (ESFT-Token, by the token-selection
 ratio; ESFT-Gate ranks by mean gate score instead) and freezes the router, attention and the other
 experts. So a fine-tune here is:
-- its task's routing: the frozen base router on the task's prompts. The twin has one measured routing
-  per base and workload (twin/shared_pool's popularity); a task of its own is that routing with each
-  layer's experts permuted, seeded per fine-tune: the same skew on other experts, as tasks route to
-  different experts in ESFT's study;
+- its task's routing: the frozen base router on the task's prompts. The twin has one measured
+  routing per base and workload (evaluation/shared_pool_run.popularity); a task of its own is that
+  routing with each layer's experts permuted, seeded per fine-tune: the same skew on other experts,
+  as tasks route to different experts in ESFT's study;
 - its replaced experts: round(share x L x E) of them, spread over the layers as evenly as whole
-  experts allow (layer l gets round((l + 1) share E) - round(l share E)), in each layer those its
-  task routes the most tokens to (ESFT-Token; ties: the base's lower index, then permuted);
+  experts allow (layer l gets round((l + 1) share E) - round(l share E): ESFT's counts per layer
+  follow its task's data, which the twin does not have, so no layer is favoured), in each layer
+  those its task routes the most tokens to (ESFT-Token; ties: the base's lower index, then permuted);
 - the base's bytes everywhere else, non-expert weights included.
 
 The four ways, every figure per fine-tune and for the pool: dedicated (a static-EP pool per
