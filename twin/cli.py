@@ -76,6 +76,7 @@ def plan_command(args: argparse.Namespace) -> int:
 def _why(samples: np.ndarray, layer, config, profile, num_gpus: int) -> list[str]:
     """Each copy (every replica after its expert's first): what removing it would cost the paired
     layer time on the samples, against its price (ReplicaCost: its exposed load and memory)."""
+    # Deferred: the planners' numba kernels load only for `moeless plan`, not for the CLI's other verbs.
     from moeless.placement.replica_sets import mean_paired_seconds
     from moeless.placement.resident_planner import ReplicaCost
 
