@@ -84,7 +84,7 @@ def paired_seconds(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
 @compiled
 def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
     num_replicas, num_experts = expert.shape[0], tokens.shape[0]
-    start, members, owner = _by_expert(expert, gpu, num_experts, num_gpus)
+    start, members, owner, at = _by_expert(expert, gpu, num_experts, num_gpus)
     flexible = np.flatnonzero(start[1:] - start[:-1] > 1)
     knee = call / alpha if alpha > 0 else 0.0
     best = largest_remainder(tokens, expert, share)  # a.
@@ -92,12 +92,12 @@ def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
         if owner[r] != r:
             best[owner[r]] += best[r]
             best[r] = 0
-    _improve(best, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee)
+    _improve(best, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee)
     best_s = _seconds(best, gpu, num_gpus, alpha, call, beta)
     for kind in range(2):  # b. home, c. whole experts to the least loaded holder
         counts = _home(tokens, expert, start, members, num_replicas) if kind == 0 else \
             _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_replicas)
-        _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee)
+        _improve(counts, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee)
         seconds = _seconds(counts, gpu, num_gpus, alpha, call, beta)
         if seconds < best_s - EPSILON_S:
             best, best_s = counts, seconds
@@ -120,7 +120,8 @@ def _seconds(counts, gpu, num_gpus, alpha, call, beta):
 def _by_expert(expert, gpu, num_experts, num_gpus):
     """Each expert's replicas, one per GPU (the first listed there), in listed order: members
     [start[e]:start[e + 1]] are replica indices (CSR); owner [R]: the member each replica's
-    (expert, GPU) is (an expert twice on one GPU, as EPLB's packing can do, is one replica there)."""
+    (expert, GPU) is (an expert twice on one GPU, as EPLB's packing can do, is one replica there);
+    at [E, G]: the member of (expert, GPU), or -1."""
     first = np.full((num_experts, num_gpus), -1, np.int64)
     owner = np.empty(expert.shape[0], np.int64)
     size = np.zeros(num_experts + 1, np.int64)
@@ -136,7 +137,7 @@ def _by_expert(expert, gpu, num_experts, num_gpus):
         if owner[r] == r:
             members[fill[expert[r]]] = r
             fill[expert[r]] += 1
-    return start, members, owner
+    return start, members, owner, first
 
 
 @compiled
@@ -175,11 +176,11 @@ def _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_repli
 
 
 @compiled
-def _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee):
+def _improve(counts, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee):
     """Step 2, in place on counts [R]: moves off the busiest GPU while one lowers it (only experts
     held on two GPUs or more can move: `flexible`)."""
     work = np.zeros(num_gpus)
-    for r in range(expert.shape[0]):
+    for r in range(gpu.shape[0]):
         if counts[r] > 0:
             work[gpu[r]] += call + alpha * counts[r]
     for _ in range(4 * (flexible.shape[0] + num_gpus)):
@@ -188,25 +189,24 @@ def _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, al
         best, src, dst, moved = most, -1, -1, 0
         for f in range(flexible.shape[0]):
             e = flexible[f]
-            for i in range(start[e], start[e + 1]):
-                r = members[i]
-                if gpu[r] != top or counts[r] == 0:
+            r = at[e, top]
+            if r < 0 or counts[r] == 0:
+                continue
+            have = counts[r]
+            for j in range(start[e], start[e + 1]):
+                q = members[j]
+                if q == r:
                     continue
-                have = counts[r]
-                for j in range(start[e], start[e + 1]):
-                    q = members[j]
-                    if q == r:
-                        continue
-                    extra = call if counts[q] == 0 else 0.0
-                    after = max(most - call - alpha * have, work[gpu[q]] + extra + alpha * have)  # all of it
-                    part = have
-                    even = int(np.floor((most - work[gpu[q]] - extra) / (2.0 * alpha) + 1e-6)) if alpha > 0 else 0  # rounding
-                    if have > knee and 0 < even < have:  # a split, only of tokens past the knee
-                        split = max(most - alpha * even, work[gpu[q]] + extra + alpha * even)
-                        if split < after:
-                            after, part = split, even
-                    if after < best - EPSILON_S:
-                        best, src, dst, moved = after, r, q, part
+                extra = call if counts[q] == 0 else 0.0
+                after = max(most - call - alpha * have, work[gpu[q]] + extra + alpha * have)  # all of it
+                part = have
+                even = int(np.floor((most - work[gpu[q]] - extra) / (2.0 * alpha) + 1e-6)) if alpha > 0 else 0  # rounding
+                if have > knee and 0 < even < have:  # a split, only of tokens past the knee
+                    split = max(most - alpha * even, work[gpu[q]] + extra + alpha * even)
+                    if split < after:
+                        after, part = split, even
+                if after < best - EPSILON_S:
+                    best, src, dst, moved = after, r, q, part
         if src < 0:
             return
         work[gpu[src]] -= alpha * moved + (call if moved == counts[src] else 0.0)

@@ -19,7 +19,10 @@ A profile's fields (seconds, bytes), for H hidden, F expert FFN, b bytes per wei
   4. load_s.host    = B / (PCIe bw * pcie) + launch_s          host memory tier -> device (three tensor copies,
                                                                launched as a call's kernels are)
   5. load_s.disk    = B / disk_bw + B / hash_bw + B / host_copy_bw + load_s.host
-                      the expert host's path: read, sha256, parse into host memory, copy to the device
+                      the expert host's path: read, sha256, parse into host memory, copy to the device;
+     load_s.peer    = B / (peer copy bw(count) * link) + launch_s: copied from a GPU that holds the
+                      expert (NVLink inside a node of 8, the 400 Gb/s network between nodes, PCIe
+                      without NVLink: hardware/gpus.py)
   6. expert_bytes = B, non_expert_bytes = the geometry's non-expert parameters * b
   7. relevel_s      = relevel_fixed_s + relevel_per_expert_s * E: the serving replica's re-level of a
                       layer on its CPU (not a GPU quantity; measured on this project's CPU), and
@@ -138,10 +141,11 @@ def roofline_profile(geometry: Geometry, gpu: GpuSpec, count: int = 1, eff: Effi
     beta = 0.0 if count == 1 else h * b / (gpu.all_to_all_bw(count) * e.link)  # 3.
     host = expert / (gpu.pcie_bw * e.pcie) + e.launch_s  # 4.
     disk = expert / e.disk_bw + expert / e.hash_bw + expert / e.host_copy_bw + host  # 5.
+    peer = expert / (gpu.peer_copy_bw(count) * e.link) + e.launch_s
     note = source or (f"roofline estimate (not measured): {geometry.name} ({geometry.dtype}) on {count} x {gpu.name}, "
                       f"datasheet peaks x efficiency {_short(e)}")
     relevel = e.relevel_fixed_s + e.relevel_per_expert_s * geometry.num_experts  # 7.
-    return CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
+    return CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host, "peer": peer},
                        expert_bytes=expert, non_expert_bytes=geometry.non_expert_bytes, relevel_s=relevel, source=note,
                        relevel_check_s=e.relevel_check_s)
 

@@ -61,7 +61,8 @@ SAMPLES = 16  # a sample planner's batches at cadence "iteration": the phase's l
 @dataclass(frozen=True)
 class TwinSettings:
     """keep_alive_s: seconds an unused replica stays resident; distance: d, layers a forecast (and
-    so a load) starts ahead; tier: where cold loads come from ("host" memory or "disk"); cadence:
+    so a load) starts ahead; tier: where cold loads come from ("host" memory, "disk", or "peer": a
+    GPU that holds the expert, where the profile prices it); cadence:
     "iteration" or "loop" (module docstring); period_s, window_s: the loop's seconds between passes
     and the reports a pass merges (controller/planning/settings.LoopSettings' defaults)."""
 
@@ -75,8 +76,8 @@ class TwinSettings:
     def __post_init__(self) -> None:
         if self.keep_alive_s < 0 or self.distance < 0:
             raise ValueError(f"keep_alive_s and distance must be >= 0, got {self.keep_alive_s}, {self.distance}")
-        if self.tier not in ("host", "disk"):
-            raise ValueError(f"tier must be 'host' or 'disk', got {self.tier!r}")
+        if self.tier not in ("host", "disk", "peer"):
+            raise ValueError(f"tier must be 'host', 'disk' or 'peer', got {self.tier!r}")
         if self.cadence not in CADENCES:
             raise ValueError(f"cadence must be one of {CADENCES}, got {self.cadence!r}")
         if self.period_s <= 0 or self.window_s <= 0:

@@ -203,6 +203,15 @@ def test_window_merges_with_time_weights_and_forgets():
     assert window.merged(10.0, "actual") is None and window.iteration_s(10.0, default=0.05) == 0.05
 
 
+def test_window_gives_its_reports_as_samples_for_a_planner_on_samples():
+    window = ReportWindow(window_s=2.0)
+    window.add(report(0.0, duration=0.3, load=[[4, 0, 0, 0], [0, 0, 0, 4]]))
+    window.add(report(1.0, duration=0.1, load=[[0, 4, 0, 0], [0, 0, 0, 4]]))
+    samples = window.samples(1.5, "actual", "prefill")
+    assert samples.shape == (2, 2, 4) and samples[:, 0].tolist() == [[4, 0, 0, 0], [0, 4, 0, 0]]
+    assert window.samples(1.5, "actual", "decode") is None and window.samples(2.5, "actual").shape[0] == 1
+
+
 def test_stats_sum_per_phase_and_keep_the_last_layer_figures():
     stats = LiveStats(L)
     stats.add(report(0.0, "prefill", wall=3e-4))

@@ -146,3 +146,18 @@ def test_cuda_device_names_to_datasheets():
              "NVIDIA L40S": "L40S", "NVIDIA H200": "H200"}
     assert {n: gpu_from_device_name(n).name for n in names} == names
     assert gpu_from_device_name("NVIDIA L40") is None and gpu_from_device_name("Tesla V100-SXM2-16GB") is None
+
+
+def test_links_between_nodes_and_peer_copies():
+    """Past one node of 8 (NVSwitch inside, 400 Gb/s per GPU between nodes), an all-to-all's
+    off-node share goes over the network; a copy from a peer GPU uses NVLink inside a node."""
+    from moeless.hardware.gpus import NETWORK_BW, gpu_spec
+
+    h100, a6000 = gpu_spec("H100"), gpu_spec("A6000")
+    assert h100.all_to_all_bw(8) == h100.link_bw  # one node: NVLink only
+    # 64 GPUs: 7 of 63 peers in the node, 56 over the network: the network sets the time
+    assert h100.all_to_all_bw(64) == pytest.approx(NETWORK_BW * 63 / 56)
+    assert h100.peer_copy_bw(8) == h100.link_bw and h100.peer_copy_bw(16) == NETWORK_BW
+    assert a6000.peer_copy_bw(8) == a6000.pcie_bw and gpu_spec("L40S").peer_copy_bw(4) == gpu_spec("L40S").pcie_bw
+    p = roofline_profile(load_geometry("deepseek-v2-lite"), h100, 8)
+    assert p.load_s["peer"] < p.load_s["host"]  # 17 MB: ~55 us over NVLink against ~340 us from host memory
