@@ -68,8 +68,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                    help="models: a known geometry (mixtral-8x7b, phi-3.5-moe, llama-4-scout, ...) or an HF config.json; "
                         "replays chunked-prefill batches of GPU size priced by the GPUs' roofline (or --profile)")
     d.add_argument("--gpu", nargs="+", metavar="NAME[xCOUNT]", help="GPUs, e.g. H100x8 A6000x8 (default H100x8)")
-    d.add_argument("--routing", metavar="FILE|moefied", default=None,
-                   help="per-token routing: a file of `moeless trace import|record`, or 'moefied' (default: the default "
+    d.add_argument("--routing", metavar="FILE|NAME|moefied", default=None,
+                   help="per-token routing: a file of `moeless trace import|record`, a shipped log's name (`moeless trace "
+                        "list`: flame-moe-290m, E=64, k=6, fits deepseek-v2-lite), or 'moefied' (default: the default "
                         "model rebuilt at each geometry's E and k, labelled 'moefied SmolLM2 routing')")
     d.add_argument("--max-batched-tokens", type=int, default=None, help="the scheduler's token budget per iteration (default 8192)")
     d.add_argument("--max-seqs", type=int, default=None, help="the scheduler's running requests at most (default 256)")

@@ -85,6 +85,19 @@ def _pct(x) -> str:
     return "–" if x is None else f"{100 * (x - 1):+.0f}%"
 
 
+def _routing_caveats(cells: list[dict]) -> str:
+    """What the kinds of routing in the run are not: a reader must not take a stand-in, or another
+    model's log, for the geometry's own routing."""
+    notes = []
+    if any(c["routing"].startswith("moefied") for c in cells):
+        notes.append(" Moefied routing is a stand-in for the real model's, never the real model's.")
+    if any(c["routing"].startswith("recorded") for c in cells):
+        notes.append(" Recorded routing is replayed as logged, each workload request on a logged request in turn; "
+                     "where a log has no decode tokens, a request's decode step s replays its logged request's token "
+                     "s (mod its length; docs/deployments.md, \"Routing logs\").")
+    return "".join(notes)
+
+
 def _markdown(run: dict, table: list[dict], accept: list[dict]) -> str:
     cells = run["cells"]
     s = run["sizes"]
@@ -99,8 +112,7 @@ def _markdown(run: dict, table: list[dict], accept: list[dict]) -> str:
            "running any prompt tokens is `prefill` (chunked prefill mixes decodes in), else `decode`.",
            "- Cost profiles: " + "; ".join(sorted({c["profile"]["source"] for c in cells})) + ".",
            "- Routing: " + "; ".join(sorted({f"{c['routing']} ({c['routing_layers']} layers tiled to {c['model']}'s "
-                                              f"{c['layers']})" for c in cells})) + ". Moefied routing is a stand-in for the "
-           "real model's, never the real model's.",
+                                              f"{c['layers']})" for c in cells})) + "." + _routing_caveats(cells),
            "- Workloads: " + "; ".join(sorted({f"`{c['workload']}`: {c['arrivals']}; {c['lengths']}" for c in cells})) + ".",
            "- Prefetch: the forecasts a trace allows exist before an iteration starts, so every planner's cold loads "
            "for an iteration start with its first layer (distance L - 1).",

@@ -21,7 +21,7 @@ from moeless.evaluation.lengths import dataset_lengths
 from moeless.evaluation.workload import Sizes, WorkloadSpec, read_arrivals
 from moeless.hardware.gpus import parse_gpu_arg
 from moeless.traces.recording import moefied_routing
-from moeless.traces.routing_file import load_routing
+from moeless.traces.shipped import load_named_routing
 from moeless.twin.geometry import load_geometry
 from moeless.twin.roofline import resolve_profile
 
@@ -31,8 +31,8 @@ RUN_FILE = "run.json"
 
 @dataclass(frozen=True)
 class DeploymentConfig:
-    """geometries (names or config.json paths), gpus (NAME[xCOUNT]), workloads, routing ("moefied"
-    or a routing file), sizes, knobs, profile (a real cost profile: replaces every roofline)."""
+    """geometries (names or config.json paths), gpus (NAME[xCOUNT]), workloads, routing ("moefied",
+    a shipped log's name or a routing file), sizes, knobs, profile (a real cost profile: replaces every roofline)."""
 
     geometries: tuple[str, ...]
     gpus: tuple[str, ...]
@@ -60,9 +60,10 @@ class DeploymentConfig:
 
 
 def _routing_for(config: DeploymentConfig, geometry, prompts: str, progress: bool):
-    """(Routing, its label): the routing file (checked against the geometry's E and k) or moefied."""
+    """(Routing, its label): a shipped log by name or a routing file (checked against the geometry's E
+    and k), or moefied."""
     if config.routing != "moefied":
-        routing = load_routing(config.routing)
+        routing = load_named_routing(config.routing)
         if (routing.num_experts, routing.top_k) != (geometry.num_experts, geometry.top_k):
             raise DeploymentError(f"--routing {config.routing}: E={routing.num_experts}, k={routing.top_k}, but {geometry.name} "
                                   f"has E={geometry.num_experts}, k={geometry.top_k}; record its routing or use --routing moefied")

@@ -35,6 +35,7 @@ def test_a_quick_deployment_run_writes_the_report(inputs, tmp_path):
     for says in ("Execution model: serial", "billing: resident", "roofline estimate (not measured)", "recorded routing from log.jsonl",
                  "static EP (Megatron-LM)", "moeless, perfect forecast", "bound", "never slower", "(run/gain-by-batch-tokens.png)"):
         assert says in md, says
+    assert "decode step s replays its logged request's token s" in md and "Moefied routing is a stand-in" not in md
     report = json.loads((out / "report.json").read_text())
     assert {r["case"] for r in report["rows"]} >= {"static", "eplb-window", "paper", "moeless-history", "moeless-perfect"}
     assert all(r["mean_ms"] >= r["bound_ms"] - 1e-9 for r in report["rows"])  # the bound holds in the report too

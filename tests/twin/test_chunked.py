@@ -1,4 +1,5 @@
-"""The chunked-prefill scheduler: a golden example by hand, loads from routing, load scaling."""
+"""The chunked-prefill scheduler: a golden example by hand, loads from routing, load scaling, decode
+formed from a prompt-only log."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def test_loads_from_routing_and_scaling():
     # 11 arrivals over 10 s at 100 tokens each: 110 tokens/s offered; capacity 1000 / 0.1 = 10,000 tokens/s.
     scaled = scale_to_load(np.linspace(0, 10, 11), np.full(11, 60), np.full(11, 40), 0.5, 1000, 0.1)
     assert scaled[-1] == pytest.approx(10 * 100 / 5000) and scaled[0] == 0
+
+
+def test_decode_from_a_prompt_only_log_replays_the_prompts_routing():
+    # docs/deployments.md, "Routing logs": a log without decode tokens (FLAME's) makes a request's decode
+    # step s replay its routing request's token s mod T, from the start of the prompt's routing.
+    topk = np.array([0, 1, 2, 3, 0, 1]).reshape(6, 1, 1)  # routing requests of 4 and 2 tokens, all prompt
+    counts = split_counts(Routing(topk, np.array([4, 2]), np.array([4, 2]), 4, "test"))
+    prompts = np.array([3, 3, 5])  # workload request 2 replays routing request 0 again (2 mod 2)
+    steps = [Step(0.0, "decode", ((0, 3 + s, 1),)) for s in range(5)] + [Step(0.0, "decode", ((1, 3, 1), (2, 5, 1)))]
+    loads = [it.load[0].tolist() for it in step_loads(steps, prompts, counts)]
+    assert loads[:5] == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0]]  # tokens 0, 1, 2, 3, 0
+    # Step 0 of request 1 replays routing request 1's token 0 (expert 0), step 0 of request 2 routing request 0's
+    # token 0 (expert 0): requests that share a routing request and a step route alike in one batch.
+    assert loads[5] == [2, 0, 0, 0]

@@ -3,6 +3,7 @@ checkpoint, and token ranges turned into loads."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
@@ -47,12 +48,40 @@ def test_import_good_log(tmp_path):
     (lambda rs: rs.__setitem__(0, {**rs[0], "token_idx": "x"}), None, "line 1: field 'token_idx' must be an integer"),
     (lambda rs: rs.__setitem__(1, {**rs[1], "layer": 0}), None, "line 2: field 'layer': request r0 token 0 has layer 0 twice (first at line 1)"),
     (lambda rs: rs.clear(), None, "empty file"),
+    (lambda rs: rs.__setitem__(3, {**rs[3], "topk_ids": [0, 1.5]}), None, "line 4: field 'topk_ids' must be an integer, got 1.5"),
+    (lambda rs: rs[2].pop("topk_ids"), None, "line 3: no experts field; expected one of topk_ids"),
+    (lambda rs: rs.__setitem__(1, {**rs[1], "topk_weights": ["a", 0.4]}), None, "line 2: field 'topk_weights' must hold finite numbers"),
+    (lambda rs: rs[4].pop("topk_weights"), None, "line 5: field 'topk_weights' must be a list of 2 gate weights"),
+    (lambda rs: rs.__setitem__(0, {**rs[0], "phase": "generate"}), None, "line 1: field 'phase' must be \"prefill\" or \"decode\""),
+    (lambda rs: rs.__setitem__(1, {**rs[1], "phase": "decode"}), None, "line 2: field 'phase': request r0 token 0 is decode here, not at line 1"),
+    (lambda rs: [r.__setitem__("phase", "decode") for r in rs[:2]], None,
+     "line 3: field 'phase': request r0 token 1 is prefill after decode token 0"),
 ])
 def test_import_bad_log_names_the_line_and_field(tmp_path, mutate, experts, message):
     records = good_records()
     mutate(records)
     with pytest.raises(RoutingError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         import_routing(write(tmp_path / "bad.jsonl", records), experts)
+
+
+def test_gzipped_logs_and_bad_gzip(tmp_path, capsys):
+    plain = write(tmp_path / "a.jsonl", good_records())
+    data = open(plain, "rb").read()
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(data))
+    (tmp_path / "unnamed.jsonl").write_bytes(gzip.compress(data))  # gzip's bytes without .gz: read as gzip too
+    for path in (tmp_path / "a.jsonl.gz", tmp_path / "unnamed.jsonl"):
+        assert np.array_equal(import_routing(path).topk, import_routing(plain).topk)
+    (tmp_path / "plain.jsonl.gz").write_bytes(data)  # a .gz that is not gzip
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(data)[:-12])  # a truncated one
+    for name in ("plain.jsonl.gz", "cut.jsonl.gz"):
+        with pytest.raises(RoutingError, match=f"{name}: not a gzip file, or a truncated one"):
+            import_routing(tmp_path / name)
+    (tmp_path / "latin.jsonl").write_bytes(data.split(b"\n")[0] + b"\n\xff\xfe\n")
+    with pytest.raises(RoutingError, match=r"latin.jsonl:line 2: not UTF-8 text"):
+        import_routing(tmp_path / "latin.jsonl")
+    assert main(["trace", "import", str(tmp_path / "plain.jsonl.gz"), "--out", str(tmp_path / "o.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "plain.jsonl.gz: not a gzip file" in err and "Traceback" not in err
 
 
 def test_import_cli_errors_are_one_line(tmp_path, capsys):
