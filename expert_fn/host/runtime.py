@@ -7,6 +7,12 @@ that needs a replica still loading waits for it (a cold start), and a load alrea
 never started twice. Per layer the meters count the cold-start time a prefetch hid and the time
 invocations waited. A sweeper thread evicts replicas idle for longer than keep_alive_s.
 
+Several models (model_stores.ModelStores) whose experts are the same bytes share one replica: every
+key given to load / evict / invoke is mapped to its canonical replica first (`self.models.canonical`),
+so everything below works per content key; the meters bill a shared replica's GB·s to the models
+that use it (meters.py), and an Evict from one model leaves a replica another model used within
+the keep-alive resident (it still needs it).
+
 The compute dtype is float32 by default: every model's outputs then equal the float32 reference
 (model/moe_model.py) bit for bit. compute_dtype="store" computes in the store's own dtype instead
 (a bfloat16 model's experts hold half the memory, and a GPU runs them on its bfloat16 tensor
@@ -62,15 +68,15 @@ class ExpertHostRuntime:
     ) -> None:
         self.store = store
         self.dtype = compute_dtype_of(store, compute_dtype)  # options.COMPUTE_DTYPES
-        self.models = as_model_stores(store)  # which model each host layer belongs to (meters per model)
+        self.models = as_model_stores(store)  # each host layer's model; each key's canonical replica
         self.device = device
-        self.tier = HostTier(store, tier, pin=device.startswith("cuda") and torch.cuda.is_available())
+        self.tier = HostTier(self.models, tier, pin=device.startswith("cuda") and torch.cuda.is_available())
         self._copier = DeviceCopier(device, self.dtype)
         self.keep_alive_s = keep_alive_s
         self.health = "starting"  # "serving" once the server listens, "draining" on SIGTERM
         self._forward = forward_for(device, exact=self.dtype == torch.float32)  # float32: the reference's bits
         self._lock = threading.Lock()
-        self.meters = Meters(clock)
+        self.meters = Meters(clock, keep_alive_s)
         self.table = ReplicaTable(capacity_bytes, keep_alive_s, clock, self.meters, shares)
         self._weights: dict[Key, Weights] = {}
         self._loads: dict[Key, Future] = {}
@@ -90,9 +96,9 @@ class ExpertHostRuntime:
 
         wait=True blocks until resident and raises ReplicaLoadError if the load fails.
         """
-        key = self._check_key(layer, expert)
+        key, model = self._check_key(layer, expert), self.models.index_of(layer)
         with self._lock:
-            future, started = self._start_load(key)
+            future, started = self._start_load(key, model)
             if started:
                 self._ahead.add(key)
         if wait and future is not None:
@@ -101,9 +107,12 @@ class ExpertHostRuntime:
             return self.table.state(key), started
 
     def evict(self, layer: int, expert: int) -> tuple[bool, ReplicaState]:
-        """Evict now if idle; returns (evicted, state afterwards)."""
-        key = self._check_key(layer, expert)
+        """Evict now if idle and no other model used it within the keep-alive (a shared replica it
+        still needs stays); returns (evicted, state afterwards)."""
+        key, model = self._check_key(layer, expert), self.models.index_of(layer)
         with self._lock:
+            if set(self.meters.needed_by(key)) - {model}:
+                return False, self.table.state(key)
             evicted = self.table.evict(key)
             if evicted:
                 self._dropped([key])
@@ -127,7 +136,8 @@ class ExpertHostRuntime:
         out_device = self.device if on_device else "cpu"
         empty = {e: torch.zeros(x.shape, dtype=self.dtype, device=out_device) for e, x in batches.items() if x.shape[0] == 0}
         batches = {e: x for e, x in batches.items() if x.shape[0] > 0}  # no tokens: no load, no compute
-        keys = [(layer, e) for e in batches]
+        keys = [self.models.canonical(layer, e) for e in batches]  # shared experts: one replica per content key
+        model = self.models.index_of(layer)
         pinned: list[Key] = []
         with self._lock:
             self._inflight += 1
@@ -141,7 +151,7 @@ class ExpertHostRuntime:
         compute_s: float | None = None  # set once the call has computed
         try:
             if not pinned:
-                cold, weights = self._pin_all(layer, keys, pinned)
+                cold, weights = self._pin_all(layer, keys, pinned, model)
             # 3. Compute outside the lock.
             for (expert, x), w in zip(batches.items(), weights):
                 if x.shape[1] != w["gate"].shape[1]:
@@ -157,27 +167,27 @@ class ExpertHostRuntime:
             compute_s = clock() - started
         finally:
             with self._lock:
+                if compute_s is not None:  # before the release: a use of the replica while it is held
+                    self.meters.invoked(_token_counts(keys, batches.values()), model)
                 for key in pinned:
                     self._dropped(self.table.release(key))
                 self._inflight -= 1
-                if compute_s is not None:
-                    self.meters.invoked(layer, {e: int(x.shape[0]) for e, x in batches.items()})
         return InvokeResult(result, len(cold), compute_s)
 
-    def _pin_all(self, layer: int, keys: list[Key], pinned: list[Key]) -> tuple[list[Key], list[dict]]:
-        """Start every missing load at once, then pin each replica (waiting for its load), adding
-        each to `pinned` as it is; count the cold starts -> (the keys that were cold, their weights)."""
+    def _pin_all(self, layer: int, keys: list[Key], pinned: list[Key], model: int) -> tuple[list[Key], list[dict]]:
+        """Start every missing load at once (for `model`), then pin each replica (waiting for its load),
+        adding each to `pinned` as it is; count the cold starts -> (the keys that were cold, their weights)."""
         # 1. Start the loads, then pin.
         with self._lock:
             cold = [key for key in keys if self.table.state(key) not in RESIDENT]
-            loading = {key: self._start_load(key)[0] for key in cold}
+            loading = {key: self._start_load(key, model)[0] for key in cold}
             for key in cold:
-                self.meters.cold_start(key)
+                self.meters.cold_start(key, model)
             ahead = self._ahead.intersection(keys)
             self._ahead.difference_update(keys)
         waited: dict[Key, float] = {}
         for key in keys:
-            waited[key] = self._pin(key, loading.get(key))
+            waited[key] = self._pin(key, loading.get(key), model)
             pinned.append(key)
         # 2. Cold-start meters: what prefetching hid, what this call waited for.
         with self._lock:
@@ -192,6 +202,7 @@ class ExpertHostRuntime:
             raise BadRequest(f"keep_alive_s must be >= 0, got {keep_alive_s}")
         with self._lock:
             self.keep_alive_s = self.table.keep_alive_s = keep_alive_s
+            self.meters.set_keep_alive(keep_alive_s)
         log.info("keep-alive now %g s", keep_alive_s)
         return keep_alive_s
 
@@ -201,8 +212,12 @@ class ExpertHostRuntime:
         return self._inflight
 
     def status(self) -> dict:
-        """Host facts, every replica seen (state, bytes, GB·s, counts), the host's totals, the
-        cold-start meters ("cold": per layer hidden / exposed seconds) and the host tier's counters."""
+        """Host facts, every replica seen (state, bytes, GB·s, counts; with several models the models
+        it serves, its content key and the other host keys it computes, "aliases"), the host's totals,
+        each model's part (meters.by_model: GB·s split, own and shared replicas), the cold-start meters
+        ("cold": per layer hidden / exposed seconds) and the host tier's counters."""
+        models = self.models
+        aliases = models.aliases()
         with self._lock:
             now = self.meters.clock()  # one reading: the models' GB·s add up to the host's
             replicas = []
@@ -213,13 +228,15 @@ class ExpertHostRuntime:
                     "gb_s": self.meters.gb_s((layer, expert), now), "invocations": m.invocations,
                     "tokens": m.tokens, "last_load_s": m.last_load_s, "error": r.error, "loads": m.loads,
                     "cold_starts": m.cold_starts, "evictions": m.evictions,
+                    "models": [models.names[i] for i in models.users((layer, expert))],
+                    "aliases": aliases.get((layer, expert), []),
                 })
             return {
                 "device": self.device, "memory_bytes": self.table.capacity_bytes,
                 "keep_alive_s": self.keep_alive_s, "health": self.health, "inflight": self._inflight,
-                "replicas": replicas, "meters": self.meters.totals(now).as_dict(),
+                "replicas": replicas, "meters": self.meters.totals(now, models.users).as_dict(),
                 "models": {name: asdict(t) for name, t in
-                           self.meters.by_model(lambda layer: self.models.model_of(layer).name, now).items()},
+                           self.meters.by_model(models.names, models.index_of, models.users, now).items()},
                 "cold": self.meters.cold.as_dict(), "host_tier": self.tier.stats(),
             }
 
@@ -231,13 +248,13 @@ class ExpertHostRuntime:
 
     # --- internals --------------------------------------------------------------------------
 
-    def _start_load(self, key: Key) -> tuple[Future | None, bool]:
-        """Under the lock: the future of key's running load, starting one if it is not resident."""
+    def _start_load(self, key: Key, model: int) -> tuple[Future | None, bool]:
+        """Under the lock: the future of key's running load, starting one (for `model`) if it is not resident."""
         if key in self._loads:
             return self._loads[key], False
         if not self.table.needs_load(key):
             return None, False
-        self._dropped(self.table.begin_load(key, self._resident_bytes(key)))
+        self._dropped(self.table.begin_load(key, self._resident_bytes(key), model))
         future = self._pool.submit(self._load_weights, key)
         self._loads[key] = future
         return future, True
@@ -269,7 +286,7 @@ class ExpertHostRuntime:
             log.warning("replica (layer %d, expert %d) failed to load: %s", key[0], key[1], error)
             raise ReplicaLoadError(f"layer {key[0]} expert {key[1]} failed to load: {error}")
 
-    def _pin(self, key: Key, load: Future | None) -> float:
+    def _pin(self, key: Key, load: Future | None, model: int) -> float:
         """Acquire key for an invocation, waiting for `load` (its running load, which raises if it
         failed: a failed load is not retried here) and again if it was evicted meanwhile; returns
         the seconds waited (on the injected clock)."""
@@ -281,7 +298,7 @@ class ExpertHostRuntime:
                 if self.table.state(key) in RESIDENT:
                     self.table.acquire(key)
                     return self.meters.clock() - started
-                future, _ = self._start_load(key)
+                future, _ = self._start_load(key, model)
             future.result()
 
     def _dropped(self, keys: list[Key]) -> None:
@@ -297,18 +314,27 @@ class ExpertHostRuntime:
         return self.store.expert_bytes(*key) * self.dtype.itemsize // stored_dtype(self.store).itemsize
 
     def _check_key(self, layer: int, expert: int) -> Key:
+        """The canonical replica of host key (layer, expert); BadRequest for a key no store has."""
         if not self.store.has(layer, expert):
             raise BadRequest(
                 f"no expert (layer {layer}, expert {expert}): the store has "
                 f"{self.store.num_layers} layers x {self.store.num_experts} experts"
             )
-        return layer, expert
+        return self.models.canonical(layer, expert)
 
     def _sweep(self) -> None:
         period = min(max(self.keep_alive_s / 4, 0.05), 1.0)
         while not self._stop.wait(period):
             with self._lock:
                 self._dropped(self.table.expire())
+
+
+def _token_counts(keys: list[Key], xs) -> dict[Key, int]:
+    """Tokens per replica of one call (two experts of a call may be one replica)."""
+    counts: dict[Key, int] = {}
+    for key, x in zip(keys, xs):
+        counts[key] = counts.get(key, 0) + int(x.shape[0])
+    return counts
 
 
 def _compute_clock(device: str) -> Callable[[], float]:

@@ -94,7 +94,9 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
         return pb.StatusReply(
             device=s["device"], memory_bytes=s["memory_bytes"], keep_alive_s=s["keep_alive_s"],
             health=s["health"], inflight=s["inflight"],
-            replicas=[pb.ReplicaStatus(**r) for r in s["replicas"]],
+            replicas=[pb.ReplicaStatus(**{k: v for k, v in r.items() if k != "aliases"},
+                                       alias_layers=[a[0] for a in r["aliases"]], alias_experts=[a[1] for a in r["aliases"]])
+                      for r in s["replicas"]],
             meters=pb.HostMeters(**s["meters"]),
             models={name: pb.HostMeters(**part) for name, part in s["models"].items()},
         )

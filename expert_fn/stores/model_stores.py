@@ -13,6 +13,21 @@ serving one store is the case first_0 = 0.
 
 All stores must use one activation and one weight dtype (the runtime computes each call with its
 store's activation); opening others is an error that names them.
+
+Experts addressed by content: every (host layer, expert) whose content key (model/content_keys.py)
+another one has too maps to ONE canonical replica, the first in host-layer order (the base's, when
+the base is listed before its fine-tunes). The runtime canonicalises every key it is given
+(`canonical`), so the replica table, the host tier, cold starts, keep-alive, eviction and the
+meters work per content key, whichever models use it: a base and fine-tunes that changed 15% of
+its experts hold 1.15x the base's replicas, not 2x. Why here and not in the clients: the wire
+stays as it is (a client still sends its model's own layers), the host alone knows which of its
+models share which bytes, and it bills each model for its use (meters.py's split). `users(key)`
+says which models a canonical replica serves: the guaranteed shares protect a shared replica for
+each of them (shares.py).
+
+    stores = ModelStores.open([("base", "/models/base"), ("code", "/models/code")])   # code over base
+    stores.canonical(32 + 3, 5)   # (3, 5): code's layer 3 expert 5 is the base's bytes
+    stores.users((3, 5))          # (0, 1): both models use it
 """
 
 from __future__ import annotations
@@ -24,7 +39,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from moeless.expert_fn.host.shares import Shares
+from moeless.expert_fn.host.shares import Key, Shares
 from moeless.model.weight_store import WeightStore, WeightStoreError
 
 
@@ -58,6 +73,17 @@ class ModelStores:
             self._ranges.append(ModelRange(name, first, store.num_layers, store.num_experts))
             first += store.num_layers
         self._firsts = [r.first_layer for r in self._ranges]
+        self._canonical: dict[Key, Key] = {}  # host key -> its canonical replica, where they differ
+        self._users: dict[Key, tuple[int, ...]] = {}  # canonical key -> the models using it, where several
+        seen: dict[str, Key] = {}
+        for i, (r, store) in enumerate(zip(self._ranges, self.stores)):
+            for layer, expert in store.keys():
+                host_key, content = (r.first_layer + layer, expert), store.key(layer, expert)
+                canonical = seen.setdefault(content, host_key)
+                if canonical != host_key:
+                    self._canonical[host_key] = canonical
+                    users = self._users.get(canonical, (self._which(canonical[0]),))
+                    self._users[canonical] = users if i in users else (*users, i)
         first = self.stores[0]
         self.root: Path = first.root
         self.index = {"dtype": first.index.get("dtype") or "float32"}  # what the runtime reads of an index
@@ -87,12 +113,40 @@ class ModelStores:
             return False
         return 0 <= expert < self._ranges[self._which(layer)].experts
 
-    def keys(self) -> Iterator[tuple[int, int]]:
-        """Every (host layer, expert) of every model."""
+    def keys(self) -> Iterator[Key]:
+        """Every distinct expert once: the canonical (host layer, expert) of each content key."""
         for r in self._ranges:
             for layer in range(r.first_layer, r.first_layer + r.layers):
                 for expert in range(r.experts):
-                    yield layer, expert
+                    if (layer, expert) not in self._canonical:
+                        yield layer, expert
+
+    def canonical(self, layer: int, expert: int) -> Key:
+        """The replica that computes host key (layer, expert): itself, or the first with its content key."""
+        return self._canonical.get((layer, expert), (layer, expert))
+
+    def users(self, key: Key) -> tuple[int, ...]:
+        """The models (indices, in --store order) whose experts canonical replica `key` is."""
+        return self._users.get(key) or (self._which(key[0]),)
+
+    def shared(self) -> dict[Key, tuple[int, ...]]:
+        """Every canonical replica that several models use, with their indices."""
+        return {key: users for key, users in self._users.items() if len(users) > 1}
+
+    def aliases(self) -> dict[Key, list[Key]]:
+        """Canonical replica -> the other host keys it computes (each model's own layer numbers)."""
+        out: dict[Key, list[Key]] = {}
+        for key, canonical in self._canonical.items():
+            out.setdefault(canonical, []).append(key)
+        return out
+
+    def index_of(self, layer: int) -> int:
+        """The index (in --store order) of the model whose layers include host layer `layer`."""
+        return self._which(layer)
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self._ranges]
 
     def expert_bytes(self, layer: int, expert: int) -> int:
         store, local = self._local(layer)
@@ -117,7 +171,7 @@ class ModelStores:
             if sum(gb) > capacity_bytes:
                 raise WeightStoreError(f"{flag} up to {sum(gb) / 1e9:.3f} GB, more than the host's "
                                        f"{capacity_bytes / 1e9:.3f} GB of replica memory; lower them or give the host more")
-        return Shares(tuple(self._firsts), guaranteed, active_s, warm)
+        return Shares(tuple(self._firsts), guaranteed, active_s, warm, self.shared())
 
     def model_of(self, layer: int) -> ModelRange:
         """The model whose layers include host layer `layer`."""
