@@ -1,0 +1,130 @@
+"""A base and its fine-tunes on the same expert-host processes, their unchanged experts held once
+(one replica per content key): each model's forward through the shared hosts equals the merged
+model alone in-process, bit for bit, also while both models call at once; a host holding shared
+replicas killed mid-call: both models fail over and stay exact."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from moeless.expert_fn.client.client import ExpertHostClient
+from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.model.moe_model import MoEModel
+from moeless.model.tiny import tiny_model
+from moeless.model.weight_store import export_experts
+from moeless.placement.types import Placement
+from moeless.serving.executor import RemoteExecutor
+from moeless.serving.placement_source import PlacementSource
+
+CHANGED = {"code": [(0, 1), (1, 3)], "chat": [(1, 0)]}
+
+
+def _tuned(base: MoEModel, experts, seed: int) -> MoEModel:
+    tuned = MoEModel(copy.deepcopy(base.hf), tokenizer=base.tokenizer)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer, expert in experts:
+            for t in tuned.expert_weights(layer, expert).values():
+                t.add_(0.05 * torch.randn(t.shape, generator=g))
+    return tuned
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """{name: model} and [(name, store)]: a tiny base and two fine-tunes, stores over the base's."""
+    base = tiny_model("mixtral", 0)
+    root = tmp_path_factory.mktemp("stores")
+    spec = base.spec
+    models = {"base": base, **{name: _tuned(base, experts, seed) for seed, (name, experts) in enumerate(CHANGED.items(), 1)}}
+    stores, base_store = [], None
+    for name, model in models.items():
+        store = export_experts(model.iter_experts(), root / name, model=name, num_layers=spec.num_layers,
+                               num_experts=spec.num_experts, act=spec.act, base=base_store)
+        base_store = base_store or store
+        stores.append((name, store.root))
+    return models, stores
+
+
+def _executor(addresses, name: str, model: MoEModel) -> RemoteExecutor:
+    clients = [ExpertHostClient(a, timeout_s=30, model=name) for a in addresses]
+    spec = model.spec
+    return RemoteExecutor(clients, PlacementSource(Placement.static(spec.num_layers, spec.num_experts, len(clients))))
+
+
+def _close(executors: dict[str, RemoteExecutor]) -> None:
+    for executor in executors.values():
+        for client in executor.pool.clients().values():
+            client.close()
+
+
+def _batches(seed: int, count: int, vocab: int = 128):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (2, 8), generator=g) for _ in range(count)]
+
+
+def _forwards(models, executors, batches, during=None) -> dict[str, list[str]]:
+    """Every model runs every batch through its executor, all models at once; `during(i)` runs on the
+    first model's thread after its i-th forward. Returns each model's mismatches (empty: all exact)."""
+    wrong: dict[str, list[str]] = {name: [] for name in models}
+
+    def run(name: str) -> None:
+        model = models[name]
+        for i, ids in enumerate(batches):
+            mask = torch.ones_like(ids)
+            try:
+                got = model.forward(ids, mask, executor=executors[name]).logits
+                if not torch.equal(got, model.forward(ids, mask).logits):
+                    wrong[name].append(f"batch {i}: logits differ")
+            except Exception as err:  # recorded: the test names the model and the batch
+                wrong[name].append(f"batch {i}: {type(err).__name__}: {err}")
+            if during is not None and name == next(iter(models)):
+                during(i)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return wrong
+
+
+def test_each_fine_tune_through_the_shared_hosts_equals_its_merged_model_alone(family):
+    models, stores = family
+    with launch_local_hosts(2, stores, keep_alive_s=60, metrics=False) as group:
+        executors = {name: _executor(group.addresses, name, model) for name, model in models.items()}
+        assert _forwards(models, executors, _batches(0, 3)) == {name: [] for name in models}
+        spec = models["base"].spec
+        changed = sum(len(v) for v in CHANGED.values())
+        held = 0
+        for address in group.addresses:
+            with ExpertHostClient(address) as host:
+                held += sum(1 for r in host.status()["replicas"] if r["bytes"])
+        # every expert routed, each distinct one held once: the base's plus the fine-tunes' own
+        assert held == spec.num_layers * spec.num_experts + changed
+        _close(executors)
+
+
+def test_a_host_holding_shared_replicas_killed_mid_call_both_models_fail_over_exactly(family):
+    models, stores = family
+    with launch_local_hosts(2, stores, keep_alive_s=60, metrics=False) as group:
+        executors = {name: _executor(group.addresses, name, model) for name, model in models.items()}
+        with ExpertHostClient(group.addresses[1]) as host:
+            assert _forwards(models, executors, _batches(1, 1)) == {name: [] for name in models}
+            assert any(len(r["models"]) == 3 for r in host.status()["replicas"])  # shared replicas there
+
+        def kill(i: int) -> None:
+            if i == 1:
+                time.sleep(0.01)  # the other models' forwards are in flight
+                group.kill(1)
+
+        assert _forwards(models, executors, _batches(2, 6), during=kill) == {name: [] for name in models}
+        for name, executor in executors.items():
+            assert executor.dead_hosts == {1}, name
+        assert sum(e.times.retries for e in executors.values()) >= 1
+        group.restart(1)
+        _close(executors)
