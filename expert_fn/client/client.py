@@ -244,6 +244,11 @@ class ExpertHostClient:
         """Set the host's keep-alive while it serves (every model's on a shared host); returns it."""
         return self._call(self._stub.Configure, pb.ConfigureRequest(keep_alive_s=keep_alive_s)).keep_alive_s
 
+    def add_model(self, name: str, store: str) -> list[dict]:
+        """Have the host serve the weight store at `store` (a path on the host) as model `name` from now
+        on, without a restart; returns the models it serves then. BadRequest says why it refused."""
+        return [_fields(m) for m in self._call(self._stub.AddModel, pb.AddModelRequest(name=name, store=store)).models]
+
     def models(self) -> list[dict]:
         """The models the host serves: name, first_layer, layers, experts (its offer)."""
         return [_fields(m) for m in self._offer().models]

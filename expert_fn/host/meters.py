@@ -22,7 +22,7 @@ itself is all exposed. Only the exposed part costs latency.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 Key = tuple[int, int]  # (layer, expert)
 GB = 1e9
@@ -186,11 +186,11 @@ class Meters:
     def evicted(self, key: Key) -> None:
         self._of(key).evictions += 1
 
-    def invoked(self, tokens: dict[Key, int], model: int = 0) -> None:
-        """One Invoke call of `model` with tokens[key] tokens per replica."""
+    def invoked(self, tokens: Iterable[tuple[Key, int]], model: int = 0) -> None:
+        """One Invoke call of `model`: (replica, its tokens) pairs (two experts of a call may be one replica)."""
         self.host_invocations += 1
         now = self.clock()
-        for key, n in tokens.items():
+        for key, n in tokens:
             m = self._of(key)
             m.invocations += 1
             m.tokens += n

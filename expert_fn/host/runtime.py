@@ -7,11 +7,9 @@ that needs a replica still loading waits for it (a cold start), and a load alrea
 never started twice. Per layer the meters count the cold-start time a prefetch hid and the time
 invocations waited. A sweeper thread evicts replicas idle for longer than keep_alive_s.
 
-Several models (model_stores.ModelStores) whose experts are the same bytes share one replica: every
-key given to load / evict / invoke is mapped to its canonical replica first (`self.models.canonical`),
-so everything below works per content key; the meters bill a shared replica's GB·s to the models
-that use it (meters.py), and an Evict from one model leaves a replica another model used within
-the keep-alive resident (it still needs it).
+Models whose experts are the same bytes share one replica: every key given to load / evict / invoke
+is mapped to its canonical replica first (model_stores.py), so all below works per content key; an
+Evict leaves a replica another model used within the keep-alive (meters.py bills it among them).
 
 The compute dtype is float32 by default: every model's outputs then equal the float32 reference
 (model/moe_model.py) bit for bit. compute_dtype="store" computes in the store's own dtype instead
@@ -39,7 +37,7 @@ from moeless.expert_fn.errors import BadRequest, ReplicaLoadError
 from moeless.expert_fn.host.executor import forward_for
 from moeless.expert_fn.host.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
 from moeless.expert_fn.host.meters import Meters
-from moeless.expert_fn.stores.model_stores import as_model_stores
+from moeless.expert_fn.stores.model_stores import ModelRange, as_model_stores
 from moeless.expert_fn.host.shares import Shares
 from moeless.expert_fn.stores.tiers import DeviceCopier, HostTier, TierConfig, compute_dtype_of
 from moeless.model.weight_store import WeightStore, WeightStoreError, stored_dtype
@@ -66,7 +64,6 @@ class ExpertHostRuntime:
         shares: Shares | None = None,
         compute_dtype: str = "float32",
     ) -> None:
-        self.store = store
         self.dtype = compute_dtype_of(store, compute_dtype)  # options.COMPUTE_DTYPES
         self.models = as_model_stores(store)  # each host layer's model; each key's canonical replica
         self.device = device
@@ -159,7 +156,7 @@ class ExpertHostRuntime:
             clock = _compute_clock(self.device)
             started = clock()
             xs = [x.to(self.device, self.dtype) for x in batches.values()]  # no copy where it is there already
-            outs = self._forward(weights, xs, self.store.act, out)
+            outs = self._forward(weights, xs, self.models.act, out)
             result = {e: y.to(out_device) for e, y in zip(batches, outs)}
             if on_device and self.device != "cpu":
                 torch.cuda.synchronize(self.device)  # compute_s counts the kernels, not their launch
@@ -168,7 +165,7 @@ class ExpertHostRuntime:
         finally:
             with self._lock:
                 if compute_s is not None:  # before the release: a use of the replica while it is held
-                    self.meters.invoked(_token_counts(keys, batches.values()), model)
+                    self.meters.invoked(zip(keys, (int(x.shape[0]) for x in batches.values())), model)
                 for key in pinned:
                     self._dropped(self.table.release(key))
                 self._inflight -= 1
@@ -205,6 +202,17 @@ class ExpertHostRuntime:
             self.meters.set_keep_alive(keep_alive_s)
         log.info("keep-alive now %g s", keep_alive_s)
         return keep_alive_s
+
+    def add_model(self, name: str, root: str) -> ModelRange:
+        """Serve the weight store at root as model `name` from now on, without a restart (a fine-tune finds
+        the experts it shares with its base resident: model_stores.py); WeightStoreError says what is wrong."""
+        store = WeightStore.open(root)  # outside the lock: reads its index (and its base's)
+        with self._lock:
+            added = self.models.add(name, store)
+            if self.table.shares is not None:  # no guarantee for it; its shared keys' users count it
+                self.table.shares = self.models.extend(self.table.shares)
+        log.info("serving model %s too (layers %d-%d)", name, added.first_layer, added.first_layer + added.layers - 1)
+        return added
 
     @property
     def inflight(self) -> int:
@@ -311,14 +319,14 @@ class ExpertHostRuntime:
 
     def _resident_bytes(self, key: Key) -> int:
         """Bytes key takes in the compute dtype (the store may hold a narrower one than float32)."""
-        return self.store.expert_bytes(*key) * self.dtype.itemsize // stored_dtype(self.store).itemsize
+        return self.models.expert_bytes(*key) * self.dtype.itemsize // stored_dtype(self.models).itemsize
 
     def _check_key(self, layer: int, expert: int) -> Key:
         """The canonical replica of host key (layer, expert); BadRequest for a key no store has."""
-        if not self.store.has(layer, expert):
+        if not self.models.has(layer, expert):
             raise BadRequest(
                 f"no expert (layer {layer}, expert {expert}): the store has "
-                f"{self.store.num_layers} layers x {self.store.num_experts} experts"
+                f"{self.models.num_layers} layers x {self.models.num_experts} experts"
             )
         return self.models.canonical(layer, expert)
 
@@ -327,14 +335,6 @@ class ExpertHostRuntime:
         while not self._stop.wait(period):
             with self._lock:
                 self._dropped(self.table.expire())
-
-
-def _token_counts(keys: list[Key], xs) -> dict[Key, int]:
-    """Tokens per replica of one call (two experts of a call may be one replica)."""
-    counts: dict[Key, int] = {}
-    for key, x in zip(keys, xs):
-        counts[key] = counts.get(key, 0) + int(x.shape[0])
-    return counts
 
 
 def _compute_clock(device: str) -> Callable[[], float]:

@@ -59,35 +59,43 @@ class ModelStores:
     def __init__(self, stores: Sequence[tuple[str, WeightStore]]):
         if not stores:
             raise WeightStoreError("an expert host needs at least one weight store (--store)")
-        names = [name for name, _ in stores]
-        if len(set(names)) != len(names):
-            raise WeightStoreError(f"model names must differ, got {names}; name them with --store NAME=DIR")
-        for what, values in (("activation", {s.act for _, s in stores}),
-                             ("weight dtype", {s.index.get("dtype") or "float32" for _, s in stores})):
-            if len(values) > 1:
-                raise WeightStoreError(f"the stores {names} use different {what}s {sorted(values)}; one host serves "
-                                       f"models of one {what}")
-        self.stores = [store for _, store in stores]
-        self._ranges, first = [], 0
-        for name, store in stores:
-            self._ranges.append(ModelRange(name, first, store.num_layers, store.num_experts))
-            first += store.num_layers
-        self._firsts = [r.first_layer for r in self._ranges]
-        self._canonical: dict[Key, Key] = {}  # host key -> its canonical replica, where they differ
-        self._users: dict[Key, tuple[int, ...]] = {}  # canonical key -> the models using it, where several
-        seen: dict[str, Key] = {}
-        for i, (r, store) in enumerate(zip(self._ranges, self.stores)):
-            for layer, expert in store.keys():
-                host_key, content = (r.first_layer + layer, expert), store.key(layer, expert)
-                canonical = seen.setdefault(content, host_key)
-                if canonical != host_key:
-                    self._canonical[host_key] = canonical
-                    users = self._users.get(canonical, (self._which(canonical[0]),))
-                    self._users[canonical] = users if i in users else (*users, i)
-        first = self.stores[0]
+        first = stores[0][1]
         self.root: Path = first.root
         self.index = {"dtype": first.index.get("dtype") or "float32"}  # what the runtime reads of an index
         self.act = first.act
+        self.stores: list[WeightStore] = []
+        self._ranges: list[ModelRange] = []
+        self._firsts: list[int] = []
+        self._canonical: dict[Key, Key] = {}  # host key -> its canonical replica, where they differ
+        self._users: dict[Key, tuple[int, ...]] = {}  # canonical key -> the models using it, where several
+        self._seen: dict[str, Key] = {}  # content key -> its canonical replica
+        for name, store in stores:
+            self.add(name, store)
+
+    def add(self, name: str, store: WeightStore) -> ModelRange:
+        """Put a model's store after the last one (also while the host serves: nothing else moves, and
+        its experts that other models have are theirs from the start); WeightStoreError, naming them,
+        for a name already served or another activation or weight dtype."""
+        if name in self.names:
+            raise WeightStoreError(f"model names must differ: this host serves {name!r} already; name them with "
+                                   "--store NAME=DIR")
+        for what, mine, hosts in (("activation", store.act, self.act),
+                                  ("weight dtype", store.index.get("dtype") or "float32", self.index["dtype"])):
+            if mine != hosts:
+                raise WeightStoreError(f"model {name} uses {what} {mine}, this host's models {hosts}; one host serves "
+                                       f"models of one {what}")
+        i, first = len(self._ranges), self.num_layers if self._ranges else 0
+        for layer, expert in store.keys():
+            host_key = (first + layer, expert)
+            canonical = self._seen.setdefault(store.key(layer, expert), host_key)
+            if canonical != host_key:
+                self._canonical[host_key] = canonical
+                users = self._users.get(canonical) or (self._which(canonical[0]) if canonical[0] < first else i,)
+                self._users[canonical] = users if i in users else (*users, i)
+        self.stores.append(store)
+        self._firsts.append(first)
+        self._ranges.append(ModelRange(name, first, store.num_layers, store.num_experts))  # last: now it is served
+        return self._ranges[-1]
 
     @staticmethod
     def open(stores: Sequence[tuple[str | None, str | Path]]) -> "ModelStores":
@@ -172,6 +180,13 @@ class ModelStores:
                 raise WeightStoreError(f"{flag} up to {sum(gb) / 1e9:.3f} GB, more than the host's "
                                        f"{capacity_bytes / 1e9:.3f} GB of replica memory; lower them or give the host more")
         return Shares(tuple(self._firsts), guaranteed, active_s, warm, self.shared())
+
+    def extend(self, shares: Shares) -> Shares:
+        """shares (made for the models served before) over every model served now: a model added since
+        has no guarantee and no keep-warm set, and counts as a user of the keys it shares."""
+        more = (0,) * (len(self._ranges) - len(shares.guaranteed))
+        return Shares(tuple(self._firsts), shares.guaranteed + more, shares.active_s,
+                      shares.warm + more if shares.warm else (), self.shared())
 
     def model_of(self, layer: int) -> ModelRange:
         """The model whose layers include host layer `layer`."""

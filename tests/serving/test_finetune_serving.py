@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moeless.expert_fn.client.client import ExpertHostClient
+from moeless.expert_fn.errors import ExpertHostError
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.moe_model import MoEModel
 from moeless.model.tiny import tiny_model
@@ -127,4 +128,38 @@ def test_a_host_holding_shared_replicas_killed_mid_call_both_models_fail_over_ex
             assert executor.dead_hosts == {1}, name
         assert sum(e.times.retries for e in executors.values()) >= 1
         group.restart(1)
+        _close(executors)
+
+
+def test_a_fine_tune_added_to_running_hosts_serves_exactly_without_a_restart(family, tmp_path):
+    """Hosts started with the base and one fine-tune gain a second fine-tune while serving (AddModel):
+    same processes, nothing resident lost, the experts it shares with the base already warm (its first
+    forward loads only its own), its answers exact; a store the hosts cannot serve is refused by name."""
+    models, stores = family
+    with launch_local_hosts(2, stores[:2], keep_alive_s=60, metrics=False) as group:
+        pids = [group.pid(i) for i in range(2)]
+        running = {name: models[name] for name, _ in stores[:2]}
+        executors = {name: _executor(group.addresses, name, model) for name, model in running.items()}
+        assert _forwards(running, executors, _batches(3, 2)) == {name: [] for name in running}
+        for address in group.addresses:
+            with ExpertHostClient(address) as host:
+                served = host.add_model("chat", str(stores[2][1]))
+                assert [m["name"] for m in served] == ["base", "code", "chat"]
+                with pytest.raises(ExpertHostError, match="this host serves 'chat' already"):
+                    host.add_model("chat", str(stores[2][1]))
+                with pytest.raises(ExpertHostError, match=r"no weight-store index"):
+                    host.add_model("nothing", str(tmp_path))
+        executors["chat"] = _executor(group.addresses, "chat", models["chat"])
+        def cold() -> int:
+            total = 0
+            for address in group.addresses:
+                with ExpertHostClient(address) as host:
+                    total += host.status()["meters"]["cold_starts"]
+            return total
+
+        before = cold()
+        assert _forwards({"chat": models["chat"]}, executors, _batches(3, 2)) == {"chat": []}
+        assert cold() - before <= len(CHANGED["chat"])  # only its own experts loaded: the shared were warm
+        assert [group.pid(i) for i in range(2)] == pids
+        assert _forwards(models, executors, _batches(4, 2)) == {name: [] for name in models}
         _close(executors)
