@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -70,7 +71,7 @@ def test_the_host_s_layer_space_maps_equal_keys_to_one_replica(family):
 
 def test_two_models_calls_at_once_share_one_replica_each_exact_and_their_gb_s_add_up(family):
     roots = [(name, root) for name, (_, root) in family.items()]
-    with launch_local_hosts(1, roots, keep_alive_s=60, metrics=False) as group:
+    with launch_local_hosts(1, roots, keep_alive_s=60, metrics=True) as group:
         clients = {name: ExpertHostClient(group.addresses[0], model=name) for name in family}
         errors, barrier = [], threading.Barrier(len(clients))
 
@@ -109,6 +110,13 @@ def test_two_models_calls_at_once_share_one_replica_each_exact_and_their_gb_s_ad
         assert (parts["code"]["shared_replicas"], parts["code"]["own_replicas"]) == (1, 1)
         assert host_meters["shared_replicas"] == 2
         assert clients["code"].status()["meters"]["shared_bytes"] == _bytes(family["base"][0])
+        text = urllib.request.urlopen(f"{group.metrics_urls[0]}/metrics", timeout=10).read().decode()
+        for line in ('moeless_expert_model_replicas{kind="shared",model="code"} 1.0',
+                     'moeless_expert_model_replicas{kind="own",model="code"} 1.0',
+                     'moeless_expert_replica_models{expert="0",layer="1",model="base"} 2.0',
+                     "moeless_expert_host_shared_replicas 2.0"):
+            assert line in text, line
+        assert 'moeless_expert_model_gb_seconds_total{model="chat"}' in text
         assert {(r["layer"], r["expert"]) for r in host["replicas"] if r["bytes"]} == {(1, 0), (1, 3)}
         for c in clients.values():
             c.close()
