@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from moeless.controller.knobs import KnobError, Knobs
+from moeless.core.paths import cache_dir
 from moeless.controller.planning.names import BOARD_NAME, LOOP_NAME
 from moeless.controller.pool.addresses import HOSTS_ENV
 from moeless.controller.pool.sources import StaticSource, pool_source
@@ -110,22 +111,47 @@ def replica_gpus_for(device: str, replicas: int, visible: int | None = None) -> 
 @dataclass(frozen=True)
 class ModelChoice:
     """A served model: the name clients send and a picklable loader () -> MoEModel; first_load is
-    the driver's own load where it differs (the default model's first build shows its progress)."""
+    the driver's own load where it differs (the default model's first build shows its progress);
+    base: a fine-tune's base (its weight store is written over the base's: model/weight_store.py)."""
 
     name: str
     loader: Callable[[], Any]
     first_load: Callable[[], Any] | None = None
+    base: "ModelChoice | None" = None
+
+
+def finetune_model(base_loader: Callable[[], Any], root: str):
+    """The fine-tune in directory root over the model base_loader loads, merged (model/finetune.py:
+    the base's fingerprint and the fine-tune's files checked, a refusal one line naming them)."""
+    # heavy (peft for a LoRA): kept off --help's start-up path
+    from moeless.model.finetune import load_finetune
+
+    return load_finetune(root, base_loader())
 
 
 def choose_model(model: str) -> ModelChoice:
-    """"default" (the converted SmolLM2), "tiny:ARCH" (a random test model) or a model directory."""
+    """"default" (the converted SmolLM2), "tiny:ARCH" (a random test model), a model directory, or
+    BASE+FINETUNE: a fine-tune (`moeless model finetune`) over one of those, FINETUNE its directory
+    or its name under the cache's finetunes/; served as "<base's name>+<the fine-tune's name>"."""
+    if "+" in model:
+        from moeless.model.finetune import FinetuneError, read_manifest
+
+        spec, _, tune = model.partition("+")
+        base = choose_model(spec)
+        root = Path(tune) if Path(tune).is_dir() else cache_dir() / "finetunes" / tune
+        try:
+            manifest = read_manifest(root)
+        except FinetuneError as err:
+            raise SystemExit(f"--model {model!r}: {err}") from None
+        return ModelChoice(f"{base.name}+{manifest['name']}", functools.partial(finetune_model, base.loader,
+                                                                                 str(root.resolve())), base=base)
     if model == "default":
         return ModelChoice("moeless-default", default_model, functools.partial(default_model, progress=True))
     if model.startswith("tiny:"):
         return ModelChoice(f"tiny-{model[5:]}", functools.partial(tiny_model, model[5:], 0))
     path = Path(model)
     if not path.is_dir():
-        raise SystemExit(f"--model {model!r}: not 'default', 'tiny:ARCH' or a model directory")
+        raise SystemExit(f"--model {model!r}: not 'default', 'tiny:ARCH', a model directory or BASE+FINETUNE")
     return ModelChoice(path.name, functools.partial(load_moe_model, str(path.resolve())))
 
 

@@ -81,14 +81,16 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     stop = _stop_on_signals()
     if remote and len(models) > 1:
         raise KnobError(f"{HOSTS_ENV}: several models need the local expert hosts (one pool serving them all)")
-    # 1. Each model (its knobs checked) and its weight store.
+    # 1. Each model (its knobs checked) and its weight store; a fine-tune's over its base's (written
+    #    first, served or not), so the hosts hold each expert they share once.
     served = []  # (choice, spec, knobs, store)
+    written: dict[str, Path] = {}
     for name in models:
         choice = choose_model(name)
         print(f"loading model {choice.name} ...", flush=True)
         loaded = (choice.first_load or choice.loader)()
         served.append((choice, loaded.spec, _knobs_for(base_knobs, loaded.spec),
-                       None if remote else export_store(loaded, choice.name)))
+                       None if remote else _store(choice, loaded, written)))
         del loaded  # the replicas load their own copy (without experts)
     if len({choice.name for choice, *_ in served}) != len(served):
         raise KnobError(f"--model: each model once, got {[choice.name for choice, *_ in served]}")
@@ -160,6 +162,18 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
             if supervisor is not None:
                 supervisor.stop()
                 print("stopping the expert hosts ...", flush=True)
+
+
+def _store(choice, model, written: dict[str, Path]) -> Path:
+    """The model's weight store (cached), over its base's where it is a fine-tune; written: the stores
+    so far by model name (a base's is written the first time a fine-tune needs it)."""
+    base = None
+    if choice.base is not None:
+        base = written.get(choice.base.name)
+        if base is None:
+            base = _store(choice.base, choice.base.loader(), written)
+    written[choice.name] = Path(export_store(model, choice.name, base=base))
+    return written[choice.name]
 
 
 def _knobs_for(knobs: Knobs, spec) -> Knobs:
