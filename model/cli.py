@@ -42,6 +42,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="the experts' dtype in the store (default float32, exactly the model's; bfloat16 or float16 "
                              "halve it, and hosts run with --compute-dtype store compute in it)")
+    export.add_argument("--finetune", metavar="DIR",
+                        help="export this fine-tune of the model (`moeless model finetune`'s directory), merged")
+    export.add_argument("--base", metavar="STORE",
+                        help="a weight store to write over: experts it has (by content key) are not written but named "
+                             "(a fine-tune's store over its base's: hosts serving both hold those experts once)")
     _add_model_flags(export)
     export.set_defaults(func=_export)
 
@@ -169,15 +174,30 @@ def _export(args: argparse.Namespace) -> int:
 
     from moeless.model.weight_store import export_experts  # heavy (torch, safetensors): off --help's start-up path
 
+    from moeless.model.finetune import FinetuneError, load_finetune, read_manifest
+    from moeless.model.weight_store import WeightStore, WeightStoreError
+
     model = _load(args)
     spec = model.spec
     name = args.model or f"smollm2-135m-moe-e{spec.num_experts}-sh{spec.shared_ffn}-k{spec.top_k}-s{args.seed}"
+    try:
+        if args.finetune:
+            model, name = load_finetune(args.finetune, model), f"{name}+{read_manifest(args.finetune)['name']}"
+        base = WeightStore.open(args.base) if args.base else None
+    except (FinetuneError, WeightStoreError) as err:
+        _usage_error(str(err))
     dtype = getattr(torch, args.dtype)
     experts = tqdm(((layer, expert, {n: t.to(dtype) for n, t in weights.items()})
                     for layer, expert, weights in model.iter_experts()),
                    total=spec.num_layers * spec.num_experts, desc="export experts")
-    store = export_experts(experts, args.out, model=name, num_layers=spec.num_layers, num_experts=spec.num_experts, act=spec.act)
-    print(f"weight store: {store.root} ({spec.num_layers} layers x {spec.num_experts} experts, {args.dtype})")
+    try:
+        store = export_experts(experts, args.out, model=name, num_layers=spec.num_layers, num_experts=spec.num_experts,
+                               act=spec.act, base=base)
+    except WeightStoreError as err:
+        _usage_error(str(err))
+    own = sum(1 for layer, expert in store.keys() if not store.in_base(layer, expert))
+    print(f"weight store: {store.root} ({spec.num_layers} layers x {spec.num_experts} experts, {args.dtype}"
+          + (f"; {own} written, the others its base's {base.root}" if base else "") + ")")
     return 0
 
 

@@ -137,3 +137,27 @@ def test_a_corrupt_shared_file_is_named_on_load(base_and_tuned, tmp_path):
     tuned = WeightStore.open(stores / "tuned")  # opening reads indexes only
     with pytest.raises(WeightStoreError, match=r"base/experts/l000_e000\.safetensors: checksum mismatch"):
         tuned.load(0, 0)
+
+
+def test_model_export_writes_a_fine_tune_s_store_over_its_base_s(tmp_path, capsys):
+    """`moeless model export --finetune DIR --base STORE`: only the fine-tune's experts written."""
+    from moeless.cli import main
+    from moeless.model.finetune import base_record, save_esft
+
+    base = tiny_model("mixtral", 0)
+    base.hf.save_pretrained(tmp_path / "model")
+    tuned = _changed(base)
+    save_esft(tmp_path / "code", tuned, CHANGED, {"name": "code", "base": base_record(base, "tiny"), "task": "none"})
+    assert main(["model", "export", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "base")]) == 0
+    assert main(["model", "export", "--model", str(tmp_path / "model"), "--finetune", str(tmp_path / "code"),
+                 "--base", str(tmp_path / "base"), "--out", str(tmp_path / "store")]) == 0
+    assert f"{len(CHANGED)} written, the others its base's" in capsys.readouterr().out
+    store = WeightStore.open(tmp_path / "store")
+    assert store.model.endswith("+code") and sorted(p.name for p in (tmp_path / "store" / "experts").iterdir()) == \
+        [f"l{l:03d}_e{e:03d}.safetensors" for l, e in CHANGED]
+    for layer, expert in CHANGED:
+        assert torch.equal(store.load(layer, expert)["gate"], tuned.expert_weights(layer, expert)["gate"])
+    with pytest.raises(SystemExit) as stop:
+        main(["model", "export", "--model", str(tmp_path / "model"), "--base", str(tmp_path / "nothing"),
+              "--out", str(tmp_path / "x")])
+    assert stop.value.code == 2 and "no weight-store index" in capsys.readouterr().err
