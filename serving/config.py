@@ -56,6 +56,9 @@ class ServeConfig:
     transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else TCP, else gRPC
     client_poll_s: float = 0.0  # the data channels spin this long for an answer before blocking (expert_fn/wire/polling.py)
     host_model: str | None = None  # the name the expert hosts serve this model by (None: their only one)
+    # ESFT fine-tunes of this model served by the same engine (serving/family.py), each by its name,
+    # which is also the name the hosts serve it by.
+    family: tuple[str, ...] = ()
     placement_board: str | None = None  # follow placements published under this name (controller/planning/board.py)
     drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)
     # The live loop (serving/live.py, controller/planning/actor.py): the knobs, the loop actor's name (None: no loop,
@@ -112,12 +115,15 @@ def replica_gpus_for(device: str, replicas: int, visible: int | None = None) -> 
 class ModelChoice:
     """A served model: the name clients send and a picklable loader () -> MoEModel; first_load is
     the driver's own load where it differs (the default model's first build shows its progress);
-    base: a fine-tune's base (its weight store is written over the base's: model/weight_store.py)."""
+    base: a fine-tune's base (its weight store is written over the base's: model/weight_store.py);
+    joins_base: its non-expert layers are the base's (an ESFT fine-tune), so it can share the base's
+    engine (serving/family.py)."""
 
     name: str
     loader: Callable[[], Any]
     first_load: Callable[[], Any] | None = None
     base: "ModelChoice | None" = None
+    joins_base: bool = False
 
 
 def finetune_model(base_loader: Callable[[], Any], root: str):
@@ -144,7 +150,8 @@ def choose_model(model: str) -> ModelChoice:
         except FinetuneError as err:
             raise SystemExit(f"--model {model!r}: {err}") from None
         return ModelChoice(f"{base.name}+{manifest['name']}", functools.partial(finetune_model, base.loader,
-                                                                                 str(root.resolve())), base=base)
+                                                                                 str(root.resolve())), base=base,
+                           joins_base=manifest["method"] == "esft")
     if model == "default":
         return ModelChoice("moeless-default", default_model, functools.partial(default_model, progress=True))
     if model.startswith("tiny:"):

@@ -111,7 +111,8 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                 port = port or free_port()
                 serve.start(http_options={"host": bind, "port": port})
                 suffix = (lambda c: f"-{c.name}") if several else (lambda c: "")
-                configs = [ServeConfig(c.name, c.loader, (), pool=pool, num_replicas=replicas,
+                family = _families([c for c, *_ in served])  # ESFT fine-tunes in their base's engine
+                configs = [ServeConfig(c.name, c.loader, (), pool=pool, num_replicas=replicas, family=family[c.name],
                                        replica_cpus=0.5 / len(served), ingress_cpus=0.25, batching=batching,
                                        limits=limits or BatchLimits(), max_batch=max_batch,
                                        placement_board=BOARD_NAME + suffix(c), drain_signal=SIGNAL_NAME, knobs=k,
@@ -121,7 +122,7 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                                        micro_batches=micro_batches, micro_batch_tokens=micro_batch_tokens,
                                        host_model=c.name if several else getattr(remote, "model", None),
                                        device=device, replica_gpus=replica_gpus)
-                           for c, _, k, _ in served]
+                           for c, _, k, _ in served if c.name in family]
                 serve.run(build_app(configs), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"
                 for config in configs:
@@ -130,7 +131,7 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                     print(f"planning loop{' of ' + config.model_name if several else ''}: planner {k.planner}, predictor "
                           f"{k.predictor}, distance {k.distance}, keep-alive {k.keep_alive_s:g} s, memory price "
                           f"{price:.3g} s per GB·s" + (" (memory-neutral)" if k.memory_price is None else ""), flush=True)
-                print(f"moeless is serving {', '.join(c.model_name for c in configs)} at {url}  (OpenAI-style: "
+                print(f"moeless is serving {', '.join(c.name for c, *_ in served)} at {url}  (OpenAI-style: "
                       f"/v1/completions, /v1/chat/completions; /healthz, /metrics)", flush=True)
                 # 4. The demo request, or serve until a stop signal.
                 if demo:
@@ -146,9 +147,9 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                 stop.wait()
                 # 5. Drain the replicas while the HTTP side can still tell the clients.
                 print(f"stopping: no new requests; running ones get up to {drain_s:g} s ...", flush=True)
-                outcomes = drain_replicas(replicas * len(served), drain_s)
+                outcomes = drain_replicas(replicas * len(configs), drain_s)
                 failed = sum(o.get("unfinished", 0) for o in outcomes.values())
-                print(f"drained {len(outcomes)} of {replicas * len(served)} replicas; {failed} requests ended unfinished "
+                print(f"drained {len(outcomes)} of {replicas * len(configs)} replicas; {failed} requests ended unfinished "
                       "(their clients got a 503 saying so)", flush=True)
                 time.sleep(0.5)  # the last responses leave the ingress
                 return None
@@ -162,6 +163,14 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
             if supervisor is not None:
                 supervisor.stop()
                 print("stopping the expert hosts ...", flush=True)
+
+
+def _families(choices: list) -> dict[str, tuple[str, ...]]:
+    """Each engine's model -> the ESFT fine-tunes its engine serves too (serving/family.py: a fine-tune
+    whose non-expert layers are its base's, served beside its base); a model in another's engine has none."""
+    names = {c.name for c in choices}
+    joins = {c.name: c.base.name for c in choices if c.base is not None and c.joins_base and c.base.name in names}
+    return {c.name: tuple(f.name for f in choices if joins.get(f.name) == c.name) for c in choices if c.name not in joins}
 
 
 def _store(choice, model, written: dict[str, Path]) -> Path:

@@ -5,12 +5,14 @@
    the base with a share of each layer's experts perturbed (not trained: the memory, the answers'
    exactness and the throughput do not depend on what the experts learnt), written as ESFT
    artefacts and reported as stand-ins. Stores: the base's, each fine-tune's over it (its own experts).
-2. The same requests (held-out ShareGPT prompts, Poisson arrivals at --rate a second in all) twice,
-   each time on fresh expert hosts where every expert of every served model is loaded first, so the
+2. The same requests (held-out ShareGPT prompts, Poisson arrivals at --rate a second in all) three
+   times, each time on fresh expert hosts where every expert of every served model is loaded first, so the
    memory the hosts hold is all the expert memory the models need:
    - the base alone, every request to it (the baseline);
-   - the base and the fine-tunes in one app on the same hosts, one ModelServer each, as
-     `moeless serve --model A --model A+B ...` runs them: request i to model i mod N.
+   - the base and the fine-tunes on the same hosts, request i to model i mod N, in one engine (the
+     base's non-expert layers batching every model's requests, each token to its own model's
+     experts: serving/family.py, how `moeless serve --model A --model A+B ...` runs ESFT fine-tunes);
+   - the same in one engine per model (a ModelServer each, as LoRA fine-tunes are served).
 3. Reported: the hosts' expert memory (the ratio to the base alone; whole models would hold N x),
    each model's GB·s from the hosts (shared replicas split among their users) and that they add up,
    throughput and TTFT / TPOT p50 and p99 with their ratios, and how many answers equal the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -34,6 +36,10 @@ from moeless.bench.load import _prompts, _sequential
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.serving.cli import MODEL_HELP, _positive
 from moeless.serving.loadgen import outcomes_json, replay, summarize
+
+if TYPE_CHECKING:
+    from moeless.model.moe_model import MoEModel
+    from moeless.serving.config import ModelChoice
 
 
 def register(benches: argparse._SubParsersAction) -> None:
@@ -74,6 +80,9 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+RUNS = ("base_alone", "one_engine", "engine_per_model")
+
+
 def run_finetunes_bench(model: str = "default", finetunes: Sequence[str] = (), *, share: float = 0.125, seed: int = 0,
                         **options) -> dict[str, Any]:
     """The base `model` and its fine-tunes (directories; none: module docstring) through both runs
@@ -90,7 +99,7 @@ def run_finetunes_bench(model: str = "default", finetunes: Sequence[str] = (), *
             "stand_ins": stand_in}
 
 
-def compare(choices: Sequence, models: Sequence, *, hosts: int = 2, rate: float = 1.0, requests: int = 48,
+def compare(choices: Sequence["ModelChoice"], models: Sequence["MoEModel"], *, hosts: int = 2, rate: float = 1.0, requests: int = 48,
             max_tokens: int = 16, prompt_tokens: int = 64, seed: int = 0, timeout_s: float = 900.0) -> dict[str, Any]:
     """choices[0] (a ModelChoice, the base) alone, then every choice together, on the same requests;
     models: each choice's model, loaded (its experts are exported, its answers are the references)."""
@@ -121,13 +130,17 @@ def compare(choices: Sequence, models: Sequence, *, hosts: int = 2, rate: float 
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
-        for run, served in (("base_alone", choices[:1]), ("with_finetunes", choices)):
+        for run in RUNS:
+            served = choices[:1] if run == "base_alone" else choices
             sent = [names[0]] * requests if run == "base_alone" else asked  # the base alone: every request to it
             several = len(served) > 1
             pairs = [(c.name, stores[c.name]) for c in served]
+            family = tuple(names[1:]) if run == "one_engine" else ()  # serving/family.py
             with launch_local_hosts(hosts, pairs if several else pairs[0][1], keep_alive_s=3600, metrics=False) as group:
-                configs = [ServeConfig(c.name, c.loader, tuple(group.addresses), replica_cpus=0.5 / len(served),
-                                       ingress_cpus=0.25, host_model=c.name if several else None) for c in served]
+                engines = served[:1] if family else served
+                configs = [ServeConfig(c.name, c.loader, tuple(group.addresses), replica_cpus=0.5 / len(engines),
+                                       ingress_cpus=0.25, host_model=c.name if several else None,
+                                       family=family if c is served[0] else ()) for c in engines]
                 print(f"{run}: {', '.join(c.name for c in served)} on {hosts} expert hosts ...", flush=True)
                 serve.run(build_app(configs), name="moeless", route_prefix="/")
                 prewarm(group.addresses, [(c.name if several else None, merged[c.name].spec) for c in served])
@@ -175,11 +188,12 @@ def _finetunes_of(base, base_name: str, share: float, seed: int, count: int = 3)
             found.append(root)
     if found:
         return found[:count], False
-    return [_stand_in(base, base_name, i, share, seed) for i in range(count)], True
+    return [stand_in_finetune(base, base_name, i, share, seed) for i in range(count)], True
 
 
-def _stand_in(base, base_name: str, i: int, share: float, seed: int) -> Path:
-    """Stand-in fine-tune i: `share` of each layer's experts (chosen at random) perturbed, as an ESFT artefact."""
+def stand_in_finetune(base: "MoEModel", base_name: str, i: int, share: float, seed: int) -> Path:
+    """Stand-in fine-tune i of base (in the cache's finetunes/, made once): `share` of each layer's experts
+    (chosen at random) perturbed, not trained, written as an ESFT artefact (model/finetune.py)."""
     import torch
 
     from moeless.core.paths import cache_dir

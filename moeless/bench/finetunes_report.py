@@ -50,42 +50,43 @@ def memory_held(addresses: Sequence[str]) -> dict:
 
 
 def ratios(runs: dict, whole: dict[str, int], names: Sequence[str]) -> dict:
-    """The base and fine-tunes against the base alone: memory, throughput, latency."""
-    alone, together = runs["base_alone"], runs["with_finetunes"]
+    """The base and fine-tunes (in one engine, and in one engine per model) against the base alone:
+    memory, throughput, latency."""
+    alone = runs["base_alone"]
 
     def ratio(a, b):
         return a / b if a is not None and b else None
 
+    together = {run: r for run, r in runs.items() if run != "base_alone"}
     return {
-        "memory_ratio": ratio(together["memory"]["bytes_held"], alone["memory"]["bytes_held"]),
+        "memory_ratio": ratio(runs["one_engine"]["memory"]["bytes_held"], alone["memory"]["bytes_held"]),
         "whole_models_memory_ratio": ratio(sum(whole.values()), whole[names[0]]),
-        "throughput_ratio": ratio(together["tokens_per_s"], alone["tokens_per_s"]),
-        "latency_ratios": {f"{what}_{p}": ratio(together[f"{what}_s"][p], alone[f"{what}_s"][p])
-                           for what in ("ttft", "tpot") for p in ("p50", "p99")},
+        "throughput_ratio": {run: ratio(r["tokens_per_s"], alone["tokens_per_s"]) for run, r in together.items()},
+        "latency_ratios": {run: {f"{what}_{p}": ratio(r[f"{what}_s"][p], alone[f"{what}_s"][p])
+                                 for what in ("ttft", "tpot") for p in ("p50", "p99")} for run, r in together.items()},
     }
 
 
 def print_report(result: dict) -> None:
-    alone, together = result["runs"]["base_alone"], result["runs"]["with_finetunes"]
     kind = "stand-ins (experts perturbed, not trained)" if result["stand_ins"] else "fine-tunes"
     print(f"base {result['base']} and {len(result['finetunes'])} {kind}: {', '.join(result['finetunes'])}; "
           f"{result['hosts']} expert hosts; {result['requests']} requests of {result['max_tokens']} tokens at "
           f"{result['rate_per_s']:g}/s in all; load average {result['load_average_1m']:.1f}")
-    for name, run in (("base alone", alone), ("base + fine-tunes", together)):
+    for name, run in result["runs"].items():
         mem = run["memory"]
-        print(f"  {name:18s} {run['tokens_per_s']:7.2f} tokens/s, TTFT p50/p99 {_s(run['ttft_s'], 'p50')}/"
+        print(f"  {name:16s} {run['tokens_per_s']:7.2f} tokens/s, TTFT p50/p99 {_s(run['ttft_s'], 'p50')}/"
               f"{_s(run['ttft_s'], 'p99')} s, TPOT p50/p99 {_s(run['tpot_s'], 'p50')}/{_s(run['tpot_s'], 'p99')} s, "
               f"{run['failed']} failed, {run['identical_to_merged_alone']}/{run['checked']} as the merged model alone; "
               f"experts held {mem['bytes_held'] / 1e6:.1f} MB in {mem['replicas']} replicas ({mem['shared_replicas']} "
-              f"shared)")
-    for model, part in together["memory"]["models"].items():
+              f"shared); per-model GB·s add up: {mem['parts_add_up']}")
+    for model, part in result["runs"]["one_engine"]["memory"]["models"].items():
         print(f"    {model}: {part['gb_s']:.4g} GB·s, {part['own_replicas']} own and {part['shared_replicas']} shared "
               f"replicas")
-    print(f"  per-model GB·s add up to the hosts': {together['memory']['parts_add_up']}")
-    lat = result["latency_ratios"]
     print(f"expert memory {_x(result['memory_ratio'])} the base alone's (whole models: "
-          f"{_x(result['whole_models_memory_ratio'])}); throughput {_x(result['throughput_ratio'])}; TTFT p50/p99 "
-          f"{_x(lat['ttft_p50'])}/{_x(lat['ttft_p99'])}, TPOT p50/p99 {_x(lat['tpot_p50'])}/{_x(lat['tpot_p99'])}")
+          f"{_x(result['whole_models_memory_ratio'])})")
+    for run, lat in result["latency_ratios"].items():
+        print(f"{run}: throughput {_x(result['throughput_ratio'][run])} the base alone's; TTFT p50/p99 "
+              f"{_x(lat['ttft_p50'])}/{_x(lat['ttft_p99'])}, TPOT p50/p99 {_x(lat['tpot_p50'])}/{_x(lat['tpot_p99'])}")
 
 
 def _s(figures: dict, key: str) -> str:

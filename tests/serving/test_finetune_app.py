@@ -52,7 +52,9 @@ def test_a_fine_tune_is_named_after_its_base_and_loads_merged(cache):
     assert "\n" not in str(err.value) and str(err.value).startswith("fine-tune code")
 
 
-def test_one_app_serves_a_base_and_its_fine_tunes_each_exactly(cache, ray_serve, reference_text):
+@pytest.mark.parametrize("engines", ["one", "per_model"])
+def test_one_app_serves_a_base_and_its_fine_tunes_each_exactly(cache, ray_serve, reference_text, engines):
+    """One engine for the base and its ESFT fine-tunes (serving/family.py), or one engine per model."""
     import httpx
     from ray import serve
 
@@ -63,8 +65,10 @@ def test_one_app_serves_a_base_and_its_fine_tunes_each_exactly(cache, ray_serve,
     models, written = {c.name: c.loader() for c in choices}, {}
     stores = [(c.name, _store(c, models[c.name], written)) for c in choices]
     with launch_local_hosts(2, stores, keep_alive_s=60, metrics=False) as group:
+        family = tuple(c.name for c in choices[1:]) if engines == "one" else ()
         configs = [ServeConfig(c.name, c.loader, tuple(group.addresses), replica_cpus=0.1, ingress_cpus=0.1,
-                               host_model=c.name) for c in choices]
+                               host_model=c.name, family=family if c is choices[0] else ())
+                   for c in (choices[:1] if family else choices)]
         serve.run(build_app(configs), name="moeless", route_prefix="/")
         listed = httpx.get(ray_serve + "/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in listed] == ["tiny-mixtral", "tiny-mixtral+code", "tiny-mixtral+chat"]
@@ -74,6 +78,7 @@ def test_one_app_serves_a_base_and_its_fine_tunes_each_exactly(cache, ray_serve,
                                timeout=120)
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == reference_text(model, prompt, 6), (name, prompt)
+        assert httpx.get(ray_serve + "/metrics", timeout=60).status_code == 200  # one engine's stats once
         held = []
         for address in group.addresses:
             with ExpertHostClient(address) as host:
@@ -105,7 +110,9 @@ def test_bench_finetunes_quick_holds_each_shared_expert_once_and_answers_exactly
     assert doc["stand_ins"] and len(doc["finetunes"]) == 3
     assert doc["whole_models_memory_ratio"] == 4.0
     assert doc["memory_ratio"] == pytest.approx((spec.num_layers * spec.num_experts + 3 * own) / (spec.num_layers * spec.num_experts))
-    together = doc["runs"]["with_finetunes"]
-    assert together["failed"] == 0 and together["identical_to_merged_alone"] == together["checked"] == 8
-    assert together["memory"]["parts_add_up"] and set(together["memory"]["models"]) == {doc["base"], *doc["finetunes"]}
-    assert doc["throughput_ratio"] > 0 and "expert memory" in run.stdout
+    for name in ("one_engine", "engine_per_model"):
+        together = doc["runs"][name]
+        assert together["failed"] == 0 and together["identical_to_merged_alone"] == together["checked"] == 8
+        assert together["memory"]["parts_add_up"] and set(together["memory"]["models"]) == {doc["base"], *doc["finetunes"]}
+        assert doc["throughput_ratio"][name] > 0
+    assert "one_engine: throughput" in run.stdout and "expert memory" in run.stdout

@@ -163,3 +163,31 @@ def test_a_fine_tune_added_to_running_hosts_serves_exactly_without_a_restart(fam
         assert [group.pid(i) for i in range(2)] == pids
         assert _forwards(models, executors, _batches(4, 2)) == {name: [] for name in models}
         _close(executors)
+
+
+def test_one_engine_batches_a_base_and_its_fine_tunes_each_answering_as_its_merged_model(family, reference_text):
+    """serving/family.py: the base's non-expert layers run every request; each request's tokens go to its
+    own model's experts; requests of all three models in one continuous batch, each text its merged model's."""
+    from moeless.serving.api import GenerationRequest
+    from moeless.serving.engine import Engine
+    from moeless.serving.family import FamilyExecutor
+    from moeless.serving.scheduler import Scheduler
+
+    models, stores = family
+    names = list(models)
+    with launch_local_hosts(2, stores, keep_alive_s=60, metrics=False) as group:
+        executors = {name: _executor(group.addresses, name, model) for name, model in models.items()}
+        engine = Engine(tiny_model("mixtral", 0), FamilyExecutor([executors[n] for n in names]), members=names)
+        scheduler = Scheduler(engine)
+        asks = [(names[i % 3], f"prompt {i}", 5 + i % 3) for i in range(7)]
+        texts: dict[int, list[str]] = {}
+        for i, (name, prompt, n) in enumerate(asks):
+            texts[i] = []
+            scheduler.submit(GenerationRequest(name, n, False, prompt=prompt),
+                             lambda events, i=i: texts[i].extend(e.get("text", "") for e in events))
+        for _ in range(40):
+            scheduler.step()
+        for i, (name, prompt, n) in enumerate(asks):
+            assert "".join(texts[i]) == reference_text(models[name], prompt, n), (name, prompt)
+        assert engine.executor.times.layers > 0 and engine.executor.dead_hosts == set()
+        _close(executors)
