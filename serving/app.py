@@ -76,12 +76,10 @@ class ModelServer:
         self.source = PlacementSource(config.placement or Placement.static(spec.num_layers, spec.num_experts,
                                                                              self.pool.slots))
         self.waker = waker_for(config.pool_source)  # a k8s pool at zero is woken by the request that finds it so
-        self.executor = RemoteExecutor(self.pool, self.source, waker=self.waker)
-        if config.family:  # its ESFT fine-tunes in this engine: their own model-bound clients, one placement
-            pools = [follow_pool(config.pool_source, functools.partial(_client, config, m), config.pool_period_s)[0]
-                     for m in config.family]
-            self.executor = FamilyExecutor([self.executor] + [RemoteExecutor(p, self.source, waker=self.waker)
-                                                              for p in pools])
+        if config.family:  # its ESFT fine-tunes in this engine: each token to its own model's experts
+            self.executor = FamilyExecutor(self.pool, self.source, (config.host_model, *config.family), waker=self.waker)
+        else:
+            self.executor = RemoteExecutor(self.pool, self.source, waker=self.waker)
         self.follower = None
         if config.placement_board:
             self.follower = BoardFollower(self.source, name=config.placement_board)

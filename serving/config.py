@@ -89,6 +89,8 @@ class ServeConfig:
         if (self.device == "cuda") != (self.replica_gpus > 0):
             raise ValueError(f"a replica on {self.device} needs replica_gpus {'> 0' if self.device == 'cuda' else '0'}, "
                              f"got {self.replica_gpus}")
+        if self.family and not self.host_model:
+            raise ValueError("a family (fine-tunes in this model's engine) needs host_model: the name the hosts serve it by")
         if self.plan_loop and not (self.knobs and self.placement_board):
             raise ValueError("the live loop (plan_loop) needs knobs and a placement_board to publish on")
 

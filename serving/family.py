@@ -1,34 +1,42 @@
 """One engine for a base and its ESFT fine-tunes: the non-expert layers batched together, each
-token's experts its own model's.
+token's experts its own model's, one routed call per host and layer for all of them.
 
 An ESFT fine-tune changes only some experts (the router, attention and every other layer are the
 base's), so the base's non-expert forward is every fine-tune's too: one engine can batch the
-requests of a base and all its ESFT fine-tunes, as ExpertWeave does. Only the expert calls differ:
-a token of fine-tune m goes to m's expert functions. `FamilyExecutor` holds one RemoteExecutor per
-member (model-bound clients: the hosts map each model's experts to one replica per content key,
-expert_fn/stores/model_stores.py) and, per layer, runs each member's tokens through its own
-executor, every member's calls in flight together: each member's expert calls carry exactly the rows the merged model would compute for
-those requests, so a fine-tune's answer is its merged model's. The engine says which member each
-token of a forward belongs to (`token_owners`, per thread: each micro-batch its own).
+requests of a base and all its ESFT fine-tunes, as ExpertWeave does. Only the experts differ: a
+token of fine-tune m must reach m's expert functions. The engine says which member each token of
+a forward belongs to (`token_owners`, per thread: each micro-batch its own), and `FamilyExecutor`
+shifts that token's expert ids into its member's block: expert e of member m becomes
+(j_m + 1) x E + e, j_m the member's place on the hosts (their `--store` order), which the hosts
+resolve to m's own expert e of the same layer (expert_fn/stores/model_stores.resolve) and then to
+one replica per content key. So a layer is still one routed call per host, whatever the mix of
+models in the batch; the placement is the base's, each block placed as the base's experts are
+(`_FamilySource`). A host computes each member's tokens of a shared replica as a batch of their
+own (they are different experts in the call), so each member's experts compute exactly the rows
+its merged model would for those requests, and a token's experts are combined in the reference's
+order (the shift keeps a token's experts in ascending order).
 
-Why one engine rather than one per model (serving/embedded.py runs LoRA fine-tunes, whose
-attention may differ, in engines of their own): N engines each run the non-expert layers for a
-share of the rows, N smaller batches at the same total rate; measured in `moeless bench
-finetunes` (docs/benchmarks.md).
+Why one engine rather than one per model (serving/embedded.py gives LoRA fine-tunes, whose
+attention may differ, engines of their own): N engines each run the non-expert layers for a share
+of the rows, N smaller batches at the same total rate; measured in `moeless bench finetunes`
+(docs/benchmarks.md). Every host must serve the family's models in the same order (a launcher's or
+a StatefulSet's hosts do: one command line).
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import fields
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
+from moeless.controller.pool.members import NoLiveHostError
 from moeless.model.interface import Routing
-from moeless.serving.executor import LayerCall, LayerTimes, RemoteExecutor
+from moeless.placement.types import LayerPlacement
+from moeless.serving.executor import RemoteExecutor
+from moeless.serving.placement_source import PlacementSource
 
 _local = threading.local()
 
@@ -44,74 +52,62 @@ def token_owners(owners: Sequence[int] | None) -> Iterator[None]:
         _local.owners = None
 
 
-class FamilyExecutor:
-    """An ExpertExecutor over members' RemoteExecutors (members[0]: the base); what the live loop
-    and the app read of an executor (times, dead hosts, relevel, last call) spans them all."""
+class _FamilySource:
+    """The base's placements, each layer's replicas repeated for every member block (block b's expert
+    b x E + e where the base's e is: the hosts hold a fine-tune's expert where they hold the base's)."""
 
-    def __init__(self, members: Sequence[RemoteExecutor]):
-        if not members:
-            raise ValueError("a family needs at least its base's executor")
-        self.members = list(members)
-        self._calls = threading.local()
-        threads = torch.get_num_threads()  # OpenMP's count is per thread: the workers compute as the caller does
-        self._pool = ThreadPoolExecutor(max(len(self.members) - 1, 1), thread_name_prefix="family",
-                                        initializer=torch.set_num_threads, initargs=(threads,))
+    def __init__(self, source: PlacementSource):
+        self.source = source
+        self.blocks = 1
+
+    @property
+    def placement(self):
+        return self.source.placement
+
+    @property
+    def version(self) -> int:
+        return self.source.version
+
+    def layer(self, layer: int) -> tuple[LayerPlacement, int]:
+        base, num_hosts = self.source.layer(layer)
+        if self.blocks == 1:
+            return base, num_hosts
+        experts = self.source.placement.num_experts
+        return LayerPlacement(np.concatenate([base.expert + b * experts for b in range(self.blocks)]),
+                              np.tile(base.gpu, self.blocks), np.tile(base.share, self.blocks)), num_hosts
+
+
+class FamilyExecutor(RemoteExecutor):
+    """A RemoteExecutor (clients bound to the base: members[0]) whose tokens may be any member's."""
+
+    def __init__(self, clients, source: PlacementSource, members: Sequence[str], **options):
+        self.family = _FamilySource(source)
+        super().__init__(clients, self.family, **options)
+        self.members = list(members)  # the names the hosts serve each member by, the base's first
+        self._offsets: torch.Tensor | None = None  # member -> what its tokens' expert ids are shifted by
 
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x: [T, H] -> [T, H]: each member's tokens through that member's executor."""
+        """x: [T, H] -> [T, H]: each token through its own model's experts (module docstring)."""
         owners = getattr(_local, "owners", None)
-        present = [0] if owners is None else torch.unique(owners).tolist()
-        if len(present) == 1:
-            out = self.members[present[0]].run_layer(layer, x, routing)
-            self.last_call = self.members[present[0]].last_call
-            return out
-        rows = {m: (owners == m).nonzero(as_tuple=True)[0] for m in present}
+        if owners is not None and bool(owners.any()):
+            shift = self._member_offsets()[owners]
+            routing = Routing(routing.idx + shift[:, None].to(routing.idx.device), routing.weight, routing.logits)
+        return super().run_layer(layer, x, routing)
 
-        def run(m: int) -> tuple[torch.Tensor, LayerCall | None]:
-            part = Routing(routing.idx[rows[m]], routing.weight[rows[m]], routing.logits[rows[m]])
-            return self.members[m].run_layer(layer, x[rows[m]], part), self.members[m].last_call
-
-        # Every member's calls in flight at once: one waits on the hosts while the next is packed.
-        later = {m: self._pool.submit(run, m) for m in present[1:]}
-        done = {present[0]: run(present[0])} | {m: future.result() for m, future in later.items()}
-        out = torch.empty_like(x)
-        for m, (part, _) in done.items():
-            out[rows[m]] = part
-        # the live loop's figures: the member call with the most tokens
-        self.last_call = done[max(present, key=lambda m: rows[m].numel())][1]
-        return out
-
-    @property
-    def last_call(self) -> LayerCall | None:
-        return getattr(self._calls, "last", None)
-
-    @last_call.setter
-    def last_call(self, call: LayerCall | None) -> None:
-        self._calls.last = call
-
-    @property
-    def relevel(self):
-        return self.members[0].relevel
-
-    @relevel.setter
-    def relevel(self, relevel) -> None:
-        for member in self.members:
-            member.relevel = relevel
-
-    @property
-    def times(self) -> LayerTimes:
-        """Every member's figures added up."""
-        return LayerTimes(**{f.name: sum(getattr(m.times, f.name) for m in self.members) for f in fields(LayerTimes)})
-
-    @property
-    def dead_hosts(self) -> set[int]:
-        return set().union(*(m.dead_hosts for m in self.members))
-
-    @property
-    def clients(self):
-        return self.members[0].clients
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        for member in self.members:
-            member.close()
+    def _member_offsets(self) -> torch.Tensor:
+        """Each member's expert-id shift, (its place among the hosts' models + 1) x E (0 for the base),
+        from a host's offer, asked once."""
+        if self._offsets is None:
+            if self.waker is not None:
+                self.waker.wait_for_hosts(lambda: bool(self.pool.clients()), lambda: bool(self.pool.not_ready()))
+            clients = list(self.pool.clients().values())
+            if not clients:
+                raise NoLiveHostError("no expert host in the pool to ask where the fine-tunes' experts are")
+            served = [m["name"] for m in clients[0].models()]
+            missing = [m for m in self.members if m not in served]
+            if missing:
+                raise NoLiveHostError(f"the expert hosts serve {served}, not {missing}")
+            experts = self.family.placement.num_experts
+            self._offsets = torch.tensor([0] + [(served.index(m) + 1) * experts for m in self.members[1:]])
+            self.family.blocks = int(self._offsets.max()) // experts + 1
+        return self._offsets

@@ -186,11 +186,12 @@ class Meters:
     def evicted(self, key: Key) -> None:
         self._of(key).evictions += 1
 
-    def invoked(self, tokens: Iterable[tuple[Key, int]], model: int = 0) -> None:
-        """One Invoke call of `model`: (replica, its tokens) pairs (two experts of a call may be one replica)."""
+    def invoked(self, uses: Iterable[tuple[Key, int, int]]) -> None:
+        """One Invoke call: (replica, its tokens, the model they are of) per expert (two experts of a call may
+        be one replica; a call may carry several models' tokens: model_stores.resolve)."""
         self.host_invocations += 1
         now = self.clock()
-        for key, n in tokens:
+        for key, n, model in uses:
             m = self._of(key)
             m.invocations += 1
             m.tokens += n

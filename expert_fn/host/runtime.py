@@ -93,7 +93,7 @@ class ExpertHostRuntime:
 
         wait=True blocks until resident and raises ReplicaLoadError if the load fails.
         """
-        key, model = self._check_key(layer, expert), self.models.index_of(layer)
+        key, model = self._check_key(layer, expert)
         with self._lock:
             future, started = self._start_load(key, model)
             if started:
@@ -106,7 +106,7 @@ class ExpertHostRuntime:
     def evict(self, layer: int, expert: int) -> tuple[bool, ReplicaState]:
         """Evict now if idle and no other model used it within the keep-alive (a shared replica it
         still needs stays); returns (evicted, state afterwards)."""
-        key, model = self._check_key(layer, expert), self.models.index_of(layer)
+        key, model = self._check_key(layer, expert)
         with self._lock:
             if set(self.meters.needed_by(key)) - {model}:
                 return False, self.table.state(key)
@@ -126,15 +126,14 @@ class ExpertHostRuntime:
         slices, in batches' order, instead of tensors of their own.
         Raises ReplicaLoadError (naming the file) if any expert fails to load.
         """
+        resolved = {expert: self._check_key(layer, expert) for expert in batches}  # (replica, its model) each
         for expert, x in batches.items():
-            self._check_key(layer, expert)
             if x.dim() != 2:
                 raise BadRequest(f"expert {expert}: tokens must be [n, H], got shape {list(x.shape)}")
         out_device = self.device if on_device else "cpu"
         empty = {e: torch.zeros(x.shape, dtype=self.dtype, device=out_device) for e, x in batches.items() if x.shape[0] == 0}
         batches = {e: x for e, x in batches.items() if x.shape[0] > 0}  # no tokens: no load, no compute
-        keys = [self.models.canonical(layer, e) for e in batches]  # shared experts: one replica per content key
-        model = self.models.index_of(layer)
+        keys, owners = [resolved[e][0] for e in batches], [resolved[e][1] for e in batches]
         pinned: list[Key] = []
         with self._lock:
             self._inflight += 1
@@ -148,7 +147,7 @@ class ExpertHostRuntime:
         compute_s: float | None = None  # set once the call has computed
         try:
             if not pinned:
-                cold, weights = self._pin_all(layer, keys, pinned, model)
+                cold, weights = self._pin_all(layer, keys, pinned, owners)
             # 3. Compute outside the lock.
             for (expert, x), w in zip(batches.items(), weights):
                 if x.shape[1] != w["gate"].shape[1]:
@@ -165,26 +164,27 @@ class ExpertHostRuntime:
         finally:
             with self._lock:
                 if compute_s is not None:  # before the release: a use of the replica while it is held
-                    self.meters.invoked(zip(keys, (int(x.shape[0]) for x in batches.values())), model)
+                    self.meters.invoked(zip(keys, (int(x.shape[0]) for x in batches.values()), owners))
                 for key in pinned:
                     self._dropped(self.table.release(key))
                 self._inflight -= 1
         return InvokeResult(result, len(cold), compute_s)
 
-    def _pin_all(self, layer: int, keys: list[Key], pinned: list[Key], model: int) -> tuple[list[Key], list[dict]]:
-        """Start every missing load at once (for `model`), then pin each replica (waiting for its load),
-        adding each to `pinned` as it is; count the cold starts -> (the keys that were cold, their weights)."""
+    def _pin_all(self, layer: int, keys: list[Key], pinned: list[Key], owners: list[int]) -> tuple[list[Key], list[dict]]:
+        """Start every missing load at once (each for owners[i], its model), then pin each replica (waiting
+        for its load), adding each to `pinned` as it is; count the cold starts -> (the cold keys, their weights)."""
         # 1. Start the loads, then pin.
         with self._lock:
-            cold = [key for key in keys if self.table.state(key) not in RESIDENT]
-            loading = {key: self._start_load(key, model)[0] for key in cold}
-            for key in cold:
-                self.meters.cold_start(key, model)
+            cold = [(key, m) for key, m in zip(keys, owners) if self.table.state(key) not in RESIDENT]
+            loading = {key: self._start_load(key, m)[0] for key, m in cold}
+            for key, m in cold:
+                self.meters.cold_start(key, m)
+            cold = [key for key, _ in cold]
             ahead = self._ahead.intersection(keys)
             self._ahead.difference_update(keys)
         waited: dict[Key, float] = {}
-        for key in keys:
-            waited[key] = self._pin(key, loading.get(key), model)
+        for key, m in zip(keys, owners):
+            waited[key] = self._pin(key, loading.get(key), m)
             pinned.append(key)
         # 2. Cold-start meters: what prefetching hid, what this call waited for.
         with self._lock:
@@ -321,14 +321,14 @@ class ExpertHostRuntime:
         """Bytes key takes in the compute dtype (the store may hold a narrower one than float32)."""
         return self.models.expert_bytes(*key) * self.dtype.itemsize // stored_dtype(self.models).itemsize
 
-    def _check_key(self, layer: int, expert: int) -> Key:
-        """The canonical replica of host key (layer, expert); BadRequest for a key no store has."""
+    def _check_key(self, layer: int, expert: int) -> tuple[Key, int]:
+        """(The canonical replica, the model) of host key (layer, expert), its model's own expert or, by
+        family addressing (model_stores.resolve), another's; BadRequest for a key no store has."""
         if not self.models.has(layer, expert):
-            raise BadRequest(
-                f"no expert (layer {layer}, expert {expert}): the store has "
-                f"{self.models.num_layers} layers x {self.models.num_experts} experts"
-            )
-        return self.models.canonical(layer, expert)
+            raise BadRequest(f"no expert (layer {layer}, expert {expert}): the store has {self.models.num_layers} "
+                             f"layers x {self.models.num_experts} experts")
+        resolved = self.models.resolve(layer, expert)
+        return self.models.canonical(*resolved), self.models.index_of(resolved[0])
 
     def _sweep(self) -> None:
         period = min(max(self.keep_alive_s / 4, 0.05), 1.0)

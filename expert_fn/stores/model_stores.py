@@ -117,9 +117,25 @@ class ModelStores:
         return max(r.experts for r in self._ranges)
 
     def has(self, layer: int, expert: int) -> bool:
-        if not 0 <= layer < self.num_layers:
+        """Whether host key (layer, expert) addresses an expert: its model's own, or another's (`resolve`)."""
+        if not 0 <= layer < self.num_layers or expert < 0:
             return False
-        return 0 <= expert < self._ranges[self._which(layer)].experts
+        r = self._ranges[self._which(layer)]
+        if expert < r.experts:
+            return True
+        j = expert // r.experts - 1
+        return j < len(self._ranges) and (self._ranges[j].layers, self._ranges[j].experts) == (r.layers, r.experts)
+
+    def resolve(self, layer: int, expert: int) -> Key:
+        """The host key that (layer, expert) addresses (`has` true). Family addressing: expert ids past the
+        layer's model's E name the same layer of another model of its geometry, id (j + 1) x E + e being
+        model j's expert e (j in --store order), so that one routed call carries the tokens of a base and
+        of its fine-tunes, each computed by its own model's expert (serving/family.py)."""
+        r = self._ranges[self._which(layer)]
+        if expert < r.experts:
+            return layer, expert
+        j, e = divmod(expert, r.experts)
+        return self._ranges[j - 1].first_layer + layer - r.first_layer, e
 
     def keys(self) -> Iterator[Key]:
         """Every distinct expert once: the canonical (host layer, expert) of each content key."""

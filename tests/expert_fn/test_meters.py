@@ -46,8 +46,8 @@ def test_load_time_failures_cold_starts_and_tokens(clock):
     clock.advance(0.25)
     t.finish_load((0, 0), error="bad file")
     meters.cold_start((0, 1))
-    meters.invoked([((0, 0), 3), ((0, 1), 5)])
-    meters.invoked([((0, 1), 2)])
+    meters.invoked([((0, 0), 3, 0), ((0, 1), 5, 0)])
+    meters.invoked([((0, 1), 2, 0)])
     m = meters.replicas
     assert m[(0, 0)].last_load_s == pytest.approx(0.25) and m[(0, 0)].load_failures == 1
     assert (m[(0, 1)].invocations, m[(0, 1)].tokens) == (2, 7)
@@ -64,9 +64,9 @@ def test_a_shared_replica_s_gb_s_is_split_evenly_among_the_models_keeping_it_res
     start = clock()
     meters.hold((0, 0), 10**9, model=0)
     clock.advance(1.0)
-    meters.invoked([((0, 0), 3)], model=0)
+    meters.invoked([((0, 0), 3, 0)])
     clock.advance(1.0)
-    meters.invoked([((0, 0), 5)], model=1)
+    meters.invoked([((0, 0), 5, 1)])
     clock.advance(5.0)
     mid = meters.by_model(["a", "b"], lambda layer: 0)  # a read in between changes nothing
     assert mid["a"].gb_s == pytest.approx(1 + 1 + 2.5) and mid["b"].gb_s == pytest.approx(2.5)
@@ -115,7 +115,7 @@ def test_the_split_follows_the_rule_whenever_it_is_read(clock, reads):
     uses = []
     for step, model in enumerate([0, 1, 1, 0, 2, 2, 1]):
         clock.advance(0.5 * (step + 1))
-        meters.invoked([((0, 0), 1)], model=model)
+        meters.invoked([((0, 0), 1, model)])
         uses.append((clock(), model))
         for _ in range(reads if step % 2 else 0):
             meters.by_model(["a", "b", "c"], lambda layer: 0)

@@ -67,6 +67,10 @@ def test_the_host_s_layer_space_maps_equal_keys_to_one_replica(family):
     changed = sum(len(v) for v in CHANGED.values())
     assert len(list(stores.keys())) == layers * spec.num_experts + changed  # each distinct expert once
     assert set(stores.aliases()[(0, 0)]) == {(layers, 0), (2 * layers, 0)}
+    # family addressing: expert (j + 1) x E + e of a layer is model j's expert e of that layer
+    experts = spec.num_experts
+    assert stores.resolve(1, 2 * experts + 3) == (layers + 1, 3) and stores.resolve(layers + 1, experts + 2) == (1, 2)
+    assert stores.has(1, 4 * experts - 1) and not stores.has(1, 4 * experts) and not stores.has(1, -1)
 
 
 def test_two_models_calls_at_once_share_one_replica_each_exact_and_their_gb_s_add_up(family):

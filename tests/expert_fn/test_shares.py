@@ -163,7 +163,7 @@ def test_the_keep_alive_leaves_a_model_s_keep_warm_set_and_a_load_may_still_evic
         table.begin_load(key, 1)
         table.finish_load(key)
         table.acquire(key)
-        meters.invoked([(key, tokens)], model=key[0] // 2)
+        meters.invoked([(key, tokens, key[0] // 2)])
         table.release(key)
     clock.t += 100.0
     assert sorted(table.expire()) == [(0, 0), (2, 0)]  # A's hottest (0, 1) stays; B keeps nothing warm

@@ -176,8 +176,10 @@ def test_one_engine_batches_a_base_and_its_fine_tunes_each_answering_as_its_merg
     models, stores = family
     names = list(models)
     with launch_local_hosts(2, stores, keep_alive_s=60, metrics=False) as group:
-        executors = {name: _executor(group.addresses, name, model) for name, model in models.items()}
-        engine = Engine(tiny_model("mixtral", 0), FamilyExecutor([executors[n] for n in names]), members=names)
+        spec = models["base"].spec
+        clients = [ExpertHostClient(a, timeout_s=30, model="base") for a in group.addresses]
+        executor = FamilyExecutor(clients, PlacementSource(Placement.static(spec.num_layers, spec.num_experts, 2)), names)
+        engine = Engine(tiny_model("mixtral", 0), executor, members=names)
         scheduler = Scheduler(engine)
         asks = [(names[i % 3], f"prompt {i}", 5 + i % 3) for i in range(7)]
         texts: dict[int, list[str]] = {}
@@ -189,5 +191,11 @@ def test_one_engine_batches_a_base_and_its_fine_tunes_each_answering_as_its_merg
             scheduler.step()
         for i, (name, prompt, n) in enumerate(asks):
             assert "".join(texts[i]) == reference_text(models[name], prompt, n), (name, prompt)
-        assert engine.executor.times.layers > 0 and engine.executor.dead_hosts == set()
-        _close(executors)
+        assert executor.times.layers > 0 and executor.dead_hosts == set()
+        assert executor.family.blocks == 4  # the base's own ids, then blocks (j + 1) x E for j = 0 (base), 1, 2
+        for address in group.addresses:  # one call per host carried every model's tokens, each metered as its own
+            with ExpertHostClient(address) as host:
+                parts = host.status()["models"]
+            assert all(parts[name]["tokens"] > 0 for name in names), parts
+        for client in clients:
+            client.close()
