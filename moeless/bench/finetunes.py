@@ -48,7 +48,8 @@ def register(benches: argparse._SubParsersAction) -> None:
         "finetunes", help=BENCHES["finetunes"].help,
         description="Serve a base alone, then the base and its fine-tunes together on the same expert hosts, with "
                     "the same open-loop requests; print the hosts' expert memory, per-model GB·s, throughput, "
-                    "latency and exactness against each merged model alone, with the ratios to the base alone.")
+                    "latency and exactness against each merged model alone, with the ratios to the base alone. --quick: the "
+                    "tiny model, stand-ins, and no run of one engine per model.")
     bench.add_argument("--model", default="default", help="the base: " + MODEL_HELP.split(", or BASE")[0])
     bench.add_argument("--finetune", action="append", default=[], metavar="DIR",
                        help="a fine-tune of the base (repeatable; default: the base's under the cache's finetunes/, "
@@ -72,7 +73,8 @@ def _bench(args: argparse.Namespace) -> int:
                                  args.finetune, hosts=args.hosts, rate=args.rate or (4.0 if args.quick else 1.0),
                                  requests=args.requests or (12 if args.quick else 48),
                                  max_tokens=args.max_tokens or (8 if args.quick else 16),
-                                 prompt_tokens=args.prompt_tokens, share=args.share, seed=args.seed)
+                                 prompt_tokens=args.prompt_tokens, share=args.share, seed=args.seed,
+                                 runs=RUNS[:2] if args.quick else RUNS)
     print_report(result)
     path = write_result(args.out, "finetunes", result)
     if path:
@@ -84,8 +86,8 @@ RUNS = ("base_alone", "one_engine", "engine_per_model")
 
 
 def run_finetunes_bench(model: str = "default", finetunes: Sequence[str] = (), *, share: float = 0.125, seed: int = 0,
-                        **options) -> dict[str, Any]:
-    """The base `model` and its fine-tunes (directories; none: module docstring) through both runs
+                        **options: Any) -> dict[str, Any]:
+    """The base `model` and its fine-tunes (directories; none: module docstring) through the runs
     (`compare`, options: its keywords); returns the figures."""
     # heavy (ray, transformers): kept off --help's start-up path
     from moeless.serving.config import choose_model
@@ -100,9 +102,11 @@ def run_finetunes_bench(model: str = "default", finetunes: Sequence[str] = (), *
 
 
 def compare(choices: Sequence["ModelChoice"], models: Sequence["MoEModel"], *, hosts: int = 2, rate: float = 1.0, requests: int = 48,
-            max_tokens: int = 16, prompt_tokens: int = 64, seed: int = 0, timeout_s: float = 900.0) -> dict[str, Any]:
-    """choices[0] (a ModelChoice, the base) alone, then every choice together, on the same requests;
-    models: each choice's model, loaded (its experts are exported, its answers are the references)."""
+            max_tokens: int = 16, prompt_tokens: int = 64, seed: int = 0, timeout_s: float = 900.0,
+            runs: Sequence[str] = RUNS) -> dict[str, Any]:
+    """choices[0] (a ModelChoice, the base) alone, then every choice together (RUNS: in one engine, in
+    one per model; runs: which, the base alone first), on the same requests; models: each choice's
+    model, loaded (its experts are exported, its answers are the references)."""
     import ray
     from ray import serve
 
@@ -124,13 +128,13 @@ def compare(choices: Sequence["ModelChoice"], models: Sequence["MoEModel"], *, h
     stores = {names[0]: base_store} | {name: Path(export_store(merged[name], name, base=base_store)) for name in names[1:]}
     whole = {name: _store_bytes(root) for name, root in stores.items()}
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, requests)).tolist()
-    runs: dict[str, dict] = {}
+    results: dict[str, dict] = {}
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
-        for run in RUNS:
+        for run in runs:
             served = choices[:1] if run == "base_alone" else choices
             sent = [names[0]] * requests if run == "base_alone" else asked  # the base alone: every request to it
             several = len(served) > 1
@@ -149,7 +153,7 @@ def compare(choices: Sequence["ModelChoice"], models: Sequence["MoEModel"], *, h
                 outcomes = replay(url, sent, prompts, arrivals, max_tokens, timeout_s=timeout_s)
                 checked = [o for o in outcomes if sent[o.index] == asked[o.index]]  # alone: the base's requests
                 differ = [o.index for o in checked if o.error is not None or o.text != reference[o.index]]
-                runs[run] = {**summarize(outcomes), "checked": len(checked), "identical_to_merged_alone":
+                results[run] = {**summarize(outcomes), "checked": len(checked), "identical_to_merged_alone":
                              len(checked) - len(differ), "differ_from_merged_alone": differ,
                              "memory": memory_held(group.addresses),
                              "outcomes": outcomes_json(outcomes)}
@@ -159,8 +163,8 @@ def compare(choices: Sequence["ModelChoice"], models: Sequence["MoEModel"], *, h
         ray.shutdown()
     return {"base": names[0], "finetunes": names[1:], "hosts": hosts, "rate_per_s": rate, "requests": requests,
             "max_tokens": max_tokens, "prompt_tokens": prompt_tokens, "seed": seed,
-            "load_average_1m": os.getloadavg()[0], "expert_bytes_whole_models": whole, "runs": runs,
-            **ratios(runs, whole, names)}
+            "load_average_1m": os.getloadavg()[0], "expert_bytes_whole_models": whole, "runs": results,
+            **ratios(results, whole, names)}
 
 
 def _store_bytes(root: Path) -> int:
