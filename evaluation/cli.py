@@ -74,8 +74,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     d.add_argument("--max-batched-tokens", type=int, default=None, help="the scheduler's token budget per iteration (default 8192)")
     d.add_argument("--max-seqs", type=int, default=None, help="the scheduler's running requests at most (default 256)")
     d.add_argument("--load", type=float, default=None, help="offered tokens / the scheduler's capacity (default 0.8)")
-    sp = p.add_argument_group("shared pool (--shared-pool: several models on one pool of GPUs, three ways, "
-                              "docs/shared-pool.md; takes --geometry, --gpu NAME, --routing moefied|uniform, --keep-alive, "
+    sp = p.add_argument_group("shared pool (--shared-pool: several models on one pool of GPUs, three ways, or with "
+                              "--finetunes N fine-tunes of a base, four ways; docs/shared-pool.md; takes --geometry, --gpu NAME, "
+                              "--routing moefied|uniform, --keep-alive, "
                               "--step-ms, --seed)")
     sp.add_argument("--shared-pool", action="store_true",
                     help="the models of --geometry (default mixtral-8x7b phi-3.5-moe llama-4-scout) on one pool: dedicated "
@@ -88,6 +89,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     sp.add_argument("--keep-warm", type=float, metavar="SHARE", default=0.0,
                     help="share of each layer's experts (the most popular) a model keeps resident while asleep in the "
                          "expert-grain pool, 0..1 (default 0)")
+    sp.add_argument("--finetunes", nargs="+", type=int, metavar="N",
+                    help="instead of several models: N fine-tunes of each --geometry (a base; default mixtral-8x7b "
+                         "deepseek-v2-lite), each base's pool apart, for each N given, four ways: dedicated, whole-model, "
+                         "expert-grain, and shared keys (a replica of an expert the fine-tunes did not change serves them all); "
+                         "--quick: the level 1 request/min alone unless --levels")
+    sp.add_argument("--replaced", nargs="+", type=float, metavar="SHARE",
+                    help="with --finetunes: shares of the base's experts each fine-tune replaces, ESFT-style, in [0, 1) "
+                         "(default 0.05 0.15)")
     add_knob_flags(p)
     p.add_argument("--out", metavar="DIR", default="moeless-eval", help="the run directory (default ./moeless-eval)")
     p.add_argument("--markdown", metavar="FILE", help="also write the report's markdown here (links relative to it)")
@@ -191,6 +200,8 @@ def eval_command(args: argparse.Namespace) -> int:
     from moeless.evaluation.evaluate import evaluate
     from moeless.evaluation.report import render
 
+    if (args.finetunes or args.replaced) and not args.shared_pool:
+        return _fail("eval", "--finetunes and --replaced are for the shared pool: moeless eval --shared-pool --finetunes N ...")
     if args.shared_pool:
         return _shared_pool(args)
     if any(getattr(args, f) is not None for f in DEPLOYMENT_FLAGS):
@@ -252,20 +263,41 @@ def _shared_pool_config(args: argparse.Namespace):
 
 def _shared_pool(args: argparse.Namespace) -> int:
     # heavy (the evaluation pipeline): kept off --help's start-up path
-    from moeless.evaluation.shared_pool_report import render
+    from moeless.evaluation import finetune_report, shared_pool_report
+    from moeless.evaluation.finetune_run import evaluate_finetune_pools
     from moeless.evaluation.shared_pool_run import evaluate_shared_pool
 
-    return _evaluate_and_render(lambda: evaluate_shared_pool(_shared_pool_config(args), args.out), render, args)
+    if args.finetunes is None and args.replaced is None:
+        return _evaluate_and_render(lambda: evaluate_shared_pool(_shared_pool_config(args), args.out),
+                                    shared_pool_report.render, args)
+    return _evaluate_and_render(lambda: evaluate_finetune_pools(_finetune_config(args), args.out),
+                                finetune_report.render, args)
+
+
+def _finetune_config(args: argparse.Namespace):
+    """FineTuneConfig from the flags: the shared pool's, with --geometry naming the bases."""
+    # heavy (the evaluation pipeline): kept off --help's start-up path
+    from moeless.evaluation.deployment import DeploymentError
+    from moeless.evaluation.finetune_run import BASES, FineTuneConfig
+
+    if not args.finetunes:
+        raise DeploymentError("--replaced: give --finetunes N too (how many fine-tunes of each base share its pool)")
+    pool = replace(_shared_pool_config(args), geometries=tuple(args.geometry or BASES))
+    if args.quick and not args.levels:
+        pool = replace(pool, levels=(1.0,))  # the issue's level alone: under a minute
+    return FineTuneConfig(pool, tuple(args.finetunes), tuple(args.replaced or FineTuneConfig.replaced))
 
 
 def report_command(args: argparse.Namespace) -> int:
     # heavy (the evaluation pipeline): kept off --help's start-up path
-    from moeless.evaluation import deployment_report, shared_pool_report
+    from moeless.evaluation import deployment_report, finetune_report, shared_pool_report
     from moeless.evaluation.deployment_run import FORMAT as DEPLOYMENTS
+    from moeless.evaluation.finetune_run import FORMAT as FINETUNES
     from moeless.evaluation.report import render, run_format
     from moeless.evaluation.shared_pool_run import FORMAT as SHARED_POOL
 
-    renderers = {DEPLOYMENTS: deployment_report.render, SHARED_POOL: shared_pool_report.render}
+    renderers = {DEPLOYMENTS: deployment_report.render, SHARED_POOL: shared_pool_report.render,
+                 FINETUNES: finetune_report.render}
     try:
         paths = renderers.get(run_format(args.run_dir), render)(args.run_dir, args.markdown)
     except _errors() as err:

@@ -13,7 +13,9 @@ A cell, in numbered steps:
    the paper's planner, moeless with the forecasts a trace allows (previous iteration, history
    window), moeless with a perfect forecast; the lossless bound (twin/bound.py) per layer and the
    offline reference (twin/reference.py: EPLB on each iteration's own loads, moves free); moeless
-   at a few knob values (memory price, keep-alive) for the recommendation.
+   at a few knob values (memory price, keep-alive) for the recommendation; the frontier
+   (evaluation/frontier.py): time against GB·s for static EP, production EPLB, moeless at four
+   memory prices and full replication.
 Pure given its inputs; the run document (`cell_doc`) holds what the report needs.
 """
 
@@ -28,6 +30,7 @@ from moeless.controller.planning.rules import memory_price
 from moeless.placement.cluster import Cluster
 from moeless.placement.fill_placer import HORIZON
 from moeless.placement.planner import PlannerConfig
+from moeless.evaluation.frontier import frontier_cell
 from moeless.twin.bound import profile_bound, profile_call_bound
 from moeless.twin.chunked import scale_to_load, schedule, split_counts, step_loads
 from moeless.twin.compare import Run, run_all
@@ -115,9 +118,11 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
     neutral = memory_price(replace(knobs, memory_price=None), profile, num_layers, num_experts)
     price = memory_price(knobs, profile, num_layers, num_experts)
     step = float(np.median(np.diff([it.time_s for it in iterations])))
-    base = PlannerConfig(model=profile.latency_model("host"), cv_threshold=knobs.cv_threshold, horizon=life(HORIZON, knobs.keep_alive_s, step),
-                         keep_alive_s=knobs.keep_alive_s, gb_s_price=price, iteration_s=step)
-    settings = TwinSettings(keep_alive_s=knobs.keep_alive_s, distance=d, tier="host")
+    tier = "peer" if "peer" in profile.load_s else "host"  # a copy comes from a GPU that holds the expert
+    base = PlannerConfig(model=profile.latency_model(tier), cv_threshold=knobs.cv_threshold, horizon=life(HORIZON, knobs.keep_alive_s, step),
+                         keep_alive_s=knobs.keep_alive_s, gb_s_price=price, iteration_s=step,
+                         dispatch_s=profile.relevel_s + profile.check_s)
+    settings = TwinSettings(keep_alive_s=knobs.keep_alive_s, distance=d, tier=tier)
     records = run_all([Run(p, f, d) for _, _, p, f in CASES if p.startswith("moeless")] +
                       [Run(p, f, d) for _, _, p, f in CASES if not p.startswith("moeless")],
                       iterations, forecasts, cluster, profile, base, settings, progress)
@@ -133,8 +138,11 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
     budgets = sorted({-(-num_experts // count) * count, max(num_experts, cap // count * count)})
     bound = {"bound": profile_bound(loads, count, profile), "call_bound": profile_call_bound(loads, count, profile),
              "offline": offline_reference(loads, count, profile.latency_model("host"), budgets)}
+    frontier = frontier_cell(iterations, forecasts, cluster, profile, base, settings, neutral,
+                             {"offline": bound["offline"], "bound": bound["bound"]}, progress)
     return cell_doc(iterations, by_key, bound, knob_rows, profile, top_k, {"slots_per_gpu": slots, "distance": d,
-                    "memory_price": price, "neutral_price": neutral, "keep_alive_s": knobs.keep_alive_s})
+                    "memory_price": price, "neutral_price": neutral, "keep_alive_s": knobs.keep_alive_s,
+                    "frontier": frontier})
 
 
 def life(horizon: float, keep_alive_s: float, iteration_s: float) -> float:

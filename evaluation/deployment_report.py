@@ -13,6 +13,7 @@ from pathlib import Path
 
 from moeless.evaluation.deployment import CASES, OWN_FORECAST, PHASES, recommend
 from moeless.evaluation.deployment_run import FORMAT
+from moeless.evaluation.frontier import frontier_rows
 from moeless.evaluation.plots import _figure as figure, _save
 from moeless.evaluation.report import load_run, notes_section, rows_csv, write_markdown, write_text
 
@@ -74,7 +75,8 @@ def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path
     written = [write_text(run_dir / "deployments.csv", rows_csv(table)),
                write_text(run_dir / "report.json", json.dumps({"format": "moeless-deployments-report/1", "command": run["command"],
                                                             "rows": table, "acceptance": accept}, indent=1, sort_keys=True) + "\n"),
-               _figure(run, run_dir / "gain-by-batch-tokens.png")]
+               _figure(run, run_dir / "gain-by-batch-tokens.png"), _frontier_figure(run, run_dir / "frontier.png"),
+               write_text(run_dir / "frontier.csv", rows_csv([r for c in run["cells"] for r in frontier_rows(c)]))]
     body = _markdown(run, table, accept) + notes_section(run_dir)
     return write_markdown(run_dir, body, markdown) + written
 
@@ -147,8 +149,54 @@ def _markdown(run: dict, table: list[dict], accept: list[dict]) -> str:
             "1 - moeless (history window) / static EP, MoE-layer time per iteration binned by the batch's tokens; serial "
             "execution, resident billing. The dashed line is the knee in batch tokens: per-call cost / per-token cost "
             "(tokens per call at which a weight read equals the tokens' compute) x E / k, where an average expert reaches it.\n"]
+    out += _frontier(cells)
     out += _paper(cells) + _notes(accept, cells)
     return "\n".join(out) + "\n"
+
+
+def _frontier(cells: list[dict]) -> list[str]:
+    """Per cell: each point's time and GB·s against static EP's, per phase, and its share of the bound's gain."""
+    out = ["## The frontier: MoE-layer time against expert GB·s\n",
+           "Per cell and phase, each way of spending memory (evaluation/frontier.py), every cost paid: mean MoE-layer "
+           "time / static EP's, expert GB·s (resident) / static EP's, and the share of the lossless bound's gain it "
+           "reaches. What each extra GB buys is read across a row of points. [frontier.csv](RUN/frontier.csv), "
+           "![frontier](RUN/frontier.png)\n",
+           "| model | GPUs | workload | point | prefill: time, GB·s, share | decode: time, GB·s, share |", "|---|---|---|---|---|---|"]
+    for c in cells:
+        rows = frontier_rows(c)
+        for key in c["frontier"]:
+            sel = {r["phase"]: r for r in rows if r["point"] == key}
+            cols = []
+            for p in PHASES:
+                r = sel.get(p)
+                cols.append("-" if r is None else f"{_pct(r['vs_static'])}, "
+                            + ("-" if r["gb_s_vs_static"] is None else f"{r['gb_s_vs_static']:.2f}x") + ", "
+                            + ("-" if r["share_of_bound_gain"] is None else f"{100 * r['share_of_bound_gain']:.0f}%"))
+            out.append(f"| {c['model']} | {c['count']}x{c['gpu']} | {c['workload']} | {c['frontier'][key]['label']} | "
+                       + " | ".join(cols) + " |")
+    return out + [""]
+
+
+def _frontier_figure(run: dict, path: Path) -> Path:
+    """One panel per cell: time / static EP's against GB·s / static EP's, prefill and decode."""
+    cells = run["cells"]
+    plt, fig, axes = figure(max(len(cells), 1))
+    for ax, c in zip(axes[0], cells):
+        for p, marker in zip(PHASES, ("o", "s")):
+            pts = [r for r in frontier_rows(c) if r["phase"] == p and r["gb_s_vs_static"] is not None]
+            ax.scatter([r["gb_s_vs_static"] for r in pts], [r["vs_static"] for r in pts], marker=marker, label=p, s=18)
+            for r in pts:
+                ax.annotate(r["point"], (r["gb_s_vs_static"], r["vs_static"]), fontsize=5)
+            bound = [r for r in frontier_rows(c) if r["phase"] == p and r["point"] == "bound"]
+            if bound:
+                ax.axhline(bound[0]["vs_static"], linestyle=":", linewidth=1, color="grey")
+        ax.set_xscale("log")
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.set_title(f"{c['model']}, {c['count']}x{c['gpu']}, {c['workload']}", fontsize=8)
+        ax.set_xlabel("expert GB·s / static EP's")
+        ax.set_ylabel("MoE-layer time / static EP's")
+        ax.legend(fontsize=6)
+    return _save(plt, fig, path)
 
 
 def _paper(cells: list[dict]) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeless.twin.twin import EXECUTIONS, GB, TwinRecord
+from moeless.twin.record import EXECUTIONS, GB, TwinRecord
 
 PHASES = ("prefill", "decode", "all")
 CDF_POINTS = 101  # percentiles 0..100 of the layer time kept per phase and execution model

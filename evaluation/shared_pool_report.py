@@ -1,11 +1,13 @@
 """Render a `moeless eval --shared-pool` run (shared_pool_run.py): report.md, shared-pool.csv,
-report.json and gpu-seconds.png, the same bytes from the same run.json."""
+report.json and gpu-seconds.png, the same bytes from the same run.json; a fine-tunes' run in
+RUN_DIR/finetunes (finetune_report.py) becomes the report's last section."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from moeless.evaluation import finetune_report
 from moeless.evaluation.plots import _figure as figure, _save
 from moeless.evaluation.report import load_run, notes_section, rows_csv, write_markdown, write_text
 from moeless.evaluation.shared_pool_run import FORMAT
@@ -25,7 +27,8 @@ def render(run_dir: str | Path, markdown: str | Path | None = None) -> list[Path
                write_text(run_dir / "report.json", json.dumps({"format": "moeless-shared-pool-report/1", "command": run["command"],
                                                             "rows": table, "acceptance": checks}, indent=1, sort_keys=True) + "\n"),
                _plot(run, run_dir / "gpu-seconds.png")]
-    body = _markdown(run, checks) + notes_section(run_dir)
+    body = (_markdown(run, checks) + notes_section(run_dir)
+            + finetune_report.section(run_dir / finetune_report.SUBDIR, f"RUN/{finetune_report.SUBDIR}"))
     return write_markdown(run_dir, body, markdown) + written
 
 

@@ -53,14 +53,14 @@ class SharedPoolConfig:
     routing_prompts: int = 24
     routing_tokens: int = 32
 
-    def command(self, out: str) -> str:
-        """The `moeless eval` command line that replays this run."""
+    def command(self, out: str, extra: tuple[str, ...] = ()) -> str:
+        """The `moeless eval` command line that replays this run (`extra`: more flags, before --out)."""
         s = self.settings
         args = ["moeless", "eval", "--shared-pool", "--geometry", *self.geometries, "--gpu", self.gpu,
                 "--levels", *(f"{x:g}" for x in self.levels), "--routing", self.routing, "--horizon", f"{s.horizon_s:g}",
                 "--idle-delay", f"{s.idle_delay_s:g}", "--keep-alive", f"{s.keep_alive_s:g}",
                 "--step-ms", f"{s.step_s * 1e3:g}", "--seed", s.seed,
-                *(["--keep-warm", f"{s.keep_warm:g}"] if s.keep_warm else []), "--out", out]
+                *(["--keep-warm", f"{s.keep_warm:g}"] if s.keep_warm else []), *extra, "--out", out]
         return " ".join(shlex.quote(str(a)) for a in args)
 
 

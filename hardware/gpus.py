@@ -17,6 +17,10 @@ from dataclasses import dataclass
 
 GB = 1e9
 TFLOPS = 1e12
+NODE_GPUS = 8  # GPUs of one node (HGX/DGX: 8 on one NVSwitch); more GPUs span nodes
+# Between nodes, each GPU's own NIC: 400 Gb/s (InfiniBand NDR / ConnectX-7 per GPU in a DGX H100,
+# https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html), one way.
+NETWORK_BW = 400e9 / 8
 LINKS = ("nvswitch", "nvlink-pairs", "pcie")
 
 
@@ -43,18 +47,29 @@ class GpuSpec:
 
     def all_to_all_bw(self, count: int) -> float:
         """Bytes/s one GPU sends in an all-to-all over `count` GPUs, traffic spread evenly over peers.
-
-        nvswitch: the NVLink bandwidth to all peers. pcie: the PCIe bandwidth. nvlink-pairs (the
-        paper's A6000s): 1/(count-1) of the traffic goes to the bridged peer over NVLink while the
-        rest shares PCIe, in parallel; the slower part sets the time."""
+        nvswitch: the NVLink bandwidth to the peers of its node (NODE_GPUS) and the network
+        (NETWORK_BW) to the others, in parallel; the slower part sets the time. pcie: the PCIe
+        bandwidth. nvlink-pairs (the paper's A6000s): 1/(count-1) of the traffic goes to the
+        bridged peer over NVLink while the rest shares PCIe, in parallel."""
         if count < 1:
             raise GpuError(f"a deployment needs at least one GPU, got {count}")
-        if count == 1 or self.link == "nvswitch":
+        if count == 1 or self.link == "pcie":
             return self.link_bw if self.link != "pcie" else self.pcie_bw
-        if self.link == "pcie":
-            return self.pcie_bw
+        if self.link == "nvswitch":
+            near = min(count, NODE_GPUS) - 1
+            return 1 / max(near / (count - 1) / self.link_bw, (count - 1 - near) / (count - 1) / NETWORK_BW)
         peer = 1 / (count - 1)
         return 1 / max(peer / self.link_bw, (1 - peer) / self.pcie_bw)
+
+    def peer_copy_bw(self, count: int) -> float:
+        """Bytes/s of one expert copied from a GPU that holds it (BlitzScale's scale-out): over
+        NVLink inside a node (a holder there: every expert's home is in its node when count <= 8,
+        else the network), over PCIe where there is no NVLink."""
+        if self.link == "pcie" or self.link_bw <= 0:
+            return self.pcie_bw
+        if self.link == "nvlink-pairs":
+            return self.pcie_bw if count > 2 else self.link_bw
+        return self.link_bw if count <= NODE_GPUS else NETWORK_BW
 
 
 GPUS: dict[str, GpuSpec] = {s.name.lower(): s for s in (

@@ -16,7 +16,7 @@ are sent. So, per layer call, with the loads W [E] and the resident replicas (ex
    tokens there (its call moves too), or a split that evens the pair, made only of an expert
    whose tokens there pass the knee (c / alpha: below it a call's fixed cost dominates, and a
    split doubles it). Stops when no move lowers the busiest GPU.
-3. The start with the least serial layer time wins (`kernels.serial_time`: busiest GPU's alpha x
+3. The start with the least serial layer time wins (kernels.serial_time's rule: busiest GPU's alpha x
    tokens + c per call with tokens, plus 2 beta x the most tokens a GPU receives); ties go to the
    earlier start, so the plan's shares and static EP's split are never beaten by a worse pairing.
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeless.placement.kernels import compiled, largest_remainder, serial_time
+from moeless.placement.kernels import compiled, largest_remainder
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import LayerPlacement
 
@@ -46,17 +46,26 @@ def pair_tokens(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, nu
     load: [E] whole tokens per expert -> the same replicas (expert, gpu), new shares; one replica per
     expert comes back as it is (nothing to choose)."""
     tokens = np.asarray(load, dtype=np.int64)
-    num_experts = tokens.shape[0]
-    if layer.num_replicas == num_experts:
+    if layer.num_replicas == tokens.shape[0]:
         return layer
-    counts = pair_counts(tokens, layer.expert, layer.gpu, layer.share, num_gpus, model.alpha, model.call_overhead,
-                         model.beta)
-    share = np.divide(counts, tokens[layer.expert], out=np.zeros(layer.num_replicas), where=tokens[layer.expert] > 0)
-    missing = np.bincount(layer.expert, weights=share, minlength=num_experts) == 0
-    if missing.any():  # an expert without tokens routes to its first replica
-        _, first = np.unique(layer.expert, return_index=True)
-        share[first[missing]] = 1.0
-    return LayerPlacement(layer.expert, layer.gpu, share)
+    return LayerPlacement(layer.expert, layer.gpu, pair_shares(tokens, layer.expert, layer.gpu, layer.share, num_gpus,
+                                                               model.alpha, model.call_overhead, model.beta))
+
+
+@compiled
+def pair_shares(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
+    """pair_counts as shares [R]: each replica's fraction of its expert's tokens; an expert without
+    tokens routes to its first replica."""
+    counts = _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta)[0]
+    out = np.zeros(expert.shape[0])
+    routed = np.zeros(tokens.shape[0], np.bool_)
+    for r in range(expert.shape[0]):
+        e = expert[r]
+        if tokens[e] > 0:
+            out[r] = counts[r] / tokens[e]
+        elif not routed[e]:
+            out[r], routed[e] = 1.0, True
+    return out
 
 
 @compiled
@@ -75,42 +84,60 @@ def paired_seconds(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
 @compiled
 def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
     num_replicas, num_experts = expert.shape[0], tokens.shape[0]
-    start, members = _by_expert(expert, gpu, num_experts, num_gpus)
+    start, members, owner, at = _by_expert(expert, gpu, num_experts, num_gpus)
     flexible = np.flatnonzero(start[1:] - start[:-1] > 1)
     knee = call / alpha if alpha > 0 else 0.0
     best = largest_remainder(tokens, expert, share)  # a.
-    _improve(best, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee)
-    best_s = serial_time(tokens, expert, gpu, _as_share(best, tokens, expert), num_gpus, alpha, call, beta)
+    for r in range(num_replicas):  # a twin's tokens to the one replica of its (expert, GPU)
+        if owner[r] != r:
+            best[owner[r]] += best[r]
+            best[r] = 0
+    _improve(best, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee)
+    best_s = _seconds(best, gpu, num_gpus, alpha, call, beta)
     for kind in range(2):  # b. home, c. whole experts to the least loaded holder
         counts = _home(tokens, expert, start, members, num_replicas) if kind == 0 else \
             _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_replicas)
-        _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee)
-        seconds = serial_time(tokens, expert, gpu, _as_share(counts, tokens, expert), num_gpus, alpha, call, beta)
+        _improve(counts, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee)
+        seconds = _seconds(counts, gpu, num_gpus, alpha, call, beta)
         if seconds < best_s - EPSILON_S:
             best, best_s = counts, seconds
     return best, best_s
 
 
 @compiled
+def _seconds(counts, gpu, num_gpus, alpha, call, beta):
+    """The serial layer time of whole tokens per replica (kernels.serial_time's rule, from counts)."""
+    tokens = np.zeros(num_gpus, np.int64)
+    work = np.zeros(num_gpus)
+    for r in range(counts.shape[0]):
+        if counts[r] > 0:
+            tokens[gpu[r]] += counts[r]
+            work[gpu[r]] += call + alpha * counts[r]
+    return work.max() + 2.0 * beta * tokens.max()
+
+
+@compiled
 def _by_expert(expert, gpu, num_experts, num_gpus):
     """Each expert's replicas, one per GPU (the first listed there), in listed order: members
-    [start[e]:start[e + 1]] are replica indices (CSR)."""
-    seen = np.zeros((num_experts, num_gpus), np.bool_)
-    keep = np.zeros(expert.shape[0], np.bool_)
+    [start[e]:start[e + 1]] are replica indices (CSR); owner [R]: the member each replica's
+    (expert, GPU) is (an expert twice on one GPU, as EPLB's packing can do, is one replica there);
+    at [E, G]: the member of (expert, GPU), or -1."""
+    first = np.full((num_experts, num_gpus), -1, np.int64)
+    owner = np.empty(expert.shape[0], np.int64)
     size = np.zeros(num_experts + 1, np.int64)
     for r in range(expert.shape[0]):
-        if not seen[expert[r], gpu[r]]:
-            seen[expert[r], gpu[r]] = True
-            keep[r] = True
+        if first[expert[r], gpu[r]] < 0:
+            first[expert[r], gpu[r]] = r
             size[expert[r] + 1] += 1
+        owner[r] = first[expert[r], gpu[r]]
     start = np.cumsum(size)
     fill = start[:-1].copy()
     members = np.empty(start[-1], np.int64)
     for r in range(expert.shape[0]):
-        if keep[r]:
+        if owner[r] == r:
             members[fill[expert[r]]] = r
             fill[expert[r]] += 1
-    return start, members
+    return start, members, owner, first
 
 
 @compiled
@@ -149,11 +176,11 @@ def _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_repli
 
 
 @compiled
-def _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, knee):
+def _improve(counts, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee):
     """Step 2, in place on counts [R]: moves off the busiest GPU while one lowers it (only experts
     held on two GPUs or more can move: `flexible`)."""
     work = np.zeros(num_gpus)
-    for r in range(expert.shape[0]):
+    for r in range(gpu.shape[0]):
         if counts[r] > 0:
             work[gpu[r]] += call + alpha * counts[r]
     for _ in range(4 * (flexible.shape[0] + num_gpus)):
@@ -162,37 +189,27 @@ def _improve(counts, tokens, expert, gpu, start, members, flexible, num_gpus, al
         best, src, dst, moved = most, -1, -1, 0
         for f in range(flexible.shape[0]):
             e = flexible[f]
-            for i in range(start[e], start[e + 1]):
-                r = members[i]
-                if gpu[r] != top or counts[r] == 0:
+            r = at[e, top]
+            if r < 0 or counts[r] == 0:
+                continue
+            have = counts[r]
+            for j in range(start[e], start[e + 1]):
+                q = members[j]
+                if q == r:
                     continue
-                have = counts[r]
-                for j in range(start[e], start[e + 1]):
-                    q = members[j]
-                    if q == r:
-                        continue
-                    extra = call if counts[q] == 0 else 0.0
-                    after = max(most - call - alpha * have, work[gpu[q]] + extra + alpha * have)  # all of it
-                    part = have
-                    even = int(np.floor((most - work[gpu[q]] - extra) / (2.0 * alpha))) if alpha > 0 else 0
-                    if have > knee and 0 < even < have:  # a split, only of tokens past the knee
-                        split = max(most - alpha * even, work[gpu[q]] + extra + alpha * even)
-                        if split < after:
-                            after, part = split, even
-                    if after < best - EPSILON_S:
-                        best, src, dst, moved = after, r, q, part
+                extra = call if counts[q] == 0 else 0.0
+                after = max(most - call - alpha * have, work[gpu[q]] + extra + alpha * have)  # all of it
+                part = have
+                even = int(np.floor((most - work[gpu[q]] - extra) / (2.0 * alpha) + 1e-6)) if alpha > 0 else 0  # rounding
+                if have > knee and 0 < even < have:  # a split, only of tokens past the knee
+                    split = max(most - alpha * even, work[gpu[q]] + extra + alpha * even)
+                    if split < after:
+                        after, part = split, even
+                if after < best - EPSILON_S:
+                    best, src, dst, moved = after, r, q, part
         if src < 0:
             return
         work[gpu[src]] -= alpha * moved + (call if moved == counts[src] else 0.0)
         work[gpu[dst]] += alpha * moved + (call if counts[dst] == 0 else 0.0)
         counts[src] -= moved
         counts[dst] += moved
-
-
-@compiled
-def _as_share(counts, tokens, expert):
-    share = np.zeros(expert.shape[0])
-    for r in range(expert.shape[0]):
-        if tokens[expert[r]] > 0:
-            share[r] = counts[r] / tokens[expert[r]]
-    return share

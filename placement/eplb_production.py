@@ -32,10 +32,6 @@ from moeless.placement.cluster import Cluster
 from moeless.placement.eplb import rebalance_experts
 from moeless.placement.types import Placement, PlacementError
 
-PERIOD = 1000  # iterations between rebalances (SGLang's --eplb-rebalance-num-iterations default)
-FIRST = 50  # iterations of statistics before the first rebalance
-
-
 def production_replicas(num_experts: int, redundant: int, num_gpus: int) -> int:
     """Replicas per layer: E + N rounded up to a multiple of the GPUs."""
     if redundant < 0:
@@ -43,24 +39,27 @@ def production_replicas(num_experts: int, redundant: int, num_gpus: int) -> int:
     return -(-(num_experts + redundant) // num_gpus) * num_gpus
 
 
-def production_eplb(redundant: int, period: int = PERIOD, first: int = FIRST) -> Callable:
+def production_eplb() -> Callable:
     """A fresh stateful plan function (forecast, cluster, previous, config) -> Placement: EPLB with
-    `redundant` copies per layer, rebalanced after `first` iterations and then every `period` on
-    the loads summed since the last rebalance (module docstring)."""
-    if period < 1 or first < 1:
-        raise ValueError(f"period and first must be >= 1 iteration, got {period}, {first}")
-    state: dict = {"calls": 0, "window": None, "plan": None, "next": first}
+    config.eplb_redundant copies per layer (None: E / 8), rebalanced after eplb_first_rebalance
+    iterations and then every eplb_rebalance_every on the loads summed since the last rebalance
+    (module docstring)."""
+    state: dict = {"calls": 0, "window": None, "plan": None, "next": None}
 
     def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config) -> Placement:
         num_layers, num_experts = forecast.shape
+        redundant = num_experts // 8 if config.eplb_redundant is None else config.eplb_redundant
         replicas = production_replicas(num_experts, redundant, cluster.num_gpus)
+        if config.eplb_rebalance_every < 1 or config.eplb_first_rebalance < 1:
+            raise ValueError(f"EPLB rebalances every >= 1 iteration, after >= 1; got {config.eplb_rebalance_every}, "
+                             f"{config.eplb_first_rebalance}")
         state["window"] = forecast.copy() if state["window"] is None else state["window"] + forecast
         if state["plan"] is None:
-            state["plan"] = _eplb(np.ones_like(forecast), replicas, cluster)
+            state["plan"], state["next"] = _eplb(np.ones_like(forecast), replicas, cluster), config.eplb_first_rebalance
         if state["calls"] == state["next"]:
             state["plan"] = _eplb(state["window"], replicas, cluster)
             state["window"] = np.zeros_like(forecast)
-            state["next"] += period
+            state["next"] += config.eplb_rebalance_every
         state["calls"] += 1
         return state["plan"]
 

@@ -9,6 +9,6 @@ PLANNER_NAMES = (
     DEFAULT_PLANNER, "paper", "static", "eplb", "eplb-global", "oracle",
     "moeless-no-scaler", "moeless-no-placer", "moeless-no-scaler-no-placer", "moeless-cold", "moeless-free-memory",
     "moeless-fill", "moeless-fill-no-scaler", "moeless-fill-cold", "moeless-greedy",
-    "paper-no-scaler", "paper-no-placer", "paper-no-scaler-no-placer",
-    "eplb-window",
+    "paper-no-scaler", "paper-no-placer", "paper-no-scaler-no-placer", "moeless-sets", "full-replication",
+    "eplb-window", "eplb-production",
 )

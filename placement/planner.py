@@ -19,7 +19,6 @@ both parts off together: moeless-no-scaler-no-placer, paper-no-scaler-no-placer.
 from __future__ import annotations
 
 import importlib
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,13 +26,16 @@ import numpy as np
 
 from moeless.placement.scaler import cv_below, greedy_scale, straggler_within, with_dead_band
 from moeless.placement.cluster import Cluster
-from moeless.placement.eplb import rebalance_experts
 from moeless.placement.names import DEFAULT_PLANNER
 from moeless.placement.oracle import oracle_load
 from moeless.placement.placer import place_jsq_warm, place_round_robin
 from moeless.placement.planner_config import PlannerConfig
+from moeless.placement.eplb_planners import check_memory, plan_eplb, plan_eplb_window
+from moeless.placement.eplb_production import production_eplb
 from moeless.placement.fill_placer import place_fill
+from moeless.placement.full_replication import plan_full_replication
 from moeless.placement.priced_placer import place_priced
+from moeless.placement.replica_sets import choose_replicas
 from moeless.placement.resident_planner import ReplicaCost, place_resident
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
@@ -65,19 +67,25 @@ class Planner:
         """Whether the data plane re-levels this planner's shares on each layer's actual loads."""
         return relevels(self.name)
 
+    @property
+    def samples(self) -> bool:
+        """Whether it plans on samples of the batches to come ([B, L, E]) rather than one forecast."""
+        return self.name in SAMPLE_PLANNERS
+
 
 def relevels(planner_name: str) -> bool:
-    """Whether serving replicas re-level shares over the published replicas on each layer's actual
-    loads: moeless's planners plan the resident set and leave the shares to the data plane; the
-    baselines (static EP, EPLB, the paper, the Oracle) keep their own shares."""
-    return planner_name.startswith("moeless")
+    """Whether serving replicas pair each layer call's tokens with the published replicas on its
+    actual loads (placement/dispatch.py): moeless's planners plan the resident set and leave the
+    shares to the data plane, and so does full replication; the baselines (static EP, EPLB, the
+    paper, the Oracle) keep their own shares."""
+    return planner_name.startswith("moeless") or planner_name == "full-replication"
 
 
 def check_forecast(forecast: np.ndarray) -> np.ndarray:
-    """forecast: [L, E] non-negative finite token counts, as float64."""
+    """forecast: [L, E] (or [B, L, E] samples of the batches to come) non-negative finite token counts, as float64."""
     forecast = np.asarray(forecast, dtype=np.float64)
-    if forecast.ndim != 2 or 0 in forecast.shape:
-        raise ValueError(f"a forecast must be [L, E] with L, E >= 1; got shape {forecast.shape}")
+    if forecast.ndim not in (2, 3) or 0 in forecast.shape:
+        raise ValueError(f"a forecast must be [L, E] (or [B, L, E] samples) with L, E >= 1; got shape {forecast.shape}")
     if not np.isfinite(forecast).all() or (forecast < 0).any():
         raise ValueError("forecast loads must be finite, non-negative token counts")
     return forecast
@@ -86,9 +94,10 @@ def check_forecast(forecast: np.ndarray) -> np.ndarray:
 def plan_layers(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, plan_layer: LayerPlan) -> Placement:
     """Plan every layer in turn; later layers get the memory earlier ones left.
 
-    forecast: [L, E]; previous: the placement now resident (its replicas are warm), or None.
+    forecast: [L, E] (or [L, B, E]: a layer's samples); previous: the placement now resident (its
+    replicas are warm), or None.
     """
-    num_layers, num_experts = forecast.shape
+    num_layers, num_experts = forecast.shape[0], forecast.shape[-1]
     cluster.check_fits(num_layers, num_experts)
     if previous is not None and (previous.num_layers, previous.num_experts) != (num_layers, num_experts):
         raise PlacementError(
@@ -207,59 +216,34 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
     return plan
 
 
+def _sets() -> PlanFn:
+    """moeless-sets: each layer's copies chosen for dispatch room per GB on samples of the batches
+    to come (placement/replica_sets.py), homes and resident copies kept; the data plane pairs each
+    call's tokens with them. A single forecast [L, E] is one sample."""
+
+    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+        if config.model is None:
+            raise ValueError("moeless's planner needs a latency model: PlannerConfig(model=LatencyModel(...))")
+        samples = forecast if forecast.ndim == 3 else forecast[None]
+        costs = iter([ReplicaCost(config.model, min(config.prefetch_layers, l), cluster.expert_bytes, config.keep_alive_s,
+                                  config.gb_s_price, config.horizon, config.iteration_s)
+                      for l in range(samples.shape[1])])
+
+        def plan_layer(layer_samples, free, before, budget):
+            layer, left, _ = choose_replicas(layer_samples, free, before, next(costs), budget, config.dispatch_s)
+            return layer, left
+
+        return plan_layers(samples.transpose(1, 0, 2), cluster, previous, plan_layer)
+
+    return plan
+
+
 def plan_static(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
     """Static EP (Megatron-LM): one replica per expert in contiguous blocks; ignores loads."""
     num_layers, num_experts = forecast.shape
     placement = Placement.static(num_layers, num_experts, cluster.num_gpus)
-    _check_memory(placement, cluster)
+    check_memory(placement, cluster)
     return placement
-
-
-def _plan_eplb(global_only: bool) -> PlanFn:
-    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
-        """DeepSeek's EPLB on the forecast, with config.eplb_replicas replicas per layer."""
-        num_experts, num_gpus = forecast.shape[1], cluster.num_gpus
-        replicas = config.eplb_replicas or -(-num_experts // num_gpus) * num_gpus
-        groups, nodes = (1, 1) if global_only else (config.eplb_groups, config.eplb_nodes)
-        phy2log, _, _ = rebalance_experts(forecast, replicas, groups, nodes, num_gpus)
-        placement = Placement.from_eplb(phy2log, num_experts, num_gpus)
-        _check_memory(placement, cluster)
-        return placement
-
-    return plan
-
-
-def _plan_eplb_window() -> PlanFn:
-    """A fresh stateful EPLB that only sees past loads (one per Planner: it keeps a history and its plan)."""
-    history: deque[np.ndarray] = deque()
-    calls = [0]
-    last: list[Placement] = []
-    eplb = _plan_eplb(global_only=False)
-
-    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
-        """EPLB re-planned every eplb_period calls from the summed loads of the last eplb_window
-        calls; before any history it balances uniform loads. Between re-plans it keeps its own
-        last plan (what is resident may hold more)."""
-        due = calls[0] % config.eplb_period == 0 or not last
-        window = np.sum(history, axis=0) if history else np.ones_like(forecast)
-        calls[0] += 1
-        history.append(forecast)
-        while len(history) > config.eplb_window:
-            history.popleft()
-        if due:
-            last[:] = [eplb(window, cluster, previous, config)]
-        return last[0]
-
-    return plan
-
-
-def _check_memory(placement: Placement, cluster: Cluster) -> None:
-    held = np.zeros(cluster.num_gpus, dtype=np.int64)
-    for layer in placement.layers:
-        held += np.bincount(layer.gpu, minlength=cluster.num_gpus)
-    over = np.flatnonzero(held > cluster.slots())
-    if over.size:
-        raise PlacementError(f"GPUs {over.tolist()} cannot hold their replicas ({held[over].tolist()} > {cluster.slots()[over].tolist()} slots)")
 
 
 # Every planner by name, in four groups: the default; the baselines it is measured against (the
@@ -270,8 +254,8 @@ PLANNERS: dict[str, PlanFn] = {
     DEFAULT_PLANNER: _resident(),
     "paper": _layered("cv", "warm"),
     "static": plan_static,
-    "eplb": _plan_eplb(global_only=False),
-    "eplb-global": _plan_eplb(global_only=True),
+    "eplb": plan_eplb(global_only=False),
+    "eplb-global": plan_eplb(global_only=True),
     "oracle": plan_static,
     "moeless-no-scaler": _resident(additions=False),
     "moeless-no-placer": _resident(placer="off"),
@@ -285,11 +269,24 @@ PLANNERS: dict[str, PlanFn] = {
     "paper-no-scaler": _layered("off", "warm"),
     "paper-no-placer": _layered("cv", "off"),
     "paper-no-scaler-no-placer": _layered("off", "off"),
+    "moeless-sets": _sets(),
+    "full-replication": plan_full_replication,
 }
+SAMPLE_PLANNERS = frozenset({"moeless-sets"})
 
 
 # Planners with state: a fresh plan function per get_planner call.
-STATEFUL_PLANNERS: dict[str, Callable[[], PlanFn]] = {"eplb-window": _plan_eplb_window}
+STATEFUL_PLANNERS: dict[str, Callable[[], PlanFn]] = {"eplb-window": plan_eplb_window, "eplb-production": production_eplb}
+
+
+def initial_placement(planner: Planner, cluster: Cluster, num_layers: int, num_experts: int) -> Placement:
+    """What a deployment has loaded before its first request: the planner's own layout where it
+    keeps a fixed one (full replication; production EPLB's first, for even loads), else static EP's."""
+    if planner.name == "full-replication":
+        return plan_full_replication(np.zeros((num_layers, num_experts)), cluster, None, planner.config)
+    if planner.name == "eplb-production":
+        return production_eplb()(np.ones((num_layers, num_experts)), cluster, None, planner.config)
+    return Placement.static(num_layers, num_experts, cluster.num_gpus)
 
 
 def get_planner(spec: str, config: PlannerConfig | None = None) -> Planner:

@@ -31,7 +31,12 @@ class PlannerConfig:
     eplb_replicas: EPLB's replicas per layer (default: the smallest multiple of G >= E);
     eplb_groups / eplb_nodes: EPLB's expert groups and nodes (hierarchical packing);
     eplb_window / eplb_period: "eplb-window" re-plans every period iterations from the loads of
-    the last window iterations (DeepSeek's usage; never the current iteration's loads).
+    the last window iterations (DeepSeek's usage; never the current iteration's loads);
+    dispatch_s: what each call of a layer with copies pays the data plane (its pairing and the
+    check whether it pays; the cost profile's relevel_s + check_s): moeless-sets prices it;
+    eplb_redundant / eplb_rebalance_every / eplb_first_rebalance: "eplb-production" (production
+    EPLB: eplb_production.py): redundant experts per layer (None: E / 8), iterations between
+    rebalances, iterations of statistics before the first.
     """
 
     model: LatencyModel | None = None
@@ -51,3 +56,7 @@ class PlannerConfig:
     eplb_nodes: int = 1
     eplb_window: int = 10
     eplb_period: int = 10
+    dispatch_s: float = 0.0
+    eplb_redundant: int | None = None
+    eplb_rebalance_every: int = 1000
+    eplb_first_rebalance: int = 50

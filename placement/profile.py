@@ -6,7 +6,8 @@ required; a missing or bad one is one clear error naming the file and the field.
 
     {"alpha": s/token, "beta": s/token, "call_overhead": s/call,
      "load_s": {"disk": s, "host": s},   # one replica's load: from the weight store (read, sha256,
-                                         # copy) and from the host memory tier (a copy)
+                                         # copy) and from the host memory tier (a copy); optional
+                                         # "peer": copied from a GPU that holds it
      "expert_bytes": bytes, "non_expert_bytes": bytes,
      "relevel_s": s,                     # a serving replica re-levelling one layer's shares over its
                                          # replicas on the actual loads (moeless's data plane)
@@ -27,6 +28,7 @@ from moeless.placement.latency_model import LatencyModel
 from moeless.core.json_file import read_json
 
 TIERS = ("disk", "host")
+OPTIONAL_TIERS = ("peer",)  # a copy from a GPU that holds the expert (roofline profiles have it)
 FIELDS = {
     "alpha": "seconds per token through one expert",
     "beta": "seconds per token moved one way",
@@ -105,10 +107,11 @@ class CostProfile:
         loads = doc["load_s"]
         if not isinstance(loads, dict) or set(TIERS) - set(loads):
             raise ProfileError(f"{where}: load_s must give seconds for every tier {list(TIERS)}, got {loads!r}")
-        for tier in TIERS:
+        tiers = [*TIERS, *(t for t in OPTIONAL_TIERS if t in loads)]
+        for tier in tiers:
             _check_number(loads[tier], f"{where}: load_s.{tier}")
         return CostProfile(float(doc["alpha"]), float(doc["beta"]), float(doc["call_overhead"]),
-                           {t: float(loads[t]) for t in TIERS}, int(doc["expert_bytes"]), int(doc["non_expert_bytes"]),
+                           {t: float(loads[t]) for t in tiers}, int(doc["expert_bytes"]), int(doc["non_expert_bytes"]),
                            float(doc["relevel_s"]), str(doc["source"]), None if check is None else float(check))
 
     @staticmethod

@@ -15,7 +15,8 @@ recent loads and the forecast):
 3. Greedy in steps: the LOOKAHEAD best-scored candidates are added in a row and each prefix timed
    exactly (the mean paired time over the samples); the prefix whose gain over the horizon beats
    its price by the most is kept (`ReplicaCost.cost`: the part of each load that prefetching
-   cannot hide, and the GB·s it will hold, priced). A prefix, since several GPUs can tie as the
+   cannot hide, and the GB·s it will hold, priced; the first copy also makes every call pay the
+   data plane's pairing, `dispatch_s`). A prefix, since several GPUs can tie as the
    straggler and below the knee experts only move whole: one copy alone may gain nothing. Stop
    when no prefix pays, or at the budget or the slots.
 4. The plan: homes with share 1, copies with share 0 (the data plane's pairing gives them tokens).
@@ -37,7 +38,8 @@ import numpy as np
 from moeless.placement.dispatch import _pair
 from moeless.placement.kernels import compiled
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.resident_planner import GAIN_EPSILON_S, ReplicaCost, _base
+from moeless.placement.resident_planner import ReplicaCost, _base
+from moeless.placement.shares import GAIN_EPSILON_S
 from moeless.placement.types import LayerPlacement, PlacementError
 
 LOOKAHEAD = 4  # best-scored candidates timed exactly per step before the set stops growing
@@ -55,10 +57,12 @@ class SetDecision:
 
 
 def choose_replicas(samples: np.ndarray, free_slots: np.ndarray, resident: LayerPlacement | None, cost: ReplicaCost,
-                    budget: int | None = None) -> tuple[LayerPlacement, np.ndarray, SetDecision]:
+                    budget: int | None = None, dispatch_s: float = 0.0) -> tuple[LayerPlacement, np.ndarray, SetDecision]:
     """One layer's replica set (module docstring). samples: [B, E] token counts of the batches to
     come; free_slots: [G] replicas each GPU can still take; resident: the layer's warm replicas
-    (None: static EP's); budget: most replicas (None: the slots). Returns the placement (homes
+    (None: static EP's); budget: most replicas (None: the slots); dispatch_s: what every call of a
+    layer with copies pays the data plane (its pairing and the check whether it pays: the cost
+    profile's relevel_s + check_s), counted in every set with a copy. Returns the placement (homes
     share 1, copies 0), the free slots left [G] and the decision."""
     samples = np.rint(np.atleast_2d(np.asarray(samples, dtype=np.float64))).astype(np.int64)
     free = np.asarray(free_slots, dtype=np.int64).reshape(-1)
@@ -72,6 +76,7 @@ def choose_replicas(samples: np.ndarray, free_slots: np.ndarray, resident: Layer
     expert, gpu, home = _base(samples.mean(axis=0), free, resident, budget, num_experts)
     model = cost.model
     base_s = mean_paired_seconds(samples, expert, gpu, home.astype(np.float64), num_gpus, model)
+    base_s += dispatch_s if expert.shape[0] > num_experts else 0.0
     now_s, added, held = base_s, [], np.bincount(gpu, minlength=num_gpus)
     loads = np.zeros(num_gpus, np.int64)
     resident_pairs = set() if resident is None else set(zip(resident.expert.tolist(), resident.gpu.tolist()))
@@ -94,7 +99,7 @@ def choose_replicas(samples: np.ndarray, free_slots: np.ndarray, resident: Layer
             if (e, g) not in resident_pairs:
                 price += cost.cost(int(trial_loads[g]), now_s)
                 trial_loads[g] += 1
-            trial_s = mean_paired_seconds(samples, trial_e, trial_g, trial_h.astype(np.float64), num_gpus, model)
+            trial_s = mean_paired_seconds(samples, trial_e, trial_g, trial_h.astype(np.float64), num_gpus, model) + dispatch_s
             net = (now_s - trial_s) * cost.horizon - price
             if net > GAIN_EPSILON_S and (best is None or net > best[0]):
                 best = (net, trial_e, trial_g, trial_h, trial_s, trial_loads.copy(), (now_s - trial_s) * cost.horizon, price)

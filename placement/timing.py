@@ -1,5 +1,5 @@
-"""How long the data plane's own planning steps take on this machine: the re-level of one layer's
-shares on its actual loads and the check whether it pays. The live loop charges them (its
+"""How long the data plane's own planning steps take on this machine: the pairing of one layer's
+tokens with its replicas on its actual loads (placement/dispatch.py) and the check whether it pays. The live loop charges them (its
 calibration on a host) and so does the twin (the cost profile's relevel_s and relevel_check_s)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Callable
 import numpy as np
 
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.shares import actual_shares, relevel_layer
+from moeless.placement.dispatch import pair_tokens
+from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement
 
 
@@ -27,11 +28,11 @@ def fastest_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_relevel_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
-    """Seconds of one `relevel_layer` (what a serving replica runs per MoE-layer call when moeless
-    split an expert): static EP's E home replicas plus one more replica of each of the G busiest
+    """Seconds of one `pair_tokens` (what a serving replica runs per MoE-layer call where a layer has
+    copies): static EP's E home replicas plus one more replica of each of the G busiest
     experts, on the next GPU, under a skewed load of 64 tokens per expert. The fastest of repeats."""
     load, layer = _split_layer(num_experts, num_gpus)
-    return fastest_seconds(lambda: relevel_layer(load, layer, model, num_gpus), repeats)
+    return fastest_seconds(lambda: pair_tokens(load, layer, model, num_gpus), repeats)
 
 
 def measure_relevel_check_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:

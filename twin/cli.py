@@ -17,8 +17,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser(
         "plan",
         help="plan one iteration's placement from per-layer expert loads and print it",
-        description="Runs a planner on loads [L, E] (a .npy file) and prints, per layer, each GPU's replicas "
-                    "(expert:share) and the predicted layer time under the paper's and the serial execution model.",
+        description="Runs a planner on loads [L, E] (a .npy file; [B, L, E]: samples of the batches to come, for "
+                    "moeless-sets) and prints, per layer, each GPU's replicas (expert:share), the predicted layer time "
+                    "under the paper's and the serial execution model, and why each copy was chosen: what it saves "
+                    "on these loads with each call paired (placement/dispatch.py) against its price (its load and "
+                    "the memory it holds, at --memory-price seconds per GB·s).",
     )
     plan.add_argument("loads", help=".npy file of token counts per expert, shape [L, E] (or [E] for one layer)")
     plan.add_argument("--planner", default=DEFAULT_PLANNER,
@@ -29,6 +32,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--cv-threshold", type=float, default=0.2, help="the paper's CV threshold V (default 0.2)")
     plan.add_argument("--eplb-replicas", type=int, default=None, help="EPLB's replicas per layer (a multiple of --gpus)")
     plan.add_argument("--profile", metavar="JSON", help="a cost profile (default: measured now at the default model's expert shape)")
+    plan.add_argument("--memory-price", type=float, default=0.0,
+                      help="seconds of layer time one GB·s of replica memory is worth (default 0: memory free)")
     plan.set_defaults(func=plan_command)
 
 
@@ -38,8 +43,9 @@ def plan_command(args: argparse.Namespace) -> int:
     from moeless.placement.planner import PlannerConfig, get_planner
     from moeless.placement.profile import CostProfile, ProfileError
 
-    loads = np.atleast_2d(np.load(args.loads))
-    num_layers, num_experts = loads.shape
+    loads = np.load(args.loads)
+    loads = np.atleast_2d(loads) if loads.ndim < 3 else loads
+    num_layers, num_experts = loads.shape[-2:]
     try:
         profile = CostProfile.from_json(args.profile) if args.profile else _measured_profile(num_experts, args.gpus)
     except ProfileError as err:
@@ -49,10 +55,12 @@ def plan_command(args: argparse.Namespace) -> int:
     cap = int(round(args.layer_cap * num_experts))
     cluster = Cluster.uniform(args.gpus, -(-num_layers * cap // args.gpus), expert_bytes=profile.expert_bytes,
                               layer_cap_replicas=cap)
-    config = PlannerConfig(model=model, cv_threshold=args.cv_threshold, eplb_replicas=args.eplb_replicas)
+    config = PlannerConfig(model=model, cv_threshold=args.cv_threshold, eplb_replicas=args.eplb_replicas,
+                           gb_s_price=args.memory_price, dispatch_s=profile.relevel_s + profile.check_s)
     planner = get_planner(args.planner, config)
-    placement = planner(loads, cluster)
-    priced = planner.lossy_load(loads) if planner.lossy_load else loads
+    placement = planner(loads if planner.samples or loads.ndim == 2 else loads.mean(axis=0), cluster)
+    priced = loads.mean(axis=0) if loads.ndim == 3 else loads
+    priced = planner.lossy_load(priced) if planner.lossy_load else priced
     for l, layer in enumerate(placement.layers):
         paper = model.layer_time(priced[l], layer, args.gpus, "paper")
         serial = model.layer_time(priced[l], layer, args.gpus, "serial")
@@ -60,7 +68,37 @@ def plan_command(args: argparse.Namespace) -> int:
         for g in range(args.gpus):
             mine = np.flatnonzero(layer.gpu == g)
             print(f"  gpu {g}: " + " ".join(f"{layer.expert[i]}:{layer.share[i]:.2f}" for i in mine))
+        for line in _why(loads[:, l] if loads.ndim == 3 else loads[l][None], layer, config, profile, args.gpus):
+            print("  " + line)
     return 0
+
+
+def _why(samples: np.ndarray, layer, config, profile, num_gpus: int) -> list[str]:
+    """Each copy (every replica after its expert's first): what removing it would cost the paired
+    layer time on the samples, against its price (ReplicaCost: its exposed load and memory)."""
+    # Deferred: the planners' numba kernels load only for `moeless plan`, not for the CLI's other verbs.
+    from moeless.placement.replica_sets import mean_paired_seconds
+    from moeless.placement.resident_planner import ReplicaCost
+
+    _, first = np.unique(layer.expert, return_index=True)
+    copies = np.setdiff1d(np.arange(layer.num_replicas), first)
+    if not copies.size:
+        return ["no copies: static EP's split"]
+    samples = np.rint(samples).astype(np.int64)
+    cost = ReplicaCost(config.model, config.prefetch_layers, profile.expert_bytes, config.keep_alive_s, config.gb_s_price,
+                       config.horizon, config.iteration_s)
+    share = np.zeros(layer.num_replicas)
+    share[first] = 1.0
+    full_s = mean_paired_seconds(samples, layer.expert, layer.gpu, share, num_gpus, config.model)
+    lines = []
+    for r in copies:
+        keep = np.arange(layer.num_replicas) != r
+        without_s = mean_paired_seconds(samples, layer.expert[keep], layer.gpu[keep], share[keep], num_gpus, config.model)
+        gain = (without_s - full_s) * cost.horizon
+        lines.append(f"copy of expert {layer.expert[r]} on gpu {layer.gpu[r]}: saves {(without_s - full_s) * 1e6:.2f} us a "
+                     f"call paired ({gain * 1e6:.1f} us over {cost.horizon:g} iterations) against its price "
+                     f"{cost.cost(0, full_s) * 1e6:.1f} us (load not hidden + memory)")
+    return lines
 
 
 def _measured_profile(num_experts: int, num_gpus: int):

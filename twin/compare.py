@@ -22,7 +22,8 @@ import numpy as np
 from moeless.twin.iterations import Iteration
 from moeless.placement.planner import PlannerConfig, get_planner
 from moeless.placement.profile import CostProfile
-from moeless.twin.twin import TwinRecord, TwinSettings, replay
+from moeless.twin.record import TwinRecord
+from moeless.twin.twin import TwinSettings, replay
 from moeless.placement.cluster import Cluster
 
 FORECAST_PLANNERS = ("eplb", "paper", "moeless-fill", "moeless")  # replayed with every forecast kind
@@ -64,7 +65,7 @@ def run_all(runs: Sequence[Run], iterations: Sequence[Iteration], forecasts: dic
     records: dict[Run, TwinRecord] = {}
     for run in runs:
         knobs = replace(config, prefetch_layers=run.distance)
-        if run.planner.startswith("eplb"):
+        if run.planner.startswith("eplb") and run.planner != "eplb-production":  # production EPLB: its own N
             knobs = replace(knobs, eplb_replicas=_eplb_budget(records, run, cluster))
         record = replay(get_planner(run.planner, knobs), iterations, forecasts[(run.forecast, run.distance)], cluster,
                         profile, replace(settings, distance=run.distance), progress)

@@ -10,7 +10,7 @@ nor a claim (the loads are the iteration's own; moves cost nothing, no cold star
 Per iteration, with loads W [L, E] on G GPUs:
 1. EPLB (placement/eplb.py) on W itself, at each budget of replicas per layer (a multiple of G;
    E alone re-pairs experts across GPUs without replicating any).
-2. Each layer's shares re-levelled on W as moeless's data plane does (`relevel_layer`: whole
+2. Each layer's tokens paired with its replicas on W as moeless's data plane does (`pair_tokens`: whole
    tokens, a replica may get none, so an extra replica that does not pay its call is left idle).
 3. Per layer, the fastest of those plans and static EP.
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from moeless.placement.eplb import rebalance_experts
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.shares import relevel_layer
+from moeless.placement.dispatch import pair_tokens
 from moeless.placement.types import Placement
 
 
@@ -45,6 +45,6 @@ def offline_reference(loads: np.ndarray, num_gpus: int, model: LatencyModel, bud
         plans = [static] + [Placement.from_eplb(rebalance_experts(w, b, 1, 1, num_gpus)[0], num_experts, num_gpus)
                             for b in budgets]  # 1.
         for l in range(num_layers):
-            out[i, l] = min(model.layer_time(w[l], relevel_layer(w[l], p.layers[l], model, num_gpus), num_gpus, "serial")
+            out[i, l] = min(model.layer_time(w[l], pair_tokens(w[l], p.layers[l], model, num_gpus), num_gpus, "serial")
                             for p in plans)  # 2., 3.
     return out

@@ -19,7 +19,10 @@ A profile's fields (seconds, bytes), for H hidden, F expert FFN, b bytes per wei
   4. load_s.host    = B / (PCIe bw * pcie) + launch_s          host memory tier -> device (three tensor copies,
                                                                launched as a call's kernels are)
   5. load_s.disk    = B / disk_bw + B / hash_bw + B / host_copy_bw + load_s.host
-                      the expert host's path: read, sha256, parse into host memory, copy to the device
+                      the expert host's path: read, sha256, parse into host memory, copy to the device;
+     load_s.peer    = B / (peer copy bw(count) * link) + launch_s: copied from a GPU that holds the
+                      expert (NVLink inside a node of 8, the 400 Gb/s network between nodes, PCIe
+                      without NVLink: hardware/gpus.py)
   6. expert_bytes = B, non_expert_bytes = the geometry's non-expert parameters * b
   7. relevel_s      = relevel_fixed_s + relevel_per_expert_s * E: the serving replica's re-level of a
                       layer on its CPU (not a GPU quantity; measured on this project's CPU), and
@@ -52,12 +55,11 @@ LAUNCH_S = 5e-6  # a replica call: ~3 GEMMs + an activation, ~1-2 us of kernel l
 DISK_BW = 2e9  # a datacenter NVMe SSD's sequential read (2-7 GB/s): the slow end
 HASH_BW = 1.5e9  # sha256 on one x86 core with SHA extensions (the weight store verifies every read)
 HOST_COPY_BW = 10e9  # one core's memcpy: parsing the file into (pinned) host memory
-# The serving replica's re-level of one layer's shares runs on its CPU, not the GPU: measured here
-# (`measure_relevel_s`, this project's CPU, G = 8) 15.7, 19.1, 32.0, 39.9 us at E = 8, 16, 64, 128.
-RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 14e-6, 0.2e-6
-# The check whether a re-level pays and the choice of shares without one (`measure_relevel_check_s`,
-# same CPU): 2.3, 2.4, 2.9, 3.4 us at E = 8, 16, 64, 128; the largest, so a moeless figure never
-# counts the check cheaper than measured.
+# The serving replica's pairing of one layer's tokens with its replicas (dispatch.pair_tokens) runs on
+# its CPU, not the GPU: measured here (`measure_relevel_s`, this project's CPU, G = 8, the fastest of
+# 300, 2026-11-27, other work on the machine: load 20) 6.2, 7.0, 9.4, 14.3 us at E = 8, 16, 64, 128
+# (12.1 and 13.8 us at E = 64 on 16 and 32 GPUs, 42 us at E = 256 on 64).
+RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 5.5e-6, 0.07e-6
 RELEVEL_CHECK_S = 3.4e-6
 
 
@@ -139,10 +141,11 @@ def roofline_profile(geometry: Geometry, gpu: GpuSpec, count: int = 1, eff: Effi
     beta = 0.0 if count == 1 else h * b / (gpu.all_to_all_bw(count) * e.link)  # 3.
     host = expert / (gpu.pcie_bw * e.pcie) + e.launch_s  # 4.
     disk = expert / e.disk_bw + expert / e.hash_bw + expert / e.host_copy_bw + host  # 5.
+    peer = expert / (gpu.peer_copy_bw(count) * e.link) + e.launch_s
     note = source or (f"roofline estimate (not measured): {geometry.name} ({geometry.dtype}) on {count} x {gpu.name}, "
                       f"datasheet peaks x efficiency {_short(e)}")
     relevel = e.relevel_fixed_s + e.relevel_per_expert_s * geometry.num_experts  # 7.
-    return CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
+    return CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host, "peer": peer},
                        expert_bytes=expert, non_expert_bytes=geometry.non_expert_bytes, relevel_s=relevel, source=note,
                        relevel_check_s=e.relevel_check_s)
 

@@ -47,7 +47,7 @@ a GPU of 8 usable GB, one request at t = 0 (4 prompt tokens, 2 output, step 1 s:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -154,6 +154,7 @@ class ModelTimeline:
     wake_expert_s: np.ndarray
     compute_s: np.ndarray
     warm_experts: int = 0  # experts kept resident while asleep (expert-grain)
+    hits: np.ndarray | None = field(default=None, repr=False)  # [awake windows, L, E] bool: the experts each routed to
 
 
 def warm_mask(popularity: np.ndarray, share: float) -> np.ndarray:
@@ -183,9 +184,13 @@ def timeline(model: PoolModel, requests: Requests, s: PoolSettings, rng: np.rand
     kept = warm_mask(model.popularity, s.keep_warm)  # resident all along
     resident, cold = np.zeros(s.windows, np.int64), np.zeros(s.windows, np.int64)
     wakes, wake_expert = [], []
-    for w in np.flatnonzero(awake):
+    # Every awake window's draws at once (the same stream as one draw per window), kept: the fine-tunes'
+    # shared keys (twin/shared_keys.py) replay the very experts each model routed to here.
+    windows = np.flatnonzero(awake)
+    hits = rng.random((len(windows), *model.popularity.shape)) < -np.expm1(
+        -tokens[windows, None, None] * model.top_k * model.popularity)
+    for w, hit in zip(windows, hits):
         waking = w == 0 or not awake[w - 1]
-        hit = rng.random(model.popularity.shape) < -np.expm1(-tokens[w] * model.top_k * model.popularity)
         warm = ((w - last_hit <= keep) & ~waking) | kept  # a wake-up finds only the keep-warm set resident
         if waking:
             wakes.append(w)
@@ -198,24 +203,34 @@ def timeline(model: PoolModel, requests: Requests, s: PoolSettings, rng: np.rand
         resident[w] = int(((w - last_hit <= keep) | kept).sum())
     wake_windows = np.asarray(wakes, np.int64)
     return ModelTimeline(tokens, busy, awake, resident, cold, wake_windows, np.full(len(wakes), model.whole_load_s),
-                         np.asarray(wake_expert, float), expert_seconds(model, tokens, busy, s), int(kept.sum()))
+                         np.asarray(wake_expert, float), expert_seconds(model, tokens, busy, s), int(kept.sum()), hits)
+
+
+def steady_windows(line: ModelTimeline) -> np.ndarray:
+    """The busy windows outside the model's wake-ups (those its p99 per step counts)."""
+    windows = np.flatnonzero(line.busy)
+    return windows[~np.isin(windows, line.wake_windows)]
 
 
 def step_time_p99(model: PoolModel, line: ModelTimeline, s: PoolSettings) -> dict[str, float]:
     """p99 MoE seconds per decode step outside wake-ups, each way (the module docstring); 0.0 when
     the model never computed outside a wake-up."""
-    windows = np.flatnonzero(line.busy)
-    windows = windows[~np.isin(windows, line.wake_windows)]
+    windows = steady_windows(line)
     steps = s.window_s / s.step_s
     base = line.compute_s[windows] / (steps * model.gpus)
-    stalled = np.minimum(line.cold_starts[windows], steps)
-    plain = _weighted_p99(base, np.full(len(base), steps))
-    grain = _weighted_p99(np.concatenate([base, base + model.expert_load_s]),
-                          np.concatenate([steps - stalled, stalled]))
+    plain = weighted_p99(base, np.full(len(base), steps))
+    grain = stalled_p99(base, line.cold_starts[windows], steps, model.expert_load_s)
     return {"dedicated": plain, "whole-model": plain, "expert-grain": grain}
 
 
-def _weighted_p99(values: np.ndarray, weights: np.ndarray) -> float:
+def stalled_p99(base: np.ndarray, cold: np.ndarray, steps: float, load_s: float) -> float:
+    """The p99 step time of windows of `steps` steps each taking `base` [n] seconds, where each of a
+    window's `cold` [n] cold starts stalls a step of its own by load_s."""
+    stalled = np.minimum(cold, steps)
+    return weighted_p99(np.concatenate([base, base + load_s]), np.concatenate([steps - stalled, stalled]))
+
+
+def weighted_p99(values: np.ndarray, weights: np.ndarray) -> float:
     """The 99th percentile of `values`, each counted `weights` times (the lowest value at or above 99%)."""
     keep = weights > 0
     if not keep.any():
@@ -246,12 +261,19 @@ def pool_gpus(models: list[PoolModel], lines: list[ModelTimeline], held: list[di
     return out
 
 
-def evaluate_pool(models: list[PoolModel], requests: list[Requests], s: PoolSettings) -> dict:
-    """Every way's figures for these models over the horizon (see the module docstring)."""
+def timelines(models: list[PoolModel], requests: list[Requests], s: PoolSettings) -> list[ModelTimeline]:
+    """Steps 1-3 for every model, in order, from one generator seeded with s.seed."""
     if len(models) != len(requests) or not models:
         raise ValueError(f"need one request list per model, got {len(models)} models and {len(requests)} lists")
     rng = np.random.default_rng(s.seed)
-    lines = [timeline(m, r, s, rng) for m, r in zip(models, requests)]
+    return [timeline(m, r, s, rng) for m, r in zip(models, requests)]
+
+
+def evaluate_pool(models: list[PoolModel], requests: list[Requests], s: PoolSettings,
+                  lines: list[ModelTimeline] | None = None) -> dict:
+    """Every way's figures for these models over the horizon (see the module docstring); `lines`:
+    their timelines when the caller has them already."""
+    lines = lines if lines is not None else timelines(models, requests, s)
     held = [held_bytes(m, line) for m, line in zip(models, lines)]
     gpus = pool_gpus(models, lines, held, s)
     compute_s = sum(float(line.compute_s.sum()) for line in lines)
@@ -263,7 +285,7 @@ def evaluate_pool(models: list[PoolModel], requests: list[Requests], s: PoolSett
             "idle_fraction": float(1 - line.awake.mean()),
             "gb_s": {way: float(h[way].sum() * s.window_s / 1e9) for way in WAYS},
             "wake_ups": int(len(line.wake_windows)),
-            "wake_s": {way: _stats(x) for way, x in (("whole-model", line.wake_whole_s), ("expert-grain", line.wake_expert_s))},
+            "wake_s": {way: stats(x) for way, x in (("whole-model", line.wake_whole_s), ("expert-grain", line.wake_expert_s))},
             "cold_starts_outside_wakes": int(line.cold_starts.sum()),
             "cold_start_s_outside_wakes": float(line.cold_starts.sum() * m.expert_load_s),
             "mean_resident_experts_awake": float(line.resident[line.awake].mean()) if line.awake.any() else 0.0,
@@ -276,6 +298,7 @@ def evaluate_pool(models: list[PoolModel], requests: list[Requests], s: PoolSett
             "models": per_model}
 
 
-def _stats(x: np.ndarray) -> dict:
+def stats(x: np.ndarray) -> dict:
+    """count, p50 and p99 of wake-up seconds x [n] (None without one)."""
     return {"count": int(len(x)), "p50": float(np.percentile(x, 50)) if len(x) else None,
             "p99": float(np.percentile(x, 99)) if len(x) else None}

@@ -290,7 +290,8 @@ class PlanLoop:
         """Each phase's merged forecast over the window, or its held one (rules.held_forecasts). Call
         under the lock."""
         source = "forecast" if self.s.knobs.predictor == "gate" else "actual"
-        merged = {phase: self.window.merged(now, source, phase) for phase in PHASES}
+        gather = self.window.samples if self._planner is not None and self._planner.samples else self.window.merged
+        merged = {phase: gather(now, source, phase) for phase in PHASES}
         out, self._held = held_forecasts(merged, self._held, now, self.s.knobs.keep_alive_s)
         return out
 

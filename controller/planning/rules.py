@@ -20,7 +20,7 @@ planning/window.py) and, every period, decides what to plan for (`pass_due`, `fo
    keeps them (the host loads on demand: an exposed cold start, counted by the host).
 
 Serving replicas re-level each expert's tokens over the published replicas per layer on the
-actual loads (placement.shares.relevel_layer); outputs never depend on the placement.
+actual loads (placement.shares.actual_shares: dispatch-time pairing); outputs never depend on the placement.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def planner_config(knobs: Knobs, profile: CostProfile, iteration_s: float, extra
     config = PlannerConfig(model=profile.latency_model("host"), cv_threshold=knobs.cv_threshold,
                            prefetch_layers=knobs.distance, keep_alive_s=knobs.keep_alive_s,
                            gb_s_price=memory_price(knobs, profile, num_layers, num_experts, serving_replicas),
-                           iteration_s=max(iteration_s, 1e-4))
+                           iteration_s=max(iteration_s, 1e-4), dispatch_s=profile.relevel_s + profile.check_s)
     return replace(config, **dict(extra or {}))
 
 

@@ -101,6 +101,12 @@ class ReportWindow:
         stacked = np.stack([np.asarray(getattr(r, source), dtype=np.float64) for r in reports])
         return np.tensordot(weights / weights.sum(), stacked, axes=1)
 
+    def samples(self, now: float, source: str = "forecast", phase: str | None = None) -> np.ndarray | None:
+        """The reports' `source` themselves, [B, L, E] in order (a planner that plans on samples of
+        the batches to come, placement/replica_sets.py), over the reports of `phase`; None without."""
+        reports = [r for r in self.reports(now) if getattr(r, source) is not None and phase in (None, r.phase)]
+        return np.stack([np.asarray(getattr(r, source), dtype=np.float64) for r in reports]) if reports else None
+
     def iteration_s(self, now: float, default: float = 0.05) -> float:
         """Mean seconds between one replica's iterations (their duration), or `default`."""
         reports = self.reports(now)

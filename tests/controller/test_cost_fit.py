@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from moeless.controller.planning.cost_fit import OnlineCostFit, fit_scale, solve_scale
@@ -29,6 +29,9 @@ def test_a_pair_without_physical_meaning_falls_back_to_a_scale_and_nothing_to_th
 @given(a=st.floats(0.2, 5.0), b=st.floats(0.0, 50.0), models=st.lists(st.floats(1.0, 500.0), min_size=2, max_size=20,
                                                                         unique=True))
 def test_noiseless_calls_give_back_their_line(a, b, models):
+    # A line is given back from points spread along it: model times 2.0 and 2.00001 us alone are
+    # ill-conditioned (the fit then moves in the sixth digit), which no host's calls are.
+    assume(max(models) - min(models) > 1.0)
     m = np.array(models) * US
     fitted = fit_scale(m, np.ones(len(m)), a * m + b * US)
     assert fitted[0] == pytest.approx(a, rel=1e-6) and fitted[1] == pytest.approx(b * US, rel=1e-6, abs=1e-12)

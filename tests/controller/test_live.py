@@ -19,7 +19,8 @@ from moeless.placement.planner import get_planner, relevels
 from moeless.placement.profile import CostProfile, ProfileError
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.shares import actual_shares, relevel_layer
+from moeless.placement.dispatch import pair_tokens
+from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement, Placement
 
 L, E, G = 2, 4, 2
@@ -202,6 +203,15 @@ def test_window_merges_with_time_weights_and_forgets():
     assert window.merged(10.0, "actual") is None and window.iteration_s(10.0, default=0.05) == 0.05
 
 
+def test_window_gives_its_reports_as_samples_for_a_planner_on_samples():
+    window = ReportWindow(window_s=2.0)
+    window.add(report(0.0, duration=0.3, load=[[4, 0, 0, 0], [0, 0, 0, 4]]))
+    window.add(report(1.0, duration=0.1, load=[[0, 4, 0, 0], [0, 0, 0, 4]]))
+    samples = window.samples(1.5, "actual", "prefill")
+    assert samples.shape == (2, 2, 4) and samples[:, 0].tolist() == [[4, 0, 0, 0], [0, 4, 0, 0]]
+    assert window.samples(1.5, "actual", "decode") is None and window.samples(2.5, "actual").shape[0] == 1
+
+
 def test_stats_sum_per_phase_and_keep_the_last_layer_figures():
     stats = LiveStats(L)
     stats.add(report(0.0, "prefill", wall=3e-4))
@@ -228,24 +238,24 @@ def test_heartbeat_reports_a_stall_on_a_fake_clock():
     assert beat.stalled() == "degraded: planning loop stalled for 2.5 s"
 
 
-def test_relevel_golden_example():
+def test_pairing_golden_example():
     # Static EP on 2 GPUs (experts 0, 1 on GPU 0; 2, 3 on GPU 1) plus a replica of expert 0 on GPU 1;
-    # a call costs one token's time. Forecast [10, 6, 0, 0]: 9 of expert 0's tokens go to GPU 1.
+    # a call costs one token's time. Loads [10, 6, 0, 0]: GPU 0 works 18; 8 of expert 0's tokens
+    # move to GPU 1 (1 + 8 there, 1 + 2 + 1 + 6 on GPU 0: 10).
     layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
-    out = relevel_layer(np.array([10, 6, 0, 0]), layer, LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0), 2)
+    out = pair_tokens(np.array([10, 6, 0, 0]), layer, LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0), 2)
     assert out.expert.tolist() == layer.expert.tolist() and out.gpu.tolist() == layer.gpu.tolist()
-    assert np.allclose(out.share, [0.1, 1, 1, 1, 0.9])  # experts without tokens route to their replica
+    assert np.allclose(out.share, [0.2, 1, 1, 1, 0.8])  # experts without tokens route to their replica
     static = Placement.static(1, E, 2).layers[0]
-    assert relevel_layer(np.array([10, 6, 0, 0]), static, LatencyModel(1.0, 0.0, 1.0, 1.0), 2) is static
+    assert pair_tokens(np.array([10, 6, 0, 0]), static, LatencyModel(1.0, 0.0, 1.0, 1.0), 2) is static
 
 
-def test_relevel_gives_an_experts_twin_on_the_same_gpu_no_tokens():
-    # Expert 0 twice on GPU 1 (EPLB's packing can do that): one replica there; whole tokens,
-    # never a negative share (the water-fill over a GPU listed twice gave one before).
+def test_pairing_gives_an_experts_twin_on_the_same_gpu_no_tokens():
+    # Expert 0 twice on GPU 1 (EPLB's packing can do that): one replica there, whole tokens.
     model = LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0)
     layer = LayerPlacement(np.array([0, 1, 2, 3, 0, 0]), np.array([0, 0, 1, 1, 1, 1]), np.array([0.5, 1, 1, 1, 0.25, 0.25]))
-    out = relevel_layer(np.array([10, 6, 0, 0]), layer, model, 2)
-    assert np.allclose(out.share, [0.1, 1, 1, 1, 0.9, 0])
+    out = pair_tokens(np.array([10, 6, 0, 0]), layer, model, 2)
+    assert np.allclose(out.share, [0.2, 1, 1, 1, 0.8, 0])
 
 
 def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_the_better_split():
@@ -260,7 +270,7 @@ def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_t
     # alone (7), the work spread evenly ((16 tokens + 2 calls) / 2 = 9), nor expert 0 spread over
     # its two GPUs on top of expert 1 ((7 + 10 + 2 calls) / 2 = 9.5): at most 8.5 to save.
     out, relevelled = actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.4)
-    assert relevelled and np.allclose(out.share, [0.1, 1, 1, 1, 0.9])
+    assert relevelled and np.allclose(out.share, [0.2, 1, 1, 1, 0.8])
     assert actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.5) == (layer, False)
     # The busiest GPU holds no split expert's tokens (expert 0's are on GPU 1; expert 1's 30 on
     # GPU 0): nothing to save at any cost, and the plan beats static EP's split (31 against 33).
@@ -275,7 +285,7 @@ def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_t
     # The data plane follows the same rule: shares re-levelled where it pays, kept (the same object) where not.
     idx = torch.tensor([[0]] * 10 + [[1]] * 6)
     routing = Routing(idx, torch.ones(16, 1), torch.zeros(16, E))
-    assert np.allclose(relevel_for(model, 5.0)(0, layer, routing, 2).share, [0.1, 1, 1, 1, 0.9])
+    assert np.allclose(relevel_for(model, 5.0)(0, layer, routing, 2).share, [0.2, 1, 1, 1, 0.8])
     assert relevel_for(model, 11.0)(0, layer, routing, 2) is layer
 
 
@@ -297,7 +307,7 @@ def test_route_check_floor_is_below_every_split_and_the_choice_below_planned_and
     share /= np.bincount(expert, weights=share, minlength=E)[expert]
     layer, whole = LayerPlacement(expert, gpu, share), np.array(load)
     planned, unsplit, floor, _ = route_check(whole, expert, gpu, share, 2, 1.0, call, beta)
-    relevelled = model.layer_time(whole, relevel_layer(whole, layer, model, 2), 2, "serial")
+    relevelled = model.layer_time(whole, pair_tokens(whole, layer, model, 2), 2, "serial")
     assert floor <= min(planned, unsplit, relevelled) + 1e-9
     static = model.layer_time(whole, Placement.static(1, E, 2).layers[0], 2, "serial")
     chosen, did = actual_shares(whole, layer, model, 2, np.inf)

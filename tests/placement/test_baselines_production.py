@@ -8,6 +8,7 @@ import pytest
 from moeless.placement.cluster import Cluster
 from moeless.placement.eplb_production import production_eplb, production_replicas
 from moeless.placement.full_replication import plan_full_replication
+from moeless.placement.planner_config import PlannerConfig
 from moeless.placement.types import PlacementError
 
 
@@ -22,10 +23,11 @@ def test_it_rebalances_on_the_loads_since_the_last_rebalance_only_at_its_times()
     """E = 4 on 2 GPUs with 2 copies: expert 0 hot from the start. The first plan (even loads)
     gives no expert two copies for a reason; after `first` = 2 calls, EPLB on the summed loads
     gives expert 0 the most replicas; the plan then holds until the next period."""
-    plan = production_eplb(redundant=2, period=3, first=2)
+    plan = production_eplb()
+    config = PlannerConfig(eplb_redundant=2, eplb_rebalance_every=3, eplb_first_rebalance=2)
     cluster = Cluster.uniform(2, 8, 1)
     hot = np.array([[30.0, 1, 1, 1]])
-    plans = [plan(hot, cluster, None, None) for _ in range(6)]
+    plans = [plan(hot, cluster, None, config) for _ in range(6)]
     counts = [p.layers[0].logcnt(4).tolist() for p in plans]
     assert plans[0] is plans[1]  # no rebalance before `first`
     assert counts[2][0] == 3 and sum(counts[2]) == 6  # both copies to the hot expert
@@ -34,9 +36,9 @@ def test_it_rebalances_on_the_loads_since_the_last_rebalance_only_at_its_times()
 
 
 def test_a_layout_that_does_not_fit_is_refused_by_name():
-    plan = production_eplb(redundant=4, period=1, first=1)
+    plan = production_eplb()
     with pytest.raises(PlacementError, match="lower the redundant experts"):
-        plan(np.ones((2, 4)), Cluster.uniform(2, 5, 1), None, None)
+        plan(np.ones((2, 4)), Cluster.uniform(2, 5, 1), None, PlannerConfig(eplb_redundant=4, eplb_first_rebalance=1))
 
 
 def test_full_replication_puts_every_expert_on_every_gpu_of_the_layers_that_fit():

@@ -177,7 +177,7 @@ def test_evacuate_merges_two_replicas_of_an_expert_on_one_host():
     """Per-call re-levelling (the live loop) assumes one replica per (expert, host): shares of
     duplicates were lost there (30% of an expert's tokens unrouted); merged, every token is routed."""
     from moeless.placement.latency_model import LatencyModel
-    from moeless.placement.shares import relevel_layer
+    from moeless.placement.dispatch import pair_tokens
 
     placement = LayerPlacement(np.array([0, 1, 2, 3, 0, 1]), np.array([0, 0, 1, 1, 2, 2]),
                                np.array([0.5, 0.7, 1, 1, 0.5, 0.3]))
@@ -186,7 +186,7 @@ def test_evacuate_merges_two_replicas_of_an_expert_on_one_host():
     assert len(pairs) == len(set(pairs)) and (2, 1) in pairs
     np.testing.assert_allclose(np.bincount(moved.expert, weights=moved.share), np.ones(4))
     load = np.array([20, 10, 5, 5])
-    levelled = relevel_layer(load, moved, LatencyModel(alpha=1e-5, beta=0.0, cold_start=0.0, call_overhead=1e-6), 3)
+    levelled = pair_tokens(load, moved, LatencyModel(alpha=1e-5, beta=0.0, cold_start=0.0, call_overhead=1e-6), 3)
     assert levelled.gpu_tokens(load, 3).sum() == load.sum()
 
 

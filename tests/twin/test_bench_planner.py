@@ -104,8 +104,23 @@ def test_plan_command_prints_every_layer_and_gpu(tmp_path: Path, capsys):
     profile.write_text(json.dumps(PROFILE))
     assert main(["plan", str(path), "--gpus", "2", "--planner", "paper", "--profile", str(profile)]) == 0
     out = capsys.readouterr().out
-    assert "layer 0:" in out and "layer 1:" in out and out.count("gpu 1:") == 2 and "serial" in out
+    assert "layer 0:" in out and "layer 1:" in out and out.count("  gpu 1:") == 2 and "serial" in out
     profile.write_text(json.dumps({k: v for k, v in PROFILE.items() if k != "alpha"}))
     assert main(["plan", str(path), "--profile", str(profile)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "lacks 'alpha'" in err[0] and str(profile) in err[0]
+
+
+def test_plan_says_why_it_chose_each_copy(tmp_path: Path, capsys):
+    """Samples [B, L, E] for moeless-sets: a hot expert in each half of the batches gets a copy on
+    the other GPU, and the output says what each copy saves against its price."""
+    from moeless.cli import main
+
+    path, profile = tmp_path / "samples.npy", tmp_path / "profile.json"
+    np.save(path, np.array([[[400, 20, 20, 20]], [[20, 20, 400, 20]]]))
+    profile.write_text(json.dumps(PROFILE))
+    assert main(["plan", str(path), "--gpus", "2", "--planner", "moeless-sets", "--profile", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert "copy of expert 0 on gpu 1: saves" in out and "copy of expert 2 on gpu 0: saves" in out and "against its price" in out
+    assert main(["plan", str(path), "--gpus", "2", "--planner", "static", "--profile", str(profile)]) == 0
+    assert "no copies: static EP's split" in capsys.readouterr().out

@@ -33,7 +33,7 @@ def test_golden_mixtral_on_8_h100():
       beta          = 4096 x 2 / (450e9 x 0.7)                = 8192 / 315e9          = 26.0063 ns/token
       load host     = B / (64e9 x 0.8) + 5 us                 = 6.88128 ms + 5 us     = 6.88628 ms
       load disk     = B/2e9 + B/1.5e9 + B/10e9 + load host    = 176.161 + 234.881 + 35.232 + 6.886 = 453.160 ms
-      relevel_s     = 14 us + 0.2 us x 8 experts              = 15.6 us (the serving replica's CPU)
+      relevel_s     = 5.5 us + 0.07 us x 8 experts            = 6.06 us (the serving replica's CPU: its pairing)
       knee          = call_overhead / alpha                   = 229.9 tokens per call"""
     gpu, count = parse_gpu_arg("H100x8")
     p = roofline_profile(load_geometry("mixtral-8x7b"), gpu, count)
@@ -43,7 +43,7 @@ def test_golden_mixtral_on_8_h100():
     assert p.beta == pytest.approx(26.0063e-9, rel=1e-4)
     assert p.load_s["host"] == pytest.approx(6.88628e-3, rel=1e-4)
     assert p.load_s["disk"] == pytest.approx(453.160e-3, rel=1e-4)
-    assert p.relevel_s == pytest.approx(15.6e-6)
+    assert p.relevel_s == pytest.approx(6.06e-6)
     assert p.call_overhead / p.alpha == pytest.approx(229.9, abs=0.1)
     assert p.non_expert_bytes == 2 * 1_605_636_096 and "roofline estimate" in p.source and "8 x H100" in p.source
 
@@ -146,3 +146,18 @@ def test_cuda_device_names_to_datasheets():
              "NVIDIA L40S": "L40S", "NVIDIA H200": "H200"}
     assert {n: gpu_from_device_name(n).name for n in names} == names
     assert gpu_from_device_name("NVIDIA L40") is None and gpu_from_device_name("Tesla V100-SXM2-16GB") is None
+
+
+def test_links_between_nodes_and_peer_copies():
+    """Past one node of 8 (NVSwitch inside, 400 Gb/s per GPU between nodes), an all-to-all's
+    off-node share goes over the network; a copy from a peer GPU uses NVLink inside a node."""
+    from moeless.hardware.gpus import NETWORK_BW, gpu_spec
+
+    h100, a6000 = gpu_spec("H100"), gpu_spec("A6000")
+    assert h100.all_to_all_bw(8) == h100.link_bw  # one node: NVLink only
+    # 64 GPUs: 7 of 63 peers in the node, 56 over the network: the network sets the time
+    assert h100.all_to_all_bw(64) == pytest.approx(NETWORK_BW * 63 / 56)
+    assert h100.peer_copy_bw(8) == h100.link_bw and h100.peer_copy_bw(16) == NETWORK_BW
+    assert a6000.peer_copy_bw(8) == a6000.pcie_bw and gpu_spec("L40S").peer_copy_bw(4) == gpu_spec("L40S").pcie_bw
+    p = roofline_profile(load_geometry("deepseek-v2-lite"), h100, 8)
+    assert p.load_s["peer"] < p.load_s["host"]  # 17 MB: ~55 us over NVLink against ~340 us from host memory

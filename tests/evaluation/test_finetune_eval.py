@@ -1,0 +1,62 @@
+"""`moeless eval --shared-pool --finetunes ...`: a quick run writes the report (every way for every
+cell, the targets with their numbers), re-renders to the same bytes and becomes a section of the
+shared pool's report; bad flags are one error line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moeless.cli import main
+
+
+def test_a_quick_finetunes_run_writes_the_report(tmp_path):
+    out = tmp_path / "run"
+    argv = ["eval", "--shared-pool", "--quick", "--finetunes", "1", "4", "--replaced", "0", "0.15", "--geometry",
+            "mixtral-8x7b", "--levels", "1", "--out", str(out), "--markdown", str(tmp_path / "finetunes.md")]
+    assert main(argv) == 0
+    md = (tmp_path / "finetunes.md").read_text()
+    for says in ("--finetunes 1 4 --replaced 0 0.15", "## The bases", "shared-keys GPU-s", "(run/gpu-seconds.png)",
+                 "## The targets", "batched (worst)", "mixtral-8x7b | 15% | 4 | 1 |"):
+        assert says in md, says
+    run = json.loads((out / "run.json").read_text())
+    cells = {(c["replaced"], c["finetunes"]): c for c in run["cells"]}
+    assert sorted(cells) == [(0.0, 1), (0.0, 4), (0.15, 1), (0.15, 4)]
+    assert cells[0.15, 1]["gpu_s"]["shared-keys"] == cells[0.15, 1]["gpu_s"]["expert-grain"]  # one fine-tune: no sharing
+    assert all(m["own_experts"] == 0 for m in cells[0.0, 4]["models"])
+    assert {m["own_experts"] for m in cells[0.15, 4]["models"]} == {38}
+    four = cells[0.15, 4]
+    assert four["gpu_s"]["shared-keys"] < four["gpu_s"]["expert-grain"] <= four["gpu_s"]["whole-model"] + 1e-9
+    assert sum(m["gb_s"]["shared-keys"] for m in four["models"]) == pytest.approx(four["gb_s_shared_keys"])
+    assert (out / "gpu-seconds.png").stat().st_size > 0 and (out / "finetunes.csv").read_text().count("\n") == 1 + 10
+    assert main(["report", str(out)]) == 0 and (out / "report.md").read_text() == md.replace("](run/", "](")
+
+
+def test_a_finetunes_run_beside_a_shared_pool_run_is_a_section_of_its_report(tmp_path):
+    out = tmp_path / "pool"
+    assert main(["eval", "--shared-pool", "--quick", "--geometry", "mixtral-8x7b", "--levels", "1", "--out", str(out)]) == 0
+    alone = (out / "report.md").read_text()
+    assert "fine-tunes" not in alone
+    assert main(["eval", "--shared-pool", "--quick", "--finetunes", "2", "--replaced", "0.05", "--geometry", "mixtral-8x7b",
+                 "--out", str(out / "finetunes")]) == 0
+    cells = json.loads((out / "finetunes" / "run.json").read_text())["cells"]
+    assert [c["requests_per_minute"] for c in cells] == [1.0]  # --quick: the issue's level alone
+    assert main(["report", str(out), "--markdown", str(tmp_path / "shared-pool.md")]) == 0
+    md = (tmp_path / "shared-pool.md").read_text()
+    assert md.startswith(alone.replace("](", "](pool/")) and "\n## Many fine-tunes of one base" in md
+    assert "(pool/finetunes/gpu-seconds.png)" in md and "### The targets" in md
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--shared-pool", "--finetunes", "0"], "--finetunes: counts from 1 to 64, got 0"),
+    (["--shared-pool", "--finetunes", "65"], "--finetunes: counts from 1 to 64"),
+    (["--shared-pool", "--finetunes", "4", "--replaced", "1"], "--replaced: shares of a base's experts in [0, 1), got 1"),
+    (["--shared-pool", "--replaced", "0.1"], "--replaced: give --finetunes N too"),
+    (["--finetunes", "4"], "--finetunes and --replaced are for the shared pool"),
+])
+def test_bad_finetune_flags_are_one_error_line(tmp_path, capsys, flags, says):
+    assert main(["eval", "--quick", *flags, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()

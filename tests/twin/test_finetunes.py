@@ -1,0 +1,160 @@
+"""Fine-tunes of one base on one pool (twin/finetunes.py, twin/shared_keys.py): ESFT-style fine-tunes,
+keys held once, the GB·s split adding up to the pool's and following the tokens, N = 1 as the
+shared pool's own comparison, a fine-tune that replaced nothing paying what its base pays, and the
+wake-up of a fine-tune whose base is warm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeless.twin.finetunes import SHARED_KEYS, FineTune, evaluate_finetunes, make_finetune, replaced_counts
+from moeless.twin.shared_keys import EpisodeSplit
+from moeless.twin.shared_pool import PoolModel, PoolSettings, Requests, evaluate_pool
+
+GB = 10**9
+
+
+def _base(layers: int = 4, experts: int = 8, gpus: int = 2, top_k: int = 2, seed: int = 0) -> PoolModel:
+    popularity = np.random.default_rng(seed).dirichlet(np.ones(experts), size=layers)
+    return PoolModel("base", top_k, GB // 4, GB, gpus, 0.01, 0.1, 1e-5, 1e-4, popularity)
+
+
+def _requests(rate_per_s: float, horizon: float, seed: int) -> Requests:
+    rng = np.random.default_rng(seed)
+    arrival = np.sort(rng.uniform(0, horizon, rng.poisson(rate_per_s * horizon)))
+    return Requests(arrival, rng.integers(20, 400, len(arrival)).astype(float), rng.integers(5, 200, len(arrival)).astype(float))
+
+
+def _finetunes(base: PoolModel, count: int, share: float) -> list[FineTune]:
+    return [make_finetune(base, f"ft{i}", base.popularity, share, np.random.default_rng([0, i])) for i in range(count)]
+
+
+SETTINGS = PoolSettings(horizon_s=900, window_s=1, step_s=0.05, idle_delay_s=40, keep_alive_s=20, gpu_bytes=5 * GB, seed=2)
+
+
+def test_a_finetune_replaces_its_share_per_layer_the_experts_its_task_routes_to_most():
+    assert replaced_counts(32, 8, 0.05).tolist().count(1) == 13 and replaced_counts(32, 8, 0.05).max() == 1
+    assert replaced_counts(26, 64, 0.15).sum() == 250 and set(replaced_counts(26, 64, 0.15)) == {9, 10}
+    base = _base(layers=3, experts=16)
+    a, b = _finetunes(base, 2, 0.25)
+    for ft in (a, b):
+        assert ft.replaced.sum(axis=1).tolist() == [4, 4, 4]
+        assert np.allclose(np.sort(ft.model.popularity, axis=1), np.sort(base.popularity, axis=1))  # the same skew
+        for layer in range(3):  # its task's four most routed experts of each layer
+            top = set(np.argsort(-ft.model.popularity[layer])[:4])
+            assert set(np.flatnonzero(ft.replaced[layer])) == top
+    assert not np.array_equal(a.replaced, b.replaced)  # another task, other experts
+    with pytest.raises(ValueError, match="in \\[0, 1\\)"):
+        make_finetune(base, "x", base.popularity, 1.0, np.random.default_rng(0))
+
+
+def test_one_finetune_is_the_shared_pools_own_comparison():
+    """N = 1: the three ways are evaluate_pool's for that one model, and shared keys its expert grain."""
+    ft = _finetunes(_base(), 1, 0.15)
+    requests = [_requests(0.02, 900, 1)]
+    doc = evaluate_finetunes(ft, requests, SETTINGS)
+    alone = evaluate_pool([ft[0].model], requests, SETTINGS)
+    for way in ("dedicated", "whole-model", "expert-grain"):
+        assert doc["gpu_s"][way] == alone["gpu_s"][way]
+        assert doc["models"][0]["gb_s"][way] == alone["models"][0]["gb_s"][way]
+    m, grain = doc["models"][0], alone["models"][0]
+    assert doc["gpu_s"][SHARED_KEYS] == doc["gpu_s"]["expert-grain"]
+    assert m["gb_s"][SHARED_KEYS] == pytest.approx(grain["gb_s"]["expert-grain"], rel=1e-12)
+    assert m["wake_s"][SHARED_KEYS] == grain["wake_s"]["expert-grain"] and m["wake_ups"] > 1
+    assert m["cold_starts_outside_wakes_shared_keys"] == grain["cold_starts_outside_wakes"] > 0
+    assert m["step_p99_s"][SHARED_KEYS] == m["step_p99_s"]["shared-keys-batched"] == grain["step_p99_s"]["expert-grain"]
+
+
+@pytest.mark.parametrize("keep_warm", [0.0, 0.25])
+def test_the_gb_s_split_adds_up_to_the_pools(keep_warm):
+    settings = PoolSettings(**{**SETTINGS.__dict__, "keep_warm": keep_warm})
+    fts = _finetunes(_base(), 4, 0.15)
+    doc = evaluate_finetunes(fts, [_requests(r, 900, i) for i, r in enumerate((0.005, 0.02, 0.05, 0.2))], settings)
+    per_model = [m["gb_s"][SHARED_KEYS] for m in doc["models"]]
+    assert sum(per_model) == pytest.approx(doc["gb_s_shared_keys"], rel=1e-9) and min(per_model) > 0
+    for m in doc["models"]:
+        assert sum(m["gb_s_shared_keys_parts"].values()) == pytest.approx(m["gb_s"][SHARED_KEYS], rel=1e-12)
+    assert sum(m["gpu_s"][SHARED_KEYS] for m in doc["models"]) == pytest.approx(doc["gpu_s"][SHARED_KEYS])
+    busiest = max(doc["models"], key=lambda m: m["requests"])
+    assert busiest["gb_s_shared_keys_parts"]["base"] == max(m["gb_s_shared_keys_parts"]["base"] for m in doc["models"])
+
+
+def test_an_episode_splits_by_the_tokens_sent_in_it_else_by_claims():
+    """Key 0 held in windows 0-3 (A sends 3 tokens, B 1), then again in 6-7 with no token (claimed by B
+    twice, A once); key 1 in window 0 only, by A: 4 GB·s each 3:1, then 2 GB·s 1:2, and 1 to A."""
+    split = EpisodeSplit(2, 2, GB, 1.0)
+    none = np.zeros((2, 2))
+    for w in range(8):
+        held = np.array([w < 4 or w > 5, w == 0])
+        tokens = np.array([[3.0, 1.0], [1.0, 0.0]]) if w == 0 else none
+        claims = np.array([[w != 7 and held[0], held[1]], [held[0], False]])
+        split.window(held, tokens, claims)
+    gb_s = split.finish()
+    assert gb_s[:, 0].tolist() == pytest.approx([3.0 + 2 / 3, 1.0 + 4 / 3]) and gb_s[:, 1].tolist() == [1.0, 0.0]
+    assert gb_s.sum() == pytest.approx(7.0)
+
+
+def test_shared_keys_hold_each_shared_expert_once():
+    """Every fine-tune awake all along, every expert routed: the pool holds each base expert once and each
+    fine-tune's own ones, where the expert grain holds every fine-tune's whole set."""
+    base = _base(layers=3, experts=8, gpus=1)
+    fts = _finetunes(base, 3, 0.25)
+    steady = Requests(np.arange(0.0, 300.0, 1.0), np.full(300, 2000.0), np.full(300, 20.0))
+    s = PoolSettings(horizon_s=300, window_s=1, step_s=0.05, idle_delay_s=60, keep_alive_s=400, gpu_bytes=64 * GB)
+    doc = evaluate_finetunes(fts, [steady] * 3, s)
+    own = sum(int(ft.replaced.sum()) for ft in fts)
+    assert own == 18
+    used = int((~np.logical_and.reduce([ft.replaced for ft in fts])).sum())  # a base expert all three replaced: unused
+    assert 3 * 8 - 3 <= used <= 3 * 8
+    held = (base.non_expert_bytes + (used + own) * base.expert_bytes) * 300 / 1e9
+    assert doc["gb_s_shared_keys"] == pytest.approx(held)
+    assert sum(m["gb_s"]["expert-grain"] for m in doc["models"]) == pytest.approx(3 * base.weight_bytes * 300 / 1e9)
+    for m in doc["models"]:  # its own experts, all along, are its own
+        assert m["gb_s_shared_keys_parts"]["own"] == pytest.approx(6 * base.expert_bytes * 300 / 1e9)
+
+
+def test_a_finetune_that_replaced_nothing_pays_what_its_base_pays():
+    base = _base()
+    same = FineTune(base, np.zeros(base.popularity.shape, bool))
+    assert not make_finetune(base, "zero", base.popularity, 0.0, np.random.default_rng(0)).replaced.any()
+    requests = _requests(0.03, 900, 4)
+    doc = evaluate_finetunes([same, same], [requests, requests], SETTINGS)
+    a, b = doc["models"]
+    assert a["own_experts"] == 0 and a["gb_s_shared_keys_parts"]["own"] == 0.0
+    assert a["gb_s"][SHARED_KEYS] == pytest.approx(b["gb_s"][SHARED_KEYS], rel=1e-12)
+    alone = evaluate_pool([base], [requests], SETTINGS)["models"][0]
+    assert a["gb_s"]["whole-model"] == alone["gb_s"]["whole-model"]
+    # The pair holds at most what the base alone holds at any time: no key of their own.
+    assert doc["gb_s_shared_keys"] <= alone["gb_s"]["whole-model"] + 1e-9
+
+
+def test_a_finetune_whose_base_is_warm_loads_only_its_own_routed_experts():
+    """The base, served all along (a request every second), keeps its experts warm; B wakes at 100 s with
+    a long prompt: its wake-up loads its own experts, a layer's G at once, and no non-expert weights."""
+    base = _base(layers=4, experts=8, gpus=2)
+    a = FineTune(base, np.zeros(base.popularity.shape, bool))
+    b = _finetunes(base, 1, 0.25)[0]  # two own experts per layer: one load per layer on 2 GPUs
+    keep = Requests(np.arange(0.0, 300.0, 1.0), np.full(300, 2000.0), np.full(300, 10.0))
+    late = Requests(np.array([100.0]), np.array([4000.0]), np.array([10.0]))
+    s = PoolSettings(horizon_s=300, window_s=1, step_s=0.05, idle_delay_s=30, keep_alive_s=300, gpu_bytes=64 * GB)
+    doc = evaluate_finetunes([a, b], [keep, late], s)
+    woken = doc["models"][1]
+    assert woken["wake_s"]["shared-keys-base-warm"]["count"] == 1
+    assert woken["wake_s"][SHARED_KEYS]["p50"] == pytest.approx(4 * base.expert_load_s)
+    assert woken["wake_s"]["whole-model"]["p50"] == base.whole_load_s
+    assert woken["wake_s"]["expert-grain"]["p50"] > base.non_expert_load_s  # alone, it loads the non-expert weights
+
+
+def test_a_batched_step_carries_every_busy_finetunes_tokens():
+    fts = _finetunes(_base(), 2, 0.05)
+    both = _requests(0.05, 900, 7)
+    doc = evaluate_finetunes(fts, [both, both], PoolSettings(**{**SETTINGS.__dict__, "gpu_bytes": 64 * GB}))
+    for m in doc["models"]:
+        assert m["step_p99_s"]["shared-keys-batched"] > m["step_p99_s"][SHARED_KEYS] >= m["step_p99_s"]["dedicated"]
+
+
+def test_finetunes_of_different_bases_are_refused():
+    with pytest.raises(ValueError, match="share its geometry"):
+        evaluate_finetunes(_finetunes(_base(), 1, 0.1) + _finetunes(_base(experts=16), 1, 0.1),
+                           [_requests(0.01, 900, 0)] * 2, SETTINGS)

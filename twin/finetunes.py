@@ -1,0 +1,130 @@
+"""Fine-tunes of a base MoE as ESFT makes them, on one pool four ways, in the twin: pure functions.
+
+ESFT (Wang et al. 2024, "Let the Expert Stick to His Last", DeepSeek's method for DeepSeek-V2-Lite)
+trains, per layer, the experts its task routes the most tokens to (ESFT-Token, by the token-selection
+ratio; ESFT-Gate ranks by mean gate score instead) and freezes the router, attention and the other
+experts. So a fine-tune here is:
+- its task's routing: the frozen base router on the task's prompts. The twin has one measured
+  routing per base and workload (evaluation/shared_pool_run.popularity); a task of its own is that
+  routing with each layer's experts permuted, seeded per fine-tune: the same skew on other experts,
+  as tasks route to different experts in ESFT's study;
+- its replaced experts: round(share x L x E) of them, spread over the layers as evenly as whole
+  experts allow (layer l gets round((l + 1) share E) - round(l share E): ESFT's counts per layer
+  follow its task's data, which the twin does not have, so no layer is favoured), in each layer
+  those its task routes the most tokens to (ESFT-Token; ties: the base's lower index, then permuted);
+- the base's bytes everywhere else, non-expert weights included.
+
+The four ways, every figure per fine-tune and for the pool: dedicated (a static-EP pool per
+fine-tune), whole-model (one pool of whole models, no sharing), expert-grain (moeless's pool, each
+fine-tune a model of its own: twin/shared_pool) and shared-keys (moeless's pool with experts addressed
+by content: twin/shared_keys). A fine-tune's GPU-seconds in a shared pool are the pool's in the
+ratio of its GB·s to the pool's (the GPUs are held for the bytes).
+
+Tiny example (the tests): with 0% replaced a fine-tune holds no key of its own, and with one
+fine-tune the shared-keys pool is the expert-grain pool of that one model, figure for figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from moeless.twin.shared_pool import (
+    WAYS,
+    PoolModel,
+    PoolSettings,
+    Requests,
+    evaluate_pool,
+    stalled_p99,
+    stats,
+    steady_windows,
+    timelines,
+)
+from moeless.twin.shared_keys import SharedKeys, shared_keys_pass
+
+SHARED_KEYS = "shared-keys"
+ALL_WAYS = (*WAYS, SHARED_KEYS)
+
+
+@dataclass(frozen=True)
+class FineTune:
+    """One fine-tune: the base's sizes and load times with its task's routing (model.popularity),
+    and the experts it replaced, replaced [L, E] bool."""
+
+    model: PoolModel
+    replaced: np.ndarray
+
+
+def replaced_counts(layers: int, experts: int, share: float) -> np.ndarray:
+    """[L] experts replaced per layer: round(share x L x E) in all, spread evenly (round half up)."""
+    edges = np.floor(np.arange(layers + 1) * share * experts + 0.5).astype(np.int64)
+    return np.diff(edges)
+
+
+def make_finetune(base: PoolModel, name: str, routing: np.ndarray, share: float, rng: np.random.Generator) -> FineTune:
+    """A fine-tune of `base` whose task routes as `routing` [L, E] (rows summing to 1) does on experts
+    permuted per layer by `rng`, replacing `share` of the experts (the module docstring)."""
+    if not 0 <= share < 1:
+        raise ValueError(f"a fine-tune replaces a share of its base's experts in [0, 1), got {share:g}")
+    layers, experts = routing.shape
+    perm = np.stack([rng.permutation(experts) for _ in range(layers)])  # the task's expert perm[l, j] routes as j did
+    popularity = np.zeros_like(routing)
+    np.put_along_axis(popularity, perm, routing, axis=1)
+    order = np.argsort(-routing, axis=1, kind="stable")  # the base routing's ranks, ties: the lower index
+    replaced = np.zeros(routing.shape, bool)
+    for layer, count in enumerate(replaced_counts(layers, experts, share)):
+        replaced[layer, perm[layer, order[layer, :count]]] = True
+    return FineTune(replace(base, name=name, popularity=popularity), replaced)
+
+
+def shared_gpus(sk: SharedKeys, finetunes: list[FineTune], busy: np.ndarray, s: PoolSettings,
+                extra: bool = False) -> np.ndarray:
+    """GPUs [W] the shared-keys pool holds: its bytes in whole GPUs, at least G while one computes
+    (twin/shared_pool.pool_gpus); extra: with non-expert weights per fine-tune."""
+    held = sk.held_bytes + (sk.extra_non_expert if extra else 0.0)
+    return np.maximum(np.ceil(held / s.gpu_bytes - 1e-9), np.where(busy, finetunes[0].model.gpus, 0)).astype(float)
+
+
+def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: PoolSettings) -> dict:
+    """Every way's figures for N fine-tunes of one base over the horizon (the module docstring)."""
+    models = [ft.model for ft in finetunes]
+    shapes = {ft.replaced.shape for ft in finetunes} | {m.popularity.shape for m in models}
+    if len(shapes) != 1 or len({(m.expert_bytes, m.non_expert_bytes, m.gpus, m.top_k) for m in models}) != 1:
+        raise ValueError("fine-tunes of one base share its geometry: layers, experts, bytes, GPUs and k")
+    lines = timelines(models, requests, s)
+    doc = evaluate_pool(models, requests, s, lines)
+    sk = shared_keys_pass(models, np.stack([ft.replaced for ft in finetunes]), lines, s)
+    busy = np.any([line.busy for line in lines], axis=0)
+    gpus = shared_gpus(sk, finetunes, busy, s)
+    pool_gb_s = float(sk.held_bytes.sum() * s.window_s / 1e9)
+    doc["gpu_s"][SHARED_KEYS] = float(gpus.sum() * s.window_s)
+    doc["gpu_s_own_non_expert"] = float(shared_gpus(sk, finetunes, busy, s, extra=True).sum() * s.window_s)
+    doc["gb_s_shared_keys"] = pool_gb_s
+    doc["gpu_s_ratio_to_dedicated"] = {way: v / doc["gpu_s"]["dedicated"] for way, v in doc["gpu_s"].items()}
+    steps = s.window_s / s.step_s
+    work = float(sk.batched_step_s.sum() * steps)  # the one engine's expert GPU seconds (a shared key's call once per step)
+    doc["busy_fraction"][SHARED_KEYS] = work / doc["gpu_s"][SHARED_KEYS] if doc["gpu_s"][SHARED_KEYS] else 0.0
+    doc["gpus_p50_p100"][SHARED_KEYS] = [float(np.percentile(gpus, 50)), float(gpus.max())]
+    for i, (ft, line, m) in enumerate(zip(finetunes, lines, doc["models"])):
+        own, base_keys, non_expert = (float(x) for x in sk.gb_s[i])
+        m["own_experts"] = int(ft.replaced.sum())
+        m["gb_s"][SHARED_KEYS] = own + base_keys + non_expert
+        m["gb_s_shared_keys_parts"] = {"own": own, "base": base_keys, "non-expert": non_expert}
+        wakes = sk.wakes[i]
+        m["wake_s"][SHARED_KEYS] = stats(wakes[:, 1])
+        m["wake_s"]["shared-keys-base-warm"] = stats(wakes[wakes[:, 2] > 0, 1])
+        m["whole_load_s"] = ft.model.whole_load_s
+        m["cold_starts_outside_wakes_shared_keys"] = int(sk.cold_starts[i].sum())
+        windows = steady_windows(line)
+        alone = line.compute_s[windows] / (steps * ft.model.gpus)
+        m["step_p99_s"][SHARED_KEYS] = stalled_p99(alone, sk.cold_starts[i][windows], steps, ft.model.expert_load_s)
+        m["step_p99_s"]["shared-keys-batched"] = stalled_p99(sk.batched_step_s[windows] / gpus[windows],
+                                                            sk.cold_starts[i][windows], steps, ft.model.expert_load_s)
+    for way in ALL_WAYS:  # each fine-tune's GPU-seconds: the pool's in the ratio of its GB·s
+        total = sum(m["gb_s"][way] for m in doc["models"])
+        for m in doc["models"]:
+            m.setdefault("gpu_s", {})[way] = (m["dedicated_gpus"] * s.horizon_s if way == "dedicated"
+                                              else doc["gpu_s"][way] * m["gb_s"][way] / total if total else 0.0)
+    return doc
+

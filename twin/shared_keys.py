@@ -1,0 +1,155 @@
+"""Fine-tunes of one base on one pool whose experts are addressed by content (shared keys), in the
+twin: pure functions over arrays (docs/shared-pool.md, "Many fine-tunes of one base").
+
+A key is one expert's bytes: the base's expert (l, e) is key l x E + e, and each fine-tune's
+replaced experts are keys of their own after the base's (twin/finetunes.py). The pool holds one
+replica per key, whichever fine-tunes route to it, and the non-expert weights once: ESFT freezes
+them, so every fine-tune of a base has the same bytes there, and one engine serves them all (tokens
+of every fine-tune in one batch, each routed to its own keys; ExpertWeave's design, issue 44 item 3).
+
+Each fine-tune's windows, wake-ups and routed experts are its twin/shared_pool timeline's (the same
+draws as the expert-grain way, where it is a model of its own). Per window, in numbered steps:
+1. Resident before the window's calls: every key claimed by a fine-tune awake and not waking (it
+   routed a token to the key within keep_alive_s, or its wake-up prefetched the key that long ago),
+   and the keep-warm sets.
+2. Each awake fine-tune's calls: a routed key not resident is a cold start, outside a wake-up, or
+   part of its wake-up: loaded layer by layer, G at once, as the expert-grain way loads (the
+   non-expert weights too unless another fine-tune awake holds them). A wake-up then claims all the
+   fine-tune's keys (the loop prefetches its static share); every routed key is claimed anew.
+3. Held after the calls: the union of the claims; the non-expert weights while any fine-tune is awake.
+4. GB·s split, per episode of a held key (from its load to its eviction, as a host meters a replica):
+   by the tokens each fine-tune sent it within the episode (here expected: the window's tokens x k x
+   the fine-tune's routing share of the key); an episode without a token (prefetched, never routed)
+   by the windows each fine-tune claimed it. A replaced expert's key is its fine-tune's alone, and
+   the non-expert weights split the same way. So the fine-tunes' GB·s add up to the pool's.
+   Why tokens: a host counts each model's tokens per call at no cost, a fine-tune that never routes
+   to a replica pays nothing for it, and one that keeps it busy pays the most. Why per episode: the
+   keep-alive tail after the last call is paid by those whose calls it was kept for.
+
+The MoE time per step, two ways: alone (the house figure, twin/shared_pool.step_time_p99: the
+fine-tune's own compute over G GPUs, its cold starts as stalls) and batched: the engine's step
+carries the tokens of every fine-tune busy in the window, so a key routed by several is one call
+with all their tokens; the step's work spread evenly over the GPUs the pool holds in the window (at
+least G: the bound, as every way's step in this twin), with the fine-tune's own stalls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeless.twin.shared_pool import ModelTimeline, PoolModel, PoolSettings, warm_mask
+
+
+@dataclass(frozen=True)
+class SharedKeys:
+    """The pool with shared keys, window by window, and each fine-tune's share of it.
+
+    held_bytes [W]: bytes held; extra_non_expert [W]: the bytes more if each awake fine-tune held
+    non-expert weights of its own (one engine per fine-tune instead of one for all); gb_s [N, 3]: each
+    fine-tune's GB·s of its own keys, the base's keys and the non-expert weights; cold_starts [N, W]
+    outside wake-ups; wakes[n]: [wake-ups, 3] (window, seconds, 1 where the base was warm: another
+    fine-tune awake held the non-expert weights); batched_step_s [W]: the engine's expert GPU seconds
+    per step over every fine-tune busy in the window."""
+
+    held_bytes: np.ndarray
+    extra_non_expert: np.ndarray
+    gb_s: np.ndarray
+    cold_starts: np.ndarray
+    wakes: list[np.ndarray]
+    batched_step_s: np.ndarray
+
+
+class EpisodeSplit:
+    """Each key's GB·s per episode (a run of windows it is held in), split over the models by the
+    tokens they sent it in the episode, else by the windows they claimed it (step 4). Arrays are
+    [N, K]: models first."""
+
+    def __init__(self, models: int, keys: int, key_bytes: float, window_s: float):
+        self.tokens, self.claims = np.zeros((models, keys)), np.zeros((models, keys))
+        self.length, self.held = np.zeros(keys), np.zeros(keys, bool)
+        self.gb_s = np.zeros((models, keys))
+        self.gb_per_window = key_bytes * window_s / 1e9
+
+    def window(self, held: np.ndarray, tokens: np.ndarray, claims: np.ndarray) -> None:
+        """One window: held [K] bool after its calls, tokens [N, K] sent, claims [N, K] bool."""
+        ended = self.held & ~held
+        if ended.any():
+            self._close(ended)
+        self.length += held
+        self.tokens += tokens * held
+        self.claims += claims
+        self.held = held
+
+    def finish(self) -> np.ndarray:
+        """[N, K] GB·s, every episode still open closed at the horizon."""
+        self._close(self.held)
+        self.held = np.zeros_like(self.held)
+        return self.gb_s
+
+    def _close(self, keys: np.ndarray) -> None:
+        tokens, claims = self.tokens[:, keys], self.claims[:, keys]
+        weight = np.where(tokens.sum(axis=0) > 0, tokens, claims)
+        self.gb_s[:, keys] += self.length[keys] * weight / weight.sum(axis=0) * self.gb_per_window
+        self.tokens[:, keys], self.claims[:, keys], self.length[keys] = 0.0, 0.0, 0.0
+
+
+def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[ModelTimeline],
+                     s: PoolSettings) -> SharedKeys:
+    """Steps 1-4 over the windows for fine-tunes of one base: models [N] (each its task's routing and
+    the base's sizes), replaced [N, L, E] bool (a replaced expert is a key of its model's own; every
+    other (l, e) the base's key), their timelines in the same order."""
+    n, (layers, experts), base = len(models), models[0].popularity.shape, models[0]
+    own = replaced.reshape(n, -1)
+    keep, steps = int(round(s.keep_alive_s / s.window_s)), s.window_s / s.step_s
+    routing = np.stack([m.popularity.reshape(-1) for m in models]) * base.top_k  # [N, L x E] pairs per token
+    kept = np.stack([warm_mask(m.popularity, s.keep_warm).reshape(-1) for m in models])  # claimed all along
+    kept_base = (kept & ~own).any(axis=0)
+    last = np.full(own.shape, -10**9)  # each model's claim: the last window it routed to an expert
+    row = np.zeros(n, np.int64)  # each model's next row of hits (its awake windows in order)
+    split = EpisodeSplit(n, layers * experts, base.expert_bytes, s.window_s)
+    non_expert = EpisodeSplit(n, 1, base.non_expert_bytes, s.window_s)
+    own_windows = np.zeros(n)  # windows x own keys held, per model
+    held, extra, batched = np.zeros(s.windows), np.zeros(s.windows), np.zeros(s.windows)
+    cold, wakes = np.zeros((n, s.windows), np.int64), [[] for _ in range(n)]
+    awake_all = np.stack([line.awake for line in lines])  # [N, W]
+    for w in range(s.windows):
+        awake = awake_all[:, w]
+        if not awake.any() and not kept.any() and not split.held.any() and not non_expert.held.any():
+            continue
+        steady = awake & (awake_all[:, w - 1] if w else False)
+        # 1. Resident before the calls: the base's keys any steady model claims, each model's own.
+        claimed = (w - last <= keep) & steady[:, None] | kept
+        base_before, own_before = (claimed & ~own).any(axis=0), claimed & own
+        # 2. The calls: cold starts and wake-ups.
+        for m in np.flatnonzero(awake):
+            hit = lines[m].hits[row[m]].reshape(-1)
+            row[m] += 1
+            missing = hit & ~np.where(own[m], own_before[m], base_before)
+            if steady[m]:
+                cold[m, w] = int(missing.sum())
+            else:
+                per_layer = np.ceil(missing.reshape(layers, experts).sum(axis=1) / base.gpus)
+                loads = (0.0 if steady.any() else base.non_expert_load_s) + per_layer.sum() * base.expert_load_s
+                wakes[m].append((w, loads, float(steady.any())))
+                last[m] = w
+            last[m][hit] = w
+        # 3. Held after the calls.
+        claims = (w - last <= keep) & awake[:, None] | kept
+        base_now = (claims & ~own).any(axis=0)
+        own_now = (claims & own).sum(axis=1)
+        own_windows += own_now
+        held[w] = (base_now.sum() + own_now.sum()) * float(base.expert_bytes) + awake.any() * float(base.non_expert_bytes)
+        extra[w] = max(int(awake.sum()) - 1, 0) * float(base.non_expert_bytes)
+        # 4. Tokens sent (by the busy), the split, the engine's batched step.
+        sent = np.array([line.tokens[w] if line.busy[w] else 0.0 for line in lines])
+        tokens = sent[:, None] * routing
+        split.window(base_now, np.where(own, 0.0, tokens), claims & ~own)
+        non_expert.window(np.array([awake.any()]), sent[:, None], awake[:, None])
+        if sent.any():
+            rate = np.concatenate([tokens[own], tokens.sum(axis=0, where=~own)]) / steps  # own keys, then the base's
+            batched[w] = -np.expm1(-rate).sum() * base.call_s + sent.sum() / steps * base.top_k * base.alpha_s
+    own_gb = own_windows * base.expert_bytes * s.window_s / 1e9
+    parts = np.stack([own_gb, split.finish().sum(axis=1), non_expert.finish()[:, 0]], axis=1)
+    return SharedKeys(held, extra, parts, cold, [np.asarray(x, float).reshape(-1, 3) for x in wakes], batched)
