@@ -93,9 +93,9 @@ def _register_finetune(sub: argparse._SubParsersAction) -> None:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    # heavy (torch, the model, peft): kept off --help's start-up path
     from pathlib import Path
 
+    # heavy (torch, the model, peft): kept off --help's start-up path
     from moeless.core.paths import cache_dir
     from moeless.core.threads import torch_threads
     from moeless.model.default import BuildConfig, build
@@ -174,7 +174,8 @@ def _export(args: argparse.Namespace) -> int:
 
     from moeless.model.weight_store import export_experts  # heavy (torch, safetensors): off --help's start-up path
 
-    from moeless.model.finetune import FinetuneError, load_finetune, read_manifest
+    from moeless.model.finetune import FinetuneError, read_manifest
+    from moeless.model.finetune_load import load_finetune
     from moeless.model.weight_store import WeightStore, WeightStoreError
 
     model = _load(args)

@@ -5,7 +5,7 @@ shared experts, embeddings, every other expert), so a fine-tune is its base plus
 experts: what moeless' expert functions can serve from one pool with the base's own.
 
 1. Score every (layer, expert) on the task's training tokens through the base's own routing, as
-   DeepSeek's scripts/get_expert_scores.py does (pooled over all tokens):
+   DeepSeek's ESFT repository's expert-scoring script does (pooled over all tokens):
    - "token" (ESFT-Token, token-selection ratio): the share of the layer's k choices per token
      that go to the expert, count / (T k); a layer's scores sum to 1;
    - "gate" (ESFT-Gate, average gate score): the expert's gate value summed over the tokens that
@@ -29,16 +29,13 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.func import functional_call
 from tqdm import tqdm
 
+from moeless.model.moe_model import MoEModel
 from moeless.model.sliced_moe import SlicedMoE
-
-if TYPE_CHECKING:
-    from moeless.model.moe_model import MoEModel
 
 SCORES = ("token", "gate")
 EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")  # SlicedMoE's stacked experts: [E, F, H], [E, F, H], [E, H, F]
@@ -141,8 +138,6 @@ def train_experts(model: "MoEModel", selected: list[list[int]], blocks: torch.Te
     tensors from the frozen base and those rows (functional_call), so the optimizer never sees a
     frozen weight. Needs the moeless-sliced arch (the default model).
     """
-    from moeless.model.moe_model import MoEModel
-
     hf = copy.deepcopy(model.hf)
     hf.requires_grad_(False)
     decoder = hf.model.layers

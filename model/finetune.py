@@ -23,7 +23,7 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 from safetensors.torch import load as parse_safetensors
@@ -31,9 +31,8 @@ from safetensors.torch import save_file
 
 from moeless.core.paths import cache_dir
 from moeless.model.experts import EXPERT_TENSORS
+from moeless.model.moe_model import MoEModel
 
-if TYPE_CHECKING:
-    from moeless.model.moe_model import MoEModel
 
 FORMAT = "moeless-finetune/1"
 MANIFEST = "finetune.json"
@@ -44,7 +43,7 @@ class FinetuneError(RuntimeError):
     """A fine-tune directory is missing, malformed, corrupt, or made for another base."""
 
 
-def weights_fingerprint(model: "MoEModel") -> str:
+def weights_fingerprint(model: MoEModel) -> str:
     """sha256 (hex) over the model's spec and every tensor of its state dict (name, shape, dtype,
     bytes): the identity of a base. Every byte counts (predictor/fingerprint.model_hash samples
     4,096 elements per tensor, which cannot tell two ESFT fine-tunes of one base apart). ~1 s for
@@ -57,14 +56,14 @@ def weights_fingerprint(model: "MoEModel") -> str:
     return h.hexdigest()
 
 
-def model_name(model: "MoEModel") -> str:
+def model_name(model: MoEModel) -> str:
     """A name for messages: the directory the model was loaded from, else its arch and shape."""
     path = str(getattr(model.hf.config, "name_or_path", "") or "")
     spec = model.spec
     return Path(path).name if path else f"a {spec.arch} model of {spec.num_layers} x {spec.num_experts} experts"
 
 
-def base_record(base: "MoEModel", name: str, path: str | Path | None = None) -> dict:
+def base_record(base: MoEModel, name: str, path: str | Path | None = None) -> dict:
     """finetune.json's "base": what a loader needs to find the base and to refuse any other."""
     spec = base.spec
     return {"name": name, "path": None if path is None else str(Path(path).resolve()),
@@ -87,7 +86,7 @@ def write_manifest(out: str | Path, manifest: dict) -> Path:
     return out
 
 
-def save_esft(out: str | Path, tuned: "MoEModel", replaced: Iterable[tuple[int, int]], manifest: dict) -> Path:
+def save_esft(out: str | Path, tuned: MoEModel, replaced: Iterable[tuple[int, int]], manifest: dict) -> Path:
     """Write an ESFT fine-tune: tuned's weights of the replaced (layer, expert)s, one file each, and
     finetune.json (manifest plus method "esft" and the experts' list with checksums)."""
     out = Path(out)
@@ -121,12 +120,13 @@ def read_manifest(root: str | Path) -> dict:
     return manifest
 
 
-def resolve_base(manifest: dict, base: "MoEModel | None") -> "MoEModel":
+def resolve_base(manifest: dict, base: MoEModel | None) -> MoEModel:
     """The base a fine-tune names: `base` when given, else the model under the cache (its name) or
     at its recorded path. Refuses, in one line, a missing base or one whose fingerprint differs."""
     name, want = manifest["name"], manifest["base"]
     wanted = f"base {want['name']} (fingerprint {want['fingerprint'][:16]})"
     if base is None:
+        # transformers only where the base must be found and loaded
         from moeless.model.hf_loader import load_moe_model
 
         places = [cache_dir() / want["name"]] + ([Path(want["path"])] if want.get("path") else [])
@@ -141,7 +141,7 @@ def resolve_base(manifest: dict, base: "MoEModel | None") -> "MoEModel":
     return base
 
 
-def check_shapes(manifest: dict, base: "MoEModel") -> None:
+def check_shapes(manifest: dict, base: MoEModel) -> None:
     """Every replaced expert exists in base with the shapes the fine-tune recorded for it."""
     name, want, spec = manifest["name"], manifest["base"], base.spec
     for entry in manifest["experts"]:
@@ -190,11 +190,9 @@ def replaced_experts(root: str | Path, spec=None) -> dict[tuple[int, int], dict[
     return {(int(e["layer"]), int(e["expert"])): read_expert(root, manifest, e, spec) for e in manifest["experts"]}
 
 
-def merge_experts(base: "MoEModel", experts: dict[tuple[int, int], dict[str, torch.Tensor]]) -> "MoEModel":
+def merge_experts(base: MoEModel, experts: dict[tuple[int, int], dict[str, torch.Tensor]]) -> MoEModel:
     """A new MoEModel: a copy of base with the given experts' weights written over its own (base is
     not modified; every other tensor is the base's, bit for bit)."""
-    from moeless.model.moe_model import MoEModel
-
     hf = copy.deepcopy(base.hf)
     merged = MoEModel(hf, tokenizer=base.tokenizer)
     with torch.no_grad():
@@ -204,20 +202,3 @@ def merge_experts(base: "MoEModel", experts: dict[tuple[int, int], dict[str, tor
                 views[n].copy_(weights[n])
     return merged
 
-
-def load_finetune(root: str | Path, base: "MoEModel | None" = None, merge_expert_lora: bool = True) -> "MoEModel":
-    """The fine-tune in directory `root` over its base, as one in-process model (base untouched).
-
-    ESFT: the base with its replaced experts swapped in. LoRA: the base with the adapter applied by
-    peft; with merge_expert_lora=False the expert LoRAs are not merged but applied at call time
-    (moeless.model.lora.load_lora): the same computation an expert host makes, bit for bit.
-    base: the base model (None: found from finetune.json, see resolve_base).
-    """
-    manifest = read_manifest(root)
-    base = resolve_base(manifest, base)
-    if manifest["method"] == "lora":
-        from moeless.model.lora import load_lora
-
-        return load_lora(root, manifest, base, merge_experts=merge_expert_lora)
-    return merge_experts(base, {(int(e["layer"]), int(e["expert"])): read_expert(root, manifest, e, base.spec)
-                                for e in manifest["experts"]})

@@ -132,7 +132,7 @@ def finetune_model(base_loader: Callable[[], Any], root: str):
     """The fine-tune in directory root over the model base_loader loads, merged (model/finetune.py:
     the base's fingerprint and the fine-tune's files checked, a refusal one line naming them)."""
     # heavy (peft for a LoRA): kept off --help's start-up path
-    from moeless.model.finetune import load_finetune
+    from moeless.model.finetune_load import load_finetune
 
     return load_finetune(root, base_loader())
 
@@ -142,6 +142,7 @@ def choose_model(model: str) -> ModelChoice:
     BASE+FINETUNE: a fine-tune (`moeless model finetune`) over one of those, FINETUNE its directory
     or its name under the cache's finetunes/; served as "<base's name>+<the fine-tune's name>"."""
     if "+" in model:
+        # torch and safetensors only where a fine-tune is served
         from moeless.model.finetune import FinetuneError, read_manifest
 
         spec, _, tune = model.partition("+")

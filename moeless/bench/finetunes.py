@@ -169,7 +169,7 @@ def compare(choices: Sequence["ModelChoice"], models: Sequence["MoEModel"], *, h
 
 def _store_bytes(root: Path) -> int:
     """All expert bytes of the model a store serves (its own files and its base's it names)."""
-    from moeless.model.weight_store import WeightStore
+    from moeless.model.weight_store import WeightStore  # heavy (torch, safetensors): off --help's start-up path
 
     store = WeightStore.open(root)
     return sum(store.expert_bytes(layer, expert) for layer, expert in store.keys())
@@ -178,6 +178,7 @@ def _store_bytes(root: Path) -> int:
 def _finetunes_of(base, base_name: str, share: float, seed: int, count: int = 3) -> tuple[list[Path], bool]:
     """(fine-tune directories, whether they are stand-ins): the base's in the cache's finetunes/ (made
     by `moeless model finetune` over this base: its fingerprint), up to `count`, else `count` stand-ins."""
+    # heavy (torch, safetensors): off --help's start-up path
     from moeless.core.paths import cache_dir
     from moeless.model.finetune import FinetuneError, read_manifest, weights_fingerprint
 
@@ -200,6 +201,7 @@ def stand_in_finetune(base: "MoEModel", base_name: str, i: int, share: float, se
     (chosen at random) perturbed, not trained, written as an ESFT artefact (model/finetune.py)."""
     import torch
 
+    # heavy (torch, safetensors): off --help's start-up path
     from moeless.core.paths import cache_dir
     from moeless.model.finetune import FinetuneError, base_record, merge_experts, read_manifest, save_esft
 

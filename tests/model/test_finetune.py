@@ -13,11 +13,11 @@ from moeless.model.finetune import (
     MANIFEST,
     FinetuneError,
     base_record,
-    load_finetune,
     replaced_experts,
     save_esft,
     weights_fingerprint,
 )
+from moeless.model.finetune_load import load_finetune
 from moeless.model.moe_model import MoEModel
 from moeless.model.tiny import VOCAB, _tiny_sliced, tiny_model
 

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from moeless.model.esft import TrainConfig
 from moeless.model.experts import expert_forward, expert_forward_lora
-from moeless.model.finetune import FinetuneError, base_record, load_finetune
+from moeless.model.finetune import FinetuneError, base_record
+from moeless.model.finetune_load import load_finetune
 from moeless.model.lora import ADAPTER_DIR, LoraMoEModel, expert_loras, save_lora, train_lora
 from moeless.model.tiny import VOCAB, tiny_model
 

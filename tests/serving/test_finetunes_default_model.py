@@ -8,7 +8,7 @@ import torch
 from moeless.bench.finetunes import stand_in_finetune
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.model.finetune import load_finetune
+from moeless.model.finetune_load import load_finetune
 from moeless.model.weight_store import export_store
 from moeless.placement.types import Placement
 from moeless.serving.executor import RemoteExecutor
