@@ -81,10 +81,12 @@ class HostTotals:
 class ModelTotals:
     """One model's part of a host's totals (a host serving several models: model_stores.py). gb_s and
     bytes_held are its split of shared replicas (module docstring), so every model's add up to the
-    host's; own_replicas, shared_replicas and shared_bytes: the resident replicas it uses alone or with
+    host's; shared_gb_s the part of gb_s from replicas whose content key other models of the host hold
+    too; own_replicas, shared_replicas and shared_bytes: the resident replicas it uses alone or with
     other models (a shared one counted for each)."""
 
     gb_s: float = 0.0
+    shared_gb_s: float = 0.0
     bytes_held: int = 0
     loads: int = 0
     cold_starts: int = 0
@@ -220,8 +222,11 @@ class Meters:
         out = {name: ModelTotals() for name in names}
         for key, m in self.replicas.items():
             self._settle(m, now)
+            sharing = users(key)
             for i, byte_s in m.split.items():
                 out[names[i]].gb_s += byte_s / GB
+                if len(sharing) > 1:
+                    out[names[i]].shared_gb_s += byte_s / GB
             payers = self._payers(m, now) if m.bytes else []
             for n, i in enumerate(payers):  # whole bytes, the remainder to the first: they add up exactly
                 out[names[i]].bytes_held += m.bytes // len(payers) + (m.bytes % len(payers) if n == 0 else 0)
@@ -229,7 +234,6 @@ class Meters:
                 for i, n in counts.items():
                     setattr(out[names[i]], attr, getattr(out[names[i]], attr) + n)
             if m.bytes:
-                sharing = users(key)
                 for i in sharing or (model_of(key[0]),):
                     t = out[names[i]]
                     if len(sharing) > 1:

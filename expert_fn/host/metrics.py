@@ -6,7 +6,8 @@ cold starts, invocations, tokens, and how many models it computes for (`replica_
 (label model; a host may serve several, model_stores.py): GB·s (a shared replica's split among the
 models using it, meters.py), bytes held (the same split, now), loads, cold starts, tokens, which add
 up to the host's; and the resident replicas it uses alone (`model_replicas{kind="own"}`) or with
-other models (`kind="shared"`, each model counting it) with their bytes (`model_shared_bytes`).
+other models (`kind="shared"`, each model counting it) with their bytes (`model_shared_bytes`) and
+the part of its GB·s from replicas it shares (`model_shared_gb_seconds`).
 Per layer (label layer): cold-start seconds hidden by prefetch and exposed (waited for).
 Per host: the same totals, load seconds, evictions, Invoke calls and calls in flight, prefetches
 never used, device copies, and the host memory tier's hits, misses, reads and bytes.
@@ -57,6 +58,8 @@ class RuntimeCollector(Collector):
             "cold_starts": (CounterMetricFamily, "invocations that waited for one of the model's replicas", "cold_starts"),
             "tokens": (CounterMetricFamily, "tokens the model's replicas computed", "tokens"),
         }
+        per_model["shared_gb_seconds"] = (CounterMetricFamily, "the part of the model's GB·s from replicas it shares "
+                                          "with other models (its split of them)", "shared_gb_s")
         per_model["shared_bytes"] = (GaugeMetricFamily, "bytes of the resident replicas the model shares with others",
                                      "shared_bytes")
         for name, (family, doc, field) in per_model.items():

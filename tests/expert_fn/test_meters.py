@@ -79,6 +79,9 @@ def test_a_shared_replica_s_gb_s_is_split_evenly_among_the_models_keeping_it_res
     assert (parts["a"].bytes_held, parts["b"].bytes_held) == (0, 10**9)  # the last user's now
     assert (parts["a"].tokens, parts["b"].tokens, parts["a"].loads, parts["b"].loads) == (3, 5, 0, 0)
     assert (parts["a"].shared_replicas, parts["b"].shared_replicas, parts["a"].shared_bytes) == (1, 1, 10**9)
+    # A content key both models hold: all of each one's GB·s of it is its shared share (kubectl's Shared-GBs).
+    assert (parts["a"].shared_gb_s, parts["b"].shared_gb_s) == (pytest.approx(6.5), pytest.approx(13.5))
+    assert meters.by_model(["a", "b"], lambda layer: 0)["a"].shared_gb_s == 0.0  # one model's key: nothing shared
     assert meters.totals(users=lambda key: (0, 1)).shared_replicas == 1
     assert meters.needed_by((0, 0)) == []  # both claims ran out
     meters.free((0, 0))  # evicted: nothing more for anyone
