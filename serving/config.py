@@ -119,7 +119,8 @@ class ModelChoice:
     the driver's own load where it differs (the default model's first build shows its progress);
     base: a fine-tune's base (its weight store is written over the base's: model/weight_store.py);
     joins_base: its non-expert layers are the base's (an ESFT fine-tune), so it can share the base's
-    engine (serving/family.py)."""
+    engine (serving/family.py); a LoRA fine-tune gets an engine of its own (its attention LoRA is in
+    that engine's non-expert layers) while its experts are the base's replicas on the shared hosts."""
 
     name: str
     loader: Callable[[], Any]
@@ -129,12 +130,15 @@ class ModelChoice:
 
 
 def finetune_model(base_loader: Callable[[], Any], root: str):
-    """The fine-tune in directory root over the model base_loader loads, merged (model/finetune.py:
-    the base's fingerprint and the fine-tune's files checked, a refusal one line naming them)."""
+    """The fine-tune in directory root over the model base_loader loads (model/finetune.py: the base's
+    fingerprint and the fine-tune's files checked, a refusal one line naming them): ESFT merged; LoRA
+    with its non-expert LoRAs merged and its expert LoRAs not (a LoraMoEModel): its experts are the
+    base's, its weight store carries the factors, and the expert hosts apply them at call time over
+    the base's shared replicas (expert_fn/host/adapters.py), as the in-process model does."""
     # heavy (peft for a LoRA): kept off --help's start-up path
     from moeless.model.finetune_load import load_finetune
 
-    return load_finetune(root, base_loader())
+    return load_finetune(root, base_loader(), merge_expert_lora=False)
 
 
 def choose_model(model: str) -> ModelChoice:

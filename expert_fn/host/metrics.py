@@ -6,7 +6,8 @@ cold starts, invocations, tokens, and how many models it computes for (`replica_
 (label model; a host may serve several, model_stores.py): GB·s (a shared replica's split among the
 models using it, meters.py), bytes held (the same split, now), loads, cold starts, tokens, which add
 up to the host's; and the resident replicas it uses alone (`model_replicas{kind="own"}`) or with
-other models (`kind="shared"`, each model counting it) with their bytes (`model_shared_bytes`).
+other models (`kind="shared"`, each model counting it) with their bytes (`model_shared_bytes`), and a
+LoRA fine-tune's own factors (`model_lora_bytes`, in its bytes held and GB·s too).
 Per layer (label layer): cold-start seconds hidden by prefetch and exposed (waited for).
 Per host: the same totals, load seconds, evictions, Invoke calls and calls in flight, prefetches
 never used, device copies, and the host memory tier's hits, misses, reads and bytes.
@@ -59,6 +60,8 @@ class RuntimeCollector(Collector):
         }
         per_model["shared_bytes"] = (GaugeMetricFamily, "bytes of the resident replicas the model shares with others",
                                      "shared_bytes")
+        per_model["lora_bytes"] = (GaugeMetricFamily, "bytes of the model's own LoRA factors (a LoRA fine-tune: "
+                                   "applied over shared replicas at call time)", "lora_bytes")
         for name, (family, doc, field) in per_model.items():
             metric = family(f"{PREFIX}_model_{name}", doc, labels=["model"])
             for model, totals in sorted(status["models"].items()):
