@@ -118,9 +118,10 @@ class ModelChoice:
     """A served model: the name clients send and a picklable loader () -> MoEModel; first_load is
     the driver's own load where it differs (the default model's first build shows its progress);
     base: a fine-tune's base (its weight store is written over the base's: model/weight_store.py);
-    joins_base: its non-expert layers are the base's (an ESFT fine-tune), so it can share the base's
-    engine (serving/family.py); a LoRA fine-tune gets an engine of its own (its attention LoRA is in
-    that engine's non-expert layers) while its experts are the base's replicas on the shared hosts."""
+    joins_base: its non-expert layers are the base's (an ESFT fine-tune, a LoRA on experts only), so it
+    can share the base's engine (serving/family.py); a LoRA fine-tune that adapts attention gets an engine
+    of its own (its attention LoRA is in that engine's non-expert layers) while its experts are the base's
+    replicas on the shared hosts."""
 
     name: str
     loader: Callable[[], Any]
@@ -156,9 +157,16 @@ def choose_model(model: str) -> ModelChoice:
             manifest = read_manifest(root)
         except FinetuneError as err:
             raise SystemExit(f"--model {model!r}: {err}") from None
+        if manifest["method"] == "lora":
+            # peft only where a LoRA fine-tune is served
+            from moeless.model.lora import adapts_non_experts
+
+            joins = not adapts_non_experts(root)  # a LoRA on experts only: the base's non-expert layers
+        else:
+            joins = True  # ESFT changes experts only
         return ModelChoice(f"{base.name}+{manifest['name']}", functools.partial(finetune_model, base.loader,
                                                                                  str(root.resolve())), base=base,
-                           joins_base=manifest["method"] == "esft")
+                           joins_base=joins)
     if model == "default":
         return ModelChoice("moeless-default", default_model, functools.partial(default_model, progress=True))
     if model.startswith("tiny:"):

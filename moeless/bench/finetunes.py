@@ -13,7 +13,7 @@
    - the base and the fine-tunes on the same hosts, request i to model i mod N, in one engine (the
      base's non-expert layers batching every model's requests, each token to its own model's
      experts: serving/family.py, how `moeless serve --model A --model A+B ...` runs ESFT fine-tunes; a
-     LoRA fine-tune's non-expert layers are not the base's, so it has an engine of its own in this run too);
+     LoRA fine-tune adapting attention has non-expert layers of its own, so an engine of its own here too);
    - the same in one engine per model (a ModelServer each, as LoRA fine-tunes are served).
 3. Reported: the hosts' expert memory (the ratio to the base alone; whole models would hold N x),
    each model's GB·s from the hosts (shared replicas split among their users) and that they add up,
@@ -141,7 +141,7 @@ def compare(choices: Sequence["ModelChoice"], models: Sequence["MoEModel"], *, h
             sent = [names[0]] * requests if run == "base_alone" else asked  # the base alone: every request to it
             several = len(served) > 1
             pairs = [(c.name, stores[c.name]) for c in served]
-            # serving/family.py: the ESFT fine-tunes in the base's engine; a LoRA one in its own (its attention differs)
+            # serving/family.py: fine-tunes with the base's non-expert layers in its engine; a LoRA on attention in its own
             family = tuple(c.name for c in served[1:] if c.joins_base) if run == "one_engine" else ()
             with launch_local_hosts(hosts, pairs if several else pairs[0][1], keep_alive_s=3600, metrics=False) as group:
                 engines = [c for c in served if c.name not in family]
