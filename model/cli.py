@@ -43,7 +43,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="the experts' dtype in the store (default float32, exactly the model's; bfloat16 or float16 "
                              "halve it, and hosts run with --compute-dtype store compute in it)")
     export.add_argument("--finetune", metavar="DIR",
-                        help="export this fine-tune of the model (`moeless model finetune`'s directory), merged")
+                        help="export this fine-tune of the model (`moeless model finetune`'s directory): ESFT merged; LoRA "
+                             "with its expert LoRA factors beside the base's experts (hosts apply them at call time)")
     export.add_argument("--base", metavar="STORE",
                         help="a weight store to write over: experts it has (by content key) are not written but named "
                              "(a fine-tune's store over its base's: hosts serving both hold those experts once)")
@@ -183,7 +184,9 @@ def _export(args: argparse.Namespace) -> int:
     name = args.model or f"smollm2-135m-moe-e{spec.num_experts}-sh{spec.shared_ffn}-k{spec.top_k}-s{args.seed}"
     try:
         if args.finetune:
-            model, name = load_finetune(args.finetune, model), f"{name}+{read_manifest(args.finetune)['name']}"
+            # a LoRA's expert LoRAs unmerged: the store carries its factors (model/lora_store.py)
+            model = load_finetune(args.finetune, model, merge_expert_lora=False)
+            name = f"{name}+{read_manifest(args.finetune)['name']}"
         base = WeightStore.open(args.base) if args.base else None
     except (FinetuneError, WeightStoreError) as err:
         _usage_error(str(err))
@@ -193,7 +196,7 @@ def _export(args: argparse.Namespace) -> int:
                    total=spec.num_layers * spec.num_experts, desc="export experts")
     try:
         store = export_experts(experts, args.out, model=name, num_layers=spec.num_layers, num_experts=spec.num_experts,
-                               act=spec.act, base=base)
+                               act=spec.act, base=base, loras=getattr(model, "expert_loras", None))
     except WeightStoreError as err:
         _usage_error(str(err))
     own = sum(1 for layer, expert in store.keys() if not store.in_base(layer, expert))

@@ -99,6 +99,17 @@ def save_lora(out: str | Path, peft_model: "PeftModelType", manifest: dict) -> P
     return write_manifest(out, {**manifest, "method": "lora", "experts": []})
 
 
+def adapts_non_experts(root: str | Path) -> bool:
+    """Whether the LoRA fine-tune in directory root adapts modules besides the routed experts (target_modules:
+    attention): its non-expert layers then differ from its base's. An unreadable config: True (the loader
+    refuses it, naming the file)."""
+    try:
+        config = json.loads((Path(root) / ADAPTER_DIR / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return True
+    return not isinstance(config, dict) or bool(config.get("target_modules"))
+
+
 def _expected_shapes(config: dict, base: MoEModel, where: Path) -> dict[str, tuple[int, int]]:
     """{adapter tensor key: shape} that the adapter's config asks for on base; unknown targets refused."""
     r, spec = int(config["r"]), base.spec

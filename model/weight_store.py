@@ -4,8 +4,10 @@ Layout of a store directory:
 
     index.json                     {"format", "model", "num_layers", "num_experts", "act", "dtype",
                                     "experts": {"<l>/<e>": {"file", "sha256", "bytes", "key"}},
-                                    "base": {"model", "store"} (a store over a base only)}
+                                    "base": {"model", "store"} (a store over a base only),
+                                    "loras": {"<l>/<e>": {"file", "sha256", "bytes"}} (a LoRA fine-tune's)}
     experts/l000_e000.safetensors  tensors "gate" [F, H], "up" [F, H], "down" [H, F]
+    loras/l000_e000.safetensors    a LoRA fine-tune's factors of that expert (model/lora_store.py)
 
 Each expert has a content key (model/content_keys.py: dtype, shape and the file's sha256), so
 experts of different models that are the same bytes are one function to an expert host
@@ -42,6 +44,7 @@ from safetensors.torch import save as serialise
 from moeless.core.paths import cache_dir
 from moeless.model.content_keys import NotAnExpertFile, content_key, file_key, key_shape
 from moeless.model.experts import EXPERT_TENSORS
+from moeless.model.lora_store import FactorFileError, Lora, loras_digest, read_factors, write_factors
 
 if TYPE_CHECKING:
     from moeless.model.moe_model import MoEModel
@@ -119,6 +122,18 @@ class WeightStore:
     def expert_bytes(self, layer: int, expert: int) -> int:
         return int(self._entry(layer, expert)["bytes"])
 
+    def loras(self) -> dict[tuple[int, int], Lora]:
+        """Every expert LoRA of a LoRA fine-tune's store, applied at call time over its (base's) expert
+        (model/lora_store.py); each file verified, WeightStoreError naming the model and the expert."""
+        out = {}
+        for name, entry in sorted(self.index.get("loras", {}).items()):
+            layer, expert = map(int, name.split("/"))
+            try:
+                out[(layer, expert)] = read_factors(self.root, entry, self.model, layer, expert)
+            except FactorFileError as err:
+                raise WeightStoreError(str(err)) from None
+        return out
+
     def has(self, layer: int, expert: int) -> bool:
         return 0 <= layer < self.num_layers and 0 <= expert < self.num_experts
 
@@ -175,6 +190,7 @@ def export_experts(
     num_experts: int,
     act: str,
     base: "WeightStore | None" = None,
+    loras: dict[tuple[int, int], Lora] | None = None,
 ) -> WeightStore:
     """Write a store from (layer, expert, weights) triples; returns it opened.
 
@@ -182,6 +198,7 @@ def export_experts(
     base: a store this one is written over: an expert whose key the base has is not written but
     names the base's file (module docstring); an expert of its own must have the dtype and shape of
     the base's expert at its place (WeightStoreError naming the model and the expert).
+    loras: a LoRA fine-tune's expert factors ({(layer, expert): LoRA dict}, model/lora_store.py).
     """
     root = Path(root)
     (root / "experts").mkdir(parents=True, exist_ok=True)
@@ -218,6 +235,8 @@ def export_experts(
     }
     if base is not None:
         index["base"] = {"model": base.model, "store": os.path.relpath(base.root, root)}
+    if loras:
+        index["loras"] = write_factors(root, loras)
     (root / "index.json").write_text(json.dumps(index, indent=1))
     return WeightStore(root, index)
 
@@ -261,18 +280,23 @@ def _check_shape(name: str, base: WeightStore, layer: int, expert: int, key: str
 
 def export_store(model: "MoEModel", name: str, base: str | Path | None = None) -> Path:
     """The model's experts as a weight store under the cache dir, keyed by a hash of their weights
-    (and of its base's index, with base: a store this one is written over, export_experts)."""
+    (and of its base's index, with base: a store this one is written over, export_experts). A LoRA
+    fine-tune loaded with its expert LoRAs unmerged (model/lora.py's LoraMoEModel: its experts are
+    its base's) writes its factors too, so a host applies them over the base's shared replicas."""
     digest = hashlib.sha256(repr(model.spec).encode())
     for _, _, weights in model.iter_experts():
         for tensor in weights.values():
             digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())  # any dtype's bytes
+    loras = getattr(model, "expert_loras", None)  # a LoraMoEModel's ({(layer, expert): factors})
+    if loras:  # only then: the keys of stores without factors stay what they were
+        digest.update(loras_digest(loras))
     over = WeightStore.open(base) if base is not None else None
     if over is not None:
         digest.update((over.root / "index.json").read_bytes())
     spec = model.spec
     return cached_store(name, digest.hexdigest()[:16], lambda root: export_experts(
         model.iter_experts(), root, model=name, num_layers=spec.num_layers, num_experts=spec.num_experts, act=spec.act,
-        base=over))
+        base=over, loras=loras))
 
 
 def cached_store(name: str, key: str, write: Callable[[Path], object]) -> Path:

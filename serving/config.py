@@ -118,8 +118,10 @@ class ModelChoice:
     """A served model: the name clients send and a picklable loader () -> MoEModel; first_load is
     the driver's own load where it differs (the default model's first build shows its progress);
     base: a fine-tune's base (its weight store is written over the base's: model/weight_store.py);
-    joins_base: its non-expert layers are the base's (an ESFT fine-tune), so it can share the base's
-    engine (serving/family.py)."""
+    joins_base: its non-expert layers are the base's (an ESFT fine-tune, a LoRA on experts only), so it
+    can share the base's engine (serving/family.py); a LoRA fine-tune that adapts attention gets an engine
+    of its own (its attention LoRA is in that engine's non-expert layers) while its experts are the base's
+    replicas on the shared hosts."""
 
     name: str
     loader: Callable[[], Any]
@@ -129,12 +131,15 @@ class ModelChoice:
 
 
 def finetune_model(base_loader: Callable[[], Any], root: str):
-    """The fine-tune in directory root over the model base_loader loads, merged (model/finetune.py:
-    the base's fingerprint and the fine-tune's files checked, a refusal one line naming them)."""
+    """The fine-tune in directory root over the model base_loader loads (model/finetune.py: the base's
+    fingerprint and the fine-tune's files checked, a refusal one line naming them): ESFT merged; LoRA
+    with its non-expert LoRAs merged and its expert LoRAs not (a LoraMoEModel): its experts are the
+    base's, its weight store carries the factors, and the expert hosts apply them at call time over
+    the base's shared replicas (expert_fn/host/adapters.py), as the in-process model does."""
     # heavy (peft for a LoRA): kept off --help's start-up path
     from moeless.model.finetune_load import load_finetune
 
-    return load_finetune(root, base_loader())
+    return load_finetune(root, base_loader(), merge_expert_lora=False)
 
 
 def choose_model(model: str) -> ModelChoice:
@@ -152,9 +157,16 @@ def choose_model(model: str) -> ModelChoice:
             manifest = read_manifest(root)
         except FinetuneError as err:
             raise SystemExit(f"--model {model!r}: {err}") from None
+        if manifest["method"] == "lora":
+            # peft only where a LoRA fine-tune is served
+            from moeless.model.lora import adapts_non_experts
+
+            joins = not adapts_non_experts(root)  # a LoRA on experts only: the base's non-expert layers
+        else:
+            joins = True  # ESFT changes experts only
         return ModelChoice(f"{base.name}+{manifest['name']}", functools.partial(finetune_model, base.loader,
                                                                                  str(root.resolve())), base=base,
-                           joins_base=manifest["method"] == "esft")
+                           joins_base=joins)
     if model == "default":
         return ModelChoice("moeless-default", default_model, functools.partial(default_model, progress=True))
     if model.startswith("tiny:"):

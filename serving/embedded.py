@@ -111,7 +111,7 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                 port = port or free_port()
                 serve.start(http_options={"host": bind, "port": port})
                 suffix = (lambda c: f"-{c.name}") if several else (lambda c: "")
-                family = _families([c for c, *_ in served])  # ESFT fine-tunes in their base's engine
+                family = _families([c for c, *_ in served])  # ESFT (and experts-only LoRA) fine-tunes in their base's engine
                 configs = [ServeConfig(c.name, c.loader, (), pool=pool, num_replicas=replicas, family=family[c.name],
                                        replica_cpus=0.5 / len(served), ingress_cpus=0.25, batching=batching,
                                        limits=limits or BatchLimits(), max_batch=max_batch,
@@ -166,8 +166,9 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
 
 
 def _families(choices: list) -> dict[str, tuple[str, ...]]:
-    """Each engine's model -> the ESFT fine-tunes its engine serves too (serving/family.py: a fine-tune
-    whose non-expert layers are its base's, served beside its base); a model in another's engine has none."""
+    """Each engine's model -> the fine-tunes its engine serves too (serving/family.py: a fine-tune whose
+    non-expert layers are its base's, ESFT or a LoRA on experts only, served beside its base); a model in
+    another's engine has none."""
     names = {c.name for c in choices}
     joins = {c.name: c.base.name for c in choices if c.base is not None and c.joins_base and c.base.name in names}
     return {c.name: tuple(f.name for f in choices if joins.get(f.name) == c.name) for c in choices if c.name not in joins}

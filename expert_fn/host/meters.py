@@ -17,6 +17,10 @@ models' figures add up to the host's. A replica of one model is all that model's
 Cold starts: a load started ahead of the invocation that needs it (a prefetch: `load` without
 wait) hides its time, except what the invocation still waits for; a load the invocation starts
 itself is all exposed. Only the exposed part costs latency.
+
+A LoRA fine-tune's factors (expert_fn/host/adapters.py) are its own memory, held while the host
+serves it (`hold_adapter`): all of their GB·s and bytes are that model's, and the host's totals
+include them.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class HostTotals:
     prefetched: int = 0
     prefetch_wasted: int = 0
     shared_replicas: int = 0  # resident replicas that more than one model uses
+    lora_bytes: int = 0  # LoRA fine-tunes' factors (in bytes_held too)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +101,7 @@ class ModelTotals:
     own_replicas: int = 0
     shared_replicas: int = 0
     shared_bytes: int = 0
+    lora_bytes: int = 0  # its LoRA factors, its own (in bytes_held and gb_s too)
 
 
 @dataclass
@@ -144,6 +150,14 @@ class Meters:
     host_invocations: int = 0
     load_s_sum: float = 0.0
     cold: ColdMeters = field(default_factory=ColdMeters)
+    adapters: dict[int, tuple[int, float]] = field(default_factory=dict)  # model -> (LoRA bytes, held since)
+
+    def hold_adapter(self, model: int, nbytes: int) -> None:
+        """`model`'s LoRA factors hold nbytes from now on (while the host serves it)."""
+        self.adapters[model] = (nbytes, self.clock())
+
+    def _adapter_gb_s(self, now: float) -> dict[int, float]:
+        return {i: nbytes * (now - since) / GB for i, (nbytes, since) in self.adapters.items()}
 
     def _of(self, key: Key) -> ReplicaMeters:
         return self.replicas.setdefault(key, ReplicaMeters())
@@ -241,6 +255,11 @@ class Meters:
                         t.shared_bytes += m.bytes
                     else:
                         t.own_replicas += 1
+        for i, gb_s in self._adapter_gb_s(now).items():
+            t = out[names[i]]
+            t.gb_s += gb_s
+            t.bytes_held += self.adapters[i][0]
+            t.lora_bytes += self.adapters[i][0]
         for layer, c in self.cold.layers.items():
             t = out[names[model_of(layer)]]
             t.cold_hidden_s += c.hidden_s
@@ -263,6 +282,9 @@ class Meters:
             t.evictions += m.evictions
             t.tokens += m.tokens
             t.shared_replicas += bool(m.bytes) and len(users(key)) > 1
+        t.gb_s += sum(self._adapter_gb_s(now).values())
+        t.lora_bytes = sum(nbytes for nbytes, _ in self.adapters.values())
+        t.bytes_held += t.lora_bytes
         return t
 
     def _payers(self, m: ReplicaMeters, t: float) -> list[int]:

@@ -6,8 +6,9 @@ cold starts, invocations, tokens, and how many models it computes for (`replica_
 (label model; a host may serve several, model_stores.py): GB·s (a shared replica's split among the
 models using it, meters.py), bytes held (the same split, now), loads, cold starts, tokens, which add
 up to the host's; and the resident replicas it uses alone (`model_replicas{kind="own"}`) or with
-other models (`kind="shared"`, each model counting it) with their bytes (`model_shared_bytes`) and
-the part of its GB·s from replicas it shares (`model_shared_gb_seconds`).
+other models (`kind="shared"`, each model counting it) with their bytes (`model_shared_bytes`), the
+part of its GB·s from replicas it shares (`model_shared_gb_seconds`), and a LoRA fine-tune's own
+factors (`model_lora_bytes`, in its bytes held and GB·s too).
 Per layer (label layer): cold-start seconds hidden by prefetch and exposed (waited for).
 Per host: the same totals, load seconds, evictions, Invoke calls and calls in flight, prefetches
 never used, device copies, and the host memory tier's hits, misses, reads and bytes.
@@ -62,6 +63,8 @@ class RuntimeCollector(Collector):
                                           "with other models (its split of them)", "shared_gb_s")
         per_model["shared_bytes"] = (GaugeMetricFamily, "bytes of the resident replicas the model shares with others",
                                      "shared_bytes")
+        per_model["lora_bytes"] = (GaugeMetricFamily, "bytes of the model's own LoRA factors (a LoRA fine-tune: "
+                                   "applied over shared replicas at call time)", "lora_bytes")
         for name, (family, doc, field) in per_model.items():
             metric = family(f"{PREFIX}_model_{name}", doc, labels=["model"])
             for model, totals in sorted(status["models"].items()):

@@ -12,9 +12,10 @@ is mapped to its canonical replica first (model_stores.py), so all below works p
 Evict leaves a replica another model used within the keep-alive (meters.py bills it among them).
 
 The compute dtype is float32 by default: every model's outputs then equal the float32 reference
-(model/moe_model.py) bit for bit. compute_dtype="store" computes in the store's own dtype instead
-(a bfloat16 model's experts hold half the memory, and a GPU runs them on its bfloat16 tensor
-cores); outputs then equal the reference to that dtype's rounding, not bit for bit.
+(model/moe_model.py) bit for bit, a LoRA fine-tune's too (its factors applied over the shared replica
+at call time: adapters.py). compute_dtype="store" computes in the store's own dtype instead (a
+bfloat16 model's experts hold half the memory, and a GPU runs them on its bfloat16 tensor cores);
+outputs then equal the reference to that dtype's rounding, not bit for bit.
 
 An invoke's compute_s is the compute thread's CPU time on a CPU device computing on one torch
 thread (the host's own work: time the thread was preempted by other processes on a shared
@@ -34,7 +35,8 @@ import torch
 
 from moeless.expert_fn.wire.codec import InvokeResult
 from moeless.expert_fn.errors import BadRequest, ReplicaLoadError
-from moeless.expert_fn.host.executor import forward_for
+from moeless.expert_fn.host.adapters import bytes_by_model, device_loras, lora_forward
+from moeless.expert_fn.host.executor import Weights, compute_clock, forward_for
 from moeless.expert_fn.host.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
 from moeless.expert_fn.host.meters import Meters
 from moeless.expert_fn.stores.model_stores import ModelRange, as_model_stores
@@ -43,8 +45,6 @@ from moeless.expert_fn.stores.tiers import DeviceCopier, HostTier, TierConfig, c
 from moeless.model.weight_store import WeightStore, WeightStoreError, stored_dtype
 
 log = logging.getLogger(__name__)
-
-Weights = dict[str, torch.Tensor]
 
 
 class ExpertHostRuntime:
@@ -79,6 +79,8 @@ class ExpertHostRuntime:
         self._loads: dict[Key, Future] = {}
         self._ahead: set[Key] = set()  # loaded or loading ahead of any invocation (prefetch, pre-warm)
         self._inflight = 0
+        self._loras: dict[Key, Weights] = {}  # host key -> its LoRA factors on the device (adapters.py)
+        self._hold_loras()
         self._pool = ThreadPoolExecutor(load_workers, thread_name_prefix="expert-load")
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="keep-alive", daemon=True)
@@ -152,10 +154,12 @@ class ExpertHostRuntime:
             for (expert, x), w in zip(batches.items(), weights):
                 if x.shape[1] != w["gate"].shape[1]:
                     raise BadRequest(f"expert {expert}: tokens must be [n, H={w['gate'].shape[1]}], got {list(x.shape)}")
-            clock = _compute_clock(self.device)
+            clock = compute_clock(self.device)
             started = clock()
             xs = [x.to(self.device, self.dtype) for x in batches.values()]  # no copy where it is there already
-            outs = self._forward(weights, xs, self.models.act, out)
+            loras = [self._loras.get(self.models.resolve(layer, e)) for e in batches] if self._loras else []
+            outs = (lora_forward(weights, loras, xs, self.models.act, out) if any(loras) else
+                    self._forward(weights, xs, self.models.act, out))
             result = {e: y.to(out_device) for e, y in zip(batches, outs)}
             if on_device and self.device != "cpu":
                 torch.cuda.synchronize(self.device)  # compute_s counts the kernels, not their launch
@@ -209,6 +213,7 @@ class ExpertHostRuntime:
         store = WeightStore.open(root)  # outside the lock: reads its index (and its base's)
         with self._lock:
             added = self.models.add(name, store)
+            self._hold_loras()
             if self.table.shares is not None:  # no guarantee for it; its shared keys' users count it
                 self.table.shares = self.models.extend(self.table.shares)
         log.info("serving model %s too (layers %d-%d)", name, added.first_layer, added.first_layer + added.layers - 1)
@@ -255,6 +260,13 @@ class ExpertHostRuntime:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # --- internals --------------------------------------------------------------------------
+
+    def _hold_loras(self) -> None:
+        """The served models' LoRA factors not on the device yet put there, metered as each model's own."""
+        new = device_loras({k: f for k, f in self.models.loras().items() if k not in self._loras}, self.device, self.dtype)
+        self._loras |= new
+        for i, nbytes in bytes_by_model(new, self.models.index_of).items():
+            self.meters.hold_adapter(i, nbytes)
 
     def _start_load(self, key: Key, model: int) -> tuple[Future | None, bool]:
         """Under the lock: the future of key's running load, starting one (for `model`) if it is not resident."""
@@ -335,9 +347,3 @@ class ExpertHostRuntime:
         while not self._stop.wait(period):
             with self._lock:
                 self._dropped(self.table.expire())
-
-
-def _compute_clock(device: str) -> Callable[[], float]:
-    """The clock an invoke's compute is timed on (see the module docstring): the calling thread's
-    CPU time when it alone computes (a CPU device, one torch thread), else wall time."""
-    return time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter

@@ -28,6 +28,11 @@ each of them (shares.py).
     stores = ModelStores.open([("base", "/models/base"), ("code", "/models/code")])   # code over base
     stores.canonical(32 + 3, 5)   # (3, 5): code's layer 3 expert 5 is the base's bytes
     stores.users((3, 5))          # (0, 1): both models use it
+
+A LoRA fine-tune's store (model/lora_store.py) names every expert by its base's key and carries
+factors for the experts its adapter touches: read (each file verified) when the model is added, they
+are that model's own memory, and `loras()` gives them by host key (resolve: a call's), which the runtime
+applies over the shared replica at call time (expert_fn/host/adapters.py).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class ModelStores:
         self._canonical: dict[Key, Key] = {}  # host key -> its canonical replica, where they differ
         self._users: dict[Key, tuple[int, ...]] = {}  # canonical key -> the models using it, where several
         self._seen: dict[str, Key] = {}  # content key -> its canonical replica
+        self._loras: dict[Key, dict[str, torch.Tensor]] = {}  # host key -> its model's LoRA factors
         for name, store in stores:
             self.add(name, store)
 
@@ -84,7 +90,9 @@ class ModelStores:
             if mine != hosts:
                 raise WeightStoreError(f"model {name} uses {what} {mine}, this host's models {hosts}; one host serves "
                                        f"models of one {what}")
+        loras = store.loras()  # first: a corrupt factor file refuses the model before anything changes
         i, first = len(self._ranges), self.num_layers if self._ranges else 0
+        self._loras |= {(first + layer, expert): lora for (layer, expert), lora in loras.items()}
         for layer, expert in store.keys():
             host_key = (first + layer, expert)
             canonical = self._seen.setdefault(store.key(layer, expert), host_key)
@@ -136,6 +144,10 @@ class ModelStores:
             return layer, expert
         j, e = divmod(expert, r.experts)
         return self._ranges[j - 1].first_layer + layer - r.first_layer, e
+
+    def loras(self) -> dict[Key, dict[str, torch.Tensor]]:
+        """Every host key's LoRA factors (each LoRA fine-tune's own memory on the host)."""
+        return dict(self._loras)
 
     def keys(self) -> Iterator[Key]:
         """Every distinct expert once: the canonical (host layer, expert) of each content key."""

@@ -4,14 +4,16 @@
    cache's finetunes/ (`moeless model finetune`), up to 3; where there are none, 3 stand-ins, each
    the base with a share of each layer's experts perturbed (not trained: the memory, the answers'
    exactness and the throughput do not depend on what the experts learnt), written as ESFT
-   artefacts and reported as stand-ins. Stores: the base's, each fine-tune's over it (its own experts).
+   artefacts and reported as stand-ins. Stores: the base's, each fine-tune's over it (its own experts;
+   a LoRA fine-tune's: none, only its expert LoRA factors, applied on the hosts over the base's replicas).
 2. The same requests (held-out ShareGPT prompts, Poisson arrivals at --rate a second in all) three
    times, each time on fresh expert hosts where every expert of every served model is loaded first, so the
    memory the hosts hold is all the expert memory the models need:
    - the base alone, every request to it (the baseline);
    - the base and the fine-tunes on the same hosts, request i to model i mod N, in one engine (the
      base's non-expert layers batching every model's requests, each token to its own model's
-     experts: serving/family.py, how `moeless serve --model A --model A+B ...` runs ESFT fine-tunes);
+     experts: serving/family.py, how `moeless serve --model A --model A+B ...` runs ESFT fine-tunes; a
+     LoRA fine-tune adapting attention has non-expert layers of its own, so an engine of its own here too);
    - the same in one engine per model (a ModelServer each, as LoRA fine-tunes are served).
 3. Reported: the hosts' expert memory (the ratio to the base alone; whole models would hold N x),
    each model's GB·s from the hosts (shared replicas split among their users) and that they add up,
@@ -139,9 +141,10 @@ def compare(choices: Sequence["ModelChoice"], models: Sequence["MoEModel"], *, h
             sent = [names[0]] * requests if run == "base_alone" else asked  # the base alone: every request to it
             several = len(served) > 1
             pairs = [(c.name, stores[c.name]) for c in served]
-            family = tuple(names[1:]) if run == "one_engine" else ()  # serving/family.py
+            # serving/family.py: fine-tunes with the base's non-expert layers in its engine; a LoRA on attention in its own
+            family = tuple(c.name for c in served[1:] if c.joins_base) if run == "one_engine" else ()
             with launch_local_hosts(hosts, pairs if several else pairs[0][1], keep_alive_s=3600, metrics=False) as group:
-                engines = served[:1] if family else served
+                engines = [c for c in served if c.name not in family]
                 configs = [ServeConfig(c.name, c.loader, tuple(group.addresses), replica_cpus=0.5 / len(engines),
                                        ingress_cpus=0.25, host_model=c.name if several else None,
                                        family=family if c is served[0] else ()) for c in engines]
@@ -177,7 +180,8 @@ def _store_bytes(root: Path) -> int:
 
 def _finetunes_of(base, base_name: str, share: float, seed: int, count: int = 3) -> tuple[list[Path], bool]:
     """(fine-tune directories, whether they are stand-ins): the base's in the cache's finetunes/ (made
-    by `moeless model finetune` over this base: its fingerprint), up to `count`, else `count` stand-ins."""
+    by `moeless model finetune` over this base: its fingerprint; ESFT or LoRA), up to `count`, else
+    `count` stand-ins."""
     # heavy (torch, safetensors): off --help's start-up path
     from moeless.core.paths import cache_dir
     from moeless.model.finetune import FinetuneError, read_manifest, weights_fingerprint
@@ -189,7 +193,7 @@ def _finetunes_of(base, base_name: str, share: float, seed: int, count: int = 3)
             manifest = read_manifest(root)
         except FinetuneError:
             continue
-        if manifest["base"]["fingerprint"] == fingerprint and manifest["method"] == "esft" and "stand-in" not in manifest:
+        if manifest["base"]["fingerprint"] == fingerprint and "stand-in" not in manifest:
             found.append(root)
     if found:
         return found[:count], False
