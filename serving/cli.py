@@ -11,7 +11,10 @@ from moeless.controller.knobs import KnobError, add_knob_flags, knobs_from_args
 from moeless.expert_fn.options import TRANSPORTS
 from moeless.serving.options import BATCHING, DEVICES
 
-MODEL_HELP = "'default' (SmolLM2-135M turned MoE; built and cached on first use), 'tiny:ARCH' (a random test model, e.g. tiny:mixtral) or a model directory"
+MODEL_HELP = ("'default' (SmolLM2-135M turned MoE; built and cached on first use), 'tiny:ARCH' (a random test model, "
+              "e.g. tiny:mixtral), a model directory, or BASE+FINETUNE: a fine-tune (`moeless model finetune`: its "
+              "directory or its name under the cache's finetunes/) over one of those, served as BASE-NAME+NAME, its "
+              "unchanged experts held once with the base's")
 
 
 def register(commands: argparse._SubParsersAction) -> None:

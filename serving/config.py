@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from moeless.controller.knobs import KnobError, Knobs
+from moeless.core.paths import cache_dir
 from moeless.controller.planning.names import BOARD_NAME, LOOP_NAME
 from moeless.controller.pool.addresses import HOSTS_ENV
 from moeless.controller.pool.sources import StaticSource, pool_source
@@ -55,6 +56,9 @@ class ServeConfig:
     transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else TCP, else gRPC
     client_poll_s: float = 0.0  # the data channels spin this long for an answer before blocking (expert_fn/wire/polling.py)
     host_model: str | None = None  # the name the expert hosts serve this model by (None: their only one)
+    # ESFT fine-tunes of this model served by the same engine (serving/family.py), each by its name,
+    # which is also the name the hosts serve it by.
+    family: tuple[str, ...] = ()
     placement_board: str | None = None  # follow placements published under this name (controller/planning/board.py)
     drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)
     # The live loop (serving/live.py, controller/planning/actor.py): the knobs, the loop actor's name (None: no loop,
@@ -85,6 +89,8 @@ class ServeConfig:
         if (self.device == "cuda") != (self.replica_gpus > 0):
             raise ValueError(f"a replica on {self.device} needs replica_gpus {'> 0' if self.device == 'cuda' else '0'}, "
                              f"got {self.replica_gpus}")
+        if self.family and not self.host_model:
+            raise ValueError("a family (fine-tunes in this model's engine) needs host_model: the name the hosts serve it by")
         if self.plan_loop and not (self.knobs and self.placement_board):
             raise ValueError("the live loop (plan_loop) needs knobs and a placement_board to publish on")
 
@@ -110,22 +116,64 @@ def replica_gpus_for(device: str, replicas: int, visible: int | None = None) -> 
 @dataclass(frozen=True)
 class ModelChoice:
     """A served model: the name clients send and a picklable loader () -> MoEModel; first_load is
-    the driver's own load where it differs (the default model's first build shows its progress)."""
+    the driver's own load where it differs (the default model's first build shows its progress);
+    base: a fine-tune's base (its weight store is written over the base's: model/weight_store.py);
+    joins_base: its non-expert layers are the base's (an ESFT fine-tune, a LoRA on experts only), so it
+    can share the base's engine (serving/family.py); a LoRA fine-tune that adapts attention gets an engine
+    of its own (its attention LoRA is in that engine's non-expert layers) while its experts are the base's
+    replicas on the shared hosts."""
 
     name: str
     loader: Callable[[], Any]
     first_load: Callable[[], Any] | None = None
+    base: "ModelChoice | None" = None
+    joins_base: bool = False
+
+
+def finetune_model(base_loader: Callable[[], Any], root: str):
+    """The fine-tune in directory root over the model base_loader loads (model/finetune.py: the base's
+    fingerprint and the fine-tune's files checked, a refusal one line naming them): ESFT merged; LoRA
+    with its non-expert LoRAs merged and its expert LoRAs not (a LoraMoEModel): its experts are the
+    base's, its weight store carries the factors, and the expert hosts apply them at call time over
+    the base's shared replicas (expert_fn/host/adapters.py), as the in-process model does."""
+    # heavy (peft for a LoRA): kept off --help's start-up path
+    from moeless.model.finetune_load import load_finetune
+
+    return load_finetune(root, base_loader(), merge_expert_lora=False)
 
 
 def choose_model(model: str) -> ModelChoice:
-    """"default" (the converted SmolLM2), "tiny:ARCH" (a random test model) or a model directory."""
+    """"default" (the converted SmolLM2), "tiny:ARCH" (a random test model), a model directory, or
+    BASE+FINETUNE: a fine-tune (`moeless model finetune`) over one of those, FINETUNE its directory
+    or its name under the cache's finetunes/; served as "<base's name>+<the fine-tune's name>"."""
+    if "+" in model:
+        # torch and safetensors only where a fine-tune is served
+        from moeless.model.finetune import FinetuneError, read_manifest
+
+        spec, _, tune = model.partition("+")
+        base = choose_model(spec)
+        root = Path(tune) if Path(tune).is_dir() else cache_dir() / "finetunes" / tune
+        try:
+            manifest = read_manifest(root)
+        except FinetuneError as err:
+            raise SystemExit(f"--model {model!r}: {err}") from None
+        if manifest["method"] == "lora":
+            # peft only where a LoRA fine-tune is served
+            from moeless.model.lora import adapts_non_experts
+
+            joins = not adapts_non_experts(root)  # a LoRA on experts only: the base's non-expert layers
+        else:
+            joins = True  # ESFT changes experts only
+        return ModelChoice(f"{base.name}+{manifest['name']}", functools.partial(finetune_model, base.loader,
+                                                                                 str(root.resolve())), base=base,
+                           joins_base=joins)
     if model == "default":
         return ModelChoice("moeless-default", default_model, functools.partial(default_model, progress=True))
     if model.startswith("tiny:"):
         return ModelChoice(f"tiny-{model[5:]}", functools.partial(tiny_model, model[5:], 0))
     path = Path(model)
     if not path.is_dir():
-        raise SystemExit(f"--model {model!r}: not 'default', 'tiny:ARCH' or a model directory")
+        raise SystemExit(f"--model {model!r}: not 'default', 'tiny:ARCH', a model directory or BASE+FINETUNE")
     return ModelChoice(path.name, functools.partial(load_moe_model, str(path.resolve())))
 
 

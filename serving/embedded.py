@@ -81,14 +81,16 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     stop = _stop_on_signals()
     if remote and len(models) > 1:
         raise KnobError(f"{HOSTS_ENV}: several models need the local expert hosts (one pool serving them all)")
-    # 1. Each model (its knobs checked) and its weight store.
+    # 1. Each model (its knobs checked) and its weight store; a fine-tune's over its base's (written
+    #    first, served or not), so the hosts hold each expert they share once.
     served = []  # (choice, spec, knobs, store)
+    written: dict[str, Path] = {}
     for name in models:
         choice = choose_model(name)
         print(f"loading model {choice.name} ...", flush=True)
         loaded = (choice.first_load or choice.loader)()
         served.append((choice, loaded.spec, _knobs_for(base_knobs, loaded.spec),
-                       None if remote else export_store(loaded, choice.name)))
+                       None if remote else _store(choice, loaded, written)))
         del loaded  # the replicas load their own copy (without experts)
     if len({choice.name for choice, *_ in served}) != len(served):
         raise KnobError(f"--model: each model once, got {[choice.name for choice, *_ in served]}")
@@ -109,7 +111,8 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                 port = port or free_port()
                 serve.start(http_options={"host": bind, "port": port})
                 suffix = (lambda c: f"-{c.name}") if several else (lambda c: "")
-                configs = [ServeConfig(c.name, c.loader, (), pool=pool, num_replicas=replicas,
+                family = _families([c for c, *_ in served])  # ESFT (and experts-only LoRA) fine-tunes in their base's engine
+                configs = [ServeConfig(c.name, c.loader, (), pool=pool, num_replicas=replicas, family=family[c.name],
                                        replica_cpus=0.5 / len(served), ingress_cpus=0.25, batching=batching,
                                        limits=limits or BatchLimits(), max_batch=max_batch,
                                        placement_board=BOARD_NAME + suffix(c), drain_signal=SIGNAL_NAME, knobs=k,
@@ -119,7 +122,7 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                                        micro_batches=micro_batches, micro_batch_tokens=micro_batch_tokens,
                                        host_model=c.name if several else getattr(remote, "model", None),
                                        device=device, replica_gpus=replica_gpus)
-                           for c, _, k, _ in served]
+                           for c, _, k, _ in served if c.name in family]
                 serve.run(build_app(configs), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"
                 for config in configs:
@@ -128,7 +131,7 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                     print(f"planning loop{' of ' + config.model_name if several else ''}: planner {k.planner}, predictor "
                           f"{k.predictor}, distance {k.distance}, keep-alive {k.keep_alive_s:g} s, memory price "
                           f"{price:.3g} s per GB·s" + (" (memory-neutral)" if k.memory_price is None else ""), flush=True)
-                print(f"moeless is serving {', '.join(c.model_name for c in configs)} at {url}  (OpenAI-style: "
+                print(f"moeless is serving {', '.join(c.name for c, *_ in served)} at {url}  (OpenAI-style: "
                       f"/v1/completions, /v1/chat/completions; /healthz, /metrics)", flush=True)
                 # 4. The demo request, or serve until a stop signal.
                 if demo:
@@ -144,9 +147,9 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                 stop.wait()
                 # 5. Drain the replicas while the HTTP side can still tell the clients.
                 print(f"stopping: no new requests; running ones get up to {drain_s:g} s ...", flush=True)
-                outcomes = drain_replicas(replicas * len(served), drain_s)
+                outcomes = drain_replicas(replicas * len(configs), drain_s)
                 failed = sum(o.get("unfinished", 0) for o in outcomes.values())
-                print(f"drained {len(outcomes)} of {replicas * len(served)} replicas; {failed} requests ended unfinished "
+                print(f"drained {len(outcomes)} of {replicas * len(configs)} replicas; {failed} requests ended unfinished "
                       "(their clients got a 503 saying so)", flush=True)
                 time.sleep(0.5)  # the last responses leave the ingress
                 return None
@@ -160,6 +163,27 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
             if supervisor is not None:
                 supervisor.stop()
                 print("stopping the expert hosts ...", flush=True)
+
+
+def _families(choices: list) -> dict[str, tuple[str, ...]]:
+    """Each engine's model -> the fine-tunes its engine serves too (serving/family.py: a fine-tune whose
+    non-expert layers are its base's, ESFT or a LoRA on experts only, served beside its base); a model in
+    another's engine has none."""
+    names = {c.name for c in choices}
+    joins = {c.name: c.base.name for c in choices if c.base is not None and c.joins_base and c.base.name in names}
+    return {c.name: tuple(f.name for f in choices if joins.get(f.name) == c.name) for c in choices if c.name not in joins}
+
+
+def _store(choice, model, written: dict[str, Path]) -> Path:
+    """The model's weight store (cached), over its base's where it is a fine-tune; written: the stores
+    so far by model name (a base's is written the first time a fine-tune needs it)."""
+    base = None
+    if choice.base is not None:
+        base = written.get(choice.base.name)
+        if base is None:
+            base = _store(choice.base, choice.base.loader(), written)
+    written[choice.name] = Path(export_store(model, choice.name, base=base))
+    return written[choice.name]
 
 
 def _knobs_for(knobs: Knobs, spec) -> Knobs:

@@ -34,6 +34,7 @@ from moeless.model.batching import left_pad
 from moeless.model.interface import ExpertExecutor
 from moeless.serving.api import ApiError, GenerationRequest, check_context
 from moeless.serving.codec import Codec, TextStream, codec_for
+from moeless.serving.family import token_owners
 from moeless.serving.kv_slots import KVSlots
 from moeless.serving.pingpong import check_split, run_micro_batches, split_by_weight, split_rows
 from moeless.controller.pool.members import NoLiveHostError
@@ -56,10 +57,13 @@ class Engine:
     """Tokenises, checks the context limit and decodes greedily; `executor` runs the experts."""
 
     def __init__(self, model, executor: ExpertExecutor | None = None, codec: Codec | None = None,
-                 micro_batches: int = 1, micro_batch_tokens: int = 256):
+                 micro_batches: int = 1, micro_batch_tokens: int = 256, members: Sequence[str] = ()):
         check_split(micro_batches, micro_batch_tokens)
         self.model = model
         self.executor = executor
+        # A base and its ESFT fine-tunes in one engine (serving/family.py): the served names, the base's
+        # first; each forward tells the executor which member each token is (family.token_owners).
+        self.members = list(members)
         self.codec = codec or codec_for(model)
         # Continuous batching's forwards of at least micro_batches x micro_batch_tokens tokens are
         # split into micro_batches, in flight together (pingpong.py); smaller ones are not.
@@ -112,14 +116,20 @@ class Engine:
         except Exception as err:  # a failed forward fails every request of the batch
             yield [evs + [error_event(err)] if i in prompts else evs for i, evs in enumerate(events)]
 
-    def prefill(self, prompts: Sequence[list[int]]) -> tuple[list[int], list[tuple[object, int]]]:
+    def owner(self, model: str) -> int:
+        """The family member a request for `model` belongs to (0: the base, or an engine of one model)."""
+        return self.members.index(model) if model in self.members else 0
+
+    def prefill(self, prompts: Sequence[list[int]], owners: Sequence[int] | None = None
+                ) -> tuple[list[int], list[tuple[object, int]]]:
         """New prompts' first tokens, and per prompt (the cache holding its KV in row 0, where its
         columns start there). The prompts are packed into one row (or one per micro-batch: groups
-        of near-equal tokens)."""
+        of near-equal tokens). owners: each prompt's family member (None: all the base's)."""
         groups = split_by_weight([len(p) for p in prompts], self._parts(sum(len(p) for p in prompts)))
         tokens: list[int] = []
         kv: list[tuple[object, int]] = []
-        for first, cache, starts in self._run([partial(self._prefill_packed, prompts[g.start:g.stop])
+        for first, cache, starts in self._run([partial(self._prefill_packed, prompts[g.start:g.stop],
+                                                       None if owners is None else owners[g.start:g.stop])
                                                for g in groups]):
             tokens += first
             kv += [(cache, start) for start in starts]
@@ -135,7 +145,8 @@ class Engine:
         return run_micro_batches(work)
 
     @torch.no_grad()
-    def _prefill_packed(self, prompts: Sequence[list[int]]) -> tuple[list[int], object, list[int]]:
+    def _prefill_packed(self, prompts: Sequence[list[int]], owners: Sequence[int] | None = None
+                        ) -> tuple[list[int], object, list[int]]:
         """One forward over prompts packed into one row (no padding: a block-diagonal causal
         mask keeps each prompt to itself, positions restart at 0 for each): (each prompt's first
         token, the cache, where each prompt's columns start in it). The LM head runs on each
@@ -146,27 +157,30 @@ class Engine:
             starts.append(starts[-1] + length)
         ids = torch.tensor([[t for p in prompts for t in p]])
         positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-        with _LastPositionHead.only([s + n - 1 for s, n in zip(starts, lengths)]):
+        tokens_of = None if owners is None else [o for o, n in zip(owners, lengths) for _ in range(n)]
+        with _LastPositionHead.only([s + n - 1 for s, n in zip(starts, lengths)]), token_owners(tokens_of):
             out = self.model.forward(ids, _block_causal_mask(lengths), None, use_cache=True, executor=self.executor,
                                      position_ids=positions)
         return out.logits[0].argmax(-1).tolist(), out.past_key_values, starts
 
-    def decode(self, slots: KVSlots, tokens: Sequence[int]) -> list[int]:
+    def decode(self, slots: KVSlots, tokens: Sequence[int], owners: Sequence[int] | None = None) -> list[int]:
         """One forward for every row of `slots` (or one per micro-batch of rows): tokens[r] is row
         r's input, at position = its cache length; returns each row's next token. The rows' KV
-        grow by one column."""
+        grow by one column. owners: each row's family member (None: all the base's)."""
         groups = split_rows(len(tokens), self._parts(len(tokens)))
         inputs = [slots.decode_inputs(rows) for rows in groups]  # here: room for the new column is made once
-        out = self._run([partial(self._decode_rows, slots, rows, cache, mask, tokens)
+        out = self._run([partial(self._decode_rows, slots, rows, cache, mask, tokens, owners)
                          for rows, (cache, mask) in zip(groups, inputs)])
         slots.advance()
         return [token for part in out for token in part]
 
     @torch.no_grad()
-    def _decode_rows(self, slots: KVSlots, rows: range, cache, mask: torch.Tensor, tokens: Sequence[int]) -> list[int]:
+    def _decode_rows(self, slots: KVSlots, rows: range, cache, mask: torch.Tensor, tokens: Sequence[int],
+                     owners: Sequence[int] | None = None) -> list[int]:
         positions = torch.tensor([[slots.end - slots.start[r]] for r in rows])
         ids = torch.tensor([tokens[r] for r in rows]).unsqueeze(1)
-        out = self.model.forward(ids, mask, cache, use_cache=True, executor=self.executor, position_ids=positions)
+        with token_owners(None if owners is None else [owners[r] for r in rows]):
+            out = self.model.forward(ids, mask, cache, use_cache=True, executor=self.executor, position_ids=positions)
         return out.logits[:, -1].argmax(-1).tolist()
 
     def finish_reason(self, token: int, generated: int, max_tokens: int) -> str | None:

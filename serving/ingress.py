@@ -108,7 +108,8 @@ class Ingress:
 
     @web.get("/metrics")
     async def metrics(self):
-        stats = [await server.stats.remote() for server in self.servers.values()]
+        engines = {server.deployment_name: server for server in self.servers.values()}  # a family: one for its models
+        stats = [await server.stats.remote() for server in engines.values()]
         self.metrics.dead_hosts.set(max(len(s["dead_hosts"]) for s in stats))  # the hosts are shared
         for gauge, key in ((self.metrics.retries, "retries"), (self.metrics.running, "running"),
                            (self.metrics.waiting, "waiting"), (self.metrics.refused, "refused"),

@@ -11,13 +11,13 @@ from moeless.serving.engine import Engine
 class LiveEngine(Engine):
     """The Engine, telling its LiveExecutor the phase of every forward (prefill or decode)."""
 
-    def prefill(self, prompts: Sequence[list[int]]):
+    def prefill(self, prompts: Sequence[list[int]], owners: Sequence[int] | None = None):
         self.executor.phase = "prefill"
-        return super().prefill(prompts)
+        return super().prefill(prompts, owners)
 
-    def decode(self, slots, tokens: Sequence[int]) -> list[int]:
+    def decode(self, slots, tokens: Sequence[int], owners: Sequence[int] | None = None) -> list[int]:
         self.executor.phase = "decode"
-        return super().decode(slots, tokens)
+        return super().decode(slots, tokens, owners)
 
     def token_steps(self, prompts: Sequence[list[int]], max_tokens: Sequence[int]) -> Iterator[list[int | None]]:
         """Static batches: the first step is the prefill, the rest decode."""

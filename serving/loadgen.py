@@ -47,15 +47,17 @@ class Outcome:
         return (self.end_s - self.first_token_s) / (self.completion_tokens - 1)
 
 
-def replay(url: str, model: str, prompts: Sequence[str], arrivals_s: Sequence[float], max_tokens: int | Sequence[int],
-           *, timeout_s: float = 600.0) -> list[Outcome]:
-    """Send prompts[i] at arrivals_s[i] seconds (open loop) and wait for every answer."""
+def replay(url: str, model: str | Sequence[str], prompts: Sequence[str], arrivals_s: Sequence[float],
+           max_tokens: int | Sequence[int], *, timeout_s: float = 600.0) -> list[Outcome]:
+    """Send prompts[i] at arrivals_s[i] seconds (open loop) and wait for every answer; model: one for
+    every request, or each request's (mixed traffic over several served models)."""
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    models = [model] * len(prompts) if isinstance(model, str) else list(model)
 
     async def run(client, start):
         async def one(i):
             await asyncio.sleep(max(0.0, start + arrivals_s[i] - time.perf_counter()))
-            return await _request(client, url, model, i, prompts[i], limits[i], start, arrivals_s[i])
+            return await _request(client, url, models[i], i, prompts[i], limits[i], start, arrivals_s[i])
         return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
     return _with_client(run, len(prompts), timeout_s)

@@ -152,6 +152,11 @@ class Scheduler:
             return self._work.wait_for(lambda: self._waiting or self._running or self._cancelled or self._abort,
                                        timeout_s)
 
+    def _owners(self, requests: list[_Request]) -> list[int] | None:
+        """Each request's member of the engine's family (serving/family.py); None for an engine of one model."""
+        members = getattr(self.engine, "members", None)
+        return [self.engine.owner(r.request.model) for r in requests] if members else None
+
     def step(self) -> None:
         """One iteration (see the module docstring)."""
         start = time.perf_counter()
@@ -168,7 +173,7 @@ class Scheduler:
         kv: list = []  # per newcomer: (the cache holding its KV in row 0, where its columns start)
         if newcomers:
             try:
-                tokens, kv = self.engine.prefill([r.prompt for r in newcomers])
+                tokens, kv = self.engine.prefill([r.prompt for r in newcomers], self._owners(newcomers))
                 for r, token in zip(newcomers, tokens):
                     r.events.append({"batch": batch})
                     self._push(r, token)
@@ -179,7 +184,7 @@ class Scheduler:
         # 3. Decode every running request.
         if rows:
             try:
-                for r, token in zip(rows, self.engine.decode(self.slots, [r.token for r in rows])):
+                for r, token in zip(rows, self.engine.decode(self.slots, [r.token for r in rows], self._owners(rows))):
                     self._push(r, token)
                 self.stats.decode_tokens += len(rows)
             except Exception as err:  # a failed decode fails every running request

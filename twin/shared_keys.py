@@ -17,14 +17,15 @@ draws as the expert-grain way, where it is a model of its own). Per window, in n
    non-expert weights too unless another fine-tune awake holds them). A wake-up then claims all the
    fine-tune's keys (the loop prefetches its static share); every routed key is claimed anew.
 3. Held after the calls: the union of the claims; the non-expert weights while any fine-tune is awake.
-4. GB·s split, per episode of a held key (from its load to its eviction, as a host meters a replica):
-   by the tokens each fine-tune sent it within the episode (here expected: the window's tokens x k x
-   the fine-tune's routing share of the key); an episode without a token (prefetched, never routed)
-   by the windows each fine-tune claimed it. A replaced expert's key is its fine-tune's alone, and
-   the non-expert weights split the same way. So the fine-tunes' GB·s add up to the pool's.
-   Why tokens: a host counts each model's tokens per call at no cost, a fine-tune that never routes
-   to a replica pays nothing for it, and one that keeps it busy pays the most. Why per episode: the
-   keep-alive tail after the last call is paid by those whose calls it was kept for.
+4. GB·s split, by the hosts' rule (expert_fn/host/meters.py; docs/shared-pool.md, "Who pays for a
+   shared replica") at the window's grain: each window, a held key's GB·s (its bytes x window_s) is
+   split evenly among the fine-tunes claiming it in that window (step 3's claims); a held window
+   nobody claims (none here: held is the claims' union) goes to those that claimed it last in its
+   residency. A replaced expert's key is its fine-tune's alone; the non-expert weights split evenly
+   among the fine-tunes awake in the window. So the fine-tunes' GB·s add up to the pool's. Why per
+   moment: a fine-tune pays for the windows its use keeps a replica resident and stops paying when its
+   claim runs out, whoever else keeps it (the host meters each moment; a window is the twin's
+   moment). Why evenly, not by tokens: docs/shared-pool.md argues it.
 
 The MoE time per step, two ways: alone (the house figure, twin/shared_pool.step_time_p99: the
 fine-tune's own compute over G GPUs, its cold starts as stalls) and batched: the engine's step
@@ -61,38 +62,34 @@ class SharedKeys:
     batched_step_s: np.ndarray
 
 
-class EpisodeSplit:
-    """Each key's GB·s per episode (a run of windows it is held in), split over the models by the
-    tokens they sent it in the episode, else by the windows they claimed it (step 4). Arrays are
-    [N, K]: models first."""
+def even_shares(held: np.ndarray, claims: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """One window's shares of each held key, by the hosts' rule (expert_fn/host/meters.py): held [K]
+    bool, claims [N, K] bool, last [N, K] each model's last window claiming the key in its residency
+    (-1: none) -> [N, K], each held key's column summing to 1, every other column 0. Evenly among the
+    claimants; a held key nobody claims, evenly among those that claimed it last (a key is loaded here
+    only for a claim, so its loader is among its claimants)."""
+    latest = (last == last.max(axis=0)) & (last >= 0)
+    payers = np.where(claims.any(axis=0), claims, latest) & held
+    count = payers.sum(axis=0)
+    if (held & (count == 0)).any():
+        raise ValueError("a key is held that no model claimed in its residency")
+    return payers / np.maximum(count, 1)
+
+
+class EvenSplit:
+    """Each key's GB·s, window by window, split by even_shares (step 4; the hosts' meters' rule).
+    Arrays are [N, K]: models first; gb_s is the split so far."""
 
     def __init__(self, models: int, keys: int, key_bytes: float, window_s: float):
-        self.tokens, self.claims = np.zeros((models, keys)), np.zeros((models, keys))
-        self.length, self.held = np.zeros(keys), np.zeros(keys, bool)
         self.gb_s = np.zeros((models, keys))
+        self.last = np.full((models, keys), -1, np.int64)  # last window claiming it, this residency
         self.gb_per_window = key_bytes * window_s / 1e9
 
-    def window(self, held: np.ndarray, tokens: np.ndarray, claims: np.ndarray) -> None:
-        """One window: held [K] bool after its calls, tokens [N, K] sent, claims [N, K] bool."""
-        ended = self.held & ~held
-        if ended.any():
-            self._close(ended)
-        self.length += held
-        self.tokens += tokens * held
-        self.claims += claims
-        self.held = held
-
-    def finish(self) -> np.ndarray:
-        """[N, K] GB·s, every episode still open closed at the horizon."""
-        self._close(self.held)
-        self.held = np.zeros_like(self.held)
-        return self.gb_s
-
-    def _close(self, keys: np.ndarray) -> None:
-        tokens, claims = self.tokens[:, keys], self.claims[:, keys]
-        weight = np.where(tokens.sum(axis=0) > 0, tokens, claims)
-        self.gb_s[:, keys] += self.length[keys] * weight / weight.sum(axis=0) * self.gb_per_window
-        self.tokens[:, keys], self.claims[:, keys], self.length[keys] = 0.0, 0.0, 0.0
+    def window(self, w: int, held: np.ndarray, claims: np.ndarray) -> None:
+        """Window w: held [K] bool after its calls, claims [N, K] bool."""
+        self.last[:, ~held] = -1  # evicted: its next residency's payers start afresh
+        self.last[claims & held] = w
+        self.gb_s += even_shares(held, claims, self.last) * self.gb_per_window
 
 
 def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[ModelTimeline],
@@ -108,16 +105,16 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
     kept_base = (kept & ~own).any(axis=0)
     last = np.full(own.shape, -10**9)  # each model's claim: the last window it routed to an expert
     row = np.zeros(n, np.int64)  # each model's next row of hits (its awake windows in order)
-    split = EpisodeSplit(n, layers * experts, base.expert_bytes, s.window_s)
-    non_expert = EpisodeSplit(n, 1, base.non_expert_bytes, s.window_s)
+    split = EvenSplit(n, layers * experts, base.expert_bytes, s.window_s)
+    non_expert = EvenSplit(n, 1, base.non_expert_bytes, s.window_s)
     own_windows = np.zeros(n)  # windows x own keys held, per model
     held, extra, batched = np.zeros(s.windows), np.zeros(s.windows), np.zeros(s.windows)
     cold, wakes = np.zeros((n, s.windows), np.int64), [[] for _ in range(n)]
     awake_all = np.stack([line.awake for line in lines])  # [N, W]
     for w in range(s.windows):
         awake = awake_all[:, w]
-        if not awake.any() and not kept.any() and not split.held.any() and not non_expert.held.any():
-            continue
+        if not awake.any() and not kept.any() and not (w and held[w - 1]):
+            continue  # nothing claimed, nothing held: the splits' residencies were reset a window ago
         steady = awake & (awake_all[:, w - 1] if w else False)
         # 1. Resident before the calls: the base's keys any steady model claims, each model's own.
         claimed = (w - last <= keep) & steady[:, None] | kept
@@ -142,14 +139,14 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
         own_windows += own_now
         held[w] = (base_now.sum() + own_now.sum()) * float(base.expert_bytes) + awake.any() * float(base.non_expert_bytes)
         extra[w] = max(int(awake.sum()) - 1, 0) * float(base.non_expert_bytes)
-        # 4. Tokens sent (by the busy), the split, the engine's batched step.
+        # 4. The split (own keys are their model's: own_windows), the engine's batched step.
+        split.window(w, base_now, claims & ~own)
+        non_expert.window(w, np.array([awake.any()]), awake[:, None])
         sent = np.array([line.tokens[w] if line.busy[w] else 0.0 for line in lines])
-        tokens = sent[:, None] * routing
-        split.window(base_now, np.where(own, 0.0, tokens), claims & ~own)
-        non_expert.window(np.array([awake.any()]), sent[:, None], awake[:, None])
         if sent.any():
+            tokens = sent[:, None] * routing
             rate = np.concatenate([tokens[own], tokens.sum(axis=0, where=~own)]) / steps  # own keys, then the base's
             batched[w] = -np.expm1(-rate).sum() * base.call_s + sent.sum() / steps * base.top_k * base.alpha_s
     own_gb = own_windows * base.expert_bytes * s.window_s / 1e9
-    parts = np.stack([own_gb, split.finish().sum(axis=1), non_expert.finish()[:, 0]], axis=1)
+    parts = np.stack([own_gb, split.gb_s.sum(axis=1), non_expert.gb_s[:, 0]], axis=1)
     return SharedKeys(held, extra, parts, cold, [np.asarray(x, float).reshape(-1, 3) for x in wakes], batched)

@@ -35,6 +35,8 @@ class ModelMeters:
     cold_starts: int = 0
     tokens: int = 0
     bytes_held: float = 0.0
+    shared_gb_seconds: float = 0.0  # the part of gb_seconds from replicas it shares with other models
+    shared_bytes: float = 0.0  # bytes of the resident replicas it shares (each sharing model counts them)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class HostMeters:
     replicas: tuple[Replica, ...] = field(default_factory=tuple)
     models: Mapping[str, ModelMeters] = field(default_factory=dict)
     keep_alive_s: float | None = None  # what the host runs now (None: it does not say)
+    shared_replicas: int = 0  # resident replicas several models use, each held once
 
 
 def parse_host_metrics(text: str) -> HostMeters:
@@ -74,14 +77,15 @@ def parse_host_metrics(text: str) -> HostMeters:
     replicas = tuple(Replica(layer, expert, values.get("tokens", 0.0), values.get("bytes_held", 0.0), model)
                      for (model, layer, expert), values in sorted(per_replica.items()))
     models = {model: ModelMeters(values.get("gb_seconds", 0.0), int(values.get("cold_starts", 0)),
-                                 int(values.get("tokens", 0)), values.get("bytes_held", 0.0))
+                                 int(values.get("tokens", 0)), values.get("bytes_held", 0.0),
+                                 values.get("shared_gb_seconds", 0.0), values.get("shared_bytes", 0.0))
               for model, values in sorted(per_model.items())}
     return HostMeters(
         gb_seconds=host.get("gb_seconds", 0.0), cold_starts=int(host.get("cold_starts", 0)),
         tokens=int(host.get("tokens", 0)), inflight=int(host.get("inflight", 0)),
         bytes_held=host.get("bytes_held", 0.0), memory_bytes=host.get("memory_bytes", 0.0),
         ready=host.get("ready", 0.0) == 1.0, replicas=replicas, models=models,
-        keep_alive_s=host.get("keep_alive_seconds"),
+        keep_alive_s=host.get("keep_alive_seconds"), shared_replicas=int(host.get("shared_replicas", 0)),
     )
 
 

@@ -8,13 +8,16 @@ Level-triggered like reconcile.py, whose steps it shares (actions.py). Steps of 
 4. Meters: each host's new GB·s, cold starts and tokens, for the pool and for each model (the
    hosts' moeless_expert_model_* families); any model's tokens or the pool's wake annotation mark
    the pool active.
-5. Scale: one size for every model (scaling.decide_hosts on what all of them hold).
+5. Scale: one size for every model (scaling.decide_hosts on what all of them hold: the hosts' bytes, in
+   which a replica several models share, one per content key, counts once; so a fine-tune written over
+   its base (spec.model.base) adds only its own experts' bytes to the pool's size).
 6. Owned objects: the StatefulSet (its hosts serve every admitted model: --store NAME=DIR, with
    --share NAME=GB for guaranteed shares; admitting a model changes the pod template, which rolls
    the hosts) and its headless Service. A new keep-alive does not roll them: each running host
    whose /metrics shows another one is told the pool's (a Configure action, its gRPC Configure).
-7. Status: hosts, one row per model (admitted, refused and why, or left; replicas, cold starts,
-   GB·s), the pool's totals, which the rows add up to.
+7. Status: hosts, one row per model (admitted, refused and why, or left; its base; replicas, cold
+   starts, GB·s and the part of them from replicas it shares with other models, sharedExpertGBSeconds),
+   the pool's totals, which the rows' GB·s add up to, and the replicas several models share (held once).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def model_readings(models: Sequence[str]):
             mm = m.models.get(name)
             if mm is not None:
                 out.update({f"{name}/gbSeconds": mm.gb_seconds, f"{name}/coldStarts": mm.cold_starts,
-                            f"{name}/tokens": mm.tokens})
+                            f"{name}/tokens": mm.tokens, f"{name}/sharedGBSeconds": mm.shared_gb_seconds})
         return out
     return read
 
@@ -81,7 +84,8 @@ def reconcile_pool(pool_name: str, pool: dict | None, observed: Observed, now: f
     ready = sum(pod_ready(p) for p in observed.pods)
     rows = _rows(members, status, added, observed)
     status.update(observedGeneration=generation, hostsReady=ready, models=rows, modelCount=len(admitted),
-                  replicas=len(resident(observed.meters)))
+                  replicas=len(resident(observed.meters)),
+                  sharedReplicas=sum(m.shared_replicas for m in observed.meters.values()))
     scale_status(status, decision, last_active)
     readiness = hosts_readiness(decision.hosts, ready, "any model's next request (the wake annotation) starts them")
     bad = degraded(conflicted, observed, "pool")
@@ -117,9 +121,14 @@ def _rows(members: Sequence[Member], status: dict, added: dict[str, float], obse
         row = {"name": m.model, "policy": m.policy, "admitted": m.admitted, "guaranteedGiB": m.guaranteed_gib,
                "keepWarmGiB": m.keep_warm_gib,
                "expertGBSeconds": round(float(last.get("expertGBSeconds") or 0.0) + added.get(f"{m.model}/gbSeconds", 0.0), 9),
+               "sharedExpertGBSeconds": round(float(last.get("sharedExpertGBSeconds") or 0.0)
+                                              + added.get(f"{m.model}/sharedGBSeconds", 0.0), 9),
                "coldStarts": int(last.get("coldStarts") or 0) + int(added.get(f"{m.model}/coldStarts", 0)),
                "replicas": len(resident(observed.meters, m.model)),
-               "bytesHeld": sum(h.models[m.model].bytes_held for h in observed.meters.values() if m.model in h.models)}
+               "bytesHeld": sum(h.models[m.model].bytes_held for h in observed.meters.values() if m.model in h.models),
+               "sharedBytes": sum(h.models[m.model].shared_bytes for h in observed.meters.values() if m.model in h.models)}
+        if m.base:
+            row["base"] = m.base
         if m.message:
             row["message"] = m.message
         rows.append(row)

@@ -12,7 +12,13 @@ a newer one:
 2. a model name another admitted policy serves already is refused;
 3. a guaranteed share that does not fit beside the admitted ones in one host's memory is refused,
    naming spec.model.guaranteedGiB and what is left; so is a keep-warm set (spec.model.keepWarmGiB)
-   that does not fit beside the admitted ones' (kept warm, not guaranteed: they may overlap shares).
+   that does not fit beside the admitted ones' (kept warm, not guaranteed: they may overlap shares);
+4. a fine-tune (spec.model.base: the name another policy of the pool serves its model by; its store
+   was written over that model's, `moeless model export --finetune DIR --base STORE`) whose base is
+   not admitted on this pool is refused, naming the base and where it is (another ExpertPool, hosts
+   of its own, refused here, or nowhere). Fine-tunes come after every model without a base, so a base
+   created after its fine-tunes still admits them; the hosts list each base before its fine-tunes
+   (--store order), so a shared expert's replica is the base's (model_stores.py).
 """
 
 from __future__ import annotations
@@ -71,25 +77,34 @@ class Member:
     admitted: bool
     message: str = ""  # why not admitted
     keep_warm_gib: float = 0.0
+    base: str | None = None  # a fine-tune's base model (spec.model.base)
 
 
 def admit(pool_name: str, pool: PoolSpec, policies: Sequence[dict]) -> list[Member]:
     """The members of pool_name among policies (any policies; those of other pools are skipped), in
-    order of creation, each admitted or refused with a message naming the field (module docstring)."""
+    order of creation, fine-tunes last, each admitted or refused with a message naming the field
+    (module docstring)."""
     ordered = sorted(policies, key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
-    members: list[Member] = []
-    served: dict[str, str] = {}
-    capacity = pool.hosts.memory_gib_per_host
-    left = {"guaranteedGiB": capacity, "keepWarmGiB": capacity}  # each host's GiB not yet promised, per field
+    mine, elsewhere = [], {}  # this pool's (policy, spec); the models of other pools or own hosts: name -> pool
     for policy in ordered:
-        name = policy["metadata"]["name"]
         raw = policy.get("spec") or {}
-        if not isinstance(raw, Mapping) or raw.get("pool") != pool_name:
+        if not isinstance(raw, Mapping):
             continue
         try:
             spec = parse_spec(raw)
         except SpecError:
             continue  # 1. its own reconcile reports it
+        name = policy["metadata"]["name"]
+        if raw.get("pool") == pool_name:
+            mine.append((name, spec))
+        else:
+            elsewhere.setdefault(spec.served_as(name), spec.pool)
+    mine.sort(key=lambda item: item[1].base is not None)  # stable: bases first, each group in order of creation
+    members: list[Member] = []
+    served: dict[str, str] = {}
+    capacity = pool.hosts.memory_gib_per_host
+    left = {"guaranteedGiB": capacity, "keepWarmGiB": capacity}  # each host's GiB not yet promised, per field
+    for name, spec in mine:
         model = spec.served_as(name)
         asks = {"guaranteedGiB": spec.guaranteed_gib, "keepWarmGiB": spec.keep_warm_gib}
         misfit = next((key for key, gib in asks.items() if gib > left[key] + 1e-9), None)
@@ -102,11 +117,28 @@ def admit(pool_name: str, pool: PoolSpec, policies: Sequence[dict]) -> list[Memb
             message = (f"spec.model.{misfit}: {asks[misfit]:g} GiB does not fit: ExpertPool {pool_name}'s hosts have "
                        f"{capacity:g} GiB each and the models admitted before it keep {capacity - left[misfit]:g}{kept}; "
                        f"at most {max(left[misfit], 0):g} is left")
+        elif spec.base is not None and spec.base not in served:  # 4.
+            message = _base_missing(pool_name, model, spec.base, {s.served_as(n) for n, s in mine}, elsewhere)
         else:
             served[model] = name
             left = {key: left[key] - gib for key, gib in asks.items()}
-        members.append(Member(name, model, spec.store, spec.guaranteed_gib, not message, message, spec.keep_warm_gib))
+        members.append(Member(name, model, spec.store, spec.guaranteed_gib, not message, message, spec.keep_warm_gib,
+                              spec.base))
     return members
+
+
+def _base_missing(pool_name: str, model: str, base: str, here: set[str], elsewhere: Mapping[str, str | None]) -> str:
+    """Why a fine-tune's base is not on the pool (admit's rule 4), naming the model, the base and where it is."""
+    head = f"spec.model.base: fine-tune {model!r} needs its base model {base!r} on ExpertPool {pool_name}"
+    if base == model:
+        return f"spec.model.base: model {model!r} cannot be its own base"
+    if base in here:
+        return f"{head}, which refused it (see policy of {base!r}); it is admitted once its base is"
+    if base in elsewhere:
+        where = f"ExpertPool {elsewhere[base]}" if elsewhere[base] else "hosts of its own (no spec.pool)"
+        return (f"{head}, but {base!r} is served on {where}: a fine-tune shares its base's experts only on the "
+                f"base's pool; set spec.pool: {pool_name} on both or neither")
+    return f"{head}, but no policy serves a model named {base!r}; add it (spec.pool: {pool_name}) or fix the name"
 
 
 def member_of(policy_name: str, members: Sequence[Member]) -> Member | None:

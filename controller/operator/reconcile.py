@@ -19,8 +19,9 @@ Steps of reconcile():
 
 on_pool(): the pool's reconcile (pool_reconcile.py) sizes the hosts and meters every model; the
 policy owns its serving and placement ConfigMaps, and its status shows the pool's hosts and its
-own model's replicas, cold starts and GB·s (copied from the pool's status, so that the models'
-add up to the pool's), or why the pool did not admit it.
+own model's replicas, cold starts, GB·s and the part of them from replicas it shares with other
+models, e.g. a fine-tune's with its base (copied from the pool's status, so that the models' add up
+to the pool's), or why the pool did not admit it (a fine-tune whose base is not on the pool, too).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def on_pool(policy_name: str, policy: dict, spec: PolicySpec, observed: Observed
     row = next((m for m in pool_status.get("models") or () if m.get("policy") == policy_name), {})
     cost = _cost(status)
     cost["expertGBSeconds"] = float(row.get("expertGBSeconds") or 0.0)
+    cost["sharedExpertGBSeconds"] = float(row.get("sharedExpertGBSeconds") or 0.0)  # its part of the shared replicas'
     _bill_non_expert(spec, status, cost, observed, now)
     status.pop("meters", None)
     status.update(observedGeneration=generation, cost=_rounded(cost), meterTime=rfc3339(now),

@@ -91,6 +91,7 @@ class PolicySpec(Sizing):
     model_name: str | None = None
     guaranteed_gib: float = 0.0
     keep_warm_gib: float = 0.0
+    base: str | None = None  # a fine-tune's base: another model of the same pool (its store is written over the base's)
 
     @property
     def keep_alive_s(self) -> float:  # type: ignore[override]
@@ -193,7 +194,7 @@ def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
                 raise SpecError(f"spec.model.{key}: on an ExpertPool the pool's spec.storage holds every model's store")
         hosts, scaling = None, Scaling()
     else:
-        for key in ("name", "guaranteedGiB", "keepWarmGiB"):
+        for key in ("name", "guaranteedGiB", "keepWarmGiB", "base"):
             if key in model:
                 raise SpecError(f"spec.model.{key}: only for a policy on an ExpertPool (spec.pool)")
         hosts = parse_hosts(spec)
@@ -201,6 +202,11 @@ def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
     name = model.get("name") or None
     if name is not None and (not isinstance(name, str) or "=" in name or "," in name):
         raise SpecError(f"spec.model.name: {name!r} is not a model name (no '=' or ',')")
+    base = model.get("base") or None
+    if base is not None and (not isinstance(base, str) or "=" in base or "," in base):
+        raise SpecError(f"spec.model.base: {base!r} is not a model name (no '=' or ',')")
+    if base is not None and base == name:
+        raise SpecError(f"spec.model.base: model {base!r} cannot be its own base")
     guaranteed = _typed(model.get("guaranteedGiB", 0.0), float, "spec.model.guaranteedGiB")
     warm = _typed(model.get("keepWarmGiB", 0.0), float, "spec.model.keepWarmGiB")
     for key, value in (("guaranteedGiB", guaranteed), ("keepWarmGiB", warm)):
@@ -220,5 +226,5 @@ def parse_spec(spec: Mapping[str, Any]) -> PolicySpec:
         non_expert_deployment=non_expert.get("deployment") or None,
         non_expert_gib_per_replica=_typed(non_expert.get("memoryGiBPerReplica", 0.0), float,
                                           "spec.nonExpert.memoryGiBPerReplica"),
-        pool=pool_name, model_name=name, guaranteed_gib=guaranteed, keep_warm_gib=warm,
+        pool=pool_name, model_name=name, guaranteed_gib=guaranteed, keep_warm_gib=warm, base=base,
     )

@@ -3,8 +3,9 @@
 From the planning loop's figures (every serving replica's reports, the hosts' meters): MoE-layer
 time per phase (histogram), per-layer load max/mean, host imbalance and CV, replicas resident,
 cold starts (hidden and exposed seconds, from the hosts), the predictor's online accuracy, the
-latency model's refit and error, plan time, GB·s (experts: the hosts' meters; non-expert: its
-bytes x serving replicas x seconds), the time forecasting added to forwards, and the loop's heartbeat age as the ingress sees it (so a
+latency model's refit and error, plan time, GB·s (experts: the hosts' meters, the model's split of
+replicas it shares with other models; non-expert: its bytes x serving replicas x seconds), its own and
+shared replicas, the time forecasting added to forwards, and the loop's heartbeat age as the ingress sees it (so a
 loop that stopped answering still shows, its age growing).
 """
 
@@ -84,6 +85,12 @@ class LoopCollector(Collector):
             yield gauge
         yield GaugeMetricFamily(f"{PREFIX}_expert_replicas_resident", "expert replicas loaded on the live hosts",
                                 value=s["resident_replicas"])
+        kinds = GaugeMetricFamily(f"{PREFIX}_expert_replicas_by_kind", "resident replicas the model uses alone (own) "
+                                  "or with other models of the same hosts (shared: one per content key, its GB·s split)",
+                                  labels=["kind"])
+        kinds.add_metric(["own"], s.get("own_replicas", 0))
+        kinds.add_metric(["shared"], s.get("shared_replicas", 0))
+        yield kinds
         yield CounterMetricFamily(f"{PREFIX}_cold_starts", "invocations that waited for a replica to load (hosts)",
                                   value=s["cold_starts"])
         yield CounterMetricFamily(f"{PREFIX}_cold_start_hidden_seconds", "cold-start seconds prefetching hid (hosts)",
@@ -113,7 +120,8 @@ class LoopCollector(Collector):
             for model, key in (("calibrated", "sum_model_s"), ("online", "sum_model_online_s")):
                 error.add_metric([phase, model], sum(p[key]) / measured - 1.0 if measured > 0 else math.nan)
         yield error
-        yield CounterMetricFamily(f"{PREFIX}_expert_gb_seconds", "GB·s of expert replica memory (hosts' meters)",
+        yield CounterMetricFamily(f"{PREFIX}_expert_gb_seconds", "GB·s of expert replica memory (hosts' meters; a "
+                                  "replica shared with other models: this model's split)",
                                   value=s["expert_gb_s"])
         yield CounterMetricFamily(f"{PREFIX}_non_expert_gb_seconds", "GB·s of non-expert weights (bytes x serving "
                                   "replicas x seconds)", value=s["non_expert_gb_s"])

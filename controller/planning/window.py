@@ -238,8 +238,10 @@ class Accumulated:
 
 
 def meter_totals(meters: list[dict]) -> dict:
-    """The hosts' cold starts (hidden and exposed seconds, count) and loads, summed over each host's
-    last meters (hosts that never answered: {})."""
+    """The hosts' cold starts (hidden and exposed seconds, count), loads, and the resident replicas the
+    model uses alone or shares with other models of the hosts (held once), summed over each host's last
+    meters (hosts that never answered: {})."""
     return {"cold_hidden_s": sum(m.get("cold_hidden_s", 0.0) for m in meters),
             "cold_exposed_s": sum(m.get("cold_exposed_s", 0.0) for m in meters),
-            "cold_starts": sum(m.get("cold_starts", 0) for m in meters), "loads": sum(m.get("loads", 0) for m in meters)}
+            "cold_starts": sum(m.get("cold_starts", 0) for m in meters), "loads": sum(m.get("loads", 0) for m in meters),
+            **{key: sum(m.get(key, 0) for m in meters) for key in ("own_replicas", "shared_replicas", "shared_bytes")}}

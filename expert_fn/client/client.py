@@ -214,16 +214,28 @@ class ExpertHostClient:
     def status(self) -> dict:
         """{"device", "memory_bytes", "keep_alive_s", "health", "inflight", "replicas": [...],
         "meters": {...}}; each replica: layer, expert, state, bytes, gb_s, invocations, tokens,
-        last_load_s, error. With a model: its replicas only, at its own layer numbers, and its own
-        part of the meters (GB·s, bytes, loads, cold starts, tokens, cold-start seconds); the memory
-        and the other meters are the host's, every model's."""
+        last_load_s, error, models (those it computes for), shared (more than one). With a model: the
+        replicas its experts use, at its own layer numbers (a replica it shares with another model is
+        listed under each one's numbers: the host holds it once), and its own part of the meters
+        (GB·s split, bytes, loads, cold starts, tokens, cold-start seconds, own and shared replicas);
+        the memory and the other meters are the host's, every model's. Without a model, "models" holds
+        every model's part, read with the host's totals."""
         reply = self._call(self._stub.Status, pb.StatusRequest())
         status = {name: getattr(reply, name) for name in ("device", "memory_bytes", "keep_alive_s", "health", "inflight")}
         first, layers = (self._first_layer(), self._range.layers) if self.model is not None else (0, None)
-        status["replicas"] = [{**_fields(r), "layer": r.layer - first} for r in reply.replicas
-                              if layers is None or first <= r.layer < first + layers]
+        status["replicas"] = []
+        for r in reply.replicas:
+            fields_ = {k: v for k, v in _fields(r).items() if k not in ("alias_layers", "alias_experts")}
+            fields_ |= {"models": list(r.models), "shared": len(r.models) > 1}
+            for layer, expert in [(r.layer, r.expert), *zip(r.alias_layers, r.alias_experts)]:
+                if layers is None and (layer, expert) != (r.layer, r.expert):
+                    continue  # the host's own view: each replica once, at its canonical key
+                if layers is None or first <= layer < first + layers:
+                    status["replicas"].append({**fields_, "layer": layer - first, "expert": expert})
         status["meters"] = _fields(reply.meters)
-        if self.model is not None and self.model in reply.models:  # its own part where the host has one
+        if self.model is None:  # every model's part, read with the totals at one time: they add up
+            status["models"] = {name: _fields(part) for name, part in reply.models.items()}
+        elif self.model in reply.models:  # its own part where the host has one
             part = _fields(reply.models[self.model])
             status["meters"].update({f.name: part[f.name] for f in fields(ModelTotals)})
         return status
@@ -231,6 +243,11 @@ class ExpertHostClient:
     def configure(self, keep_alive_s: float) -> float:
         """Set the host's keep-alive while it serves (every model's on a shared host); returns it."""
         return self._call(self._stub.Configure, pb.ConfigureRequest(keep_alive_s=keep_alive_s)).keep_alive_s
+
+    def add_model(self, name: str, store: str) -> list[dict]:
+        """Have the host serve the weight store at `store` (a path on the host) as model `name` from now
+        on, without a restart; returns the models it serves then. BadRequest says why it refused."""
+        return [_fields(m) for m in self._call(self._stub.AddModel, pb.AddModelRequest(name=name, store=store)).models]
 
     def models(self) -> list[dict]:
         """The models the host serves: name, first_layer, layers, experts (its offer)."""

@@ -11,6 +11,9 @@ forward took 2.0-2.6x the sequential one in bfloat16, 1.2-2.9x in float32 (docs/
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 
 from moeless.model.experts import activation, expert_forward
@@ -66,3 +69,9 @@ def forward_for(device: str, exact: bool = False):
     everywhere, the reference model's own kernels: a batched matmul rounds differently from the
     model's per-expert matmul on a GPU (16 of 20 float32 layer calls differed on an H200)."""
     return gpu_forward if device.startswith("cuda") and not exact else sequential_forward
+
+
+def compute_clock(device: str) -> Callable[[], float]:
+    """The clock an invoke's compute is timed on (runtime.py's docstring): the calling thread's CPU
+    time when it alone computes (a CPU device, one torch thread), else wall time."""
+    return time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter

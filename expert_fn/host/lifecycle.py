@@ -13,7 +13,8 @@ States of a replica of (layer, expert):
 - A loading replica is never evicted; a warm one is evicted only once its calls end.
 - Memory is reserved when a load begins; to make room, idle replicas go in the order of
   shares.pick_victims: the least saving per GB·s first (LRU where reloads cost the same per byte),
-  never into another active model's guaranteed share.
+  never into another active model's guaranteed share (a replica several models share counts in
+  each one's: shares.py).
 
 Not thread-safe: the runtime calls it under its lock. Time comes from the injected clock.
 """
@@ -86,8 +87,10 @@ class ReplicaTable:
         """A copy of every replica ever seen on this host, by key."""
         return {key: replace(r) for key, r in self._replicas.items()}
 
-    def begin_load(self, key: Key, nbytes: int) -> list[Key]:
-        """Mark key loading and reserve nbytes; returns the idle replicas evicted to make room.
+    def begin_load(self, key: Key, nbytes: int, model: int | None = None) -> list[Key]:
+        """Mark key loading and reserve nbytes for `model` (default: the model of key's layer; a
+        replica several models share is loaded for the one that asked); returns the idle replicas
+        evicted to make room.
 
         Raises HostMemoryFull (nothing changed) when even evicting every idle replica leaves
         too little room.
@@ -97,9 +100,11 @@ class ReplicaTable:
         # 1. Pick idle victims until nbytes fit: the least saving per GB·s first, within the models' shares.
         free = self.capacity_bytes - self.bytes_held
         shares = self._shares
-        held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used, self._reload_s(k, r.bytes))
+        model = shares.model_of(key[0]) if model is None else model
+        held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used, self._reload_s(k, r.bytes),
+                          tuple(self._meters.replicas[k].used.items()) if k in shares.users else ())
                 for k, r in self._replicas.items() if r.bytes]
-        victims = pick_victims(held, shares, key, free, nbytes, self._clock())
+        victims = pick_victims(held, shares, key, free, nbytes, self._clock(), mine=model)
         if victims is None:
             why = "loading, busy or within another model's guaranteed share" if self.shares else "loading or busy"
             raise HostMemoryFull(
@@ -110,7 +115,7 @@ class ReplicaTable:
         for victim in victims:
             self._evict_now(victim)
         self._replicas[key] = Replica(state=ReplicaState.LOADING, bytes=nbytes, load_started=self._clock())
-        self._meters.hold(key, nbytes)
+        self._meters.hold(key, nbytes, model)
         return victims
 
     def finish_load(self, key: Key, error: str | None = None) -> None:

@@ -1,8 +1,14 @@
 """Prometheus exposition of a host's meters: a collector read at scrape time.
 
-Per replica (labels model, layer, expert; the layer is the model's own): GB·s, bytes held, loads,
-cold starts, invocations, tokens. Per model (label model; a host may serve several, model_stores.py):
-GB·s, bytes held, loads, cold starts, tokens, which add up to the host's.
+Per replica (labels model, layer, expert; the layer is the model's own; a replica several models
+share, one per content key, is labelled with the first model's numbers): GB·s, bytes held, loads,
+cold starts, invocations, tokens, and how many models it computes for (`replica_models`). Per model
+(label model; a host may serve several, model_stores.py): GB·s (a shared replica's split among the
+models using it, meters.py), bytes held (the same split, now), loads, cold starts, tokens, which add
+up to the host's; and the resident replicas it uses alone (`model_replicas{kind="own"}`) or with
+other models (`kind="shared"`, each model counting it) with their bytes (`model_shared_bytes`), the
+part of its GB·s from replicas it shares (`model_shared_gb_seconds`), and a LoRA fine-tune's own
+factors (`model_lora_bytes`, in its bytes held and GB·s too).
 Per layer (label layer): cold-start seconds hidden by prefetch and exposed (waited for).
 Per host: the same totals, load seconds, evictions, Invoke calls and calls in flight, prefetches
 never used, device copies, and the host memory tier's hits, misses, reads and bytes.
@@ -37,11 +43,14 @@ class RuntimeCollector(Collector):
             "cold_starts": (CounterMetricFamily, "invocations that waited for the replica to load", "cold_starts"),
         }
         models = self._runtime.models
+        per_replica["models"] = (GaugeMetricFamily, "models the replica computes for (several: a shared content key)",
+                                 "models")
         for name, (family, doc, field) in per_replica.items():
             metric = family(f"{PREFIX}_replica_{name}", doc, labels=["model", "layer", "expert"])
             for r in status["replicas"]:
                 model = models.model_of(r["layer"])
-                metric.add_metric([model.name, str(r["layer"] - model.first_layer), str(r["expert"])], r[field])
+                value = len(r[field]) if field == "models" else r[field]
+                metric.add_metric([model.name, str(r["layer"] - model.first_layer), str(r["expert"])], value)
             yield metric
         per_model = {
             "gb_seconds": (CounterMetricFamily, "GB·s of the model's replica memory on this host", "gb_s"),
@@ -50,11 +59,23 @@ class RuntimeCollector(Collector):
             "cold_starts": (CounterMetricFamily, "invocations that waited for one of the model's replicas", "cold_starts"),
             "tokens": (CounterMetricFamily, "tokens the model's replicas computed", "tokens"),
         }
+        per_model["shared_gb_seconds"] = (CounterMetricFamily, "the part of the model's GB·s from replicas it shares "
+                                          "with other models (its split of them)", "shared_gb_s")
+        per_model["shared_bytes"] = (GaugeMetricFamily, "bytes of the resident replicas the model shares with others",
+                                     "shared_bytes")
+        per_model["lora_bytes"] = (GaugeMetricFamily, "bytes of the model's own LoRA factors (a LoRA fine-tune: "
+                                   "applied over shared replicas at call time)", "lora_bytes")
         for name, (family, doc, field) in per_model.items():
             metric = family(f"{PREFIX}_model_{name}", doc, labels=["model"])
             for model, totals in sorted(status["models"].items()):
                 metric.add_metric([model], totals[field])
             yield metric
+        metric = GaugeMetricFamily(f"{PREFIX}_model_replicas", "resident replicas the model uses: alone (own) or with "
+                                   "other models (shared, counted for each)", labels=["model", "kind"])
+        for model, totals in sorted(status["models"].items()):
+            metric.add_metric([model, "own"], totals["own_replicas"])
+            metric.add_metric([model, "shared"], totals["shared_replicas"])
+        yield metric
         totals = status["meters"]
         host = {
             "gb_seconds": (CounterMetricFamily, "GB·s of replica memory held on this host", "gb_s"),
@@ -66,6 +87,7 @@ class RuntimeCollector(Collector):
             "evictions": (CounterMetricFamily, "replicas evicted", "evictions"),
             "invocations": (CounterMetricFamily, "Invoke calls (one per layer per call)", "invocations"),
             "tokens": (CounterMetricFamily, "tokens computed", "tokens"),
+            "shared_replicas": (GaugeMetricFamily, "resident replicas several models use (held once)", "shared_replicas"),
         }
         for name, (family, doc, field) in host.items():
             yield family(f"{PREFIX}_host_{name}", doc, value=totals[field])

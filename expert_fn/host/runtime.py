@@ -7,10 +7,15 @@ that needs a replica still loading waits for it (a cold start), and a load alrea
 never started twice. Per layer the meters count the cold-start time a prefetch hid and the time
 invocations waited. A sweeper thread evicts replicas idle for longer than keep_alive_s.
 
+Models whose experts are the same bytes share one replica: every key given to load / evict / invoke
+is mapped to its canonical replica first (model_stores.py), so all below works per content key; an
+Evict leaves a replica another model used within the keep-alive (meters.py bills it among them).
+
 The compute dtype is float32 by default: every model's outputs then equal the float32 reference
-(model/moe_model.py) bit for bit. compute_dtype="store" computes in the store's own dtype instead
-(a bfloat16 model's experts hold half the memory, and a GPU runs them on its bfloat16 tensor
-cores); outputs then equal the reference to that dtype's rounding, not bit for bit.
+(model/moe_model.py) bit for bit, a LoRA fine-tune's too (its factors applied over the shared replica
+at call time: adapters.py). compute_dtype="store" computes in the store's own dtype instead (a
+bfloat16 model's experts hold half the memory, and a GPU runs them on its bfloat16 tensor cores);
+outputs then equal the reference to that dtype's rounding, not bit for bit.
 
 An invoke's compute_s is the compute thread's CPU time on a CPU device computing on one torch
 thread (the host's own work: time the thread was preempted by other processes on a shared
@@ -30,17 +35,16 @@ import torch
 
 from moeless.expert_fn.wire.codec import InvokeResult
 from moeless.expert_fn.errors import BadRequest, ReplicaLoadError
-from moeless.expert_fn.host.executor import forward_for
+from moeless.expert_fn.host.adapters import bytes_by_model, device_loras, lora_forward
+from moeless.expert_fn.host.executor import Weights, compute_clock, forward_for
 from moeless.expert_fn.host.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
 from moeless.expert_fn.host.meters import Meters
-from moeless.expert_fn.stores.model_stores import as_model_stores
+from moeless.expert_fn.stores.model_stores import ModelRange, as_model_stores
 from moeless.expert_fn.host.shares import Shares
 from moeless.expert_fn.stores.tiers import DeviceCopier, HostTier, TierConfig, compute_dtype_of
 from moeless.model.weight_store import WeightStore, WeightStoreError, stored_dtype
 
 log = logging.getLogger(__name__)
-
-Weights = dict[str, torch.Tensor]
 
 
 class ExpertHostRuntime:
@@ -60,22 +64,23 @@ class ExpertHostRuntime:
         shares: Shares | None = None,
         compute_dtype: str = "float32",
     ) -> None:
-        self.store = store
         self.dtype = compute_dtype_of(store, compute_dtype)  # options.COMPUTE_DTYPES
-        self.models = as_model_stores(store)  # which model each host layer belongs to (meters per model)
+        self.models = as_model_stores(store)  # each host layer's model; each key's canonical replica
         self.device = device
-        self.tier = HostTier(store, tier, pin=device.startswith("cuda") and torch.cuda.is_available())
+        self.tier = HostTier(self.models, tier, pin=device.startswith("cuda") and torch.cuda.is_available())
         self._copier = DeviceCopier(device, self.dtype)
         self.keep_alive_s = keep_alive_s
         self.health = "starting"  # "serving" once the server listens, "draining" on SIGTERM
         self._forward = forward_for(device, exact=self.dtype == torch.float32)  # float32: the reference's bits
         self._lock = threading.Lock()
-        self.meters = Meters(clock)
+        self.meters = Meters(clock, keep_alive_s)
         self.table = ReplicaTable(capacity_bytes, keep_alive_s, clock, self.meters, shares)
         self._weights: dict[Key, Weights] = {}
         self._loads: dict[Key, Future] = {}
         self._ahead: set[Key] = set()  # loaded or loading ahead of any invocation (prefetch, pre-warm)
         self._inflight = 0
+        self._loras: dict[Key, Weights] = {}  # host key -> its LoRA factors on the device (adapters.py)
+        self._hold_loras()
         self._pool = ThreadPoolExecutor(load_workers, thread_name_prefix="expert-load")
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="keep-alive", daemon=True)
@@ -90,9 +95,9 @@ class ExpertHostRuntime:
 
         wait=True blocks until resident and raises ReplicaLoadError if the load fails.
         """
-        key = self._check_key(layer, expert)
+        key, model = self._check_key(layer, expert)
         with self._lock:
-            future, started = self._start_load(key)
+            future, started = self._start_load(key, model)
             if started:
                 self._ahead.add(key)
         if wait and future is not None:
@@ -101,9 +106,12 @@ class ExpertHostRuntime:
             return self.table.state(key), started
 
     def evict(self, layer: int, expert: int) -> tuple[bool, ReplicaState]:
-        """Evict now if idle; returns (evicted, state afterwards)."""
-        key = self._check_key(layer, expert)
+        """Evict now if idle and no other model used it within the keep-alive (a shared replica it
+        still needs stays); returns (evicted, state afterwards)."""
+        key, model = self._check_key(layer, expert)
         with self._lock:
+            if set(self.meters.needed_by(key)) - {model}:
+                return False, self.table.state(key)
             evicted = self.table.evict(key)
             if evicted:
                 self._dropped([key])
@@ -120,14 +128,14 @@ class ExpertHostRuntime:
         slices, in batches' order, instead of tensors of their own.
         Raises ReplicaLoadError (naming the file) if any expert fails to load.
         """
+        resolved = {expert: self._check_key(layer, expert) for expert in batches}  # (replica, its model) each
         for expert, x in batches.items():
-            self._check_key(layer, expert)
             if x.dim() != 2:
                 raise BadRequest(f"expert {expert}: tokens must be [n, H], got shape {list(x.shape)}")
         out_device = self.device if on_device else "cpu"
         empty = {e: torch.zeros(x.shape, dtype=self.dtype, device=out_device) for e, x in batches.items() if x.shape[0] == 0}
         batches = {e: x for e, x in batches.items() if x.shape[0] > 0}  # no tokens: no load, no compute
-        keys = [(layer, e) for e in batches]
+        keys, owners = [resolved[e][0] for e in batches], [resolved[e][1] for e in batches]
         pinned: list[Key] = []
         with self._lock:
             self._inflight += 1
@@ -141,15 +149,17 @@ class ExpertHostRuntime:
         compute_s: float | None = None  # set once the call has computed
         try:
             if not pinned:
-                cold, weights = self._pin_all(layer, keys, pinned)
+                cold, weights = self._pin_all(layer, keys, pinned, owners)
             # 3. Compute outside the lock.
             for (expert, x), w in zip(batches.items(), weights):
                 if x.shape[1] != w["gate"].shape[1]:
                     raise BadRequest(f"expert {expert}: tokens must be [n, H={w['gate'].shape[1]}], got {list(x.shape)}")
-            clock = _compute_clock(self.device)
+            clock = compute_clock(self.device)
             started = clock()
             xs = [x.to(self.device, self.dtype) for x in batches.values()]  # no copy where it is there already
-            outs = self._forward(weights, xs, self.store.act, out)
+            loras = [self._loras.get(self.models.resolve(layer, e)) for e in batches] if self._loras else []
+            outs = (lora_forward(weights, loras, xs, self.models.act, out) if any(loras) else
+                    self._forward(weights, xs, self.models.act, out))
             result = {e: y.to(out_device) for e, y in zip(batches, outs)}
             if on_device and self.device != "cpu":
                 torch.cuda.synchronize(self.device)  # compute_s counts the kernels, not their launch
@@ -157,27 +167,28 @@ class ExpertHostRuntime:
             compute_s = clock() - started
         finally:
             with self._lock:
+                if compute_s is not None:  # before the release: a use of the replica while it is held
+                    self.meters.invoked(zip(keys, (int(x.shape[0]) for x in batches.values()), owners))
                 for key in pinned:
                     self._dropped(self.table.release(key))
                 self._inflight -= 1
-                if compute_s is not None:
-                    self.meters.invoked(layer, {e: int(x.shape[0]) for e, x in batches.items()})
         return InvokeResult(result, len(cold), compute_s)
 
-    def _pin_all(self, layer: int, keys: list[Key], pinned: list[Key]) -> tuple[list[Key], list[dict]]:
-        """Start every missing load at once, then pin each replica (waiting for its load), adding
-        each to `pinned` as it is; count the cold starts -> (the keys that were cold, their weights)."""
+    def _pin_all(self, layer: int, keys: list[Key], pinned: list[Key], owners: list[int]) -> tuple[list[Key], list[dict]]:
+        """Start every missing load at once (each for owners[i], its model), then pin each replica (waiting
+        for its load), adding each to `pinned` as it is; count the cold starts -> (the cold keys, their weights)."""
         # 1. Start the loads, then pin.
         with self._lock:
-            cold = [key for key in keys if self.table.state(key) not in RESIDENT]
-            loading = {key: self._start_load(key)[0] for key in cold}
-            for key in cold:
-                self.meters.cold_start(key)
+            cold = [(key, m) for key, m in zip(keys, owners) if self.table.state(key) not in RESIDENT]
+            loading = {key: self._start_load(key, m)[0] for key, m in cold}
+            for key, m in cold:
+                self.meters.cold_start(key, m)
+            cold = [key for key, _ in cold]
             ahead = self._ahead.intersection(keys)
             self._ahead.difference_update(keys)
         waited: dict[Key, float] = {}
-        for key in keys:
-            waited[key] = self._pin(key, loading.get(key))
+        for key, m in zip(keys, owners):
+            waited[key] = self._pin(key, loading.get(key), m)
             pinned.append(key)
         # 2. Cold-start meters: what prefetching hid, what this call waited for.
         with self._lock:
@@ -192,8 +203,21 @@ class ExpertHostRuntime:
             raise BadRequest(f"keep_alive_s must be >= 0, got {keep_alive_s}")
         with self._lock:
             self.keep_alive_s = self.table.keep_alive_s = keep_alive_s
+            self.meters.set_keep_alive(keep_alive_s)
         log.info("keep-alive now %g s", keep_alive_s)
         return keep_alive_s
+
+    def add_model(self, name: str, root: str) -> ModelRange:
+        """Serve the weight store at root as model `name` from now on, without a restart (a fine-tune finds
+        the experts it shares with its base resident: model_stores.py); WeightStoreError says what is wrong."""
+        store = WeightStore.open(root)  # outside the lock: reads its index (and its base's)
+        with self._lock:
+            added = self.models.add(name, store)
+            self._hold_loras()
+            if self.table.shares is not None:  # no guarantee for it; its shared keys' users count it
+                self.table.shares = self.models.extend(self.table.shares)
+        log.info("serving model %s too (layers %d-%d)", name, added.first_layer, added.first_layer + added.layers - 1)
+        return added
 
     @property
     def inflight(self) -> int:
@@ -201,8 +225,12 @@ class ExpertHostRuntime:
         return self._inflight
 
     def status(self) -> dict:
-        """Host facts, every replica seen (state, bytes, GB·s, counts), the host's totals, the
-        cold-start meters ("cold": per layer hidden / exposed seconds) and the host tier's counters."""
+        """Host facts, every replica seen (state, bytes, GB·s, counts; with several models the models
+        it serves, its content key and the other host keys it computes, "aliases"), the host's totals,
+        each model's part (meters.by_model: GB·s split, own and shared replicas), the cold-start meters
+        ("cold": per layer hidden / exposed seconds) and the host tier's counters."""
+        models = self.models
+        aliases = models.aliases()
         with self._lock:
             now = self.meters.clock()  # one reading: the models' GB·s add up to the host's
             replicas = []
@@ -213,13 +241,15 @@ class ExpertHostRuntime:
                     "gb_s": self.meters.gb_s((layer, expert), now), "invocations": m.invocations,
                     "tokens": m.tokens, "last_load_s": m.last_load_s, "error": r.error, "loads": m.loads,
                     "cold_starts": m.cold_starts, "evictions": m.evictions,
+                    "models": [models.names[i] for i in models.users((layer, expert))],
+                    "aliases": aliases.get((layer, expert), []),
                 })
             return {
                 "device": self.device, "memory_bytes": self.table.capacity_bytes,
                 "keep_alive_s": self.keep_alive_s, "health": self.health, "inflight": self._inflight,
-                "replicas": replicas, "meters": self.meters.totals(now).as_dict(),
+                "replicas": replicas, "meters": self.meters.totals(now, models.users).as_dict(),
                 "models": {name: asdict(t) for name, t in
-                           self.meters.by_model(lambda layer: self.models.model_of(layer).name, now).items()},
+                           self.meters.by_model(models.names, models.index_of, models.users, now).items()},
                 "cold": self.meters.cold.as_dict(), "host_tier": self.tier.stats(),
             }
 
@@ -231,13 +261,20 @@ class ExpertHostRuntime:
 
     # --- internals --------------------------------------------------------------------------
 
-    def _start_load(self, key: Key) -> tuple[Future | None, bool]:
-        """Under the lock: the future of key's running load, starting one if it is not resident."""
+    def _hold_loras(self) -> None:
+        """The served models' LoRA factors not on the device yet put there, metered as each model's own."""
+        new = device_loras({k: f for k, f in self.models.loras().items() if k not in self._loras}, self.device, self.dtype)
+        self._loras |= new
+        for i, nbytes in bytes_by_model(new, self.models.index_of).items():
+            self.meters.hold_adapter(i, nbytes)
+
+    def _start_load(self, key: Key, model: int) -> tuple[Future | None, bool]:
+        """Under the lock: the future of key's running load, starting one (for `model`) if it is not resident."""
         if key in self._loads:
             return self._loads[key], False
         if not self.table.needs_load(key):
             return None, False
-        self._dropped(self.table.begin_load(key, self._resident_bytes(key)))
+        self._dropped(self.table.begin_load(key, self._resident_bytes(key), model))
         future = self._pool.submit(self._load_weights, key)
         self._loads[key] = future
         return future, True
@@ -269,7 +306,7 @@ class ExpertHostRuntime:
             log.warning("replica (layer %d, expert %d) failed to load: %s", key[0], key[1], error)
             raise ReplicaLoadError(f"layer {key[0]} expert {key[1]} failed to load: {error}")
 
-    def _pin(self, key: Key, load: Future | None) -> float:
+    def _pin(self, key: Key, load: Future | None, model: int) -> float:
         """Acquire key for an invocation, waiting for `load` (its running load, which raises if it
         failed: a failed load is not retried here) and again if it was evicted meanwhile; returns
         the seconds waited (on the injected clock)."""
@@ -281,7 +318,7 @@ class ExpertHostRuntime:
                 if self.table.state(key) in RESIDENT:
                     self.table.acquire(key)
                     return self.meters.clock() - started
-                future, _ = self._start_load(key)
+                future, _ = self._start_load(key, model)
             future.result()
 
     def _dropped(self, keys: list[Key]) -> None:
@@ -294,24 +331,19 @@ class ExpertHostRuntime:
 
     def _resident_bytes(self, key: Key) -> int:
         """Bytes key takes in the compute dtype (the store may hold a narrower one than float32)."""
-        return self.store.expert_bytes(*key) * self.dtype.itemsize // stored_dtype(self.store).itemsize
+        return self.models.expert_bytes(*key) * self.dtype.itemsize // stored_dtype(self.models).itemsize
 
-    def _check_key(self, layer: int, expert: int) -> Key:
-        if not self.store.has(layer, expert):
-            raise BadRequest(
-                f"no expert (layer {layer}, expert {expert}): the store has "
-                f"{self.store.num_layers} layers x {self.store.num_experts} experts"
-            )
-        return layer, expert
+    def _check_key(self, layer: int, expert: int) -> tuple[Key, int]:
+        """(The canonical replica, the model) of host key (layer, expert), its model's own expert or, by
+        family addressing (model_stores.resolve), another's; BadRequest for a key no store has."""
+        if not self.models.has(layer, expert):
+            raise BadRequest(f"no expert (layer {layer}, expert {expert}): the store has {self.models.num_layers} "
+                             f"layers x {self.models.num_experts} experts")
+        resolved = self.models.resolve(layer, expert)
+        return self.models.canonical(*resolved), self.models.index_of(resolved[0])
 
     def _sweep(self) -> None:
         period = min(max(self.keep_alive_s / 4, 0.05), 1.0)
         while not self._stop.wait(period):
             with self._lock:
                 self._dropped(self.table.expire())
-
-
-def _compute_clock(device: str) -> Callable[[], float]:
-    """The clock an invoke's compute is timed on (see the module docstring): the calling thread's
-    CPU time when it alone computes (a CPU device, one torch thread), else wall time."""
-    return time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter

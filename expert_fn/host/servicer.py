@@ -25,6 +25,7 @@ from moeless.expert_fn.errors import (
 from moeless.expert_fn.wire.routed import decode_call, encode_reply, raw_bytes
 from moeless.expert_fn.host.run_routed import run_routed
 from moeless.expert_fn.host.runtime import ExpertHostRuntime
+from moeless.model.weight_store import WeightStoreError
 
 STATUS_CODES = {
     ReplicaLoadError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -83,6 +84,15 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
     def LocalChannel(self, request: pb.LocalChannelRequest, context: grpc.ServicerContext) -> pb.LocalChannelReply:
         return pb.LocalChannelReply(socket=self.local_channel, tcp_port=self.tcp_port, models=self.models)
 
+    def AddModel(self, request: pb.AddModelRequest, context: grpc.ServicerContext) -> pb.LocalChannelReply:
+        try:
+            self.runtime.add_model(request.name, request.store)
+        except WeightStoreError as err:
+            _abort(context, BadRequest(str(err)))
+        self.models = [pb.ModelLayers(name=m.name, first_layer=m.first_layer, layers=m.layers, experts=m.experts)
+                       for m in self.runtime.models.ranges()]
+        return self.LocalChannel(pb.LocalChannelRequest(), context)
+
     def Configure(self, request: pb.ConfigureRequest, context: grpc.ServicerContext) -> pb.ConfigureReply:
         try:
             return pb.ConfigureReply(keep_alive_s=self.runtime.set_keep_alive(request.keep_alive_s))
@@ -94,7 +104,9 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
         return pb.StatusReply(
             device=s["device"], memory_bytes=s["memory_bytes"], keep_alive_s=s["keep_alive_s"],
             health=s["health"], inflight=s["inflight"],
-            replicas=[pb.ReplicaStatus(**r) for r in s["replicas"]],
+            replicas=[pb.ReplicaStatus(**{k: v for k, v in r.items() if k != "aliases"},
+                                       alias_layers=[a[0] for a in r["aliases"]], alias_experts=[a[1] for a in r["aliases"]])
+                      for r in s["replicas"]],
             meters=pb.HostMeters(**s["meters"]),
             models={name: pb.HostMeters(**part) for name, part in s["models"].items()},
         )

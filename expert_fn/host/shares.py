@@ -13,6 +13,12 @@ never an active model's replica that its share still covers for another model's 
 take another's guaranteed share. As victims go, a model's held bytes fall; once they reach its
 share, its remaining replicas are protected from the others.
 
+Shared replicas (one per content key, model_stores.py): a replica that several models use counts
+in each one's held bytes and is protected by each one's share, so no model's load evicts what
+another active model's share still covers, whichever model's layers it was filed under; it is the
+loading model's own when the loading model uses it. A model is active while any replica it uses
+was used by it within `active_s` (`Candidate.used_by`: each model's last use).
+
 Keep-warm (`warm_set`): a model may keep its hottest replicas (most tokens computed), up to its
 warm bytes, resident past the keep-alive, so that it wakes with them when it has been quiet; they
 are not guaranteed (a load that needs room evicts them like any idle replica).
@@ -41,8 +47,8 @@ load times the cheaper reload goes first: if (0,0) took 4 s to load and (1,0) 1 
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 Key = tuple[int, int]  # (host layer, expert)
 
@@ -57,9 +63,14 @@ class Shares:
     guaranteed: tuple[int, ...]
     active_s: float
     warm: tuple[int, ...] = ()  # bytes of each model's hottest replicas kept past the keep-alive (empty: none)
+    users: Mapping[Key, tuple[int, ...]] = field(default_factory=dict)  # shared replicas' models (2 or more)
 
     def model_of(self, layer: int) -> int:
         return max(bisect_right(self.first_layers, layer) - 1, 0)
+
+    def models_of(self, key: Key) -> tuple[int, ...]:
+        """Every model that uses replica key (its layer's model, or the models sharing it)."""
+        return self.users.get(key) or (self.model_of(key[0]),)
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,7 @@ class Candidate:
     idle: bool
     last_used: float
     reload_s: float = 0.0
+    used_by: tuple[tuple[int, float], ...] = ()  # (model, its last use) of a shared replica; empty: last_used
 
 
 def saving_per_gb_s(r: Candidate, now: float) -> float:
@@ -80,30 +92,33 @@ def saving_per_gb_s(r: Candidate, now: float) -> float:
 
 
 def pick_victims(replicas: Sequence[Candidate], shares: Shares, requester: Key, free: int, need: int,
-                 now: float) -> list[Key] | None:
+                 now: float, mine: int | None = None) -> list[Key] | None:
     """The idle replicas to evict so that `need` bytes fit (free: bytes free now), in the module
-    docstring's order; None when they cannot be found without taking a share."""
-    # 1. Each model's held bytes and whether it is active (any replica, idle or busy, counts).
+    docstring's order; None when they cannot be found without taking a share. mine: the loading
+    model (default: the model of the requester's layer)."""
+    # 1. Each model's held bytes and whether it is active (any replica it uses, idle or busy, counts).
     models = len(shares.first_layers)
     held, active = [0] * models, [False] * models
     for r in replicas:
-        m = shares.model_of(r.key[0])
-        held[m] += r.bytes
-        active[m] |= not r.idle or now - r.last_used < shares.active_s
-    mine = shares.model_of(requester[0])
+        for m, used in r.used_by or ((u, r.last_used) for u in shares.models_of(r.key)):
+            active[m] |= not r.idle or now - used < shares.active_s
+        for m in shares.models_of(r.key):
+            held[m] += r.bytes
+    mine = shares.model_of(requester[0]) if mine is None else mine
     # 2. Idle candidates: the requester's own replicas after everyone else's, the least saving per
     #    GB·s first within (then the least recently used: ties, and loads that took no measurable time).
     order = sorted((r for r in replicas if r.idle),
-                   key=lambda r: (shares.model_of(r.key[0]) == mine, saving_per_gb_s(r, now), r.last_used))
+                   key=lambda r: (mine in shares.models_of(r.key), saving_per_gb_s(r, now), r.last_used))
     victims: list[Key] = []
     for r in order:
         if free >= need:
             break
-        m = shares.model_of(r.key[0])
-        if m != mine and active[m] and held[m] - r.bytes < shares.guaranteed[m]:
+        users = shares.models_of(r.key)
+        if any(m != mine and active[m] and held[m] - r.bytes < shares.guaranteed[m] for m in users):
             continue  # within another active model's share
         victims.append(r.key)
-        held[m] -= r.bytes
+        for m in users:
+            held[m] -= r.bytes
         free += r.bytes
     return victims if free >= need else None
 

@@ -13,6 +13,26 @@ serving one store is the case first_0 = 0.
 
 All stores must use one activation and one weight dtype (the runtime computes each call with its
 store's activation); opening others is an error that names them.
+
+Experts addressed by content: every (host layer, expert) whose content key (model/content_keys.py)
+another one has too maps to ONE canonical replica, the first in host-layer order (the base's, when
+the base is listed before its fine-tunes). The runtime canonicalises every key it is given
+(`canonical`), so the replica table, the host tier, cold starts, keep-alive, eviction and the
+meters work per content key, whichever models use it: a base and fine-tunes that changed 15% of
+its experts hold 1.15x the base's replicas, not 2x. Why here and not in the clients: the wire
+stays as it is (a client still sends its model's own layers), the host alone knows which of its
+models share which bytes, and it bills each model for its use (meters.py's split). `users(key)`
+says which models a canonical replica serves: the guaranteed shares protect a shared replica for
+each of them (shares.py).
+
+    stores = ModelStores.open([("base", "/models/base"), ("code", "/models/code")])   # code over base
+    stores.canonical(32 + 3, 5)   # (3, 5): code's layer 3 expert 5 is the base's bytes
+    stores.users((3, 5))          # (0, 1): both models use it
+
+A LoRA fine-tune's store (model/lora_store.py) names every expert by its base's key and carries
+factors for the experts its adapter touches: read (each file verified) when the model is added, they
+are that model's own memory, and `loras()` gives them by host key (resolve: a call's), which the runtime
+applies over the shared replica at call time (expert_fn/host/adapters.py).
 """
 
 from __future__ import annotations
@@ -24,7 +44,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from moeless.expert_fn.host.shares import Shares
+from moeless.expert_fn.host.shares import Key, Shares
 from moeless.model.weight_store import WeightStore, WeightStoreError
 
 
@@ -44,24 +64,46 @@ class ModelStores:
     def __init__(self, stores: Sequence[tuple[str, WeightStore]]):
         if not stores:
             raise WeightStoreError("an expert host needs at least one weight store (--store)")
-        names = [name for name, _ in stores]
-        if len(set(names)) != len(names):
-            raise WeightStoreError(f"model names must differ, got {names}; name them with --store NAME=DIR")
-        for what, values in (("activation", {s.act for _, s in stores}),
-                             ("weight dtype", {s.index.get("dtype") or "float32" for _, s in stores})):
-            if len(values) > 1:
-                raise WeightStoreError(f"the stores {names} use different {what}s {sorted(values)}; one host serves "
-                                       f"models of one {what}")
-        self.stores = [store for _, store in stores]
-        self._ranges, first = [], 0
-        for name, store in stores:
-            self._ranges.append(ModelRange(name, first, store.num_layers, store.num_experts))
-            first += store.num_layers
-        self._firsts = [r.first_layer for r in self._ranges]
-        first = self.stores[0]
+        first = stores[0][1]
         self.root: Path = first.root
         self.index = {"dtype": first.index.get("dtype") or "float32"}  # what the runtime reads of an index
         self.act = first.act
+        self.stores: list[WeightStore] = []
+        self._ranges: list[ModelRange] = []
+        self._firsts: list[int] = []
+        self._canonical: dict[Key, Key] = {}  # host key -> its canonical replica, where they differ
+        self._users: dict[Key, tuple[int, ...]] = {}  # canonical key -> the models using it, where several
+        self._seen: dict[str, Key] = {}  # content key -> its canonical replica
+        self._loras: dict[Key, dict[str, torch.Tensor]] = {}  # host key -> its model's LoRA factors
+        for name, store in stores:
+            self.add(name, store)
+
+    def add(self, name: str, store: WeightStore) -> ModelRange:
+        """Put a model's store after the last one (also while the host serves: nothing else moves, and
+        its experts that other models have are theirs from the start); WeightStoreError, naming them,
+        for a name already served or another activation or weight dtype."""
+        if name in self.names:
+            raise WeightStoreError(f"model names must differ: this host serves {name!r} already; name them with "
+                                   "--store NAME=DIR")
+        for what, mine, hosts in (("activation", store.act, self.act),
+                                  ("weight dtype", store.index.get("dtype") or "float32", self.index["dtype"])):
+            if mine != hosts:
+                raise WeightStoreError(f"model {name} uses {what} {mine}, this host's models {hosts}; one host serves "
+                                       f"models of one {what}")
+        loras = store.loras()  # first: a corrupt factor file refuses the model before anything changes
+        i, first = len(self._ranges), self.num_layers if self._ranges else 0
+        self._loras |= {(first + layer, expert): lora for (layer, expert), lora in loras.items()}
+        for layer, expert in store.keys():
+            host_key = (first + layer, expert)
+            canonical = self._seen.setdefault(store.key(layer, expert), host_key)
+            if canonical != host_key:
+                self._canonical[host_key] = canonical
+                users = self._users.get(canonical) or (self._which(canonical[0]) if canonical[0] < first else i,)
+                self._users[canonical] = users if i in users else (*users, i)
+        self.stores.append(store)
+        self._firsts.append(first)
+        self._ranges.append(ModelRange(name, first, store.num_layers, store.num_experts))  # last: now it is served
+        return self._ranges[-1]
 
     @staticmethod
     def open(stores: Sequence[tuple[str | None, str | Path]]) -> "ModelStores":
@@ -83,16 +125,64 @@ class ModelStores:
         return max(r.experts for r in self._ranges)
 
     def has(self, layer: int, expert: int) -> bool:
-        if not 0 <= layer < self.num_layers:
+        """Whether host key (layer, expert) addresses an expert: its model's own, or another's (`resolve`)."""
+        if not 0 <= layer < self.num_layers or expert < 0:
             return False
-        return 0 <= expert < self._ranges[self._which(layer)].experts
+        r = self._ranges[self._which(layer)]
+        if expert < r.experts:
+            return True
+        j = expert // r.experts - 1
+        return j < len(self._ranges) and (self._ranges[j].layers, self._ranges[j].experts) == (r.layers, r.experts)
 
-    def keys(self) -> Iterator[tuple[int, int]]:
-        """Every (host layer, expert) of every model."""
+    def resolve(self, layer: int, expert: int) -> Key:
+        """The host key that (layer, expert) addresses (`has` true). Family addressing: expert ids past the
+        layer's model's E name the same layer of another model of its geometry, id (j + 1) x E + e being
+        model j's expert e (j in --store order), so that one routed call carries the tokens of a base and
+        of its fine-tunes, each computed by its own model's expert (serving/family.py)."""
+        r = self._ranges[self._which(layer)]
+        if expert < r.experts:
+            return layer, expert
+        j, e = divmod(expert, r.experts)
+        return self._ranges[j - 1].first_layer + layer - r.first_layer, e
+
+    def loras(self) -> dict[Key, dict[str, torch.Tensor]]:
+        """Every host key's LoRA factors (each LoRA fine-tune's own memory on the host)."""
+        return dict(self._loras)
+
+    def keys(self) -> Iterator[Key]:
+        """Every distinct expert once: the canonical (host layer, expert) of each content key."""
         for r in self._ranges:
             for layer in range(r.first_layer, r.first_layer + r.layers):
                 for expert in range(r.experts):
-                    yield layer, expert
+                    if (layer, expert) not in self._canonical:
+                        yield layer, expert
+
+    def canonical(self, layer: int, expert: int) -> Key:
+        """The replica that computes host key (layer, expert): itself, or the first with its content key."""
+        return self._canonical.get((layer, expert), (layer, expert))
+
+    def users(self, key: Key) -> tuple[int, ...]:
+        """The models (indices, in --store order) whose experts canonical replica `key` is."""
+        return self._users.get(key) or (self._which(key[0]),)
+
+    def shared(self) -> dict[Key, tuple[int, ...]]:
+        """Every canonical replica that several models use, with their indices."""
+        return {key: users for key, users in self._users.items() if len(users) > 1}
+
+    def aliases(self) -> dict[Key, list[Key]]:
+        """Canonical replica -> the other host keys it computes (each model's own layer numbers)."""
+        out: dict[Key, list[Key]] = {}
+        for key, canonical in self._canonical.items():
+            out.setdefault(canonical, []).append(key)
+        return out
+
+    def index_of(self, layer: int) -> int:
+        """The index (in --store order) of the model whose layers include host layer `layer`."""
+        return self._which(layer)
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self._ranges]
 
     def expert_bytes(self, layer: int, expert: int) -> int:
         store, local = self._local(layer)
@@ -117,7 +207,14 @@ class ModelStores:
             if sum(gb) > capacity_bytes:
                 raise WeightStoreError(f"{flag} up to {sum(gb) / 1e9:.3f} GB, more than the host's "
                                        f"{capacity_bytes / 1e9:.3f} GB of replica memory; lower them or give the host more")
-        return Shares(tuple(self._firsts), guaranteed, active_s, warm)
+        return Shares(tuple(self._firsts), guaranteed, active_s, warm, self.shared())
+
+    def extend(self, shares: Shares) -> Shares:
+        """shares (made for the models served before) over every model served now: a model added since
+        has no guarantee and no keep-warm set, and counts as a user of the keys it shares."""
+        more = (0,) * (len(self._ranges) - len(shares.guaranteed))
+        return Shares(tuple(self._firsts), shares.guaranteed + more, shares.active_s,
+                      shares.warm + more if shares.warm else (), self.shared())
 
     def model_of(self, layer: int) -> ModelRange:
         """The model whose layers include host layer `layer`."""

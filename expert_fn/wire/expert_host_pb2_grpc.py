@@ -74,6 +74,11 @@ class ExpertHostStub:
                 request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureRequest.SerializeToString,
                 response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureReply.FromString,
                 _registered_method=True)
+        self.AddModel = channel.unary_unary(
+                '/moeless.expert_fn.ExpertHost/AddModel',
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.AddModelRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelReply.FromString,
+                _registered_method=True)
 
 
 class ExpertHostServicer:
@@ -137,6 +142,14 @@ class ExpertHostServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddModel(self, request, context):
+        """Serve one more model's weight store from now on (model_stores.py: its layers follow the last
+        model's; its experts other models have are theirs, resident or not); replies with the offer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertHostServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +192,11 @@ def add_ExpertHostServicer_to_server(servicer, server):
                     servicer.Configure,
                     request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureRequest.FromString,
                     response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureReply.SerializeToString,
+            ),
+            'AddModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddModel,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.AddModelRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +415,33 @@ class ExpertHost:
             '/moeless.expert_fn.ExpertHost/Configure',
             moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureRequest.SerializeToString,
             moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ConfigureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moeless.expert_fn.ExpertHost/AddModel',
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.AddModelRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelReply.FromString,
             options,
             channel_credentials,
             insecure,

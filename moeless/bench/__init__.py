@@ -30,6 +30,9 @@ BENCHES = {
                                           "experts; alpha and beta"),
     "load": Bench("moeless.bench.load", "static vs continuous batching: N concurrent clients on ShareGPT prompts over "
                                         "HTTP (loopback)"),
+    "finetunes": Bench("moeless.bench.finetunes", "a base and its fine-tunes on the same expert hosts (each expert "
+                                                  "held once) vs the base alone: memory, per-model GB·s, throughput, "
+                                                  "exactness, in one engine and in one per model"),
     "live": Bench("moeless.bench.live", "the running system with its planning loop vs static EP and EPLB: replayed "
                                         "trace arrivals over HTTP"),
     "transport": Bench("moeless.bench.transport", "one expert call over shared memory, the TCP channel, gRPC and "

@@ -90,6 +90,50 @@ def test_an_eviction_storm_never_takes_another_active_model_s_share(b_keys, shar
         assert table.bytes_held <= 8
 
 
+def test_a_shared_replica_counts_in_every_user_s_share_and_no_other_load_takes_it():
+    """(0, 0) is A's and B's (one content key), filed under A's layers; B also holds its own (2, 1) and
+    is guaranteed 2 bytes. A's loads evict A's own (0, 1), never the replica B's share protects, though
+    it is A's too; once B sleeps, it may go."""
+    shares = Shares((0, 2), (0, 2), 60.0, users={(0, 0): (0, 1)})
+    held = [Candidate((0, 0), 1, True, 1.0, used_by=((1, 1.0),)), Candidate((2, 1), 1, True, 2.0),
+            Candidate((0, 1), 1, True, 3.0)]
+    assert shares.models_of((0, 0)) == (0, 1) and shares.models_of((0, 1)) == (0,)
+    assert pick_victims(held, shares, (1, 0), free=0, need=1, now=5.0) == [(0, 1)]
+    assert pick_victims(held, shares, (1, 0), free=0, need=2, now=5.0) is None
+    assert pick_victims(held, shares, (1, 0), free=0, need=2, now=100.0) == [(2, 1), (0, 0)]
+    # B's own load may take the shared replica: it is B's own, and A has no share
+    assert pick_victims(held, shares, (3, 0), free=0, need=1, now=5.0, mine=1) == [(0, 1)]
+    assert pick_victims(held, shares, (3, 0), free=0, need=3, now=5.0, mine=1) == [(0, 1), (0, 0), (2, 1)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(shared=st.integers(1, 4), share=st.integers(0, 5), storm=st.lists(st.integers(0, 7), min_size=1, max_size=40))
+def test_an_eviction_storm_never_takes_a_replica_another_model_s_share_needs_shared_or_not(shared, share, storm):
+    """B uses `shared` of A's replicas (one content key each, filed under A's layers 0-1) and two of its
+    own; A loads and uses replicas at will: B never holds less than min(its share, what it uses)."""
+    clock = _Clock()
+    b_shared = [(0, e) for e in range(shared)]
+    table = ReplicaTable(6, keep_alive_s=1e9, clock=clock, meters=Meters(clock),
+                         shares=Shares((0, 2), (0, share), active_s=1e9, users={k: (0, 1) for k in b_shared}))
+    b_uses = b_shared + [(2, 0), (3, 0)]
+    for key in b_uses:
+        table.begin_load(key, 1, model=1)
+        table.finish_load(key)
+    for i in storm:
+        key = (i % 2, i // 2)
+        if table.needs_load(key):
+            try:
+                table.begin_load(key, 1, model=0)
+            except HostMemoryFull:
+                continue
+            table.finish_load(key)
+        table.acquire(key)
+        table.release(key)
+        b_held = sum(r.bytes for k, r in table.replicas().items() if k in b_uses)
+        assert b_held >= min(share, len(b_uses))
+        assert table.bytes_held <= 6
+
+
 def test_a_host_with_shares_keeps_a_quiet_model_s_replicas_and_refuses_shares_it_cannot_hold(tmp_path):
     a, b = random_store(tmp_path / "a", 2, 4, 16, 8), random_store(tmp_path / "b", 2, 4, 16, 8)
     run = subprocess.run([sys.executable, "-m", "moeless.cli", "expert-host", "--store", f"a={a.root}",
@@ -119,7 +163,7 @@ def test_the_keep_alive_leaves_a_model_s_keep_warm_set_and_a_load_may_still_evic
         table.begin_load(key, 1)
         table.finish_load(key)
         table.acquire(key)
-        meters.invoked(key[0], {key[1]: tokens})
+        meters.invoked([(key, tokens, key[0] // 2)])
         table.release(key)
     clock.t += 100.0
     assert sorted(table.expire()) == [(0, 0), (2, 0)]  # A's hottest (0, 1) stays; B keeps nothing warm

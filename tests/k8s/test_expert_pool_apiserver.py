@@ -120,7 +120,8 @@ def test_one_pool_serves_two_models_bills_each_and_refuses_what_cannot_fit(api, 
     assert condition(a, "Ready")["status"] == "True" and a["status"]["hostsReady"] == 1
     assert a["status"]["cost"]["expertGBSeconds"] > 0
     table = kubectl("get", "epool", "-n", NS).stdout
-    assert table.split()[:7] == ["NAME", "READY", "HOSTS", "DESIRED", "MODELS", "REPLICAS", "EXPERT-GBS"]
+    assert table.split()[:8] == ["NAME", "READY", "HOSTS", "DESIRED", "MODELS", "REPLICAS", "SHARED", "EXPERT-GBS"]
+    assert table.splitlines()[1].split()[6] == "0"  # two unrelated models: no replica shared
     assert table.splitlines()[1].split()[:6] == ["shared", "True", "1", "1", "2", "3"]
     wide = kubectl("get", "eap", "-n", NS, "-o", "wide").stdout
     assert "POOL" in wide.split() and "shared" in wide.splitlines()[1].split()

@@ -250,4 +250,4 @@ def test_manifests_and_examples_pass_a_server_side_dry_run(kubectl, api):
     examples = kubectl("apply", "--dry-run=server", "-n", NS, "-f", str(manifests / "examples"))
     assert operator.stdout.count("(server dry run)") == 1
     documents = [d for f in sorted((manifests / "examples").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
-    assert examples.stdout.count("(server dry run)") == len(documents) == 7
+    assert examples.stdout.count("(server dry run)") == len(documents) == 11

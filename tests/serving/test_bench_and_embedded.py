@@ -70,7 +70,7 @@ def test_export_store_is_cached_by_expert_weights(tmp_path, monkeypatch):
 
 
 def test_unknown_model_argument_is_a_clear_error():
-    with pytest.raises(SystemExit, match="not 'default', 'tiny:ARCH' or a model directory"):
+    with pytest.raises(SystemExit, match="not 'default', 'tiny:ARCH', a model directory or BASE\\+FINETUNE"):
         choose_model("/no/such/dir")
 
 

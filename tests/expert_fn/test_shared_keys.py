@@ -1,0 +1,170 @@
+"""One replica per content key on a host serving a base and its fine-tunes (model_stores.py, runtime.py):
+real host processes; each model's calls exact; the shared replica held once, used by both models'
+calls at once, evicted only when neither needs it, protected by either model's share; the
+per-model GB·s adding up to the host's."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from moeless.expert_fn.client.client import ExpertHostClient
+from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.expert_fn.stores.model_stores import ModelStores
+from moeless.model.experts import expert_forward
+from moeless.model.moe_model import MoEModel
+from moeless.model.tiny import tiny_model
+from moeless.model.weight_store import export_store
+
+CHANGED = {"code": [(0, 1), (1, 3)], "chat": [(0, 1), (1, 0)]}  # both change (0, 1), each its own way
+
+
+def _tuned(base: MoEModel, experts, seed: int) -> MoEModel:
+    """A copy of base with `experts` perturbed: the shape of an ESFT fine-tune."""
+    tuned = MoEModel(copy.deepcopy(base.hf), tokenizer=base.tokenizer)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer, expert in experts:
+            for t in tuned.expert_weights(layer, expert).values():
+                t.add_(0.01 * torch.randn(t.shape, generator=g))
+    return tuned
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, monkeypatch_module):
+    """{name: (model, store)}: a tiny base and two fine-tunes over it, stores in one cache."""
+    monkeypatch_module.setenv("MOELESS_CACHE", str(tmp_path_factory.mktemp("cache")))
+    base = tiny_model("mixtral", 0)
+    out = {"base": (base, export_store(base, "base"))}
+    for seed, (name, experts) in enumerate(CHANGED.items(), 1):
+        model = _tuned(base, experts, seed)
+        out[name] = (model, export_store(model, name, base=out["base"][1]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _bytes(model: MoEModel) -> int:
+    return 3 * model.spec.expert_ffn * model.spec.hidden_size * 4
+
+
+def test_the_host_s_layer_space_maps_equal_keys_to_one_replica(family):
+    stores = ModelStores.open([(name, root) for name, (_, root) in family.items()])
+    spec = family["base"][0].spec
+    layers = spec.num_layers
+    assert stores.canonical(layers + 0, 0) == (0, 0) and stores.canonical(2 * layers + 1, 2) == (1, 2)
+    assert stores.canonical(layers + 0, 1) == (layers + 0, 1)  # code's own (0, 1)
+    assert stores.users((0, 0)) == (0, 1, 2) and stores.users((0, 1)) == (0,) and stores.users((layers, 1)) == (1,)
+    changed = sum(len(v) for v in CHANGED.values())
+    assert len(list(stores.keys())) == layers * spec.num_experts + changed  # each distinct expert once
+    assert set(stores.aliases()[(0, 0)]) == {(layers, 0), (2 * layers, 0)}
+    # family addressing: expert (j + 1) x E + e of a layer is model j's expert e of that layer
+    experts = spec.num_experts
+    assert stores.resolve(1, 2 * experts + 3) == (layers + 1, 3) and stores.resolve(layers + 1, experts + 2) == (1, 2)
+    assert stores.has(1, 4 * experts - 1) and not stores.has(1, 4 * experts) and not stores.has(1, -1)
+
+
+def test_two_models_calls_at_once_share_one_replica_each_exact_and_their_gb_s_add_up(family):
+    roots = [(name, root) for name, (_, root) in family.items()]
+    with launch_local_hosts(1, roots, keep_alive_s=60, metrics=True) as group:
+        clients = {name: ExpertHostClient(group.addresses[0], model=name) for name in family}
+        errors, barrier = [], threading.Barrier(len(clients))
+
+        def calls(name: str) -> None:
+            model = family[name][0]
+            try:
+                barrier.wait()
+                for i in range(20):
+                    x = torch.randn(4 + i % 3, model.spec.hidden_size)
+                    out = clients[name].invoke(1, {0: x, 3: x})
+                    for e in (0, 3):
+                        assert torch.equal(out[e], expert_forward(model.expert_weights(1, e), x, model.spec.act)), (name, e)
+            except Exception as err:  # reported below, with the model's name
+                errors.append((name, err))
+
+        threads = [threading.Thread(target=calls, args=(name,)) for name in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        host = clients["base"].status()
+        with ExpertHostClient(group.addresses[0]) as whole:
+            everything = whole.status()
+        held = {(r["layer"], r["expert"]): r for r in everything["replicas"] if r["bytes"]}
+        layers = family["base"][0].spec.num_layers
+        # (1, 0) is base's and code's (chat changed it); (1, 3) base's and chat's (code changed it)
+        assert set(held) == {(1, 0), (1, 3), (2 * layers + 1, 0), (layers + 1, 3)}
+        assert held[(1, 0)]["models"] == ["base", "code"] and held[(1, 0)]["loads"] == 1
+        assert held[(1, 0)]["tokens"] == 2 * sum(4 + i % 3 for i in range(20))
+        parts, host_meters = everything["models"], everything["meters"]  # one reading
+        assert sum(p["gb_s"] for p in parts.values()) == pytest.approx(host_meters["gb_s"], rel=1e-9)
+        assert sum(p["bytes_held"] for p in parts.values()) == host_meters["bytes_held"] == 4 * _bytes(family["base"][0])
+        assert sum(p["tokens"] for p in parts.values()) == host_meters["tokens"]
+        assert (parts["base"]["shared_replicas"], parts["base"]["own_replicas"]) == (2, 0)
+        assert (parts["code"]["shared_replicas"], parts["code"]["own_replicas"]) == (1, 1)
+        assert host_meters["shared_replicas"] == 2
+        assert clients["code"].status()["meters"]["shared_bytes"] == _bytes(family["base"][0])
+        text = urllib.request.urlopen(f"{group.metrics_urls[0]}/metrics", timeout=10).read().decode()
+        for line in ('moeless_expert_model_replicas{kind="shared",model="code"} 1.0',
+                     'moeless_expert_model_replicas{kind="own",model="code"} 1.0',
+                     'moeless_expert_replica_models{expert="0",layer="1",model="base"} 2.0',
+                     "moeless_expert_host_shared_replicas 2.0"):
+            assert line in text, line
+        assert 'moeless_expert_model_gb_seconds_total{model="chat"}' in text
+        assert {(r["layer"], r["expert"]) for r in host["replicas"] if r["bytes"]} == {(1, 0), (1, 3)}
+        for c in clients.values():
+            c.close()
+
+
+def test_a_shared_replica_is_evicted_only_when_neither_model_needs_it(family):
+    roots = [(name, family[name][1]) for name in ("base", "code")]
+    hidden = family["base"][0].spec.hidden_size
+    with launch_local_hosts(1, roots, keep_alive_s=1.5, metrics=False) as group:
+        base, code = (ExpertHostClient(group.addresses[0], model=name) for name in ("base", "code"))
+        resident = lambda: any(r["bytes"] for r in base.status()["replicas"] if (r["layer"], r["expert"]) == (0, 0))
+        x = torch.randn(2, hidden)
+        base.invoke(0, {0: x})
+        code.invoke(0, {0: x})
+        assert code.evict(0, 0) is False and resident()  # base used it within the keep-alive
+        until = time.monotonic() + 3.0  # twice the keep-alive: code's calls alone keep it
+        while time.monotonic() < until:
+            code.invoke(0, {0: x})
+            assert resident()
+            time.sleep(0.25)
+        assert base.evict(0, 0) is False  # code used it just now
+        deadline = time.monotonic() + 10.0
+        while resident() and time.monotonic() < deadline:  # neither calls: the keep-alive takes it
+            time.sleep(0.2)
+        assert not resident()
+        base.close()
+        code.close()
+
+
+def test_one_model_s_loads_never_evict_a_shared_replica_the_other_s_share_protects(family):
+    """Room for 3 replicas; base is guaranteed 2 and holds the shared (0, 0) and its own (0, 1); code
+    holds its own (0, 1), then loads its (1, 3): its own (0, 1) yields, not the shared replica, though
+    that one is code's too."""
+    roots = [(name, family[name][1]) for name in ("base", "code")]
+    one = _bytes(family["base"][0])
+    with launch_local_hosts(1, roots, keep_alive_s=600, metrics=False, memory_bytes=3 * one,
+                            shares={"base": 2 * one / 1e9}) as group:
+        base, code = (ExpertHostClient(group.addresses[0], model=name) for name in ("base", "code"))
+        x = torch.randn(2, family["base"][0].spec.hidden_size)
+        base.invoke(0, {0: x, 1: x})
+        code.invoke(0, {1: x})
+        code.invoke(1, {3: x})
+        held = lambda c: {(r["layer"], r["expert"]) for r in c.status()["replicas"] if r["bytes"]}
+        assert held(base) == {(0, 0), (0, 1)}
+        assert held(code) == {(0, 0), (1, 3)}
+        base.close()
+        code.close()
