@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors.torch import load as parse_safetensors
 from safetensors.torch import save_file
 
 from moeless.core.paths import cache_dir
+from moeless.model.checked_file import CheckedFileError, read_checked
 from moeless.model.experts import EXPERT_TENSORS
 from moeless.model.moe_model import MoEModel
 
@@ -160,20 +160,10 @@ def read_expert(root: str | Path, manifest: dict, entry: dict, spec=None) -> dic
     """One replaced expert's weights from its file, its sha256 checked on the bytes read and, with
     spec (the base's MoESpec), each tensor's shape against the base's [F, H] / [H, F]."""
     path = Path(root) / entry["file"]
-    where = f"fine-tune {manifest['name']}: {path}"
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise FinetuneError(f"{where}: expert weight file is missing") from None
-    except OSError as err:
-        raise FinetuneError(f"{where}: cannot read the expert weights ({err.strerror})") from err
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise FinetuneError(f"{where}: checksum mismatch, the file is corrupt")
-    try:
-        tensors = parse_safetensors(data)
-        weights = {n: tensors[n] for n in EXPERT_TENSORS}
-    except Exception as err:  # safetensors raises several types for damaged files; KeyError for a missing tensor
-        raise FinetuneError(f"{where}: cannot read the expert weights ({err})") from err
+        weights = read_checked(path, entry["sha256"], "expert weight file", EXPERT_TENSORS)
+    except CheckedFileError as err:
+        raise FinetuneError(f"fine-tune {manifest['name']}: {path}: {err}") from None
     if spec is not None:
         f, h = spec.expert_ffn, spec.hidden_size
         for n, want in (("gate", [f, h]), ("up", [f, h]), ("down", [h, f])):

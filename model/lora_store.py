@@ -19,8 +19,9 @@ import hashlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as parse_safetensors
 from safetensors.torch import save as serialise
+
+from moeless.model.checked_file import CheckedFileError, read_checked
 
 Lora = dict[str, torch.Tensor]
 
@@ -56,19 +57,10 @@ def read_factors(root: Path, entry: dict, model: str, layer: int, expert: int) -
     """One expert's factors, the file's sha256 checked on the bytes read; FactorFileError naming
     the model and the expert for a missing, corrupt or unreadable file."""
     path = root / entry["file"]
-    where = f"model {model}: expert ({layer}, {expert}): LoRA factors {path}"
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise FactorFileError(f"{where} are missing; export the store again") from None
-    except OSError as err:
-        raise FactorFileError(f"{where} cannot be read ({err.strerror})") from None
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise FactorFileError(f"{where}: checksum mismatch, the file is corrupt; export the store again")
-    try:
-        return dict(parse_safetensors(data))
-    except Exception as err:  # safetensors raises several types for damaged files
-        raise FactorFileError(f"{where} cannot be parsed ({err}); export the store again") from None
+        return read_checked(path, entry["sha256"], "LoRA factor file")
+    except CheckedFileError as err:
+        raise FactorFileError(f"model {model}: expert ({layer}, {expert}): {path}: {err}; export the store again") from None
 
 
 def loras_digest(loras: dict[tuple[int, int], Lora] | None) -> bytes:

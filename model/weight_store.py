@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
-from safetensors.torch import load as parse_safetensors
 from safetensors.torch import save as serialise
 
 from moeless.core.paths import cache_dir
+from moeless.model.checked_file import CheckedFileError, read_checked
 from moeless.model.content_keys import NotAnExpertFile, content_key, file_key, key_shape
 from moeless.model.experts import EXPERT_TENSORS
 from moeless.model.lora_store import FactorFileError, Lora, loras_digest, read_factors, write_factors
@@ -162,18 +162,9 @@ class WeightStore:
         entry = self._entry(layer, expert)
         path = self.root / entry["file"]
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise WeightStoreError(f"{path}: expert weight file is missing; re-export the store") from None
-        except OSError as err:
-            raise WeightStoreError(f"{path}: cannot read expert weights ({err.strerror}); check the store") from err
-        if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise WeightStoreError(f"{path}: checksum mismatch, the file is corrupt; re-export the store")
-        try:
-            tensors = parse_safetensors(data)
-            return {name: tensors[name] for name in EXPERT_TENSORS}
-        except Exception as err:  # safetensors raises several types for damaged files; KeyError for a missing tensor
-            raise WeightStoreError(f"{path}: cannot read expert weights ({err}); re-export the store") from err
+            return read_checked(path, entry["sha256"] if verify else None, "expert weight file", EXPERT_TENSORS)
+        except CheckedFileError as err:
+            raise WeightStoreError(f"{path}: {err}; re-export the store") from None
 
 
 def stored_dtype(store: "WeightStore") -> torch.dtype:
