@@ -180,6 +180,17 @@ def replaced_experts(root: str | Path, spec=None) -> dict[tuple[int, int], dict[
     return {(int(e["layer"]), int(e["expert"])): read_expert(root, manifest, e, spec) for e in manifest["experts"]}
 
 
+def perturbed(base: MoEModel, experts: Iterable[tuple[int, int]], scale: float, seed: int) -> MoEModel:
+    """A stand-in fine-tune for tests: a copy of base with each (layer, expert) in `experts` plus
+    scale x N(0, 1) noise (seeded; in the given order), not trained: an ESFT fine-tune's shape."""
+    tuned = MoEModel(copy.deepcopy(base.hf), tokenizer=base.tokenizer)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer, expert in experts:
+            for t in tuned.expert_weights(layer, expert).values():
+                t.add_(scale * torch.randn(t.shape, generator=g))
+    return tuned
+
 def merge_experts(base: MoEModel, experts: dict[tuple[int, int], dict[str, torch.Tensor]]) -> MoEModel:
     """A new MoEModel: a copy of base with the given experts' weights written over its own (base is
     not modified; every other tensor is the base's, bit for bit)."""

@@ -5,7 +5,6 @@ per-model GB·s adding up to the host's."""
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 import urllib.request
@@ -17,22 +16,13 @@ from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.stores.model_stores import ModelStores
 from moeless.model.experts import expert_forward
+from moeless.model.finetune import perturbed
 from moeless.model.moe_model import MoEModel
 from moeless.model.tiny import tiny_model
 from moeless.model.weight_store import export_store
 
 CHANGED = {"code": [(0, 1), (1, 3)], "chat": [(0, 1), (1, 0)]}  # both change (0, 1), each its own way
 
-
-def _tuned(base: MoEModel, experts, seed: int) -> MoEModel:
-    """A copy of base with `experts` perturbed: the shape of an ESFT fine-tune."""
-    tuned = MoEModel(copy.deepcopy(base.hf), tokenizer=base.tokenizer)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer, expert in experts:
-            for t in tuned.expert_weights(layer, expert).values():
-                t.add_(0.01 * torch.randn(t.shape, generator=g))
-    return tuned
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def family(tmp_path_factory, monkeypatch_module):
     base = tiny_model("mixtral", 0)
     out = {"base": (base, export_store(base, "base"))}
     for seed, (name, experts) in enumerate(CHANGED.items(), 1):
-        model = _tuned(base, experts, seed)
+        model = perturbed(base, experts, 0.01, seed)
         out[name] = (model, export_store(model, name, base=out["base"][1]))
     return out
 

@@ -5,7 +5,6 @@ file are each refused in one line naming the model and the expert (or the file).
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 
@@ -13,22 +12,13 @@ import pytest
 import torch
 
 from moeless.model.content_keys import content_key, key_shape
+from moeless.model.finetune import perturbed
 from moeless.model.moe_model import MoEModel
 from moeless.model.tiny import tiny_model
 from moeless.model.weight_store import WeightStore, WeightStoreError, export_experts
 
 CHANGED = [(0, 1), (1, 3)]
 
-
-def _changed(base: MoEModel, experts=CHANGED, seed: int = 1) -> MoEModel:
-    """A copy of base with `experts` perturbed (an ESFT fine-tune's shape: only some experts differ)."""
-    tuned = MoEModel(copy.deepcopy(base.hf), tokenizer=base.tokenizer)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer, expert in experts:
-            for t in tuned.expert_weights(layer, expert).values():
-                t.add_(0.01 * torch.randn(t.shape, generator=g))
-    return tuned
 
 
 def _export(model: MoEModel, root, name: str, base: WeightStore | None = None, experts=None) -> WeightStore:
@@ -42,7 +32,7 @@ def base_and_tuned(tmp_path_factory):
     base = tiny_model("mixtral", 0)
     stores = tmp_path_factory.mktemp("stores")
     base_store = _export(base, stores / "base", "base")
-    tuned = _changed(base)
+    tuned = perturbed(base, CHANGED, 0.01, 1)
     return base, tuned, base_store, _export(tuned, stores / "tuned", "tuned", base=base_store)
 
 
@@ -120,7 +110,7 @@ def test_a_base_rewritten_under_a_fine_tune_is_refused(base_and_tuned, tmp_path)
     base, tuned, _, _ = base_and_tuned
     base_store = _export(base, tmp_path / "base", "base")
     _export(tuned, tmp_path / "tuned", "tuned", base=base_store)
-    _export(_changed(base, [(0, 0)], seed=7), tmp_path / "base", "base")  # the base re-exported, other bytes
+    _export(perturbed(base, [(0, 0)], 0.01, 7), tmp_path / "base", "base")  # the base re-exported, other bytes
     with pytest.raises(WeightStoreError, match=r"^model tuned: expert \(0, 0\) is base base's file "
                                                r"\.\./base/experts/l000_e000\.safetensors, which is not the bytes"):
         WeightStore.open(tmp_path / "tuned")
@@ -146,7 +136,7 @@ def test_model_export_writes_a_fine_tune_s_store_over_its_base_s(tmp_path, capsy
 
     base = tiny_model("mixtral", 0)
     base.hf.save_pretrained(tmp_path / "model")
-    tuned = _changed(base)
+    tuned = perturbed(base, CHANGED, 0.01, 1)
     save_esft(tmp_path / "code", tuned, CHANGED, {"name": "code", "base": base_record(base, "tiny"), "task": "none"})
     assert main(["model", "export", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "base")]) == 0
     assert main(["model", "export", "--model", str(tmp_path / "model"), "--finetune", str(tmp_path / "code"),

@@ -5,7 +5,6 @@ replicas killed mid-call: both models fail over and stay exact."""
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 
@@ -15,6 +14,7 @@ import torch
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import ExpertHostError
 from moeless.expert_fn.launcher import launch_local_hosts
+from moeless.model.finetune import perturbed
 from moeless.model.moe_model import MoEModel
 from moeless.model.tiny import tiny_model
 from moeless.model.weight_store import export_experts
@@ -25,15 +25,6 @@ from moeless.serving.placement_source import PlacementSource
 CHANGED = {"code": [(0, 1), (1, 3)], "chat": [(1, 0)]}
 
 
-def _tuned(base: MoEModel, experts, seed: int) -> MoEModel:
-    tuned = MoEModel(copy.deepcopy(base.hf), tokenizer=base.tokenizer)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer, expert in experts:
-            for t in tuned.expert_weights(layer, expert).values():
-                t.add_(0.05 * torch.randn(t.shape, generator=g))
-    return tuned
-
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
@@ -41,7 +32,7 @@ def family(tmp_path_factory):
     base = tiny_model("mixtral", 0)
     root = tmp_path_factory.mktemp("stores")
     spec = base.spec
-    models = {"base": base, **{name: _tuned(base, experts, seed) for seed, (name, experts) in enumerate(CHANGED.items(), 1)}}
+    models = {"base": base, **{name: perturbed(base, experts, 0.05, seed) for seed, (name, experts) in enumerate(CHANGED.items(), 1)}}
     stores, base_store = [], None
     for name, model in models.items():
         store = export_experts(model.iter_experts(), root / name, model=name, num_layers=spec.num_layers,
