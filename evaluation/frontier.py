@@ -5,7 +5,7 @@ Points, each replayed through the twin on the cell's iterations (serial executio
 billing, every cost paid: loads, moves, the data plane's pairing):
 - static EP (Megatron-LM): every expert once, no extra memory;
 - production EPLB (placement/eplb_production.py) with N redundant experts per layer, N in
-  {0, E/8, E/4}: rebalanced every 1000 iterations on past loads, moves behind serving;
+  {0, E/8, E/4} (each rounded up so that every GPU holds as many slots): rebalanced every 1000 iterations on past loads, moves behind serving;
 - moeless (the default planner, its own forecast: the history window) at memory prices
   x {0, 0.1, 1, 10} of the deployment's memory-neutral price; and moeless-sets (copies chosen
   for dispatch room per GB on the phase's recent batches) at the same prices;
@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from moeless.placement.cluster import Cluster
+from moeless.placement.eplb_production import production_replicas
 from moeless.placement.planner import PlannerConfig
 from moeless.twin.compare import Run, run_all
 from moeless.twin.iterations import Iteration
@@ -33,11 +34,14 @@ PRICES = (0.0, 0.1, 1.0, 10.0)  # x the memory-neutral price
 PHASES = ("prefill", "decode")
 
 
-def frontier_points(num_experts: int) -> list[tuple[str, str, str, dict]]:
+def frontier_points(num_experts: int, num_gpus: int) -> list[tuple[str, str, str, dict]]:
     """(key, label, planner, config overrides) of every point that holds memory of its own; the
-    memory price is given as a factor ("price_factor") the caller turns into seconds per GB·s."""
+    memory price is given as a factor ("price_factor") the caller turns into seconds per GB·s.
+    Production EPLB's N is what it really holds: E + N rounded up to fill every GPU alike (as
+    SGLang requires), so two asked-for N that round alike are one point."""
     points = [("static", "static EP", "static", {})]
-    for n in sorted({0, num_experts // 8, num_experts // 4}):
+    held = {production_replicas(num_experts, n, num_gpus) - num_experts for n in (0, num_experts // 8, num_experts // 4)}
+    for n in sorted(held):
         points.append((f"eplb-production-{n}", f"production EPLB, N = {n}", "eplb-production", {"eplb_redundant": n}))
     for planner in ("moeless", "moeless-sets"):
         for factor in PRICES:
@@ -55,7 +59,7 @@ def frontier_cell(iterations: Sequence[Iteration], forecasts: dict, cluster: Clu
     num_experts = iterations[0].load.shape[1]
     phase = np.array([it.phase for it in iterations])
     out: dict = {}
-    for key, label, planner, extra in frontier_points(num_experts):
+    for key, label, planner, extra in frontier_points(num_experts, cluster.num_gpus):
         extra = dict(extra)
         factor = extra.pop("price_factor", None)
         config = replace(base, **extra, **({} if factor is None else {"gb_s_price": neutral_price * factor}))
