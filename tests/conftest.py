@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from hypothesis import settings
@@ -31,3 +32,24 @@ def tiny():
     from moeless.model.tiny import tiny_model
 
     return tiny_model
+
+
+_session = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _session["status"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the process with pytest's own status once everything is reported and torn down.
+
+    Why: the whole suite's process (not any subset we ran) aborted in native finalizers at
+    interpreter exit after every test had passed and been reported (SIGABRT, no Python frame;
+    Ray, gRPC, torch and numba loaded). Fixtures, Ray and the hosts are closed by then; what
+    os._exit skips is only the interpreter's own teardown."""
+    if "status" in _session:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_session["status"])
