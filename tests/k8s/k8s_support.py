@@ -23,8 +23,9 @@ import tarfile
 import time
 import warnings
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import requests
 import urllib3
@@ -274,6 +275,20 @@ def start_operator(kubeconfig_path: Path, identity: str, log_dir: Path, *extra: 
             "--identity", identity, "-v", *extra]
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), port
 
+
+@contextmanager
+def operator_in_namespace(cluster, identity: str, tmp_path_factory, namespace: str) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`moeless operator` watching one namespace under its deployed service account (no leader
+    election), its kubeconfig and log in temp folders named by `identity`; terminated after."""
+    path = service_account_kubeconfig(cluster, "moeless-system", "moeless-operator",
+                                      tmp_path_factory.mktemp(f"{identity}-operator") / "kubeconfig")
+    proc, port = start_operator(path, identity, tmp_path_factory.mktemp(f"{identity}-operator-logs"),
+                                "--namespace", namespace, "--no-leader-elect")
+    try:
+        yield proc, port
+    finally:
+        proc.terminate()
+        proc.wait(20)
 
 def install_moeless(kubectl: "Kubectl", namespace: str) -> None:
     """The CRDs (both Established) and the operator's RBAC of manifests/, and a namespace for the test."""

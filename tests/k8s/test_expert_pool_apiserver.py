@@ -20,7 +20,7 @@ from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.weight_store import export_experts
 
-from k8s_support import install_moeless, service_account_kubeconfig, start_operator, wait_for
+from k8s_support import install_moeless, operator_in_namespace, wait_for
 
 pytestmark = pytest.mark.k8s
 NS = "pools"
@@ -55,13 +55,8 @@ def host(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def operator(cluster, api, tmp_path_factory):
-    path = service_account_kubeconfig(cluster, "moeless-system", "moeless-operator",
-                                      tmp_path_factory.mktemp("pool-operator") / "kubeconfig")
-    proc, port = start_operator(path, "pools", tmp_path_factory.mktemp("pool-operator-logs"),
-                                "--namespace", NS, "--no-leader-elect")
-    yield proc, port
-    proc.terminate()
-    proc.wait(20)
+    with operator_in_namespace(cluster, "pools", tmp_path_factory, NS) as running:
+        yield running
 
 
 def apply(kubectl, *docs: dict) -> None:
