@@ -114,3 +114,29 @@ def _load_seconds(client, layer: int, expert: int) -> dict[str, float]:
     while not client.evict(layer, expert):  # a call may still hold it
         time.sleep(0.01)
     return {"disk": disk, "host": timed()}
+
+
+SPLIT_PROBE_ROWS = ((8, 4), (24, 12), (64, 28), (200, 96))  # (rows, the first part's rows): parts of >= MIN_CHUNK
+
+
+def split_exact(client, hidden: int, layer: int = 0, expert: int = 0, seed: int = 0) -> bool:
+    """Whether `client`'s host computes a part of an expert's rows bit for bit as it computes them
+    all at once (then a split expert's output equals the unmodified model's: serving/scatter.py).
+    BLAS picks its kernel by the row count, and some round differently (48-neuron experts on this
+    CPU: most row counts). Packed calls of expert `expert` of `layer` on random rows, whole and in
+    two parts, at each of SPLIT_PROBE_ROWS; False at the first difference."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    client.load(layer, expert, wait=True)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        return client.submit(RoutedCall.packed(layer, [expert], [rows], torch.arange(rows)), x).result().z.cpu()
+
+    for rows, first in SPLIT_PROBE_ROWS:
+        x = torch.randn(rows, hidden, generator=generator)
+        whole = run(x)
+        if not (torch.equal(run(x[:first]), whole[:first]) and torch.equal(run(x[first:]), whole[first:])):
+            return False
+    return True

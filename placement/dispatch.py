@@ -15,7 +15,9 @@ are sent. So, per layer call, with the loads W [E] and the resident replicas (ex
    holding that expert, the move that lowers the pair's larger work the most: all of the expert's
    tokens there (its call moves too), or a split that evens the pair, made only of an expert
    whose tokens there pass the knee (c / alpha: below it a call's fixed cost dominates, and a
-   split doubles it). Stops when no move lowers the busiest GPU.
+   split doubles it). Stops when no move lowers the busiest GPU. With split=False (hosts whose
+   kernel is not split-exact: bit-identical outputs need each expert's rows computed together)
+   only whole experts move, and a start that splits an expert is dropped.
 3. The start with the least serial layer time wins (kernels.serial_time's rule: busiest GPU's alpha x
    tokens + c per call with tokens, plus 2 beta x the most tokens a GPU receives); ties go to the
    earlier start, so the plan's shares and static EP's split are never beaten by a worse pairing.
@@ -41,22 +43,25 @@ from moeless.placement.types import LayerPlacement
 EPSILON_S = 1e-12  # a move must lower the busiest GPU by more than rounding
 
 
-def pair_tokens(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int) -> LayerPlacement:
+def pair_tokens(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int,
+                split: bool = True) -> LayerPlacement:
     """The layer's replicas with shares that pair this batch's loads with them (module docstring).
     load: [E] whole tokens per expert -> the same replicas (expert, gpu), new shares; one replica per
-    expert comes back as it is (nothing to choose)."""
+    expert comes back as it is (nothing to choose). split=False: whole experts only (every start and
+    move keeps each expert's tokens on one replica: hosts whose expert kernel rounds a part of an
+    expert's rows differently from all of them, hardware/host_profile.split_exact)."""
     tokens = np.asarray(load, dtype=np.int64)
     if layer.num_replicas == tokens.shape[0]:
         return layer
     return LayerPlacement(layer.expert, layer.gpu, pair_shares(tokens, layer.expert, layer.gpu, layer.share, num_gpus,
-                                                               model.alpha, model.call_overhead, model.beta))
+                                                               model.alpha, model.call_overhead, model.beta, split))
 
 
 @compiled
-def pair_shares(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
+def pair_shares(tokens, expert, gpu, share, num_gpus, alpha, call, beta, split=True):
     """pair_counts as shares [R]: each replica's fraction of its expert's tokens; an expert without
     tokens routes to its first replica."""
-    counts = _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta)[0]
+    counts = _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta, split)[0]
     out = np.zeros(expert.shape[0])
     routed = np.zeros(tokens.shape[0], np.bool_)
     for r in range(expert.shape[0]):
@@ -82,18 +87,20 @@ def paired_seconds(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
 
 
 @compiled
-def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
+def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta, split=True):
     num_replicas, num_experts = expert.shape[0], tokens.shape[0]
     start, members, owner, at = _by_expert(expert, gpu, num_experts, num_gpus)
     flexible = np.flatnonzero(start[1:] - start[:-1] > 1)
-    knee = call / alpha if alpha > 0 else 0.0
+    knee = (call / alpha if alpha > 0 else 0.0) if split else np.inf
     best = largest_remainder(tokens, expert, share)  # a.
     for r in range(num_replicas):  # a twin's tokens to the one replica of its (expert, GPU)
         if owner[r] != r:
             best[owner[r]] += best[r]
             best[r] = 0
-    _improve(best, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee)
-    best_s = _seconds(best, gpu, num_gpus, alpha, call, beta)
+    best_s = np.inf  # a plan that splits an expert is no start where experts stay whole
+    if split or _whole_counts(best, expert, num_experts):
+        _improve(best, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee)
+        best_s = _seconds(best, gpu, num_gpus, alpha, call, beta)
     for kind in range(2):  # b. home, c. whole experts to the least loaded holder
         counts = _home(tokens, expert, start, members, num_replicas) if kind == 0 else \
             _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_replicas)
@@ -102,6 +109,16 @@ def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
         if seconds < best_s - EPSILON_S:
             best, best_s = counts, seconds
     return best, best_s
+
+
+@compiled
+def _whole_counts(counts, expert, num_experts):
+    """Whether every expert's tokens are on one replica."""
+    held = np.zeros(num_experts, np.int64)
+    for r in range(counts.shape[0]):
+        if counts[r] > 0:
+            held[expert[r]] += 1
+    return held.max() <= 1
 
 
 @compiled

@@ -18,7 +18,7 @@ GAIN_EPSILON_S = 1e-12  # a gain must beat its cost by more than rounding
 
 
 def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int,
-                  relevel_s: float) -> tuple[LayerPlacement, bool]:
+                  relevel_s: float, split: bool = True) -> tuple[LayerPlacement, bool]:
     """The shares a serving replica routes one layer's actual loads with, once its gate has run:
     the same rule in the twin and in the data plane. load: [E] whole tokens per expert.
 
@@ -27,16 +27,20 @@ def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, 
     its home replicas first) and bounds what any split can reach. The pairing (`dispatch.pair_tokens`)
     runs where the most it can save over the better of the two beats relevel_s, its own seconds;
     otherwise the better of the two is routed, so a forecast that split the wrong expert costs the
-    check, not the miss. One replica per expert: nothing to choose, no check. Returns (shares,
-    whether it paired).
+    check, not the miss. One replica per expert: nothing to choose, no check. split=False: every
+    expert's tokens stay on one replica (the pairing moves whole experts; a plan that splits one is
+    not routed: static EP's split is), for hosts where a part of an expert's rows would round
+    differently (hardware/host_profile.split_exact). Returns (shares, whether it paired).
     """
     if layer.num_replicas == load.shape[0]:
         return layer, False
     planned_s, unsplit_s, floor_s, unsplit_share = resident_kernels.route_check(
         np.asarray(load, dtype=np.int64), layer.expert, layer.gpu, layer.share, num_gpus,
         model.alpha, model.call_overhead, model.beta)
+    if not split and (np.bincount(layer.expert, weights=layer.share > 0) > 1).any():
+        planned_s = np.inf  # the plan splits an expert: not routable here
     if min(planned_s, unsplit_s) - floor_s > relevel_s:
-        return pair_tokens(load, layer, model, num_gpus), True
+        return pair_tokens(load, layer, model, num_gpus, split), True
     if unsplit_s < planned_s:
         return LayerPlacement(layer.expert, layer.gpu, unsplit_share), False
     return layer, False

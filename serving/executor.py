@@ -40,7 +40,7 @@ from moeless.controller.pool.host_pool import HostPool
 from moeless.placement.types import LayerPlacement
 from moeless.serving.pingpong import waiting
 from moeless.serving.placement_source import PlacementSource
-from moeless.serving.scatter import evacuate, gather, plan_scatter
+from moeless.serving.scatter import MIN_CHUNK, evacuate, gather, plan_scatter
 from moeless.controller.pool.wake import Waker
 
 
@@ -129,6 +129,7 @@ class RemoteExecutor:
         self.times = LayerTimes()
         self.waker = waker  # holds a call that finds the pool empty while it wakes (controller/pool/wake.py)
         self.relevel = relevel  # shares re-levelled per call on the layer's actual loads (the live loop)
+        self.split_experts = True  # False: every expert's tokens on one host (hosts not split-exact: scatter.py)
         self._calls = threading.local()  # .last: this thread's last layer call (a micro-batch's own)
         self._dead: dict[int, tuple[float, HostClient]] = {}  # slot -> (when marked dead, the client that failed)
         self._lock = threading.Lock()
@@ -187,7 +188,8 @@ class RemoteExecutor:
             return torch.zeros_like(x)
         # 2. Scatter: each expert's tokens split over its replicas, one routed call per host.
         x = x.contiguous()
-        plan = plan_scatter(layer, routing.idx, routing.weight.to(x.dtype), placement)
+        plan = plan_scatter(layer, routing.idx, routing.weight.to(x.dtype), placement,
+                            MIN_CHUNK if self.split_experts else None)
         # 3. One packed call per host, all in flight at once; then wait for every one of them
         #    (always all: a call left uncollected would hold its client). A host's slot stays held
         #    until its answer is gathered: the answer lies in its channel's buffer, which another

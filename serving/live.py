@@ -21,6 +21,7 @@ from moeless.controller.pool.wake import wake_timeout_s
 from moeless.placement.planner import relevels
 from moeless.serving.live_executor import LiveExecutor
 from moeless.serving.relevel import relevel_for
+from moeless.hardware.host_profile import split_exact
 
 
 @dataclass
@@ -51,8 +52,10 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     waited = max(settings.first_host_wait_s, wake_timeout_s()) if profile is None else 0.0
     profile, _ = ray.get(loop.profile.remote(), timeout=120 + waited)
     latency = profile.latency_model("host")
+    first = next((c for c in remote.clients if c is not None), None)  # none: a pool waking from zero
+    remote.split_experts = first is not None and split_exact(first, spec.hidden_size)  # bit-identical outputs
     if relevels(live_planner_name(knobs)):
-        remote.relevel = relevel_for(latency, profile.relevel_s)
+        remote.relevel = relevel_for(latency, profile.relevel_s, remote.split_experts)
     sender = ReportSender(loop)
     executor = LiveExecutor(remote, spec.num_layers, spec.num_experts, replica=uuid.uuid4().hex[:12], sink=sender.offer,
                             runtime=runtime, distance=knobs.distance, model=latency)

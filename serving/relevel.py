@@ -12,14 +12,15 @@ from moeless.placement.types import LayerPlacement
 from moeless.serving.executor import Relevel
 
 
-def relevel_for(model: LatencyModel, cost_s: float) -> Relevel:
+def relevel_for(model: LatencyModel, cost_s: float, split: bool = True) -> Relevel:
     """The RemoteExecutor's per-call shares on the layer's actual tokens per expert
     (`actual_shares`: re-levelled where that can save more than cost_s, the profile's relevel_s,
-    else the better of the planned shares and static EP's split), the rule the twin prices it by."""
+    else the better of the planned shares and static EP's split), the rule the twin prices it by;
+    split=False: whole experts only (the hosts' kernel is not split-exact)."""
 
     def relevel(layer: int, placement: LayerPlacement, routing: Routing, num_hosts: int) -> LayerPlacement:
         num_experts = int(placement.expert.max()) + 1
         load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
-        return actual_shares(load, placement, model, num_hosts, cost_s)[0]
+        return actual_shares(load, placement, model, num_hosts, cost_s, split)[0]
 
     return relevel

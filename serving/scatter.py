@@ -24,7 +24,9 @@ that (then one replica takes them all): CPU BLAS (MKL sgemm, measured here) comp
 neurons every batch of 4 or more rows gave each row bit-identical results, so split experts
 matched the reference exactly; for 48-neuron experts some larger row counts round differently
 too (measured), and a split expert matches only up to float rounding. An expert kept in one
-chunk (every static placement) always matches bit for bit.
+chunk (every static placement) always matches bit for bit, so where the hosts' kernel is not
+split-exact (hardware/host_profile.split_exact, probed on a host) the executor plans with
+min_chunk=None: every expert's tokens go to one replica, its largest chunk's.
 
 Replica i lives on host `placement.gpu[i]`: GPU ids of a placement are expert-host indices.
 """
@@ -42,6 +44,7 @@ from moeless.expert_fn.wire.routed import RoutedCall
 from moeless.placement.types import LayerPlacement
 
 MIN_CHUNK = 4  # rows; see the module docstring
+WHOLE = np.iinfo(np.int64).max  # a chunk size no part reaches: merge_small_chunks keeps experts whole
 
 
 @dataclass(frozen=True)
@@ -85,12 +88,14 @@ class ScatterPlan:
         return {h: b.call.pairs for h, b in self.hosts.items()}
 
 
-def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement: LayerPlacement) -> ScatterPlan:
+def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement: LayerPlacement,
+                 min_chunk: int | None = MIN_CHUNK) -> ScatterPlan:
     """Split each expert's tokens over its replicas and make one routed call per host (array
     methods, not np.* wrappers: a decode step's arrays are tiny and each wrapper costs ~3 us).
 
     idx: [T, k] long expert choices; weight: [T, k] their gate weights (in the dtype the tokens
-    travel in); placement: the layer's replicas (expert, gpu, share).
+    travel in); placement: the layer's replicas (expert, gpu, share); min_chunk: the fewest rows a
+    part of a split expert gets (None: experts are never split; module docstring).
     """
     tokens, k = idx.shape
     num_experts = int(placement.expert.max()) + 1 if placement.num_replicas else 0
@@ -111,7 +116,7 @@ def plan_scatter(layer: int, idx: torch.Tensor, weight: torch.Tensor, placement:
     if placement.num_replicas == num_experts:  # one replica per expert: its chunk is the expert's rows
         counts = load[expert]
     else:
-        counts = merge_small_chunks(expert, placement.replica_tokens(load), MIN_CHUNK)
+        counts = merge_small_chunks(expert, placement.replica_tokens(load), WHOLE if min_chunk is None else min_chunk)
         if not np.array_equal(np.bincount(expert, weights=counts, minlength=num_experts), load):
             raise ValueError("the placement's shares do not route every token (an expert's shares must sum to 1)")
     # 3. Consecutive chunks per replica, an expert's replicas in index order: the host of every
@@ -166,7 +171,8 @@ def merge_small_chunks(expert: np.ndarray, counts: np.ndarray, min_rows: int) ->
     afterwards each expert has either one non-empty chunk or only chunks of >= min_rows.
     """
     counts = counts.copy()
-    for e in np.unique(expert):
+    chunks = np.bincount(expert, weights=counts > 0)
+    for e in np.flatnonzero(chunks > 1):  # only split experts have chunks to merge (a Python loop per expert: ~8 us)
         idx = np.flatnonzero(expert == e)
         while True:
             live = idx[counts[idx] > 0]

@@ -5,7 +5,9 @@
    same input: experts in-process on 1 torch thread (the baseline), and through expert functions
    on local expert-host processes over the shared-memory local channel (the node-local path:
    what `moeless serve` uses, and pods on one node), over the TCP channel only (the pod path:
-   hosts reached as if on other nodes, no shared memory) and over gRPC. Paired within milliseconds, the paths meet the
+   hosts reached as if on other nodes, no shared memory) and over gRPC, and the node-local path
+   with every expert on every host and each call's tokens paired on its own loads (dispatch-time
+   pairing, bench/serve_pairing.py: its microseconds per layer printed). Paired within milliseconds, the paths meet the
    same machine: a shared machine's other jobs slow them alike instead of whichever path ran
    during a burst. Every expert-function output must equal the in-process output bit for bit;
    the generation goes on with that output. Hosts compute in parallel, so the in-process layer
@@ -43,6 +45,7 @@ import torch
 
 from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
+from moeless.bench.serve_pairing import pairing_figures, preload, replicated_placement, timed_relevel
 from moeless.bench.serve_report import print_report
 from moeless.bench.transport import round_trip_calls
 from moeless.core.timing import timed_calls
@@ -64,6 +67,7 @@ if TYPE_CHECKING:
 FIT_TOKENS = (1, 8, 32, 128, 512)
 TRANSPORTS = ("local", "tcp", "nixl", "grpc")  # node-local, pod path (TCP only), NIXL where installed, gRPC
 PINGPONG_TRANSPORTS = ("tcp", "local")
+PAIRED = "expert_functions_local_paired"  # every expert on every host, each call's tokens paired (serve_pairing.py)
 
 
 def register(benches: argparse._SubParsersAction) -> None:
@@ -151,6 +155,12 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         remotes = {t: RemoteExecutor(clients[t], PlacementSource.static(spec.num_layers, spec.num_experts, hosts))
                    for t in transports}
         timed |= {f"expert_functions_{t}": TimedExecutor(remotes[t]) for t in transports}
+        # the node-local path with every expert on every host, paired per call (bench/serve_pairing.py)
+        relevel = timed_relevel(clients["local"][0], spec.hidden_size, spec.num_experts, hosts)
+        replicated = replicated_placement(spec.num_layers, spec.num_experts, hosts)
+        preload(clients["local"], replicated)
+        timed[PAIRED] = TimedExecutor(RemoteExecutor(clients["local"], PlacementSource(replicated), relevel=relevel))
+        timed[PAIRED].inner.split_experts = relevel.split
         wide_name = f"in_process_{wide}_threads" if wide != threads else None
         paired = PairedExecutor({name: (executor, threads) for name, executor in timed.items() if name != wide_name},
                                 threads)
@@ -162,6 +172,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
         for remote in remotes.values():
             remote.times = LayerTimes()
         paired.mismatches = dict.fromkeys(paired.paths, 0)
+        relevel.samples = []
         from tqdm import tqdm
 
         paired_s, generated, captures, paired_rows = 0.0, 0, [], []
@@ -180,6 +191,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                 paired.mismatches.setdefault(wide_name, 0)
                 paired.mismatches[wide_name] += sum(a != b for a, b in zip(rows, wide_rows))
         torch.set_num_threads(threads)
+        dispatch = relevel.summary()  # the paired run's calls (the alone run below adds its own)
         # 2. Each path alone, as serving runs it (serving/path_timing.py).
         alone, alone_differ = run_alone(lambda executor: Engine(moe, executor),
                                         {name: (executor.inner, wide if name == wide_name else threads)
@@ -254,6 +266,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                                     for t in PINGPONG_TRANSPORTS}},
         "tokens_moved_per_layer": remotes["local"].times.tokens_moved / max(remotes["local"].times.layers, 1),
         "latency_model": fit,
+        "pairing": pairing_figures(dispatch, relevel.model, layer_ms[PAIRED], layer_ms["expert_functions_local"]),
     }
 
 

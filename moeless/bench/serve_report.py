@@ -59,6 +59,15 @@ def print_report(result: dict[str, Any]) -> None:
               f"({one['reports']} / {two['reports']} reports)")
     for transport, br in result["breakdown_ms_per_layer"].items():
         print(f"breakdown over {transport} (ms per layer call): " + ", ".join(f"{k} {v:.3f}" for k, v in br.items()))
+    pairing = result["pairing"]
+    d = pairing["dispatch"]
+    print(f"dispatch-time pairing (expert_functions_local_paired: every expert on every host, each call's tokens paired "
+          f"on its own loads): {d['us_per_layer_median']:.1f} us per layer call p50 ({d['us_per_layer_p90']:.1f} p90; "
+          f"a pairing costs {1e6 * d['relevel_s']:.1f} us), {d['paired_calls']} of {d['calls']} calls paired, "
+          f"{'experts split past the knee' if d['splits'] else 'whole experts only (the hosts are not split-exact)'}; MoE layer / "
+          f"static EP's on the same channel: " + ", ".join(
+              f"{p} {r:.2f}x p50 / {pairing['ratio_to_static_local_p90'][p]:.2f}x p90"
+              for p, r in pairing["ratio_to_static_local"].items()))
     print(f"latency model ({fit['transport']}): alpha {fit['alpha_s_per_token'] * 1e6:.2f} us/token (expert compute), "
           f"beta {fit['beta_s_per_token'] * 1e6:.3f} us/token moved (each way), call overhead "
           f"{fit['call_overhead_s'] * 1e3:.3f} ms")

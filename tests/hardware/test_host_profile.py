@@ -74,3 +74,36 @@ def test_bench_serve_reports_the_fitters_single_expert_fit():
     assert sorted({c[2][0] for c in host.calls}) == sorted(FIT_TOKENS)
     assert fit["alpha_s_per_token"] == pytest.approx(ALPHA, rel=1e-6)
     assert fit["call_overhead_s"] >= 0 and fit["beta_s_per_token"] >= 0 and fit["transport"] == "fake"
+
+
+@pytest.mark.parametrize("hidden, ffn", [(32, 16), (576, 48)])
+def test_split_exact_on_a_real_host_agrees_with_the_same_kernel_in_process(tmp_path, hidden, ffn):
+    """A real host's answer for the tiny test models' experts (split-exact here) and the default
+    model's (48 neurons: most row counts round differently here), against the same check made in
+    this process with the canonical expert on one thread, as the host computes."""
+    import torch
+
+    from moeless.expert_fn.client.client import ExpertHostClient
+    from moeless.expert_fn.launcher import launch_local_hosts
+    from moeless.hardware.host_profile import SPLIT_PROBE_ROWS, split_exact
+    from moeless.model.experts import expert_forward
+    from moeless.model.weight_store import export_experts
+
+    g = torch.Generator().manual_seed(1)
+    weights = {"gate": torch.randn(ffn, hidden, generator=g) * 0.05, "up": torch.randn(ffn, hidden, generator=g) * 0.05,
+               "down": torch.randn(hidden, ffn, generator=g) * 0.05}
+    export_experts([(0, 0, weights)], tmp_path, model="probe", num_layers=1, num_experts=1, act="silu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = True
+        for rows, first in SPLIT_PROBE_ROWS:
+            x = torch.randn(rows, hidden, generator=g)
+            whole = expert_forward(weights, x)
+            local &= torch.equal(expert_forward(weights, x[:first]), whole[:first])
+            local &= torch.equal(expert_forward(weights, x[first:]), whole[first:])
+    finally:
+        torch.set_num_threads(threads)
+    with launch_local_hosts(1, tmp_path, metrics=False, threads=1) as hosts, \
+            ExpertHostClient(hosts.addresses[0]) as client:
+        assert split_exact(client, hidden) == local  # here: True at 16 neurons, False at 48 (BLAS's choice per CPU)

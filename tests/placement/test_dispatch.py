@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from moeless.placement.dispatch import pair_counts, pair_tokens
 from moeless.placement.latency_model import LatencyModel
+from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement
 
 GOLDEN = LatencyModel(alpha=1.0, beta=0.0, cold_start=0.0, call_overhead=2.0)  # a call costs 2 tokens: the knee
@@ -73,3 +74,34 @@ def test_never_worse_than_the_plan_or_static_ep_and_every_token_kept(data):
     for e in range(num_experts):  # only an expert past the knee is split
         if ((paired.expert == e) & (counts > 0)).sum() > 1:
             assert load[e] > knee
+
+
+def test_whole_experts_only_when_splits_are_not_exact():
+    """split=False (hosts whose kernel is not split-exact): the knee example's 40 tokens move whole
+    or not at all, and a plan whose shares split an expert is not a start, so even with its split
+    listed the pairing keeps every expert whole."""
+    layer = LayerPlacement(np.array([0, 1, 0]), np.array([0, 1, 1]), np.array([0.6, 1.0, 0.4]))
+    load = np.array([40, 10])
+    assert pair_tokens(load, layer, GOLDEN, 2).replica_tokens(load).tolist() == [26, 10, 14]
+    whole = pair_tokens(load, layer, GOLDEN, 2, split=False)
+    assert whole.replica_tokens(load).tolist() == [40, 10, 0]  # moving it all would make GPU 1 52 > 42
+    for relevel_s in (0.0, np.inf):  # paired (whole) or not (static EP's split): the plan's split is never routed
+        assert actual_shares(load, layer, GOLDEN, 2, relevel_s, split=False)[0].replica_tokens(load).tolist() == [40, 10, 0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_whole_pairing_never_splits_and_never_loses_to_static_ep(data):
+    num_experts, num_gpus = data.draw(st.integers(2, 12)), data.draw(st.integers(1, 4))
+    load = np.array(data.draw(st.lists(st.integers(0, 60), min_size=num_experts, max_size=num_experts)))
+    home = np.arange(num_experts) * num_gpus // num_experts
+    extra = data.draw(st.lists(st.tuples(st.integers(0, num_experts - 1), st.integers(0, num_gpus - 1)), max_size=10))
+    expert = np.concatenate([np.arange(num_experts), [e for e, _ in extra]]).astype(np.int64)
+    gpu = np.concatenate([home, [g for _, g in extra]]).astype(np.int64)
+    plan = LayerPlacement(expert, gpu, np.array([1.0] * num_experts + [0.0] * len(extra)))
+    model = LatencyModel(alpha=1.0, beta=0.0, cold_start=0.0, call_overhead=data.draw(st.sampled_from([0.0, 1.0])))
+    paired = pair_tokens(load, plan, model, num_gpus, split=False)
+    counts = paired.replica_tokens(load)
+    assert np.bincount(paired.expert, weights=counts > 0, minlength=num_experts).max() <= 1
+    assert np.bincount(paired.expert, weights=counts, minlength=num_experts).tolist() == load.tolist()
+    assert seconds(paired, load, num_gpus, model) <= seconds(plan, load, num_gpus, model) + 1e-9

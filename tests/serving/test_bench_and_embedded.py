@@ -11,7 +11,8 @@ from moeless.model.weight_store import export_store
 def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkeypatch):
     monkeypatch.setenv("MOELESS_CACHE", str(tmp_path))
     result = run_bench("tiny:mixtral", hosts=2, prompts=2, prompt_tokens=16, max_tokens=3, batch=2, micro_batch_tokens=1)
-    remote = ("expert_functions_local", "expert_functions_tcp", "expert_functions_nixl", "expert_functions_grpc")
+    remote = ("expert_functions_local", "expert_functions_tcp", "expert_functions_nixl", "expert_functions_grpc",
+              "expert_functions_local_paired")
     paths = {"in_process_1_threads", "in_process_2_threads", *remote}
     assert set(result["identical_outputs"]) == paths and result["layer_calls"] > 0
     for name in ("in_process_1_threads", *remote):
@@ -52,6 +53,12 @@ def test_bench_serve_measures_every_path_with_identical_outputs(tmp_path, monkey
     assert set(run["effect"]) == {"tcp", "local"} and all(set(e) == {"prefill", "decode"} for e in run["effect"].values())
     assert result["latency_model"]["alpha_s_per_token"] > 0 and result["latency_model"]["transport"] == "local"
     assert result["tokens_moved_per_layer"] > 0
+    pairing = result["pairing"]  # every call of the paired path checked (and paired where that paid), its cost counted
+    dispatch = pairing["dispatch"]
+    assert dispatch["calls"] == result["layer_calls"] and 0 <= dispatch["paired_calls"] <= dispatch["calls"]
+    assert 0 < dispatch["us_per_layer_median"] <= dispatch["us_per_layer_p90"] and dispatch["relevel_s"] > 0
+    assert set(pairing["ratio_to_static_local"]) == {"prefill", "decode", "all"}
+    assert all(r > 0 for r in pairing["ratio_to_static_local"].values())
     wire = result["wire_per_layer_call"]  # each token once per host: fewer rows out than (token, expert) pairs
     assert 0 < wire["rows_sent"] < wire["pairs"] and 0 < wire["ratio_to_one_row_per_pair"] < 1
     for name in ("round_trip_decode", "round_trip_prefill"):

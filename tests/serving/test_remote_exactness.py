@@ -121,3 +121,31 @@ def test_batched_engine_streams_equal_unbatched_reference_generation(remote):
     for prompt, limit, got in zip(prompts, limits, rows):
         ref = model.generate(torch.tensor([prompt]), limit)[0, len(prompt):].tolist()
         assert got == ref
+
+
+def _hosts_per_expert(executor) -> list[int]:
+    """How many hosts got each called expert's tokens in the executor's last layer call."""
+    hosts_of = {}
+    for host, (experts, _) in executor.last_call.batches.items():
+        for e in experts:
+            hosts_of.setdefault(e, set()).add(host)
+    return [len(h) for h in hosts_of.values()]
+
+
+def test_hosts_not_split_exact_get_each_experts_tokens_on_one_host(remote):
+    """split_experts=False (hosts whose kernel rounds a part of an expert's rows differently): a
+    placement that splits every expert still routes each expert's tokens to one host, and the
+    outputs equal the reference bit for bit. With splits allowed the same placement splits some."""
+    model, source, executor = remote
+    source.set(PLACEMENTS["split-a"](model.spec))
+    ids, mask = _batch()
+    ref = model.forward(ids, mask).logits
+    executor.split_experts = False
+    try:
+        got = model.forward(ids, mask, executor=executor).logits
+        whole = _hosts_per_expert(executor)
+    finally:
+        executor.split_experts = True
+    assert torch.equal(got, ref) and whole and max(whole) == 1
+    model.forward(ids, mask, executor=executor)
+    assert max(_hosts_per_expert(executor)) > 1
