@@ -1,0 +1,108 @@
+"""A home move in the running loop: the planning loop (its class, in this process) over real expert
+hosts with production EPLB (N = 0, its first rebalance after 3 iterations), fed by a serving
+executor's reports while it generates; each load the loop sends lands LOAD_S late. A rebalance moves experts off their hosts: the new host
+loads them behind serving, the old layout serves until then, the placement that drops an old
+replica is published only once every replica it routes to is resident, the old host releases it
+(keep-alive) only after that, and every generation equals the in-process model's.
+
+The board is the one seam: the loop's publish goes straight to the executor's PlacementSource
+(the Ray actor that carries it to serving replicas is tested in test_live_loop.py)."""
+
+import time
+
+import threading
+
+import torch
+
+from moeless.controller.knobs import Knobs
+from moeless.controller.planning import actor
+from moeless.controller.planning.settings import LoopSettings
+from moeless.controller.pool.members import Member
+from moeless.controller.pool.sources import FileSource, write_members
+from moeless.expert_fn.client.client import ExpertHostClient
+from moeless.placement.profile import CostProfile
+from moeless.serving.executor import RemoteExecutor
+from moeless.serving.live_executor import LiveExecutor
+from moeless.serving.placement_source import PlacementSource
+
+PROFILE = CostProfile(alpha=2e-5, beta=1e-8, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
+                      expert_bytes=9216, non_expert_bytes=100_000, relevel_s=1e-5, source="test")
+KEEP_ALIVE_S = 1.5
+LOAD_S = 0.5  # each prefetch the loop sends lands this late (tiny experts load in microseconds)
+RESIDENT = ("warm", "idle")
+
+
+def _held(clients) -> set[tuple[int, int, int]]:
+    """(layer, expert, host) of every resident replica, read from the hosts."""
+    return {(r["layer"], r["expert"], h) for h, c in enumerate(clients) for r in c.status()["replicas"]
+            if r["state"] in RESIDENT}
+
+
+def _replicas(placement) -> set[tuple[int, int, int]]:
+    return {(l, e, g) for l, lp in enumerate(placement.layers) for e, g in zip(lp.expert.tolist(), lp.gpu.tolist())}
+
+
+def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(tiny_store, hosts, tmp_path, monkeypatch):
+    model, _ = tiny_store
+    spec = model.spec
+    path = tmp_path / "pool.json"
+    write_members(path, 3, [Member(i, a) for i, a in enumerate(hosts.addresses)])
+    clients = [ExpertHostClient(a, timeout_s=30) for a in hosts.addresses]
+    for h, c in enumerate(clients):  # what earlier tests of the module left: the hosts start empty
+        for r in c.status()["replicas"]:
+            c.evict(r["layer"], r["expert"])
+    source = PlacementSource.static(spec.num_layers, spec.num_experts, 3)
+    published = []  # (when, placement, what the hosts held then)
+
+    def publish(placement, board):
+        published.append((time.monotonic(), placement, _held(clients)))
+        source.set(placement)
+        return len(published)
+
+    monkeypatch.setattr(actor, "publish_placement", publish)
+    load = ExpertHostClient.load
+
+    def slow_load(client, layer, expert, wait=False):  # a load that takes LOAD_S, as a large expert's does
+        if wait:
+            return load(client, layer, expert, wait=True)
+        threading.Timer(LOAD_S, lambda: load(client, layer, expert)).start()
+        return "loading"
+
+    monkeypatch.setattr(ExpertHostClient, "load", slow_load)  # the loop's prefetches
+    knobs = Knobs(planner="eplb-production", predictor="history", distance=1, keep_alive_s=KEEP_ALIVE_S)
+    settings = LoopSettings(pool=FileSource.open(str(path)), num_layers=spec.num_layers, num_experts=spec.num_experts,
+                            knobs=knobs, profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05,
+                            planner_extra={"eplb_redundant": 0, "eplb_first_rebalance": 3})
+    loop = actor.PlanLoop.__ray_metadata__.modified_class(settings)
+    live = LiveExecutor(RemoteExecutor(clients, source), spec.num_layers, spec.num_experts, replica="test",
+                        sink=loop.report)
+    g = torch.Generator().manual_seed(7)
+    try:
+        moved, deadline = [], time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ids = torch.randint(0, 128, (2, 6), generator=g)
+            assert torch.equal(model.generate(ids, 4, executor=live), model.generate(ids, 4))  # nothing changed
+            moved = [(k, r) for k in range(1, len(published))
+                     for r in _replicas(published[k - 1][1]) - _replicas(published[k][1])]
+            if moved:
+                break
+        assert moved, f"no published placement dropped a replica in 60 s ({len(published)} published)"
+        assert loop.state()["errors"] == 0
+    finally:
+        loop.stop()
+    for k, (l, e, old) in moved:
+        when, placement, held = published[k]
+        routed = {r for r in _replicas(placement) if r[:2] == (l, e)}
+        assert routed and routed <= held, f"expert {(l, e)} published on {routed} before all were resident ({held})"
+        assert (l, e, old) in held  # the old home still held when the layout that drops it took over
+    # Released by keep-alive once no call reaches it (the executor routes by the last placement only).
+    deadline = time.monotonic() + KEEP_ALIVE_S + 10
+    while time.monotonic() < deadline and any((l, e, old) in _held(clients) for _, (l, e, old) in moved
+                                              if (l, e, old) not in _replicas(published[-1][1])):
+        ids = torch.randint(0, 128, (1, 4), generator=g)
+        assert torch.equal(model.generate(ids, 2, executor=live.inner), model.generate(ids, 2))
+        time.sleep(0.2)
+    last = _replicas(published[-1][1])
+    assert not {r for _, r in moved if r not in last} & _held(clients)
+    for c in clients:
+        c.close()
