@@ -34,6 +34,8 @@ expert 1 last), layer time 10; no move lowers GPU 1 further.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from moeless.placement.kernels import compiled, largest_remainder
@@ -49,19 +51,82 @@ def pair_tokens(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, nu
     load: [E] whole tokens per expert -> the same replicas (expert, gpu), new shares; one replica per
     expert comes back as it is (nothing to choose). split=False: whole experts only (every start and
     move keeps each expert's tokens on one replica: hosts whose expert kernel rounds a part of an
-    expert's rows differently from all of them, hardware/host_profile.split_exact)."""
+    expert's rows differently from all of them, hardware/host_profile.split_exact). The layer's
+    index of replicas by expert is made once per layer object (`pairing_index`), not per call."""
     tokens = np.asarray(load, dtype=np.int64)
     if layer.num_replicas == tokens.shape[0]:
         return layer
-    return LayerPlacement(layer.expert, layer.gpu, pair_shares(tokens, layer.expert, layer.gpu, layer.share, num_gpus,
-                                                               model.alpha, model.call_overhead, model.beta, split))
+    packed, first = pairing_index(layer, tokens.shape[0], num_gpus)
+    return LayerPlacement(layer.expert, layer.gpu, _paired_shares(tokens, packed, layer.share, model.alpha,
+                                                                  model.call_overhead, model.beta, split, first))
+
+
+def pairing_index(layer: LayerPlacement, num_experts: int, num_gpus: int) -> tuple[np.ndarray, bool]:
+    """(packed, home_first) of the layer's replicas, made once per layer object: packed is one int64
+    array of E, G, R, F, M and _by_expert's start, members, owner, at, then flexible (the F experts
+    held on two GPUs or more), expert and gpu (`_unpack`; one array, since numba unboxes each
+    argument at every call: ten arrays cost 3.5 us, more than the pairing); home_first: each
+    expert's first replica has share 1 and every other 0, as moeless-sets', moeless-moves' and
+    full replication's plans list them. A published layer serves many calls, and the index costs
+    more than the pairing (5 us at E = 64, G = 8, measured)."""
+    key = id(layer)
+    hit = _INDEX.get(key)
+    if hit is not None and hit[0] is layer and hit[1] == (num_experts, num_gpus):
+        return hit[2]
+    expert, gpu = layer.expert.astype(np.int64), layer.gpu.astype(np.int64)
+    start, members, owner, at = _by_expert(expert, gpu, num_experts, num_gpus)
+    flexible = np.flatnonzero(start[1:] - start[:-1] > 1)
+    home = np.zeros(layer.num_replicas, bool)
+    home[members[start[:-1][start[1:] > start[:-1]]]] = True
+    head = [num_experts, num_gpus, expert.shape[0], flexible.shape[0], members.shape[0]]
+    packed = np.concatenate([head, start, members, owner, at.reshape(-1), flexible, expert, gpu]).astype(np.int64)
+    index = (packed, bool(np.array_equal(layer.share, home.astype(np.float64))))
+    if hit is None:
+        weakref.finalize(layer, _INDEX.pop, key, None)
+    _INDEX[key] = (layer, (num_experts, num_gpus), index)
+    return index
+
+
+def is_home_first(layer: LayerPlacement, num_experts: int, num_gpus: int) -> bool:
+    """Whether the layer lists each expert's home first with share 1 and its copies with share 0."""
+    return pairing_index(layer, num_experts, num_gpus)[1]
+
+
+_INDEX: dict[int, tuple] = {}  # id(layer) -> (layer, (E, G), index); dropped with the layer
 
 
 @compiled
-def pair_shares(tokens, expert, gpu, share, num_gpus, alpha, call, beta, split=True):
-    """pair_counts as shares [R]: each replica's fraction of its expert's tokens; an expert without
-    tokens routes to its first replica."""
-    counts = _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta, split)[0]
+def _paired_shares(tokens, packed, share, alpha, call, beta, split, home_first):
+    """_pair_indexed's pairing as shares [R], on pairing_index's packed index (one call from Python)."""
+    num_experts, num_gpus, expert, gpu, start, members, owner, at, flexible = _unpack(packed)
+    counts = _pair_indexed(tokens, expert, gpu, share, num_gpus, alpha, call, beta, split, start, members, owner, at,
+                           flexible, home_first)[0]
+    return _shares(counts, tokens, expert)
+
+
+@compiled
+def _unpack(packed):
+    """pairing_index's packed array -> (E, G, expert, gpu, start, members, owner, at [E, G], flexible): views."""
+    num_experts, num_gpus, num_replicas, num_flexible, num_members = packed[0], packed[1], packed[2], packed[3], packed[4]
+    o = 5
+    start = packed[o:o + num_experts + 1]
+    o += num_experts + 1
+    members = packed[o:o + num_members]
+    o += num_members
+    owner = packed[o:o + num_replicas]
+    o += num_replicas
+    at = packed[o:o + num_experts * num_gpus].reshape((num_experts, num_gpus))
+    o += num_experts * num_gpus
+    flexible = packed[o:o + num_flexible]
+    o += num_flexible
+    expert = packed[o:o + num_replicas]
+    gpu = packed[o + num_replicas:o + 2 * num_replicas]
+    return num_experts, num_gpus, expert, gpu, start, members, owner, at, flexible
+
+
+@compiled
+def _shares(counts, tokens, expert):
+    """Shares [R] from whole tokens per replica; an expert without tokens routes to its first replica."""
     out = np.zeros(expert.shape[0])
     routed = np.zeros(tokens.shape[0], np.bool_)
     for r in range(expert.shape[0]):
@@ -88,22 +153,32 @@ def paired_seconds(tokens, expert, gpu, share, num_gpus, alpha, call, beta):
 
 @compiled
 def _pair(tokens, expert, gpu, share, num_gpus, alpha, call, beta, split=True):
-    num_replicas, num_experts = expert.shape[0], tokens.shape[0]
-    start, members, owner, at = _by_expert(expert, gpu, num_experts, num_gpus)
+    start, members, owner, at = _by_expert(expert, gpu, tokens.shape[0], num_gpus)
     flexible = np.flatnonzero(start[1:] - start[:-1] > 1)
+    return _pair_indexed(tokens, expert, gpu, share, num_gpus, alpha, call, beta, split, start, members, owner, at,
+                         flexible, False)
+
+
+@compiled
+def _pair_indexed(tokens, expert, gpu, share, num_gpus, alpha, call, beta, split, start, members, owner, at, flexible,
+                  home_first):
+    """Steps 1-3 on the layer's index (_by_expert); home_first: start a. is start b. (skipped)."""
+    num_replicas, num_experts = expert.shape[0], tokens.shape[0]
     knee = (call / alpha if alpha > 0 else 0.0) if split else np.inf
-    best = largest_remainder(tokens, expert, share)  # a.
-    for r in range(num_replicas):  # a twin's tokens to the one replica of its (expert, GPU)
-        if owner[r] != r:
-            best[owner[r]] += best[r]
-            best[r] = 0
+    best = np.zeros(num_replicas, np.int64)
     best_s = np.inf  # a plan that splits an expert is no start where experts stay whole
-    if split or _whole_counts(best, expert, num_experts):
-        _improve(best, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee)
-        best_s = _seconds(best, gpu, num_gpus, alpha, call, beta)
+    if not home_first:
+        best = largest_remainder(tokens, expert, share)  # a.
+        for r in range(num_replicas):  # a twin's tokens to the one replica of its (expert, GPU)
+            if owner[r] != r:
+                best[owner[r]] += best[r]
+                best[r] = 0
+        if split or _whole_counts(best, expert, num_experts):
+            _improve(best, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee)
+            best_s = _seconds(best, gpu, num_gpus, alpha, call, beta)
     for kind in range(2):  # b. home, c. whole experts to the least loaded holder
         counts = _home(tokens, expert, start, members, num_replicas) if kind == 0 else \
-            _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_replicas)
+            _whole(tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, num_replicas)
         _improve(counts, tokens, gpu, start, members, at, flexible, num_gpus, alpha, call, knee)
         seconds = _seconds(counts, gpu, num_gpus, alpha, call, beta)
         if seconds < best_s - EPSILON_S:
@@ -166,9 +241,9 @@ def _home(tokens, expert, start, members, num_replicas):
 
 
 @compiled
-def _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_replicas):
-    """Whole experts: one-GPU experts first, then the others largest first (stable), each to its
-    least loaded holder (the earlier listed on ties)."""
+def _whole(tokens, expert, gpu, start, members, flexible, num_gpus, alpha, call, num_replicas):
+    """Whole experts: one-GPU experts first, then the others (`flexible`) largest first (stable),
+    each to its least loaded holder (the earlier listed on ties)."""
     counts = np.zeros(num_replicas, np.int64)
     work = np.zeros(num_gpus)
     for e in range(tokens.shape[0]):
@@ -176,13 +251,11 @@ def _whole(tokens, expert, gpu, start, members, num_gpus, alpha, call, num_repli
             r = members[start[e]]
             counts[r] = tokens[e]
             work[gpu[r]] += call + alpha * tokens[e]
-    order = np.argsort(-tokens, kind="mergesort")
+    order = flexible[np.argsort(-tokens[flexible], kind="mergesort")]
     for i in range(order.shape[0]):
         e = order[i]
         if tokens[e] == 0:
             break
-        if start[e + 1] - start[e] == 1:
-            continue
         pick = members[start[e]]
         for j in range(start[e] + 1, start[e + 1]):
             if work[gpu[members[j]]] < work[gpu[pick]] - EPSILON_S:

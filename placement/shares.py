@@ -1,49 +1,68 @@
 """A layer's shares on the loads it actually got, once the gate has run: what a serving replica
 routes each MoE-layer call with and the twin prices it by (microseconds; free, since every
-replica is resident). `actual_shares` pairs the batch with the replicas (placement/dispatch.py)
-only where that can pay, else routes the better of the planned and static EP's split. moeless's
+replica is resident). `actual_shares` pairs the batch with the replicas (placement/dispatch.py):
+always for a home-first plan, else only where that can pay, else routes the better of the planned
+and static EP's split. moeless's
 planner (placement/resident_planner.py) re-levels its plans with `relevel_tokens`.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from moeless.placement import resident_kernels
-from moeless.placement.dispatch import pair_tokens
+from moeless.placement.dispatch import is_home_first, pair_tokens
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import LayerPlacement
 
 GAIN_EPSILON_S = 1e-12  # a gain must beat its cost by more than rounding
 
 
+class Routed(NamedTuple):
+    """A layer call's shares: the layer (replicas, shares), whether the batch was paired with the
+    replicas (placement/dispatch.py), whether the check ran (what the call paid: relevel_s if
+    paired, check_s if checked)."""
+
+    layer: LayerPlacement
+    paired: bool
+    checked: bool
+
+
 def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int,
-                  relevel_s: float, split: bool = True) -> tuple[LayerPlacement, bool]:
+                  relevel_s: float, split: bool = True) -> Routed:
     """The shares a serving replica routes one layer's actual loads with, once its gate has run:
     the same rule in the twin and in the data plane. load: [E] whole tokens per expert.
 
-    A check (`resident_kernels.route_check`, 2-3.5 us measured) times the planned shares and the
-    unsplit ones (each expert on its first replica: static EP's split, since a moeless plan lists
-    its home replicas first) and bounds what any split can reach. The pairing (`dispatch.pair_tokens`)
+    A plan that lists each expert's home first with share 1 and its copies with share 0
+    (moeless-sets, moeless-moves, full replication: `dispatch.is_home_first`) is paired on every
+    call: the pairing starts from the homes, so it is never worse than routing the plan, and on the
+    layer's cached index it costs about what a check would. Any other plan (shares split by the
+    planner) is checked first: `resident_kernels.route_check` (2-3.5 us measured) times the
+    planned shares and the unsplit ones (each expert on its first replica: static EP's split, since
+    a moeless plan lists its home replicas first) and bounds what any split can reach. The pairing
     runs where the most it can save over the better of the two beats relevel_s, its own seconds;
     otherwise the better of the two is routed, so a forecast that split the wrong expert costs the
     check, not the miss. One replica per expert: nothing to choose, no check. split=False: every
     expert's tokens stay on one replica (the pairing moves whole experts; a plan that splits one is
     not routed: static EP's split is), for hosts where a part of an expert's rows would round
-    differently (hardware/host_profile.split_exact). Returns (shares, whether it paired).
+    differently (hardware/host_profile.split_exact).
     """
     if layer.num_replicas == load.shape[0]:
-        return layer, False
+        return Routed(layer, False, False)
+    if is_home_first(layer, load.shape[0], num_gpus):
+        return Routed(pair_tokens(load, layer, model, num_gpus, split), True, False)
     planned_s, unsplit_s, floor_s, unsplit_share = resident_kernels.route_check(
         np.asarray(load, dtype=np.int64), layer.expert, layer.gpu, layer.share, num_gpus,
         model.alpha, model.call_overhead, model.beta)
     if not split and (np.bincount(layer.expert, weights=layer.share > 0) > 1).any():
         planned_s = np.inf  # the plan splits an expert: not routable here
     if min(planned_s, unsplit_s) - floor_s > relevel_s:
-        return pair_tokens(load, layer, model, num_gpus, split), True
+        return Routed(pair_tokens(load, layer, model, num_gpus, split), True, True)
     if unsplit_s < planned_s:
-        return LayerPlacement(layer.expert, layer.gpu, unsplit_share), False
-    return layer, False
+        return Routed(LayerPlacement(layer.expert, layer.gpu, unsplit_share), False, True)
+    return Routed(layer, False, True)
 
 
 def routable(layer: LayerPlacement, num_experts: int) -> LayerPlacement:

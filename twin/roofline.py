@@ -55,11 +55,13 @@ LAUNCH_S = 5e-6  # a replica call: ~3 GEMMs + an activation, ~1-2 us of kernel l
 DISK_BW = 2e9  # a datacenter NVMe SSD's sequential read (2-7 GB/s): the slow end
 HASH_BW = 1.5e9  # sha256 on one x86 core with SHA extensions (the weight store verifies every read)
 HOST_COPY_BW = 10e9  # one core's memcpy: parsing the file into (pinned) host memory
-# The serving replica's pairing of one layer's tokens with its replicas (dispatch.pair_tokens) runs on
-# its CPU, not the GPU: measured here (`measure_relevel_s`, this project's CPU, G = 8, the fastest of
-# 300, 2026-11-27, other work on the machine: load 20) 6.2, 7.0, 9.4, 14.3 us at E = 8, 16, 64, 128
-# (12.1 and 13.8 us at E = 64 on 16 and 32 GPUs, 42 us at E = 256 on 64).
-RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 5.5e-6, 0.07e-6
+# The serving replica's pairing of one layer's tokens with its replicas (shares.actual_shares on a
+# home-first plan: dispatch.pair_tokens on the layer's cached index, no check) runs on its CPU, not
+# the GPU: measured here (`measure_relevel_s`, this project's CPU, idle, G = 8, the fastest of 500,
+# 2026-11-28) 6.8, 7.7, 8.8 us at E = 8, 64, 128 (14.6 us at E = 256 on 64 GPUs, where this
+# line gives 11.0). The same run timed the path before it (the check, then the pairing building
+# its index each call) at 9.6, 12.6, 16.7 and 46.9 us.
+RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 6.65e-6, 0.017e-6
 RELEVEL_CHECK_S = 3.4e-6
 
 

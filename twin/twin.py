@@ -26,10 +26,11 @@ The model, per iteration (docs/design.md, "What a plan costs" and "The paper's m
      waited for (a replica is used once it has landed). A replica's last use is a call with tokens.
 3. Time, layer by layer: `serial` and `paper` layer times on the actual loads (the Oracle's on
    its lossy loads). moeless's planners leave each call's shares to the data plane, as `moeless
-   serve` runs them (`actual_shares`): where a layer has copies, the batch is paired with them
-   (placement/dispatch.py) where the most that can save beats relevel_s, paying relevel_s for
-   it, and otherwise keeps the better of its planned shares and static EP's split; every such
-   layer pays the profile's check_s. The baselines keep their shares. Layer t + 1 starts when
+   serve` runs them (`actual_shares`): where a layer has copies, a home-first plan's batch is
+   paired with them on every call (placement/dispatch.py), paying relevel_s; a plan that splits
+   experts pays the profile's check_s and is paired where the most that can save beats relevel_s
+   (paying it too), else keeps the better of its planned shares and static EP's split. The
+   baselines keep their shares. Layer t + 1 starts when
    layer t ends (serial time + exposed).
 4. Memory, two billing models: `resident`, every replica's bytes for the seconds it holds them
    (from its load's start to its eviction, or the end; per iteration, what is held after its
@@ -155,8 +156,9 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
             rec.exposed_s[i, l] = max(done - (now + start), 0.0) if (cold.size or pending.any()) else 0.0
             dispatch = 0.0
             if planner.relevels and lp.num_replicas > num_experts:
-                lp, paired = actual_shares(np.rint(actual[l]).astype(np.int64), lp, model, num_gpus, profile.relevel_s)
-                dispatch = profile.check_s + (profile.relevel_s if paired else 0.0)
+                routed = actual_shares(np.rint(actual[l]).astype(np.int64), lp, model, num_gpus, profile.relevel_s)
+                lp = routed.layer
+                dispatch = (profile.check_s if routed.checked else 0.0) + (profile.relevel_s if routed.paired else 0.0)
             rec.serial_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "serial") + dispatch
             rec.paper_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "paper") + dispatch
             start += rec.serial_s[i, l] + rec.exposed_s[i, l]

@@ -36,9 +36,9 @@ class TimedRelevel:
         start = time.perf_counter()
         num_experts = int(placement.expert.max()) + 1
         load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
-        shares, paired = actual_shares(load, placement, self.model, num_hosts, self.relevel_s, self.split)
-        self.samples.append((time.perf_counter() - start, paired))
-        return shares
+        routed = actual_shares(load, placement, self.model, num_hosts, self.relevel_s, self.split)
+        self.samples.append((time.perf_counter() - start, routed.paired))
+        return routed.layer
 
     def summary(self) -> dict[str, float]:
         """us per layer call (mean, median, p90; check and pairing together), calls, calls paired."""

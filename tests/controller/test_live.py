@@ -265,22 +265,29 @@ def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_t
     from moeless.serving.relevel import relevel_for
 
     model = LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0)
-    layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
-    # Planned shares = static EP's split: GPU 0 works 10 + 1 + 6 + 1 = 18. No split beats expert 1
-    # alone (7), the work spread evenly ((16 tokens + 2 calls) / 2 = 9), nor expert 0 spread over
-    # its two GPUs on top of expert 1 ((7 + 10 + 2 calls) / 2 = 9.5): at most 8.5 to save.
-    out, relevelled = actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.4)
-    assert relevelled and np.allclose(out.share, [0.2, 1, 1, 1, 0.8])
-    assert actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.5) == (layer, False)
+    home_first = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
+    # A home-first plan (homes share 1, copies 0: moeless-sets') is paired on every call, unchecked,
+    # whatever the pairing costs: it starts from the homes, so it never routes worse than the plan.
+    for cost in (0.0, 100.0):
+        routed = actual_shares(np.array([10, 6, 0, 0]), home_first, model, 2, cost)
+        assert routed.paired and not routed.checked and np.allclose(routed.layer.share, [0.2, 1, 1, 1, 0.8])
+    # A plan that splits expert 0 (0.9 / 0.1) is checked: GPU 0 works 9 + 1 + 6 + 1 = 17 (static EP's
+    # split 18). No split beats expert 1 alone (7), the work spread evenly ((16 tokens + 2 calls) / 2
+    # = 9), nor expert 0 spread over its two GPUs on top of expert 1 ((7 + 10 + 2 calls) / 2 = 9.5):
+    # at most 7.5 to save.
+    layer = LayerPlacement(home_first.expert, home_first.gpu, np.array([0.9, 1, 1, 1, 0.1]))
+    out, relevelled, checked = actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 7.4)
+    assert relevelled and checked and np.allclose(out.share, [0.2, 1, 1, 1, 0.8])
+    assert actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 7.5) == (layer, False, True)
     # The busiest GPU holds no split expert's tokens (expert 0's are on GPU 1; expert 1's 30 on
     # GPU 0): nothing to save at any cost, and the plan beats static EP's split (31 against 33).
     away = LayerPlacement(layer.expert, layer.gpu, np.array([0.0, 1, 1, 1, 1]))
-    assert actual_shares(np.array([1, 30, 0, 0]), away, model, 2, 0.0) == (away, False)
+    assert actual_shares(np.array([1, 30, 0, 0]), away, model, 2, 0.0) == (away, False, True)
     static = Placement.static(1, E, 2).layers[0]
-    assert actual_shares(np.array([10, 6, 0, 0]), static, model, 2, 0.0) == (static, False)
+    assert actual_shares(np.array([10, 6, 0, 0]), static, model, 2, 0.0) == (static, False, False)
     # A forecast that moved expert 0 to GPU 1, where expert 2 got 30 tokens: planned 10 + 1 + 30 + 1
     # = 42, static EP's split 31 (expert 2 alone, which no split beats): static EP's split is routed.
-    out, relevelled = actual_shares(np.array([10, 0, 30, 0]), away, model, 2, 0.0)
+    out, relevelled, _ = actual_shares(np.array([10, 0, 30, 0]), away, model, 2, 0.0)
     assert not relevelled and out.share.tolist() == [1, 1, 1, 1, 0]
     # The data plane follows the same rule: shares re-levelled where it pays, kept (the same object) where not.
     idx = torch.tensor([[0]] * 10 + [[1]] * 6)
@@ -310,6 +317,6 @@ def test_route_check_floor_is_below_every_split_and_the_choice_below_planned_and
     relevelled = model.layer_time(whole, pair_tokens(whole, layer, model, 2), 2, "serial")
     assert floor <= min(planned, unsplit, relevelled) + 1e-9
     static = model.layer_time(whole, Placement.static(1, E, 2).layers[0], 2, "serial")
-    chosen, did = actual_shares(whole, layer, model, 2, np.inf)
+    chosen, did, _ = actual_shares(whole, layer, model, 2, np.inf)
     assert not did
     assert model.layer_time(whole, chosen, 2, "serial") <= min(model.layer_time(whole, layer, 2, "serial"), static) + 1e-9

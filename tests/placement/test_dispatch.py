@@ -105,3 +105,21 @@ def test_whole_pairing_never_splits_and_never_loses_to_static_ep(data):
     assert np.bincount(paired.expert, weights=counts > 0, minlength=num_experts).max() <= 1
     assert np.bincount(paired.expert, weights=counts, minlength=num_experts).tolist() == load.tolist()
     assert seconds(paired, load, num_gpus, model) <= seconds(plan, load, num_gpus, model) + 1e-9
+
+
+def test_the_index_is_made_once_per_layer_and_a_home_first_pairing_equals_the_uncached_one():
+    from moeless.placement.dispatch import is_home_first, pairing_index
+
+    rng = np.random.default_rng(3)
+    expert = np.concatenate([np.arange(8), [0, 3, 5, 5]])
+    gpu = np.concatenate([np.arange(8) // 2, [1, 2, 0, 3]])
+    home_first = LayerPlacement(expert, gpu, np.array([1.0] * 8 + [0.0] * 4))
+    assert is_home_first(home_first, 8, 4) and pairing_index(home_first, 8, 4) is pairing_index(home_first, 8, 4)
+    split = LayerPlacement(expert, gpu, np.array([0.5, 1, 1, 0.5, 1, 0.5, 1, 1, 0.5, 0.5, 0.25, 0.25]))
+    assert not is_home_first(split, 8, 4)
+    for _ in range(50):
+        load = rng.integers(0, 80, 8)
+        for layer in (home_first, split):
+            cached = pair_tokens(load, layer, GOLDEN, 4).replica_tokens(load)
+            uncached = pair_counts(load, layer.expert, layer.gpu, layer.share, 4, 1.0, 2.0, 0.0)
+            assert cached.tolist() == uncached.tolist()
