@@ -56,13 +56,14 @@ DISK_BW = 2e9  # a datacenter NVMe SSD's sequential read (2-7 GB/s): the slow en
 HASH_BW = 1.5e9  # sha256 on one x86 core with SHA extensions (the weight store verifies every read)
 HOST_COPY_BW = 10e9  # one core's memcpy: parsing the file into (pinned) host memory
 # The serving replica's pairing of one layer's tokens with its replicas (shares.actual_shares on a
-# home-first plan: dispatch.pair_tokens on the layer's cached index, no check) runs on its CPU, not
-# the GPU: measured here (`measure_relevel_s`, this project's CPU, idle, G = 8, the fastest of 500,
-# 2026-11-28) 6.8, 7.7, 8.8 us at E = 8, 64, 128 (14.6 us at E = 256 on 64 GPUs, where this
-# line gives 11.0). The same run timed the path before it (the check, then the pairing building
-# its index each call) at 9.6, 12.6, 16.7 and 46.9 us.
-RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 6.65e-6, 0.017e-6
-RELEVEL_CHECK_S = 3.4e-6
+# home-first plan: the gate, then dispatch's search, on the layer's cached index) runs on its CPU,
+# not the GPU: measured here (`measure_relevel_s`, this project's CPU, idle, G = 8, the fastest of
+# 3 x 500, 2026-11-28) 7.4, 8.6, 10.0 us at E = 8, 64, 128 (16.3 us at E = 256 on 64 GPUs, where
+# this line gives 12.6); the gate alone (the homes routed: the check's price) 3.9, 4.2, 4.6 us
+# (5.4). The path before it (the check, then the pairing building its index each call), timed
+# in one run with its successor: 9.6, 12.6, 16.7 and 46.9 us.
+RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 7.26e-6, 0.021e-6
+RELEVEL_CHECK_S = 4.2e-6
 
 
 @dataclass(frozen=True)
