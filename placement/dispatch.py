@@ -53,24 +53,12 @@ def pair_tokens(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, nu
     move keeps each expert's tokens on one replica: hosts whose expert kernel rounds a part of an
     expert's rows differently from all of them, hardware/host_profile.split_exact). The layer's
     index of replicas by expert is made once per layer object (`pairing_index`), not per call."""
-    return pair_if_it_pays(load, layer, model, num_gpus, -np.inf, split)[0]
-
-
-def pair_if_it_pays(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int, cost_s: float,
-                    split: bool = True) -> tuple[LayerPlacement, bool]:
-    """(pair_tokens' layer, True), or (the layer as it is, False) where it lists each expert's home
-    first and the most any pairing can save is at most cost_s: the homes' serial time less a floor
-    no pairing goes below (the busiest GPU's experts held nowhere else; the work spread evenly),
-    found in the same compiled call, before the pairing's search (`_gated_shares`)."""
     tokens = np.asarray(load, dtype=np.int64)
     if layer.num_replicas == tokens.shape[0]:
-        return layer, False
+        return layer
     packed, first = pairing_index(layer, tokens.shape[0], num_gpus)
-    shares = _gated_shares(tokens, packed, layer.share, model.alpha, model.call_overhead, model.beta, split, first,
-                           cost_s)
-    if shares is None:
-        return layer, False
-    return LayerPlacement(layer.expert, layer.gpu, shares), True
+    return LayerPlacement(layer.expert, layer.gpu, _paired_shares(tokens, packed, layer.share, model.alpha,
+                                                                  model.call_overhead, model.beta, split, first))
 
 
 def pairing_index(layer: LayerPlacement, num_experts: int, num_gpus: int) -> tuple[np.ndarray, bool]:
@@ -99,43 +87,16 @@ def pairing_index(layer: LayerPlacement, num_experts: int, num_gpus: int) -> tup
     return index
 
 
-def is_home_first(layer: LayerPlacement, num_experts: int, num_gpus: int) -> bool:
-    """Whether the layer lists each expert's home first with share 1 and its copies with share 0."""
-    return pairing_index(layer, num_experts, num_gpus)[1]
-
-
 _INDEX: dict[int, tuple] = {}  # id(layer) -> (layer, (E, G), index); dropped with the layer
 
 
 @compiled
-def _gated_shares(tokens, packed, share, alpha, call, beta, split, home_first, cost_s):
-    """_pair_indexed's pairing as shares [R], on pairing_index's packed index (one call from Python);
-    None where home_first and the homes' time less the floor is at most cost_s (pair_if_it_pays)."""
+def _paired_shares(tokens, packed, share, alpha, call, beta, split, home_first):
+    """_pair_indexed's pairing as shares [R], on pairing_index's packed index (one call from Python)."""
     num_experts, num_gpus, expert, gpu, start, members, owner, at, flexible = _unpack(packed)
-    if home_first and cost_s > -np.inf:
-        homes = _home(tokens, expert, start, members, expert.shape[0])
-        if _seconds(homes, gpu, num_gpus, alpha, call, beta) - _floor(tokens, gpu, start, members, num_gpus, alpha, call,
-                                                                      beta) <= cost_s:
-            return None
     counts = _pair_indexed(tokens, expert, gpu, share, num_gpus, alpha, call, beta, split, start, members, owner, at,
                            flexible, home_first)[0]
     return _shares(counts, tokens, expert)
-
-
-@compiled
-def _floor(tokens, gpu, start, members, num_gpus, alpha, call, beta):
-    """A serial layer time no pairing of these replicas goes below: the busiest GPU's work of the
-    experts it alone holds, and the work spread evenly (every expert with tokens called once), each
-    plus 2 beta x the tokens spread evenly."""
-    fixed = np.zeros(num_gpus)
-    total, moved = 0.0, 0
-    for e in range(tokens.shape[0]):
-        if tokens[e] > 0:
-            total += call + alpha * tokens[e]
-            moved += tokens[e]
-            if start[e + 1] - start[e] == 1:
-                fixed[gpu[members[start[e]]]] += call + alpha * tokens[e]
-    return max(fixed.max(), total / num_gpus) + 2.0 * beta * moved / num_gpus
 
 
 @compiled

@@ -32,8 +32,8 @@ class PlannerConfig:
     eplb_groups / eplb_nodes: EPLB's expert groups and nodes (hierarchical packing);
     eplb_window / eplb_period: "eplb-window" re-plans every period iterations from the loads of
     the last window iterations (DeepSeek's usage; never the current iteration's loads);
-    dispatch_s: what each call of a layer with copies pays the data plane (the pairing of a
-    home-first plan, without a check: the cost profile's relevel_s): moeless-sets prices it;
+    dispatch_s: what each call of a layer with copies pays the data plane (its pairing and the
+    check whether it pays; the cost profile's relevel_s + check_s): moeless-sets prices it;
     eplb_redundant / eplb_rebalance_every / eplb_first_rebalance: "eplb-production" (production
     EPLB: eplb_production.py): redundant experts per layer (None: E / 8), iterations between
     rebalances, iterations of statistics before the first.

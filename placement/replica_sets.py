@@ -61,8 +61,8 @@ def choose_replicas(samples: np.ndarray, free_slots: np.ndarray, resident: Layer
     """One layer's replica set (module docstring). samples: [B, E] token counts of the batches to
     come; free_slots: [G] replicas each GPU can still take; resident: the layer's warm replicas
     (None: static EP's); budget: most replicas (None: the slots); dispatch_s: what every call of a
-    layer with copies pays the data plane (its pairing from the homes: the cost profile's
-    relevel_s; shares.actual_shares), counted in every set with a copy. Returns the placement (homes
+    layer with copies pays the data plane (its pairing and the check whether it pays: the cost
+    profile's relevel_s + check_s), counted in every set with a copy. Returns the placement (homes
     share 1, copies 0), the free slots left [G] and the decision."""
     samples = np.rint(np.atleast_2d(np.asarray(samples, dtype=np.float64))).astype(np.int64)
     free = np.asarray(free_slots, dtype=np.int64).reshape(-1)

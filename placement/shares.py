@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from moeless.placement import resident_kernels
-from moeless.placement.dispatch import is_home_first, pair_if_it_pays, pair_tokens
+from moeless.placement.dispatch import pair_tokens
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import LayerPlacement
 
@@ -34,13 +34,7 @@ def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, 
     """The shares a serving replica routes one layer's actual loads with, once its gate has run:
     the same rule in the twin and in the data plane. load: [E] whole tokens per expert.
 
-    A plan that lists each expert's home first with share 1 and its copies with share 0
-    (moeless-sets, full replication: `dispatch.is_home_first`) is gated in the pairing's own call
-    (`dispatch.pair_if_it_pays`: the homes' time less a floor no pairing goes below, against
-    relevel_s), and paired from the homes where that can pay, so it never routes worse than the
-    plan; the result says checked where it routed the homes (the gate's price is the check's).
-    Any other plan (shares split by the planner) is checked first: `resident_kernels.route_check` (2-3.5 us measured) times the
-    planned shares and the unsplit ones (each expert on its first replica: static EP's split, since
+    A check (`resident_kernels.route_check`, 2-3.5 us measured) times the planned shares and the unsplit ones (each expert on its first replica: static EP's split, since
     a moeless plan lists its home replicas first) and bounds what any split can reach. The pairing
     runs where the most it can save over the better of the two beats relevel_s, its own seconds;
     otherwise the better of the two is routed, so a forecast that split the wrong expert costs the
@@ -51,9 +45,6 @@ def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, 
     """
     if layer.num_replicas == load.shape[0]:
         return Routed(layer, False, False)
-    if is_home_first(layer, load.shape[0], num_gpus):  # gated in the pairing's own call
-        shares, paired = pair_if_it_pays(load, layer, model, num_gpus, relevel_s, split)
-        return Routed(shares, paired, not paired)
     planned_s, unsplit_s, floor_s, unsplit_share = resident_kernels.route_check(
         np.asarray(load, dtype=np.int64), layer.expert, layer.gpu, layer.share, num_gpus,
         model.alpha, model.call_overhead, model.beta)

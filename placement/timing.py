@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from moeless.placement.dispatch import pair_tokens
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement
@@ -27,13 +28,14 @@ def fastest_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_relevel_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
-    """Seconds of one `actual_shares` on a home-first plan (what a serving replica runs per MoE-layer
-    call where a layer of moeless-sets' or moeless-moves' has copies: the pairing from the homes, on
-    the layer's cached index): static EP's E home replicas plus one copy (share 0) of each of the G
-    busiest experts, on the next GPU, under a skewed load of 64 tokens per expert. The fastest of repeats."""
+    """Seconds of one `pair_tokens` (what a serving replica runs per MoE-layer call where the check
+    says a layer's pairing pays), on a home-first plan as moeless-sets and full replication publish
+    (on the layer's index, made once per published layer): static EP's E home replicas plus one
+    copy (share 0) of each of the G busiest experts, on the next GPU, under a skewed load of 64
+    tokens per expert. The fastest of repeats."""
     load, layer = _split_layer(num_experts, num_gpus)
     home_first = LayerPlacement(layer.expert, layer.gpu, (np.arange(layer.num_replicas) < num_experts).astype(np.float64))
-    return fastest_seconds(lambda: actual_shares(load, home_first, model, num_gpus, 0.0), repeats)
+    return fastest_seconds(lambda: pair_tokens(load, home_first, model, num_gpus), repeats)
 
 
 def measure_relevel_check_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:

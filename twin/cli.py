@@ -56,7 +56,7 @@ def plan_command(args: argparse.Namespace) -> int:
     cluster = Cluster.uniform(args.gpus, -(-num_layers * cap // args.gpus), expert_bytes=profile.expert_bytes,
                               layer_cap_replicas=cap)
     config = PlannerConfig(model=model, cv_threshold=args.cv_threshold, eplb_replicas=args.eplb_replicas,
-                           gb_s_price=args.memory_price, dispatch_s=profile.relevel_s)
+                           gb_s_price=args.memory_price, dispatch_s=profile.relevel_s + profile.check_s)
     planner = get_planner(args.planner, config)
     placement = planner(loads if planner.samples or loads.ndim == 2 else loads.mean(axis=0), cluster)
     priced = loads.mean(axis=0) if loads.ndim == 3 else loads

@@ -55,15 +55,17 @@ LAUNCH_S = 5e-6  # a replica call: ~3 GEMMs + an activation, ~1-2 us of kernel l
 DISK_BW = 2e9  # a datacenter NVMe SSD's sequential read (2-7 GB/s): the slow end
 HASH_BW = 1.5e9  # sha256 on one x86 core with SHA extensions (the weight store verifies every read)
 HOST_COPY_BW = 10e9  # one core's memcpy: parsing the file into (pinned) host memory
-# The serving replica's pairing of one layer's tokens with its replicas (shares.actual_shares on a
-# home-first plan: the gate, then dispatch's search, on the layer's cached index) runs on its CPU,
-# not the GPU: measured here (`measure_relevel_s`, this project's CPU, idle, G = 8, the fastest of
-# 3 x 500, 2026-11-28) 7.4, 8.6, 10.0 us at E = 8, 64, 128 (16.3 us at E = 256 on 64 GPUs, where
-# this line gives 12.6); the gate alone (the homes routed: the check's price) 3.9, 4.2, 4.6 us
-# (5.4). The path before it (the check, then the pairing building its index each call), timed
-# in one run with its successor: 9.6, 12.6, 16.7 and 46.9 us.
-RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 7.26e-6, 0.021e-6
-RELEVEL_CHECK_S = 4.2e-6
+# The serving replica's pairing of one layer's tokens with its replicas (dispatch.pair_tokens) runs on
+# its CPU, not the GPU: measured here (`measure_relevel_s`, this project's CPU, G = 8, the fastest of
+# 300, 2026-11-27, other work on the machine: load 20) 6.2, 7.0, 9.4, 14.3 us at E = 8, 16, 64, 128
+# (12.1 and 13.8 us at E = 64 on 16 and 32 GPUs, 42 us at E = 256 on 64), the check 3.4 us. Since
+# 2026-11-28 each layer's index is made once per published layer and a home-first plan skips the
+# plan's own start: the pairing took 0.79x, 0.72x, 0.65x the time at E = 8, 64, 128 on 8 GPUs and
+# 0.56x at E = 256 on 64 (one idle run timing both, the fastest of 3 x 500; this machine's speed
+# drifts by up to 1.5x between runs, so the earlier constants are scaled by those ratios, beside
+# the check's unchanged 3.4 us, rather than replaced by one run's absolute times).
+RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 4.5e-6, 0.038e-6
+RELEVEL_CHECK_S = 3.4e-6
 
 
 @dataclass(frozen=True)

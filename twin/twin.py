@@ -27,10 +27,9 @@ The model, per iteration (docs/design.md, "What a plan costs" and "The paper's m
 3. Time, layer by layer: `serial` and `paper` layer times on the actual loads (the Oracle's on
    its lossy loads). moeless's planners leave each call's shares to the data plane, as `moeless
    serve` runs them (`actual_shares`): where a layer has copies, the batch is paired with them
-   (placement/dispatch.py) where the most that can save beats relevel_s, else routed as planned
-   or by static EP's split, whichever is faster. A home-first plan's gate runs in the pairing's
-   own call: it pays relevel_s where it pairs, check_s where it does not; a plan that splits
-   experts pays check_s, and relevel_s too where it pairs. The baselines keep their shares. Layer t + 1 starts when
+   (placement/dispatch.py) where the most that can save beats relevel_s, paying relevel_s for
+   it, and otherwise keeps the better of its planned shares and static EP's split; every such
+   layer pays the profile's check_s. The baselines keep their shares. Layer t + 1 starts when
    layer t ends (serial time + exposed).
 4. Memory, two billing models: `resident`, every replica's bytes for the seconds it holds them
    (from its load's start to its eviction, or the end; per iteration, what is held after its

@@ -265,22 +265,13 @@ def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_t
     from moeless.serving.relevel import relevel_for
 
     model = LatencyModel(alpha=1.0, beta=0.0, cold_start=1.0, call_overhead=1.0)
-    home_first = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
-    # A home-first plan (homes share 1, copies 0: moeless-sets') is gated inside the pairing's own
-    # call: homes 10 + 1 + 6 + 1 = 18 on GPU 0, floor max(expert 1 alone 7, (16 + 2 calls) / 2 = 9):
-    # at most 9 to save. Paired (and only the pairing paid) below that cost, the homes routed above.
-    for cost in (0.0, 8.9):
-        routed = actual_shares(np.array([10, 6, 0, 0]), home_first, model, 2, cost)
-        assert routed.paired and not routed.checked and np.allclose(routed.layer.share, [0.2, 1, 1, 1, 0.8])
-    assert actual_shares(np.array([10, 6, 0, 0]), home_first, model, 2, 9.0) == (home_first, False, True)
-    # A plan that splits expert 0 (0.9 / 0.1) is checked: GPU 0 works 9 + 1 + 6 + 1 = 17 (static EP's
-    # split 18). No split beats expert 1 alone (7), the work spread evenly ((16 tokens + 2 calls) / 2
-    # = 9), nor expert 0 spread over its two GPUs on top of expert 1 ((7 + 10 + 2 calls) / 2 = 9.5):
-    # at most 7.5 to save.
-    layer = LayerPlacement(home_first.expert, home_first.gpu, np.array([0.9, 1, 1, 1, 0.1]))
-    out, relevelled, checked = actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 7.4)
+    layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([1.0, 1, 1, 1, 0]))
+    # Planned shares = static EP's split: GPU 0 works 10 + 1 + 6 + 1 = 18. No split beats expert 1
+    # alone (7), the work spread evenly ((16 tokens + 2 calls) / 2 = 9), nor expert 0 spread over
+    # its two GPUs on top of expert 1 ((7 + 10 + 2 calls) / 2 = 9.5): at most 8.5 to save.
+    out, relevelled, checked = actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.4)
     assert relevelled and checked and np.allclose(out.share, [0.2, 1, 1, 1, 0.8])
-    assert actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 7.5) == (layer, False, True)
+    assert actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.5) == (layer, False, True)
     # The busiest GPU holds no split expert's tokens (expert 0's are on GPU 1; expert 1's 30 on
     # GPU 0): nothing to save at any cost, and the plan beats static EP's split (31 against 33).
     away = LayerPlacement(layer.expert, layer.gpu, np.array([0.0, 1, 1, 1, 1]))

@@ -108,41 +108,18 @@ def test_whole_pairing_never_splits_and_never_loses_to_static_ep(data):
 
 
 def test_the_index_is_made_once_per_layer_and_a_home_first_pairing_equals_the_uncached_one():
-    from moeless.placement.dispatch import is_home_first, pairing_index
+    from moeless.placement.dispatch import pairing_index
 
     rng = np.random.default_rng(3)
     expert = np.concatenate([np.arange(8), [0, 3, 5, 5]])
     gpu = np.concatenate([np.arange(8) // 2, [1, 2, 0, 3]])
     home_first = LayerPlacement(expert, gpu, np.array([1.0] * 8 + [0.0] * 4))
-    assert is_home_first(home_first, 8, 4) and pairing_index(home_first, 8, 4) is pairing_index(home_first, 8, 4)
+    assert pairing_index(home_first, 8, 4)[1] and pairing_index(home_first, 8, 4) is pairing_index(home_first, 8, 4)
     split = LayerPlacement(expert, gpu, np.array([0.5, 1, 1, 0.5, 1, 0.5, 1, 1, 0.5, 0.5, 0.25, 0.25]))
-    assert not is_home_first(split, 8, 4)
+    assert not pairing_index(split, 8, 4)[1]
     for _ in range(50):
         load = rng.integers(0, 80, 8)
         for layer in (home_first, split):
             cached = pair_tokens(load, layer, GOLDEN, 4).replica_tokens(load)
             uncached = pair_counts(load, layer.expert, layer.gpu, layer.share, 4, 1.0, 2.0, 0.0)
             assert cached.tolist() == uncached.tolist()
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.data())
-def test_the_gate_skips_only_pairings_that_cannot_save_more_than_their_cost(data):
-    from moeless.placement.dispatch import pair_if_it_pays
-
-    num_experts, num_gpus = data.draw(st.integers(2, 12)), data.draw(st.integers(1, 4))
-    load = np.array(data.draw(st.lists(st.integers(0, 60), min_size=num_experts, max_size=num_experts)))
-    home = np.arange(num_experts) * num_gpus // num_experts
-    extra = data.draw(st.lists(st.tuples(st.integers(0, num_experts - 1), st.integers(0, num_gpus - 1)), max_size=10))
-    expert = np.concatenate([np.arange(num_experts), [e for e, _ in extra]]).astype(np.int64)
-    gpu = np.concatenate([home, [g for _, g in extra]]).astype(np.int64)
-    plan = LayerPlacement(expert, gpu, np.array([1.0] * num_experts + [0.0] * len(extra)))
-    model = LatencyModel(alpha=1.0, beta=data.draw(st.sampled_from([0.0, 0.1])), cold_start=0.0,
-                         call_overhead=data.draw(st.sampled_from([0.0, 1.0, 4.0])))
-    cost = data.draw(st.floats(0.0, 30.0))
-    shares, paired = pair_if_it_pays(load, plan, model, num_gpus, cost)
-    best = seconds(pair_tokens(load, plan, model, num_gpus), load, num_gpus, model)
-    if not paired:  # the homes routed: no pairing would have saved more than the cost
-        assert shares is plan and seconds(plan, load, num_gpus, model) - best <= cost + 1e-9
-    else:
-        assert seconds(shares, load, num_gpus, model) == pytest.approx(best)

@@ -15,7 +15,7 @@ def test_every_expert_on_every_host_with_static_homes_first():
         assert layer.gpu[:4].tolist() == [0, 0, 1, 1] and layer.share.tolist() == [1.0] * 4 + [0.0] * 4
 
 
-def test_a_skewed_batch_is_paired_and_timed_an_even_one_keeps_its_homes():
+def test_a_skewed_batch_is_paired_and_timed_an_even_one_is_not_paired():
     model = LatencyModel(alpha=1e-6, beta=0.0, cold_start=0.0, call_overhead=1e-6)
     relevel = TimedRelevel(model, relevel_s=1e-6)
     layer = replicated_placement(1, 4, 2).layers[0]
