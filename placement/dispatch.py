@@ -66,12 +66,13 @@ def pairing_index(layer: LayerPlacement, num_experts: int, num_gpus: int) -> tup
     array of E, G, R, F, M and _by_expert's start, members, owner, at, then flexible (the F experts
     held on two GPUs or more), expert and gpu (`_unpack`; one array, since numba unboxes each
     argument at every call: ten arrays cost 3.5 us, more than the pairing); home_first: each
-    expert's first replica has share 1 and every other 0, as moeless-sets', moeless-moves' and
-    full replication's plans list them. A published layer serves many calls, and the index costs
-    more than the pairing (5 us at E = 64, G = 8, measured)."""
+    expert's first replica has share 1 and every other 0, as moeless-sets' and full replication's
+    plans list them. A published layer serves many calls, and the index costs more than the
+    pairing (5 us at E = 64, G = 8, measured). The cache holds the layer weakly: its entry goes
+    with it."""
     key = id(layer)
     hit = _INDEX.get(key)
-    if hit is not None and hit[0] is layer and hit[1] == (num_experts, num_gpus):
+    if hit is not None and hit[0]() is layer and hit[1] == (num_experts, num_gpus):
         return hit[2]
     expert, gpu = layer.expert.astype(np.int64), layer.gpu.astype(np.int64)
     start, members, owner, at = _by_expert(expert, gpu, num_experts, num_gpus)
@@ -81,13 +82,13 @@ def pairing_index(layer: LayerPlacement, num_experts: int, num_gpus: int) -> tup
     head = [num_experts, num_gpus, expert.shape[0], flexible.shape[0], members.shape[0]]
     packed = np.concatenate([head, start, members, owner, at.reshape(-1), flexible, expert, gpu]).astype(np.int64)
     index = (packed, bool(np.array_equal(layer.share, home.astype(np.float64))))
-    if hit is None:
+    if hit is None or hit[0]() is not layer:
         weakref.finalize(layer, _INDEX.pop, key, None)
-    _INDEX[key] = (layer, (num_experts, num_gpus), index)
+    _INDEX[key] = (weakref.ref(layer), (num_experts, num_gpus), index)
     return index
 
 
-_INDEX: dict[int, tuple] = {}  # id(layer) -> (layer, (E, G), index); dropped with the layer
+_INDEX: dict[int, tuple] = {}  # id(layer) -> (weak ref to the layer, (E, G), index); dropped with the layer
 
 
 @compiled

@@ -7,7 +7,7 @@ import numpy as np
 
 from moeless.model.interface import Routing
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.shares import actual_shares
+from moeless.placement.shares import Routed, actual_shares
 from moeless.placement.types import LayerPlacement
 from moeless.serving.executor import Relevel
 
@@ -19,8 +19,14 @@ def relevel_for(model: LatencyModel, cost_s: float, split: bool = True) -> Relev
     split=False: whole experts only (the hosts' kernel is not split-exact)."""
 
     def relevel(layer: int, placement: LayerPlacement, routing: Routing, num_hosts: int) -> LayerPlacement:
-        num_experts = int(placement.expert.max()) + 1
-        load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
-        return actual_shares(load, placement, model, num_hosts, cost_s, split)[0]
+        return routed_shares(placement, routing, num_hosts, model, cost_s, split).layer
 
     return relevel
+
+
+def routed_shares(placement: LayerPlacement, routing: Routing, num_hosts: int, model: LatencyModel, cost_s: float,
+                  split: bool = True) -> Routed:
+    """`actual_shares` on the tokens per expert the gate's routing gives this layer call."""
+    num_experts = int(placement.expert.max()) + 1
+    load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
+    return actual_shares(load, placement, model, num_hosts, cost_s, split)

@@ -21,22 +21,20 @@ from moeless.model.interface import Routing
 from moeless.placement.cluster import Cluster
 from moeless.placement.full_replication import plan_full_replication
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.shares import actual_shares
 from moeless.placement.timing import measure_relevel_s
 from moeless.placement.types import LayerPlacement, Placement
+from moeless.serving.relevel import routed_shares
 
 
 class TimedRelevel:
-    """serving/relevel.relevel_for's rule, each call timed: samples of (seconds, paired)."""
+    """serving/relevel.relevel_for's rule (`routed_shares`), each call timed: samples of (seconds, paired)."""
 
     def __init__(self, model: LatencyModel, relevel_s: float, split: bool = True):
         self.model, self.relevel_s, self.split, self.samples = model, relevel_s, split, []
 
     def __call__(self, layer: int, placement: LayerPlacement, routing: Routing, num_hosts: int) -> LayerPlacement:
         start = time.perf_counter()
-        num_experts = int(placement.expert.max()) + 1
-        load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
-        routed = actual_shares(load, placement, self.model, num_hosts, self.relevel_s, self.split)
+        routed = routed_shares(placement, routing, num_hosts, self.model, self.relevel_s, self.split)
         self.samples.append((time.perf_counter() - start, routed.paired))
         return routed.layer
 

@@ -3,12 +3,15 @@ never worse than the plan's shares or static EP's split."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeless.placement.dispatch import pair_counts, pair_tokens
+from moeless.placement import dispatch
+from moeless.placement.dispatch import pair_counts, pair_tokens, pairing_index
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement
@@ -108,8 +111,6 @@ def test_whole_pairing_never_splits_and_never_loses_to_static_ep(data):
 
 
 def test_the_index_is_made_once_per_layer_and_a_home_first_pairing_equals_the_uncached_one():
-    from moeless.placement.dispatch import pairing_index
-
     rng = np.random.default_rng(3)
     expert = np.concatenate([np.arange(8), [0, 3, 5, 5]])
     gpu = np.concatenate([np.arange(8) // 2, [1, 2, 0, 3]])
@@ -117,6 +118,11 @@ def test_the_index_is_made_once_per_layer_and_a_home_first_pairing_equals_the_un
     assert pairing_index(home_first, 8, 4)[1] and pairing_index(home_first, 8, 4) is pairing_index(home_first, 8, 4)
     split = LayerPlacement(expert, gpu, np.array([0.5, 1, 1, 0.5, 1, 0.5, 1, 1, 0.5, 0.5, 0.25, 0.25]))
     assert not pairing_index(split, 8, 4)[1]
+    before = len(dispatch._INDEX)
+    for _ in range(20):  # layers published and dropped: their entries go with them
+        pairing_index(LayerPlacement(expert, gpu, home_first.share.copy()), 8, 4)
+    gc.collect()
+    assert len(dispatch._INDEX) <= before + 1
     for _ in range(50):
         load = rng.integers(0, 80, 8)
         for layer in (home_first, split):
