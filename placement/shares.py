@@ -34,9 +34,9 @@ def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, 
     """The shares a serving replica routes one layer's actual loads with, once its gate has run:
     the same rule in the twin and in the data plane. load: [E] whole tokens per expert.
 
-    A check (`resident_kernels.route_check`, 2-3.5 us measured) times the planned shares and the unsplit ones (each expert on its first replica: static EP's split, since
-    a moeless plan lists its home replicas first) and bounds what any split can reach. The pairing
-    runs where the most it can save over the better of the two beats relevel_s, its own seconds;
+    A check (`resident_kernels.route_check`, 2-3.5 us measured) times the planned shares and the
+    unsplit ones (each expert on its first replica: static EP's split, since a moeless plan lists
+    its home replicas first) and bounds what any split can reach. The pairing runs where the most it can save over the better of the two beats relevel_s, its own seconds;
     otherwise the better of the two is routed, so a forecast that split the wrong expert costs the
     check, not the miss. One replica per expert: nothing to choose, no check. split=False: every
     expert's tokens stay on one replica (the pairing moves whole experts; a plan that splits one is
