@@ -30,7 +30,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from k8s_helm_release import METRICS_PORT, NS, RELEASE, run_checks, strip_for_apply, wait_for  # noqa: E402
-from k8s_pool_release import KEEP_ALIVE_S, KEEP_WARM, MODELS, POOL, PROMPTS, PoolRelease, model_meters  # noqa: E402
+from k8s_pool_release import KEEP_ALIVE_S, KEEP_WARM, POOL, PROMPTS, PoolRelease, model_meters  # noqa: E402
 
 
 class PoolRun(PoolRelease):
@@ -55,7 +55,7 @@ class PoolRun(PoolRelease):
 
     def check_each_model_exact(self) -> None:
         start, results = time.monotonic(), []
-        for policy in MODELS:
+        for policy in self.models:
             for prompt in PROMPTS:
                 answer, seconds = self.complete(policy, prompt)
                 results.append((policy, answer == self.reference[policy][prompt], answer, seconds))
@@ -69,19 +69,19 @@ class PoolRun(PoolRelease):
         start = time.monotonic()
         time.sleep(6)  # a few operator passes (resync 2 s)
         before = self.epool()["status"]
-        billed = {p: self.eap_of(p)["status"]["cost"]["expertGBSeconds"] for p in MODELS}
+        billed = {p: self.eap_of(p)["status"]["cost"]["expertGBSeconds"] for p in self.models}
         after = self.epool()["status"]
         rows = {r["policy"]: r["expertGBSeconds"] for r in after["models"]}
         low = {r["policy"]: r["expertGBSeconds"] for r in before["models"]}
         ok = (abs(sum(rows.values()) - after["cost"]["expertGBSeconds"]) < 1e-6
-              and all(low[p] - 1e-6 <= billed[p] <= rows[p] + 1e-6 for p in MODELS) and all(v > 0 for v in billed.values()))
+              and all(low[p] - 1e-6 <= billed[p] <= rows[p] + 1e-6 for p in self.models) and all(v > 0 for v in billed.values()))
         self.checks.record("per-model GB·s in kubectl get eap add up to the pool's", ok,
                            f"eap {billed}; pool rows {rows} sum {sum(rows.values()):.4f} = pool "
                            f"{after['cost']['expertGBSeconds']:.4f}", time.monotonic() - start)
         self.tables()
 
     def check_idle_model_gives_memory_back(self) -> None:
-        busy, quiet = MODELS
+        busy, quiet = self.models
         start = time.monotonic()
         held_before = model_meters(quiet).get("bytes_held", 0.0)
         cold_before = model_meters(quiet).get("cold_starts_total", 0.0)
@@ -100,7 +100,7 @@ class PoolRun(PoolRelease):
                            f"answers exact: {exact}", time.monotonic() - start)
         answer, seconds = self.complete(quiet, PROMPTS[1])
         cold_after = model_meters(quiet).get("cold_starts_total", 0.0)
-        _, port = MODELS[quiet]
+        port = self.models[quiet].port
         wakes = [line for line in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
                  .splitlines() if line.startswith(("moeless_model_wake_seconds_count", "moeless_model_wake_seconds_sum"))]
         counted = any(line.startswith("moeless_model_wake_seconds_count") and float(line.rsplit(" ", 1)[1]) >= 1
@@ -111,7 +111,7 @@ class PoolRun(PoolRelease):
                            f"{cold_after:.0f}, {answer!r}; its serving pod: {wakes}", seconds)
 
     def check_live_knob(self) -> None:
-        policy = list(MODELS)[1]
+        policy = list(self.models)[1]
         start, identity = time.monotonic(), self.identity_of(policy)
         doc = strip_for_apply(self.eap_of(policy))
         generation = self.eap_of(policy)["metadata"]["generation"]
@@ -123,14 +123,14 @@ class PoolRun(PoolRelease):
             applied = wait_for(lambda: (s := self.eap_of(policy).get("status") or {}).get("servingGeneration", 0)
                                > generation and s["servingGeneration"], timeout=90, every=1,
                                what="the serving pod reporting the new generation")
-            _, port = MODELS[policy]
+            port = self.models[policy].port
             gauge = next((line for line in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
                           .read().decode().splitlines() if line.startswith("moeless_knobs_generation")), "")
             ok = self.identity_of(policy) == identity and gauge.endswith(f" {float(applied)}")
             detail = (f"{policy}: status.servingGeneration {applied} (was {generation}), /metrics {gauge!r}; pod uid and "
                       f"restarts {identity} -> {self.identity_of(policy)}")
         except AssertionError as err:
-            _, port = MODELS[policy]
+            port = self.models[policy].port
             refused = [line for line in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
                        .decode().splitlines() if line.startswith("moeless_knobs_")]
             ok, detail = False, f"{err}; /metrics {refused}"
@@ -161,8 +161,8 @@ class PoolRun(PoolRelease):
         """maxHosts 1 -> 2 (with minHosts 2: a second host whatever memory the replicas need): the serving pod takes
         the second slot, the loop plans over it and its calls reach host 1 (its metrics on the node's network at
         METRICS_PORT + 1), no restart."""
-        policy, start = list(MODELS)[0], time.monotonic()
-        identity, (_, port) = self.identity_of(policy), MODELS[policy]
+        policy, start = list(self.models)[0], time.monotonic()
+        identity, port = self.identity_of(policy), self.models[policy].port
         self.kubectl("patch", "expertpool", POOL, "-n", NS, "--type=merge", "-p",
                      json.dumps({"spec": {"hosts": {"maxHosts": 2, "minHosts": 2}}}))
         try:
@@ -200,7 +200,7 @@ class PoolRun(PoolRelease):
         self.checks.record("the pool scales to zero when no model is busy", True,
                            f"no expert-host pod {time.monotonic() - start:.1f} s after the change", time.monotonic() - start)
         self.tables()
-        policy = list(MODELS)[1]
+        policy = list(self.models)[1]
         try:
             answer, seconds = self.complete(policy, PROMPTS[0], timeout=420)
             ok = answer == self.reference[policy][PROMPTS[0]] and \
