@@ -114,7 +114,7 @@ class FamilyRun(PoolRun):
         host, used = host_metrics(), {policy: replicas_of(policy) for policy in self.models}
         stores = {policy: WeightStore.open(self.work / "models" / policy) for policy in self.models}
         union = len({s.key(layer, expert) for s in stores.values() for layer, expert in s.keys()})
-        base_alone = len(stores["smollm"].keys())
+        base_alone = len(list(stores["smollm"].keys()))
         held = round(host["bytes_held"] / self.expert_bytes)
         own = sum(o for o, _ in used.values())
         together = sum(o + s for o, s in used.values())

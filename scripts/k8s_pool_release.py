@@ -142,7 +142,8 @@ class PoolRelease(Release):
         self.expert_bytes = WeightStore.open(models_dir / quiet).expert_bytes(0, 0)  # the quiet model's
         self.served = {policy: choose_model(m.flag).name for policy, m in self.models.items()}
         cache = cache_dir()
-        for path in (models_dir, model_path(BuildConfig())):  # the pods run as user 10001
+        finetunes = [cache / "finetunes"] if (cache / "finetunes").is_dir() else []  # `moeless serve --model BASE+NAME`'s
+        for path in (models_dir, model_path(BuildConfig()), *finetunes):  # the pods run as user 10001
             sh("chmod", "-R", "a+rX", str(path))
         os.chmod(cache, os.stat(cache).st_mode | 0o055)
         log(f"models ready in {models_dir}: {', '.join(self.models)}; references computed in process")
