@@ -59,7 +59,8 @@ def rows(run: dict) -> list[dict]:
                                                                              "shared-keys-base-warm")},
                         "cold_starts_expert_grain": m["cold_starts_outside_wakes"],
                         "cold_starts_shared_keys": m["cold_starts_outside_wakes_shared_keys"],
-                        **{f"step_p99_s_{w}": m["step_p99_s"][w] for w in ("dedicated", SHARED_KEYS, "shared-keys-batched")}})
+                        **{f"step_p99_s_{w}": m["step_p99_s"][w] for w in ("dedicated", SHARED_KEYS, "shared-keys-batched",
+                                                                            "shared-keys-batched-sized")}})
     return out
 
 
@@ -161,22 +162,24 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
                      f"{b['whole_load_s']:.2f} | {'; '.join(b['routing'])} |")
     lines += ["", f"{h}# GPU-seconds of the pool", "", f"![GPU-seconds]({link}/gpu-seconds.png)", "",
               "| base | replaced | fine-tunes | requests/min each | " + " | ".join(f"{w} GPU-s" for w in ALL_WAYS)
-              + " | shared keys / whole-model | same, non-expert weights per fine-tune | busy share (shared keys) |",
-              "| --- | --- | --- | --- | " + " | ".join("---" for _ in ALL_WAYS) + " | --- | --- | --- |"]
+              + " | shared keys / whole-model | same, non-expert weights per fine-tune | same, sized for its batched "
+              "step | busy share (shared keys) |",
+              "| --- | --- | --- | --- | " + " | ".join("---" for _ in ALL_WAYS) + " | --- | --- | --- | --- |"]
     for c in run["cells"]:
         whole = c["gpu_s"]["whole-model"]
         lines.append(f"| {c['base']} | {c['replaced']:.0%} | {c['finetunes']} | {c['requests_per_minute']:g} | "
                      + " | ".join(f"{c['gpu_s'][w]:.0f}" for w in ALL_WAYS)
                      + f" | {_x(c['gpu_s'][SHARED_KEYS] / whole if whole else None, 3)} | "
-                     f"{_x(c['gpu_s_own_non_expert'] / whole if whole else None, 3)} | {c['busy_fraction'][SHARED_KEYS]:.2%} |")
+                     f"{_x(c['gpu_s_own_non_expert'] / whole if whole else None, 3)} | "
+                     f"{_x(c['gpu_s_sized_for_step'] / whole if whole else None, 3)} | {c['busy_fraction'][SHARED_KEYS]:.2%} |")
     lines += ["", f"{h}# Per fine-tune", "",
               "GB·s per fine-tune as median (min-max) over the cell's fine-tunes; the p99 MoE time per step outside "
               "wake-ups of the fine-tune whose batched ratio is the worst: dedicated / shared keys alone (its own tokens, "
               "its cold starts: the house figure of docs/shared-pool.md) / batched (every busy fine-tune's tokens in the "
-              "engine's step).", "",
+              "engine's step) / batched on a pool sized for that step.", "",
               "| base | replaced | fine-tunes | requests/min | GB·s whole-model | GB·s shared keys | of which own / base / "
               "non-expert (medians) | shared keys / whole-model | wake p99 s: whole-model / base warm (wake-ups with the "
-              "base warm / all) | p99 MoE ms per step: dedicated / alone / batched |",
+              "base warm / all) | p99 MoE ms per step: dedicated / alone / batched / batched, sized |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in run["cells"]:
         ms = c["models"]
@@ -186,7 +189,8 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
         wakes = f"{ms[0]['whole_load_s']:.2f} / " + (f"{max(warm):.3f}" if warm else "–") + \
             f" ({sum(m['wake_s']['shared-keys-base-warm']['count'] for m in ms)} / {sum(m['wake_ups'] for m in ms)})"
         worst = max(ms, key=lambda m: _ratio(m, "shared-keys-batched") or 0.0)
-        p99 = " / ".join(f"{worst['step_p99_s'][w] * 1e3:.2f}" for w in ("dedicated", SHARED_KEYS, "shared-keys-batched"))
+        p99 = " / ".join(f"{worst['step_p99_s'][w] * 1e3:.2f}" for w in ("dedicated", SHARED_KEYS, "shared-keys-batched",
+                                                                          "shared-keys-batched-sized"))
         lines.append(f"| {c['base']} | {c['replaced']:.0%} | {c['finetunes']} | {c['requests_per_minute']:g} | "
                      f"{_spread([m['gb_s']['whole-model'] for m in ms])} | {_spread([m['gb_s'][SHARED_KEYS] for m in ms])} | "
                      f"{parts} | {_spread(ratios, '{:.3f}') if ratios else '–'} | {wakes} | {p99} |")

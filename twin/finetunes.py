@@ -17,8 +17,15 @@ experts. So a fine-tune here is:
 The four ways, every figure per fine-tune and for the pool: dedicated (a static-EP pool per
 fine-tune), whole-model (one pool of whole models, no sharing), expert-grain (moeless's pool, each
 fine-tune a model of its own: twin/shared_pool) and shared-keys (moeless's pool with experts addressed
-by content: twin/shared_keys). A fine-tune's GPU-seconds in a shared pool are the pool's in the
-ratio of its GB·s to the pool's (the GPUs are held for the bytes).
+by content: twin/shared_keys). Every shared pool here holds the GPUs its bytes take (at least G while
+one computes), the whole-model pool too, though its models packed onto one GPU would share its compute.
+The shared-keys pool's one engine batches every busy fine-tune's tokens in one step, so sized by bytes
+it packs sixteen busy fine-tunes' compute onto the GPUs of one (the batched p99 shows it); beside it,
+the same pool sized for that step too (step_floor: each window at least the GPUs that keep the batched
+step no longer than the slowest busy fine-tune's step alone on its G; `gpu_s_sized_for_step`, p99
+"shared-keys-batched-sized"), a figure with no like for like in the whole-model pool, which this
+twin does not size for compute. A fine-tune's GPU-seconds in a shared pool are the pool's in the
+ratio of its GB·s to the pool's.
 
 Tiny example (the tests): with 0% replaced a fine-tune holds no key of its own, and with one
 fine-tune the shared-keys pool is the expert-grain pool of that one model, figure for figure.
@@ -78,12 +85,24 @@ def make_finetune(base: PoolModel, name: str, routing: np.ndarray, share: float,
     return FineTune(replace(base, name=name, popularity=popularity), replaced)
 
 
+def step_floor(sk: SharedKeys, lines: list, gpus: int, s: PoolSettings) -> np.ndarray:
+    """GPUs [W] the one engine needs for its batched step (every busy fine-tune's tokens) to take no
+    longer than the slowest busy fine-tune's step alone on its G GPUs, what its dedicated pool takes:
+    ceil(the batched step's GPU seconds / that step); 0 where none is busy. With one fine-tune it is G."""
+    steps = s.window_s / s.step_s
+    alone = np.max([np.where(line.busy, line.compute_s / (steps * gpus), 0.0) for line in lines], axis=0)
+    need = sk.batched_step_s / np.where(alone > 0, alone, 1.0)
+    return np.where(alone > 0, np.ceil(need * (1 - 1e-9) - 1e-9), 0.0)  # rounding: one fine-tune needs G, not G + 1
+
+
 def shared_gpus(sk: SharedKeys, finetunes: list[FineTune], busy: np.ndarray, s: PoolSettings,
-                extra: bool = False) -> np.ndarray:
+                extra: bool = False, floor: np.ndarray | None = None) -> np.ndarray:
     """GPUs [W] the shared-keys pool holds: its bytes in whole GPUs, at least G while one computes
-    (twin/shared_pool.pool_gpus); extra: with non-expert weights per fine-tune."""
+    (twin/shared_pool.pool_gpus) and at least `floor` (step_floor: the batched step's GPUs, where the
+    pool is sized for it); extra: with non-expert weights per fine-tune."""
     held = sk.held_bytes + (sk.extra_non_expert if extra else 0.0)
-    return np.maximum(np.ceil(held / s.gpu_bytes - 1e-9), np.where(busy, finetunes[0].model.gpus, 0)).astype(float)
+    gpus = np.maximum(np.ceil(held / s.gpu_bytes - 1e-9), np.where(busy, finetunes[0].model.gpus, 0)).astype(float)
+    return gpus if floor is None else np.maximum(gpus, floor)
 
 
 def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: PoolSettings) -> dict:
@@ -97,8 +116,10 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     sk = shared_keys_pass(models, np.stack([ft.replaced for ft in finetunes]), lines, s)
     busy = np.any([line.busy for line in lines], axis=0)
     gpus = shared_gpus(sk, finetunes, busy, s)
+    sized = shared_gpus(sk, finetunes, busy, s, floor=step_floor(sk, lines, finetunes[0].model.gpus, s))
     pool_gb_s = float(sk.held_bytes.sum() * s.window_s / 1e9)
     doc["gpu_s"][SHARED_KEYS] = float(gpus.sum() * s.window_s)
+    doc["gpu_s_sized_for_step"] = float(sized.sum() * s.window_s)
     doc["gpu_s_own_non_expert"] = float(shared_gpus(sk, finetunes, busy, s, extra=True).sum() * s.window_s)
     doc["gb_s_shared_keys"] = pool_gb_s
     doc["gpu_s_ratio_to_dedicated"] = {way: v / doc["gpu_s"]["dedicated"] for way, v in doc["gpu_s"].items()}
@@ -119,8 +140,9 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
         windows = steady_windows(line)
         alone = line.compute_s[windows] / (steps * ft.model.gpus)
         m["step_p99_s"][SHARED_KEYS] = stalled_p99(alone, sk.cold_starts[i][windows], steps, ft.model.expert_load_s)
-        m["step_p99_s"]["shared-keys-batched"] = stalled_p99(sk.batched_step_s[windows] / gpus[windows],
-                                                            sk.cold_starts[i][windows], steps, ft.model.expert_load_s)
+        for way, held in (("shared-keys-batched", gpus), ("shared-keys-batched-sized", sized)):
+            m["step_p99_s"][way] = stalled_p99(sk.batched_step_s[windows] / held[windows], sk.cold_starts[i][windows],
+                                               steps, ft.model.expert_load_s)
     for way in ALL_WAYS:  # each fine-tune's GPU-seconds: the pool's in the ratio of its GB·s
         total = sum(m["gb_s"][way] for m in doc["models"])
         for m in doc["models"]:

@@ -5,12 +5,14 @@ replaced nothing paying what its base pays, and the wake-up of a fine-tune whose
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from moeless.twin.finetunes import SHARED_KEYS, FineTune, evaluate_finetunes, make_finetune, replaced_counts
-from moeless.twin.shared_keys import EvenSplit, even_shares
-from moeless.twin.shared_pool import PoolModel, PoolSettings, Requests, evaluate_pool
+from moeless.twin.finetunes import SHARED_KEYS, FineTune, evaluate_finetunes, make_finetune, replaced_counts, step_floor
+from moeless.twin.shared_keys import EvenSplit, even_shares, shared_keys_pass
+from moeless.twin.shared_pool import PoolModel, PoolSettings, Requests, evaluate_pool, timelines
 
 GB = 10**9
 
@@ -177,12 +179,29 @@ def test_a_finetune_whose_base_is_warm_loads_only_its_own_routed_experts():
     assert woken["wake_s"]["expert-grain"]["p50"] > base.non_expert_load_s  # alone, it loads the non-expert weights
 
 
-def test_a_batched_step_carries_every_busy_finetunes_tokens():
+def test_a_batched_step_carries_every_busy_finetunes_tokens_and_a_pool_sized_for_it_holds_more_gpus():
+    """Two fine-tunes with the same requests: the one engine's step carries both's tokens. By bytes the
+    pool holds G GPUs of 64 GB while they compute (everything fits), and the step takes both's work on
+    them; sized for the step it holds more in those windows, and neither's step is longer than alone."""
     fts = _finetunes(_base(), 2, 0.05)
     both = _requests(0.05, 900, 7)
     doc = evaluate_finetunes(fts, [both, both], PoolSettings(**{**SETTINGS.__dict__, "gpu_bytes": 64 * GB}))
+    assert doc["gpu_s_sized_for_step"] > doc["gpu_s"][SHARED_KEYS]
+    alone = max(m["step_p99_s"][SHARED_KEYS] for m in doc["models"])
     for m in doc["models"]:
         assert m["step_p99_s"]["shared-keys-batched"] > m["step_p99_s"][SHARED_KEYS] >= m["step_p99_s"]["dedicated"]
+        assert m["step_p99_s"]["shared-keys-batched-sized"] <= alone * 1.01
+
+
+def test_the_step_floor_is_g_for_one_finetune_and_grows_with_the_batched_work():
+    ft = _finetunes(_base(gpus=2), 1, 0.1)
+    s = PoolSettings(**{**SETTINGS.__dict__, "gpu_bytes": 64 * GB})
+    lines = timelines([ft[0].model], [_requests(0.05, 900, 3)], s)
+    sk = shared_keys_pass([ft[0].model], ft[0].replaced[None], lines, s)
+    floor = step_floor(sk, lines, 2, s)
+    assert set(np.unique(floor[lines[0].busy])) == {2.0} and not floor[~lines[0].busy].any()
+    doubled = replace(sk, batched_step_s=2 * sk.batched_step_s)  # twice the work in every step: twice the GPUs
+    assert set(np.unique(step_floor(doubled, lines, 2, s)[lines[0].busy])) == {4.0}
 
 
 def test_finetunes_of_different_bases_are_refused():
