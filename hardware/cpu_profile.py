@@ -22,7 +22,8 @@ from moeless.model.experts import expert_forward
 from moeless.model.weight_store import export_experts
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.profile import CostProfile
-from moeless.placement.timing import fastest_seconds, measure_relevel_check_s, measure_relevel_s
+from moeless.placement.timing import (fastest_seconds, measure_relevel_check_s, measure_relevel_per_replica_s,
+                                      measure_relevel_s)
 
 
 def fit_line(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
@@ -79,11 +80,13 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
         relevel_model = LatencyModel(alpha=alpha, beta=beta, cold_start=host, call_overhead=call)
         relevel = measure_relevel_s(num_experts, num_gpus, relevel_model, repeats)
         check = measure_relevel_check_s(num_experts, num_gpus, relevel_model, repeats)
+        per_replica = measure_relevel_per_replica_s(num_experts, num_gpus, relevel_model, repeats)
     finally:
         torch.set_num_threads(saved_threads)
     profile = CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
                           expert_bytes=expert_bytes, non_expert_bytes=non_expert_bytes, relevel_s=relevel,
-                          relevel_check_s=check, source=source or f"this machine's CPU, torch on {threads} thread(s), H={hidden} F={ffn} float32")
+                          relevel_check_s=check, relevel_per_replica_s=per_replica,
+                          source=source or f"this machine's CPU, torch on {threads} thread(s), H={hidden} F={ffn} float32")
     facts = {"expert_shape": {"H": hidden, "F": ffn, "dtype": "float32"}, "torch_threads": threads,
              "ffn_tokens": token_counts, "ffn_seconds": ffn_s, "move_tokens": moved, "move_seconds": move_s}
     return profile, facts

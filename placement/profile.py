@@ -12,9 +12,11 @@ required; a missing or bad one is one clear error naming the file and the field.
      "relevel_s": s,                     # a serving replica re-levelling one layer's shares over its
                                          # replicas on the actual loads (moeless's data plane)
      "source": "where and how it was measured",
-     "relevel_check_s": s}               # optional: the check whether that re-level pays and
+     "relevel_check_s": s,               # optional: the check whether that re-level pays and
                                          # the choice of shares (`actual_shares`); absent:
                                          # counted as relevel_s
+     "relevel_per_replica_s": s}         # optional: what each replica past the E homes and G
+                                         # copies relevel_s was timed on adds (absent: 0)
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ FIELDS = {
     "relevel_s": "seconds a serving replica takes to re-level one layer's shares over its replicas on the actual loads",
     "source": "where and how the profile was measured",
 }
-OPTIONAL = {"relevel_check_s": "seconds a serving replica takes to check whether a re-level pays (default: relevel_s)"}
+OPTIONAL = {"relevel_check_s": "seconds a serving replica takes to check whether a re-level pays (default: relevel_s)",
+            "relevel_per_replica_s": "seconds each replica of a layer past its E homes and G copies adds to a re-level "
+                                     "(default 0)"}
 
 
 class ProfileError(ValueError):
@@ -59,12 +63,20 @@ class CostProfile:
     relevel_s: float
     source: str
     relevel_check_s: float | None = None
+    relevel_per_replica_s: float = 0.0
 
     @property
     def check_s(self) -> float:
         """The re-level check's seconds (relevel_s where the profile did not measure it: a check
         never costs more than the re-level it guards)."""
         return self.relevel_s if self.relevel_check_s is None else self.relevel_check_s
+
+    def relevel_for(self, num_replicas: int, num_experts: int, num_gpus: int) -> float:
+        """A re-level's seconds on a layer of num_replicas: relevel_s was timed on the E homes and a
+        copy of each of the G busiest experts (placement/timing.measure_relevel_s); the pairing walks
+        every replica, so each one past those adds relevel_per_replica_s (full replication of E = 64
+        on 8 GPUs: 2x the time of E + G replicas, measured)."""
+        return self.relevel_s + self.relevel_per_replica_s * max(num_replicas - num_experts - num_gpus, 0)
 
     def latency_model(self, tier: str = "host") -> LatencyModel:
         """The latency model whose cold start is one load from `tier` ("host" or "disk")."""
@@ -104,6 +116,8 @@ class CostProfile:
         check = doc.get("relevel_check_s")
         if check is not None:
             _check_number(check, f"{where}: relevel_check_s")
+        per_replica = doc.get("relevel_per_replica_s", 0.0)
+        _check_number(per_replica, f"{where}: relevel_per_replica_s")
         loads = doc["load_s"]
         if not isinstance(loads, dict) or set(TIERS) - set(loads):
             raise ProfileError(f"{where}: load_s must give seconds for every tier {list(TIERS)}, got {loads!r}")
@@ -112,7 +126,8 @@ class CostProfile:
             _check_number(loads[tier], f"{where}: load_s.{tier}")
         return CostProfile(float(doc["alpha"]), float(doc["beta"]), float(doc["call_overhead"]),
                            {t: float(loads[t]) for t in tiers}, int(doc["expert_bytes"]), int(doc["non_expert_bytes"]),
-                           float(doc["relevel_s"]), str(doc["source"]), None if check is None else float(check))
+                           float(doc["relevel_s"]), str(doc["source"]), None if check is None else float(check),
+                           float(per_replica))
 
     @staticmethod
     def from_json(path: str | Path) -> "CostProfile":

@@ -46,6 +46,23 @@ def measure_relevel_check_s(num_experts: int, num_gpus: int, model: LatencyModel
     return fastest_seconds(lambda: actual_shares(load, layer, model, num_gpus, np.inf), repeats)
 
 
+def measure_relevel_per_replica_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
+    """Seconds each replica past the E homes and G copies adds to one `pair_tokens`: the slope from
+    `measure_relevel_s`'s layer to full replication (every GPU holds every expert, homes first) under
+    the same loads. The fastest of repeats each; 0 with one GPU (nothing to replicate)."""
+    if num_gpus < 2:
+        return 0.0
+    load, layer = _split_layer(num_experts, num_gpus)
+    home_first = LayerPlacement(layer.expert, layer.gpu, (np.arange(layer.num_replicas) < num_experts).astype(np.float64))
+    home = layer.gpu[:num_experts]
+    expert = np.tile(np.arange(num_experts), num_gpus)
+    gpu = np.concatenate([(home + k) % num_gpus for k in range(num_gpus)])
+    full = LayerPlacement(expert, gpu, (np.arange(expert.size) < num_experts).astype(np.float64))
+    few = fastest_seconds(lambda: pair_tokens(load, home_first, model, num_gpus), repeats)
+    many = fastest_seconds(lambda: pair_tokens(load, full, model, num_gpus), repeats)
+    return max(many - few, 0.0) / (full.num_replicas - home_first.num_replicas)
+
+
 def _split_layer(num_experts: int, num_gpus: int):
     """(load [E], layer): static EP's E home replicas plus one more replica of each of the G
     busiest experts, on the next GPU, under a skewed load of 64 tokens per expert."""

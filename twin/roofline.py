@@ -25,7 +25,8 @@ A profile's fields (seconds, bytes), for H hidden, F expert FFN, b bytes per wei
                       without NVLink: hardware/gpus.py)
   6. expert_bytes = B, non_expert_bytes = the geometry's non-expert parameters * b
   7. relevel_s      = relevel_fixed_s + relevel_per_expert_s * E: the serving replica's re-level of a
-                      layer on its CPU (not a GPU quantity; measured on this project's CPU), and
+                      layer on its CPU (not a GPU quantity; measured on this project's CPU) with a copy
+                      of its G busiest experts, relevel_per_replica_s what each replica more adds, and
      relevel_check_s the check whether that re-level pays (same CPU)
 Efficiency factors (`Efficiency`, below) are the fractions of datasheet peaks that real kernels
 reach, each with its reason; override them by keyword, `efficiency(**kw)` or a JSON file.
@@ -66,6 +67,11 @@ HOST_COPY_BW = 10e9  # one core's memcpy: parsing the file into (pinned) host me
 # the check's unchanged 3.4 us, rather than replaced by one run's absolute times).
 RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 4.5e-6, 0.038e-6
 RELEVEL_CHECK_S = 3.4e-6
+# Each replica past those E + G adds to the pairing (it walks every replica): measured 2026-11-28 (the
+# fastest of 300, an idle run) on full replication against E + G replicas: 6.5 -> 13.2 us at E = 64,
+# G = 8 (512 replicas), 7.5 -> 22.9 at E = 128, 7.5 -> 39.9 at E = 64, G = 32, 13.1 -> 292.5 at
+# E = 256, G = 64 (16,384 replicas): 0.015-0.017 us a replica.
+RELEVEL_PER_REPLICA_S = 0.017e-6
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class Efficiency:
     relevel_fixed_s: float = RELEVEL_FIXED_S
     relevel_per_expert_s: float = RELEVEL_PER_EXPERT_S
     relevel_check_s: float = RELEVEL_CHECK_S
+    relevel_per_replica_s: float = RELEVEL_PER_REPLICA_S
 
     def __post_init__(self):
         for f in fields(self):
@@ -152,7 +159,7 @@ def roofline_profile(geometry: Geometry, gpu: GpuSpec, count: int = 1, eff: Effi
     relevel = e.relevel_fixed_s + e.relevel_per_expert_s * geometry.num_experts  # 7.
     return CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host, "peer": peer},
                        expert_bytes=expert, non_expert_bytes=geometry.non_expert_bytes, relevel_s=relevel, source=note,
-                       relevel_check_s=e.relevel_check_s)
+                       relevel_check_s=e.relevel_check_s, relevel_per_replica_s=e.relevel_per_replica_s)
 
 
 def resolve_profile(profile_path: str | Path | None, geometry: Geometry, gpu: GpuSpec, count: int = 1,

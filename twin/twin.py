@@ -155,9 +155,10 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
             rec.exposed_s[i, l] = max(done - (now + start), 0.0) if (cold.size or pending.any()) else 0.0
             dispatch = 0.0
             if planner.relevels and lp.num_replicas > num_experts:
-                routed = actual_shares(np.rint(actual[l]).astype(np.int64), lp, model, num_gpus, profile.relevel_s)
+                relevel_s = profile.relevel_for(lp.num_replicas, num_experts, num_gpus)
+                routed = actual_shares(np.rint(actual[l]).astype(np.int64), lp, model, num_gpus, relevel_s)
                 lp = routed.layer
-                dispatch = (profile.check_s if routed.checked else 0.0) + (profile.relevel_s if routed.paired else 0.0)
+                dispatch = (profile.check_s if routed.checked else 0.0) + (relevel_s if routed.paired else 0.0)
             rec.serial_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "serial") + dispatch
             rec.paper_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "paper") + dispatch
             start += rec.serial_s[i, l] + rec.exposed_s[i, l]

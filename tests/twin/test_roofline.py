@@ -34,6 +34,7 @@ def test_golden_mixtral_on_8_h100():
       load host     = B / (64e9 x 0.8) + 5 us                 = 6.88128 ms + 5 us     = 6.88628 ms
       load disk     = B/2e9 + B/1.5e9 + B/10e9 + load host    = 176.161 + 234.881 + 35.232 + 6.886 = 453.160 ms
       relevel_s     = 4.5 us + 0.038 us x 8 experts           = 4.804 us (the serving replica's CPU: its pairing)
+                      + 0.017 us a replica past the 8 homes and 8 copies (full replication: 48 more, 0.816 us)
       knee          = call_overhead / alpha                   = 229.9 tokens per call"""
     gpu, count = parse_gpu_arg("H100x8")
     p = roofline_profile(load_geometry("mixtral-8x7b"), gpu, count)
@@ -44,6 +45,7 @@ def test_golden_mixtral_on_8_h100():
     assert p.load_s["host"] == pytest.approx(6.88628e-3, rel=1e-4)
     assert p.load_s["disk"] == pytest.approx(453.160e-3, rel=1e-4)
     assert p.relevel_s == pytest.approx(4.804e-6)
+    assert p.relevel_for(8 * 8, 8, 8) == pytest.approx(4.804e-6 + 48 * 0.017e-6)  # full replication: 48 replicas more
     assert p.call_overhead / p.alpha == pytest.approx(229.9, abs=0.1)
     assert p.non_expert_bytes == 2 * 1_605_636_096 and "roofline estimate" in p.source and "8 x H100" in p.source
 

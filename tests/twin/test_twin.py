@@ -134,6 +134,21 @@ def test_moeless_shares_are_relevelled_on_the_actual_loads_and_pay_the_relevel_o
     assert times["moeless-fixed-shares"][1].tolist() == pytest.approx([22e-6 + 1e-6] * L)
 
 
+def test_a_relevel_costs_more_on_a_layer_of_more_replicas(tmp_path):
+    """relevel_s is timed on the E homes and G copies; each replica more adds relevel_per_replica_s
+    (full replication of E = 64 on 8 GPUs: 440 more). An older profile file has none: 0."""
+    p = CostProfile(**{**vars(PROFILE), "relevel_s": 5e-6, "relevel_per_replica_s": 0.02e-6})
+    assert p.relevel_for(64 + 8, 64, 8) == p.relevel_for(64, 64, 8) == 5e-6
+    assert p.relevel_for(512, 64, 8) == pytest.approx(5e-6 + 440 * 0.02e-6)
+    assert CostProfile.from_json(p.to_json(tmp_path / "r.json")) == p
+    assert PROFILE.relevel_per_replica_s == 0.0 and PROFILE.relevel_for(10**6, 4, 2) == PROFILE.relevel_s
+    doc = json.loads(p.to_json(tmp_path / "bad.json").read_text())
+    doc["relevel_per_replica_s"] = -1
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(ProfileError, match="relevel_per_replica_s: expected a finite number >= 0"):
+        CostProfile.from_json(tmp_path / "bad.json")
+
+
 def test_replay_checks_its_inputs():
     its = iterations([np.full((L, E), 1)] * 2)
     with pytest.raises(ValueError, match="one forecast"):
