@@ -125,6 +125,20 @@ class TwinHosts:
             self.tables[g].acquire((l, e))
         return taken
 
+    def hand_over(self, previous: np.ndarray, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The next plan's replicas in use, `previous` (what the last hand-over or `hold` took) still
+        held: (taken, dropped), taken those of pairs [n, 3] now resident, acquired where previous did
+        not hold them already; dropped the rows of previous not taken now, for `release`. A replica
+        held by both stays acquired (hold then release would leave it so), and a plan of 100,000
+        replicas that keeps them costs no call per replica."""
+        taken = pairs[self.resident[pairs[:, 0], pairs[:, 1], pairs[:, 2]]] if pairs.size else pairs
+        if taken.size:  # one replica per (layer, expert, gpu), however often a plan lists it
+            taken = taken[np.unique(np.ravel_multi_index(taken.T, self.resident.shape), return_index=True)[1]]
+        now_ids, before_ids = (np.ravel_multi_index(p.T, self.resident.shape) if p.size else np.zeros(0, np.int64)
+                               for p in (taken, previous))
+        self.hold(taken[~np.isin(now_ids, before_ids)])
+        return taken, previous[~np.isin(before_ids, now_ids)]
+
     def release(self, taken: np.ndarray) -> np.ndarray:
         """Release what `hold` acquired (their last use: the clock's time); returns the evictions
         per layer [L] that were deferred until then (`evict` of a replica in use)."""

@@ -126,11 +126,11 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
             sent, evicted = loop.step(i, now)
             rec.evictions[i] += evicted
             plan = loop.published()
-        in_use = hosts.hold(pairs_of(plan) if loop is None else np.zeros((0, 3), np.int64))
+        in_use, dropped = hosts.hand_over(previous, pairs_of(plan) if loop is None else np.zeros((0, 3), np.int64))
         # the previous plan (at first static EP's, which the deployment starts on) stayed in use until
         # this one: no expiry in between; its last use was its own time
         clock.now = float(times[max(i - 1, 0)])
-        rec.evictions[i] += hosts.release(previous)
+        rec.evictions[i] += hosts.release(dropped)
         clock.now = now
         previous = in_use
         actual = planner.lossy_load(it.load) if planner.lossy_load else it.load

@@ -71,6 +71,7 @@ class ReplicaTable:
         self.shares = shares  # models' guaranteed shares (None: plain least recently used)
         self._replicas: dict[Key, Replica] = {}
         self._loaded: dict[int, tuple[float, int]] = {}  # model -> (seconds, bytes) of its loads so far
+        self._held = 0  # sum of the replicas' bytes, kept as they change (a load must not scan them all)
 
     def state(self, key: Key) -> ReplicaState:
         replica = self._replicas.get(key)
@@ -81,7 +82,7 @@ class ReplicaTable:
 
     @property
     def bytes_held(self) -> int:
-        return sum(r.bytes for r in self._replicas.values())
+        return self._held
 
     def replicas(self) -> dict[Key, Replica]:
         """A copy of every replica ever seen on this host, by key."""
@@ -97,14 +98,17 @@ class ReplicaTable:
         """
         if not self.needs_load(key):
             raise ValueError(f"replica {key} is {self.state(key).value}; only cold or evicted replicas load")
-        # 1. Pick idle victims until nbytes fit: the least saving per GB·s first, within the models' shares.
-        free = self.capacity_bytes - self.bytes_held
+        # 1. Pick idle victims until nbytes fit: the least saving per GB·s first, within the models' shares
+        #    (none where they fit already: then no replica is looked at).
+        free = self.capacity_bytes - self._held
         shares = self._shares
         model = shares.model_of(key[0]) if model is None else model
-        held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used, self._reload_s(k, r.bytes),
-                          tuple(self._meters.replicas[k].used.items()) if k in shares.users else ())
-                for k, r in self._replicas.items() if r.bytes]
-        victims = pick_victims(held, shares, key, free, nbytes, self._clock(), mine=model)
+        victims: list[Key] | None = []
+        if free < nbytes:
+            held = [Candidate(k, r.bytes, r.state is ReplicaState.IDLE, r.last_used, self._reload_s(k, r.bytes),
+                              tuple(self._meters.replicas[k].used.items()) if k in shares.users else ())
+                    for k, r in self._replicas.items() if r.bytes]
+            victims = pick_victims(held, shares, key, free, nbytes, self._clock(), mine=model)
         if victims is None:
             why = "loading, busy or within another model's guaranteed share" if self.shares else "loading or busy"
             raise HostMemoryFull(
@@ -115,6 +119,7 @@ class ReplicaTable:
         for victim in victims:
             self._evict_now(victim)
         self._replicas[key] = Replica(state=ReplicaState.LOADING, bytes=nbytes, load_started=self._clock())
+        self._held += nbytes
         self._meters.hold(key, nbytes, model)
         return victims
 
@@ -129,6 +134,7 @@ class ReplicaTable:
             seconds, nbytes = self._loaded.get(m, (0.0, 0))
             self._loaded[m] = (seconds + now - replica.load_started, nbytes + replica.bytes)
         else:
+            self._held -= replica.bytes
             replica.state, replica.bytes, replica.error = ReplicaState.COLD, 0, error
             self._meters.free(key)
 
@@ -190,6 +196,7 @@ class ReplicaTable:
 
     def _evict_now(self, key: Key) -> None:
         replica = self._replicas[key]
+        self._held -= replica.bytes
         replica.state, replica.bytes, replica.evict_when_idle = ReplicaState.EVICTED, 0, False
         self._meters.free(key)
         self._meters.evicted(key)
