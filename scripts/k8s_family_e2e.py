@@ -85,7 +85,7 @@ class FamilyRun(PoolRun):
     def finetunes_in_cache(self) -> list[str]:
         """The fine-tunes this run serves, copied into the model cache the serving pods mount (where `moeless serve
         --model default+NAME` finds them) when --finetunes names another directory; the names missing there."""
-        from moeless.core.paths import cache_dir
+        from moeless.core.paths import cache_dir  # moeless after the script's own checks, as k8s_pool_release
 
         source, cache = Path(self.args.finetunes), cache_dir() / "finetunes"
         missing = [name for name in FINETUNES if not (source / name / "finetune.json").is_file()]
@@ -106,7 +106,7 @@ class FamilyRun(PoolRun):
         """Right after a request to each model: the host's resident replicas are every model's own plus each shared
         one once (moeless_expert_host_shared_replicas), fewer than the three use together (what three whole models
         would hold), and no more than the union of the stores' keys."""
-        from moeless.model.weight_store import WeightStore
+        from moeless.model.weight_store import WeightStore  # torch: loaded by the install already, not by --help
 
         start = time.monotonic()
         for policy in self.models:
@@ -140,7 +140,7 @@ class FamilyRun(PoolRun):
 
 
 def main() -> int:
-    from moeless.core.paths import cache_dir
+    from moeless.core.paths import cache_dir  # the default of --finetunes: the cache `moeless model finetune` writes to
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ref", default="HEAD", help="git ref whose sources go into the image (default HEAD; "
