@@ -12,6 +12,7 @@ from moeless.placement.scaler import cv_below, greedy_scale
 from moeless.placement.cluster import Cluster, ClusterError
 from moeless.placement.diff import diff
 from moeless.placement.eplb import rebalance_experts
+from moeless.placement.eplb_production import production_replicas
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import Placement, PlacementError
 
@@ -32,6 +33,12 @@ def test_every_planner_gives_a_valid_placement_within_memory(seed, name, spare):
     forecast = skewed(rng, 3, 8, int(rng.integers(0, 400)))
     cluster = Cluster.uniform(4, 6 + spare, expert_bytes=10, layer_cap_replicas=16)  # 6: one replica per expert
     planner = get_planner(name, CONFIG)
+    if name == "eplb-production" and 3 * production_replicas(8, 8 // 8, 4) // 4 > 6 + spare:
+        # production EPLB holds E + N replicas a layer whatever the loads (12 here: 9 a GPU over 3 layers);
+        # where they do not fit it refuses, saying what to lower, as a deployment that runs out of memory
+        with pytest.raises(PlacementError, match="needs 9 slots on a GPU; the GPUs have .*lower the redundant experts"):
+            planner(forecast, cluster, None)
+        return
     first = planner(forecast, cluster, None)
     second = planner(skewed(rng, 3, 8, 300), cluster, first)  # re-plan against a resident placement
     for placement in (first, second):
