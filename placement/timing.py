@@ -9,7 +9,9 @@ from typing import Callable
 
 import numpy as np
 
+from moeless.placement.cluster import Cluster
 from moeless.placement.dispatch import pair_tokens
+from moeless.placement.full_replication import plan_full_replication
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement
@@ -34,7 +36,7 @@ def measure_relevel_s(num_experts: int, num_gpus: int, model: LatencyModel, repe
     copy (share 0) of each of the G busiest experts, on the next GPU, under a skewed load of 64
     tokens per expert. The fastest of repeats."""
     load, layer = _split_layer(num_experts, num_gpus)
-    home_first = LayerPlacement(layer.expert, layer.gpu, (np.arange(layer.num_replicas) < num_experts).astype(np.float64))
+    home_first = _homes_first(layer, num_experts)
     return fastest_seconds(lambda: pair_tokens(load, home_first, model, num_gpus), repeats)
 
 
@@ -48,19 +50,21 @@ def measure_relevel_check_s(num_experts: int, num_gpus: int, model: LatencyModel
 
 def measure_relevel_per_replica_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
     """Seconds each replica past the E homes and G copies adds to one `pair_tokens`: the slope from
-    `measure_relevel_s`'s layer to full replication (every GPU holds every expert, homes first) under
-    the same loads. The fastest of repeats each; 0 with one GPU (nothing to replicate)."""
+    `measure_relevel_s`'s layer to full replication's (the layer plan_full_replication publishes)
+    under the same loads. The fastest of repeats each; 0 with one GPU (nothing to replicate)."""
     if num_gpus < 2:
         return 0.0
     load, layer = _split_layer(num_experts, num_gpus)
-    home_first = LayerPlacement(layer.expert, layer.gpu, (np.arange(layer.num_replicas) < num_experts).astype(np.float64))
-    home = layer.gpu[:num_experts]
-    expert = np.tile(np.arange(num_experts), num_gpus)
-    gpu = np.concatenate([(home + k) % num_gpus for k in range(num_gpus)])
-    full = LayerPlacement(expert, gpu, (np.arange(expert.size) < num_experts).astype(np.float64))
+    home_first = _homes_first(layer, num_experts)
+    full = plan_full_replication(np.zeros((1, num_experts)), Cluster.uniform(num_gpus, num_experts, 1), None, None).layers[0]
     few = fastest_seconds(lambda: pair_tokens(load, home_first, model, num_gpus), repeats)
     many = fastest_seconds(lambda: pair_tokens(load, full, model, num_gpus), repeats)
     return max(many - few, 0.0) / (full.num_replicas - home_first.num_replicas)
+
+
+def _homes_first(layer: LayerPlacement, num_experts: int) -> LayerPlacement:
+    """The layer with its first E replicas (the homes) at share 1 and its copies at 0, as home-first plans publish."""
+    return LayerPlacement(layer.expert, layer.gpu, (np.arange(layer.num_replicas) < num_experts).astype(np.float64))
 
 
 def _split_layer(num_experts: int, num_gpus: int):

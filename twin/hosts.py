@@ -120,7 +120,7 @@ class TwinHosts:
     def hold(self, pairs: np.ndarray) -> np.ndarray:
         """Acquire the resident replicas among pairs [n, 3] of (layer, expert, gpu): in use now.
         Returns those acquired (a loading one cannot be, nor evicted): what `release` takes."""
-        taken = pairs[self.resident[pairs[:, 0], pairs[:, 1], pairs[:, 2]]] if pairs.size else pairs
+        taken = self._resident(pairs)
         for l, e, g in taken.tolist():
             self.tables[g].acquire((l, e))
         return taken
@@ -131,13 +131,16 @@ class TwinHosts:
         not hold them already; dropped the rows of previous not taken now, for `release`. A replica
         held by both stays acquired (hold then release would leave it so), and a plan of 100,000
         replicas that keeps them costs no call per replica."""
-        taken = pairs[self.resident[pairs[:, 0], pairs[:, 1], pairs[:, 2]]] if pairs.size else pairs
-        if taken.size:  # one replica per (layer, expert, gpu), however often a plan lists it
-            taken = taken[np.unique(np.ravel_multi_index(taken.T, self.resident.shape), return_index=True)[1]]
-        now_ids, before_ids = (np.ravel_multi_index(p.T, self.resident.shape) if p.size else np.zeros(0, np.int64)
-                               for p in (taken, previous))
+        ids = lambda rows: np.ravel_multi_index(rows.T, self.resident.shape) if rows.size else np.zeros(0, np.int64)  # noqa: E731
+        taken = self._resident(pairs)
+        now_ids, first = np.unique(ids(taken), return_index=True)  # one replica per (layer, expert, gpu), however often listed
+        taken, before_ids = taken[first], ids(previous)
         self.hold(taken[~np.isin(now_ids, before_ids)])
         return taken, previous[~np.isin(before_ids, now_ids)]
+
+    def _resident(self, pairs: np.ndarray) -> np.ndarray:
+        """The rows of pairs [n, 3] whose replica is resident (a loading or evicted one cannot be used)."""
+        return pairs[self.resident[pairs[:, 0], pairs[:, 1], pairs[:, 2]]] if pairs.size else pairs
 
     def release(self, taken: np.ndarray) -> np.ndarray:
         """Release what `hold` acquired (their last use: the clock's time); returns the evictions
