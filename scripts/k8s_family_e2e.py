@@ -68,19 +68,11 @@ class FamilyRun(PoolRun):
             print(f"k8s_family_e2e: no fine-tune {', '.join(missing)} in {self.args.finetunes}; make them first: "
                   + "; ".join(f"moeless model finetune --name {n} --task {FINETUNES[n]}" for n in missing), file=sys.stderr)
             return 2
-        failed = self.install()
-        if failed is not None:
-            return failed
-        self.tables()
-        self.check_base_first()
-        self.check_each_model_exact()
-        self.check_experts_held_once()
-        self.check_billing_adds_up()
-        self.check_fine_tunes_pay_a_shared_part()
-        if not self.checks.ok:
-            self.dump()  # the pods' logs, before the uninstall takes them
-        self.check_uninstall_pool()
-        return 0
+        return super().run()
+
+    def checks_in_order(self) -> list:
+        return [self.check_base_first, self.check_each_model_exact, self.check_experts_held_once,
+                self.check_billing_adds_up, self.check_fine_tunes_pay_a_shared_part]
 
     def finetunes_in_cache(self) -> list[str]:
         """The fine-tunes this run serves, copied into the model cache the serving pods mount (where `moeless serve

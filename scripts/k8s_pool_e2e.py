@@ -34,20 +34,21 @@ from k8s_pool_release import KEEP_ALIVE_S, KEEP_WARM, POOL, PROMPTS, PoolRelease
 
 
 class PoolRun(PoolRelease):
-    """The whole run: install (k8s_pool_release.py), then every check in order."""
+    """The whole run: install (k8s_pool_release.py), then every check of `checks_in_order`, then the uninstall's.
+    A run with other models or checks (k8s_family_e2e.py) overrides it."""
+
+    def checks_in_order(self) -> list:
+        return [self.check_each_model_exact, self.check_billing_adds_up, self.check_idle_model_gives_memory_back,
+                self.check_live_knob, self.check_pool_keep_alive_live, self.check_max_hosts_live,
+                self.check_pool_sleeps_and_wakes]
 
     def run(self) -> int:
         failed = self.install()
         if failed is not None:
             return failed
         self.tables()
-        self.check_each_model_exact()
-        self.check_billing_adds_up()
-        self.check_idle_model_gives_memory_back()
-        self.check_live_knob()
-        self.check_pool_keep_alive_live()
-        self.check_max_hosts_live()
-        self.check_pool_sleeps_and_wakes()
+        for check in self.checks_in_order():
+            check()
         if not self.checks.ok:
             self.dump()  # the pods' logs, before the uninstall takes them
         self.check_uninstall_pool()
