@@ -22,11 +22,13 @@ GAIN_EPSILON_S = 1e-12  # a gain must beat its cost by more than rounding
 class Routed(NamedTuple):
     """A layer call's shares: the layer (replicas, shares), whether the batch was paired with the
     replicas (placement/dispatch.py), whether the check ran (what the call paid: relevel_s if
-    paired, check_s if checked)."""
+    paired, check_s if checked), and what the check reckons its choice saves over static EP's
+    split, net of relevel_s (a pairing counted at its bound, the most it can save)."""
 
     layer: LayerPlacement
     paired: bool
     checked: bool
+    saved_s: float = 0.0
 
 
 def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, num_gpus: int,
@@ -51,10 +53,10 @@ def actual_shares(load: np.ndarray, layer: LayerPlacement, model: LatencyModel, 
     if not split and (np.bincount(layer.expert, weights=layer.share > 0) > 1).any():
         planned_s = np.inf  # the plan splits an expert: not routable here
     if min(planned_s, unsplit_s) - floor_s > relevel_s:
-        return Routed(pair_tokens(load, layer, model, num_gpus, split), True, True)
+        return Routed(pair_tokens(load, layer, model, num_gpus, split), True, True, unsplit_s - floor_s - relevel_s)
     if unsplit_s < planned_s:
         return Routed(LayerPlacement(layer.expert, layer.gpu, unsplit_share), False, True)
-    return Routed(layer, False, True)
+    return Routed(layer, False, True, unsplit_s - planned_s)
 
 
 def routable(layer: LayerPlacement, num_experts: int) -> LayerPlacement:
@@ -65,6 +67,14 @@ def routable(layer: LayerPlacement, num_experts: int) -> LayerPlacement:
         experts, first = np.unique(layer.expert, return_index=True)
         share[first[missing[experts]]] = 1.0
     return LayerPlacement(layer.expert, layer.gpu, share)
+
+
+def landed(layer: LayerPlacement, usable: np.ndarray, num_experts: int) -> LayerPlacement:
+    """The layer on its usable replicas only (usable: [R] bool; each expert keeps at least one),
+    each expert's shares scaled back to 1 over them."""
+    expert, gpu, share = layer.expert[usable], layer.gpu[usable], layer.share[usable]
+    total = np.bincount(expert, weights=share, minlength=num_experts)
+    return routable(LayerPlacement(expert, gpu, token_shares(share, total[expert])), num_experts)
 
 
 def relevel_tokens(tokens_in: np.ndarray, expert, gpu, tokens, num_gpus, model: LatencyModel) -> float:

@@ -18,6 +18,7 @@ from moeless.controller.planning.knob_sources import knob_source_for
 from moeless.controller.planning.report_sender import ReportSender
 from moeless.controller.planning.rules import live_planner_name
 from moeless.controller.pool.wake import wake_timeout_s
+from moeless.placement.check_gate import CheckGate
 from moeless.placement.planner import relevels
 from moeless.serving.live_executor import LiveExecutor
 from moeless.serving.relevel import relevel_for
@@ -55,7 +56,9 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     first = next((c for c in remote.clients if c is not None), None)  # none: a pool waking from zero
     remote.split_experts = first is not None and split_exact(first, spec.hidden_size)  # bit-identical outputs
     if relevels(live_planner_name(knobs)):
-        remote.relevel = relevel_for(latency, profile.relevel_s, remote.split_experts)
+        # the twin's rule: the pairing priced by the layer's replicas, the check behind a per-layer gate
+        remote.relevel = relevel_for(latency, profile.relevel_for, remote.split_experts, CheckGate(profile.check_s),
+                                     phase=lambda: executor.phase)
     sender = ReportSender(loop)
     executor = LiveExecutor(remote, spec.num_layers, spec.num_experts, replica=uuid.uuid4().hex[:12], sink=sender.offer,
                             runtime=runtime, distance=knobs.distance, model=latency)

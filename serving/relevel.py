@@ -1,25 +1,39 @@
 """The RemoteExecutor's per-call shares on the layer's actual loads (`relevel_for`): the rule the
-planner asks for (placement.planner.relevels) and the twin prices (placement/shares.py)."""
+planner asks for (placement.planner.relevels) and the twin prices (placement/shares.py, behind
+placement/check_gate.py)."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
 from moeless.model.interface import Routing
+from moeless.placement.check_gate import CheckGate
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.shares import Routed, actual_shares
 from moeless.placement.types import LayerPlacement
 from moeless.serving.executor import Relevel
 
+PairingCost = Callable[[int, int, int], float]  # (replicas, experts, hosts) -> seconds: CostProfile.relevel_for
 
-def relevel_for(model: LatencyModel, cost_s: float, split: bool = True) -> Relevel:
+
+def relevel_for(model: LatencyModel, cost_s: float | PairingCost, split: bool = True, gate: CheckGate | None = None,
+                phase: Callable[[], str] = lambda: "prefill") -> Relevel:
     """The RemoteExecutor's per-call shares on the layer's actual tokens per expert
-    (`actual_shares`: re-levelled where that can save more than cost_s, the profile's relevel_s,
+    (`actual_shares`: re-levelled where that can save more than cost_s, the pairing's own seconds,
     else the better of the planned shares and static EP's split), the rule the twin prices it by;
-    split=False: whole experts only (the hosts' kernel is not split-exact)."""
+    cost_s: seconds, or the profile's relevel_for (they grow with the layer's replicas);
+    split=False: whole experts only (the hosts' kernel is not split-exact); gate: the twin's
+    per-layer, per-phase gate in front of the check (phase() names the batch's phase)."""
 
     def relevel(layer: int, placement: LayerPlacement, routing: Routing, num_hosts: int) -> LayerPlacement:
-        return routed_shares(placement, routing, num_hosts, model, cost_s, split).layer
+        num_experts = int(placement.expert.max()) + 1
+        load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
+        pairing_s = cost_s(placement.num_replicas, num_experts, num_hosts) if callable(cost_s) else cost_s
+        if gate is None:
+            return actual_shares(load, placement, model, num_hosts, pairing_s, split).layer
+        return gate.route(layer, phase(), load, placement, model, num_hosts, pairing_s, split).layer
 
     return relevel
 

@@ -53,6 +53,7 @@ class TwinHosts:
         self.resident = np.zeros(shape, dtype=bool)
         self.loading = np.zeros(shape, dtype=bool)
         self.queue = np.zeros(cluster.num_gpus)  # when each GPU's last issued load is done
+        self.ready = np.zeros(shape)  # when each replica's last issued load is done
         self._landing: list[tuple[float, int, int, int]] = []  # (done, layer, expert, gpu)
         initial = initial or Placement.static(num_layers, num_experts, cluster.num_gpus)
         for l, layer in enumerate(initial.layers):
@@ -112,7 +113,7 @@ class TwinHosts:
             self.resident[l, e, gpu] = False
             evicted[l] += 1
         done = max(self.queue[gpu], issued) + self.load_s
-        self.queue[gpu] = done
+        self.queue[gpu] = self.ready[layer, expert, gpu] = done
         self.loading[layer, expert, gpu] = True
         self._landing.append((done, layer, expert, gpu))
         return done, evicted

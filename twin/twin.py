@@ -18,7 +18,11 @@ The model, per iteration (docs/design.md, "What a plan costs" and "The paper's m
      keep-alive expiry in between; their last use is the iteration's time); those not resident
      are cold loads: layer t's are issued when layer max(t - d, 0)
      starts (a forecast made d layers ahead), each GPU loads one after another (load_s each),
-     and layer t waits for the last of its loads: exposed_t = max(0, done - start_t).
+     and layer t waits for the last of its loads: exposed_t = max(0, done - start_t). Planners
+     whose calls the data plane routes (placement.planner.relevels: moeless's) never wait: as in
+     `moeless serve`, whose routed call uses only replicas that have landed, layer t runs on the
+     plan's replicas whose loads are done by start_t, each expert's shares scaled back over them
+     (`shares.landed`), and a copy still loading joins a later call.
    - "loop": the live planning loop, mirrored with its own rules (controller/planning/rules.py,
      twin/loop_mirror.py): a pass every period_s plans each phase's forecast merged over the
      reports of the last window_s (their union resident), sends the loads, and publishes the
@@ -29,7 +33,8 @@ The model, per iteration (docs/design.md, "What a plan costs" and "The paper's m
    serve` runs them (`actual_shares`): where a layer has copies, the batch is paired with them
    (placement/dispatch.py) where the most that can save beats relevel_s, paying relevel_s for
    it, and otherwise keeps the better of its planned shares and static EP's split; every such
-   layer pays the profile's check_s. The baselines keep their shares. Layer t + 1 starts when
+   call pays the profile's check_s, unless the check is gated off for it (placement/check_gate.py:
+   per layer and phase, recent checks that did not pay). The baselines keep their shares. Layer t + 1 starts when
    layer t ends (serial time + exposed).
 4. Memory, two billing models: `resident`, every replica's bytes for the seconds it holds them
    (from its load's start to its eviction, or the end; per iteration, what is held after its
@@ -47,7 +52,8 @@ import numpy as np
 from moeless.placement.cluster import Cluster
 from moeless.placement.planner import Planner, initial_placement
 from moeless.placement.profile import CostProfile
-from moeless.placement.shares import actual_shares
+from moeless.placement.check_gate import CheckGate
+from moeless.placement.shares import landed
 from moeless.twin.hosts import TwinClock, TwinHosts, pairs_of
 from moeless.twin.iterations import Iteration
 from moeless.twin.loop_mirror import LoopMirror
@@ -109,6 +115,7 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
     loop = LoopMirror(planner, cluster, hosts, forecasts, rec.phase, times, settings) if settings.cadence == "loop" else None
     behind = Behind(hosts, initial) if loop is None and planner.name in BEHIND_PLANNERS else None
     bytes_gb = cluster.expert_bytes / GB
+    gate = CheckGate(profile.check_s)
     previous = hosts.hold(pairs_of(initial) if loop is None else np.zeros((0, 3), np.int64))
     for i, it in enumerate(iterations):
         now = clock.now = float(times[i])
@@ -152,11 +159,16 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
             per_gpu = np.bincount(cold[:, 1], minlength=num_gpus) if cold.size else np.zeros(num_gpus, np.int64)
             rec.loads[i, l] = int(per_gpu.sum()) + (int(sent[l]) if loop is not None or behind is not None else 0)
             rec.cold_s[i, l] = float(per_gpu.max()) * model.cold_start
-            rec.exposed_s[i, l] = max(done - (now + start), 0.0) if (cold.size or pending.any()) else 0.0
+            waits = bool(cold.size or pending.any())
+            if waits and planner.relevels and loop is None:  # the data plane routes over what has landed
+                usable = hosts.resident[l, lp.expert, lp.gpu] | (hosts.ready[l, lp.expert, lp.gpu] <= now + start)
+                if np.bincount(lp.expert[usable], minlength=num_experts).all():
+                    lp, waits = landed(lp, usable, num_experts), False
+            rec.exposed_s[i, l] = max(done - (now + start), 0.0) if waits else 0.0
             dispatch = 0.0
             if planner.relevels and lp.num_replicas > num_experts:
                 relevel_s = profile.relevel_for(lp.num_replicas, num_experts, num_gpus)
-                routed = actual_shares(np.rint(actual[l]).astype(np.int64), lp, model, num_gpus, relevel_s)
+                routed = gate.route(l, it.phase, np.rint(actual[l]).astype(np.int64), lp, model, num_gpus, relevel_s)
                 lp = routed.layer
                 dispatch = (profile.check_s if routed.checked else 0.0) + (relevel_s if routed.paired else 0.0)
             rec.serial_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "serial") + dispatch

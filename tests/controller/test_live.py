@@ -269,24 +269,36 @@ def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_t
     # Planned shares = static EP's split: GPU 0 works 10 + 1 + 6 + 1 = 18. No split beats expert 1
     # alone (7), the work spread evenly ((16 tokens + 2 calls) / 2 = 9), nor expert 0 spread over
     # its two GPUs on top of expert 1 ((7 + 10 + 2 calls) / 2 = 9.5): at most 8.5 to save.
-    out, relevelled, checked = actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.4)
+    out, relevelled, checked, _ = actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.4)
     assert relevelled and checked and np.allclose(out.share, [0.2, 1, 1, 1, 0.8])
-    assert actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.5) == (layer, False, True)
+    assert actual_shares(np.array([10, 6, 0, 0]), layer, model, 2, 8.5) == (layer, False, True, 0.0)
     # The busiest GPU holds no split expert's tokens (expert 0's are on GPU 1; expert 1's 30 on
     # GPU 0): nothing to save at any cost, and the plan beats static EP's split (31 against 33).
     away = LayerPlacement(layer.expert, layer.gpu, np.array([0.0, 1, 1, 1, 1]))
-    assert actual_shares(np.array([1, 30, 0, 0]), away, model, 2, 0.0) == (away, False, True)
+    assert actual_shares(np.array([1, 30, 0, 0]), away, model, 2, 0.0)[:3] == (away, False, True)
     static = Placement.static(1, E, 2).layers[0]
-    assert actual_shares(np.array([10, 6, 0, 0]), static, model, 2, 0.0) == (static, False, False)
+    assert actual_shares(np.array([10, 6, 0, 0]), static, model, 2, 0.0) == (static, False, False, 0.0)
     # A forecast that moved expert 0 to GPU 1, where expert 2 got 30 tokens: planned 10 + 1 + 30 + 1
     # = 42, static EP's split 31 (expert 2 alone, which no split beats): static EP's split is routed.
-    out, relevelled, _ = actual_shares(np.array([10, 0, 30, 0]), away, model, 2, 0.0)
+    out, relevelled, _, _ = actual_shares(np.array([10, 0, 30, 0]), away, model, 2, 0.0)
     assert not relevelled and out.share.tolist() == [1, 1, 1, 1, 0]
     # The data plane follows the same rule: shares re-levelled where it pays, kept (the same object) where not.
     idx = torch.tensor([[0]] * 10 + [[1]] * 6)
     routing = Routing(idx, torch.ones(16, 1), torch.zeros(16, E))
     assert np.allclose(relevel_for(model, 5.0)(0, layer, routing, 2).share, [0.2, 1, 1, 1, 0.8])
     assert relevel_for(model, 11.0)(0, layer, routing, 2) is layer
+    # With the twin's gate and a pairing priced by the layer's replicas: the same choice; a phase
+    # whose checks found nothing skips the next call's check and routes static EP's split.
+    from moeless.placement.check_gate import CheckGate
+
+    gate, phase = CheckGate(check_s=0.5, window=1), ["prefill"]
+    relevel = relevel_for(model, lambda r, e, g: 1.0 * r / e, gate=gate, phase=lambda: phase[0])  # 5 / 4
+    assert np.allclose(relevel(0, layer, routing, 2).share, [0.2, 1, 1, 1, 0.8])
+    phase[0] = "decode"
+    even = Routing(torch.tensor([[0], [1], [2], [3]]), torch.ones(4, 1), torch.zeros(4, E))
+    assert relevel(0, layer, even, 2) is layer and gate.checks == 2  # nothing to save: backs off
+    assert relevel(0, layer, even, 2).share.tolist() == [1, 1, 1, 1, 0] and gate.skips == 1
+    assert np.allclose(relevel(0, layer, routing, 2).share, [0.2, 1, 1, 1, 0.8])  # the skip spent, decode checks again and pairs
 
 
 @settings(max_examples=80, deadline=None)
@@ -310,6 +322,6 @@ def test_route_check_floor_is_below_every_split_and_the_choice_below_planned_and
     relevelled = model.layer_time(whole, pair_tokens(whole, layer, model, 2), 2, "serial")
     assert floor <= min(planned, unsplit, relevelled) + 1e-9
     static = model.layer_time(whole, Placement.static(1, E, 2).layers[0], 2, "serial")
-    chosen, did, _ = actual_shares(whole, layer, model, 2, np.inf)
+    chosen, did, _, _ = actual_shares(whole, layer, model, 2, np.inf)
     assert not did
     assert model.layer_time(whole, chosen, 2, "serial") <= min(model.layer_time(whole, layer, 2, "serial"), static) + 1e-9

@@ -117,21 +117,23 @@ def split_expert_zero(forecast, cluster, previous, config):
 def test_moeless_shares_are_relevelled_on_the_actual_loads_and_pay_the_relevel_others_keep_theirs():
     from moeless.placement.planner import Planner
 
-    its = iterations([np.array([[20, 4, 4, 4]] * L), np.array([[2, 20, 4, 4]] * L)], phase="prefill")
+    its = iterations([np.array([[20, 4, 4, 4]] * L)] * 2 + [np.array([[2, 20, 4, 4]] * L)], phase="prefill")
     profile = CostProfile(**{**vars(PROFILE), "relevel_s": 3e-6, "relevel_check_s": 1e-6})
     config = PlannerConfig(model=profile.latency_model())
     times = {}
     for name in ("fixed-shares", "moeless-fixed-shares"):
         planner = Planner(name, split_expert_zero, config)
         times[name] = replay(planner, its, np.stack([i.load for i in its]), cluster(), profile).serial_s
+    # Iteration 0: the copies are loading; moeless's calls route static EP's split (24 tokens on GPU 0).
+    assert times["moeless-fixed-shares"][0].tolist() == pytest.approx([24e-6] * L)
     # Fixed shares: GPU 0 runs 0.9 x 20 + 4 = 22 tokens. Re-levelled: 8 of expert 0's tokens on GPU 1,
     # 16 tokens a GPU, plus the re-level (3 us) and the check that it pays (1 us).
-    assert times["fixed-shares"][0].tolist() == pytest.approx([22e-6] * L)
-    assert times["moeless-fixed-shares"][0].tolist() == pytest.approx([16e-6 + 3e-6 + 1e-6] * L)
+    assert times["fixed-shares"][1].tolist() == pytest.approx([22e-6] * L)
+    assert times["moeless-fixed-shares"][1].tolist() == pytest.approx([16e-6 + 3e-6 + 1e-6] * L)
     # Iteration 2: GPU 0 runs expert 0's 2 tokens (0.9 x 2, whole) beside expert 1's 20; a re-level
     # can save at most those 2 us, less than its 3 us, so the shares stay and only the check is paid.
-    assert times["fixed-shares"][1].tolist() == pytest.approx([22e-6] * L)
-    assert times["moeless-fixed-shares"][1].tolist() == pytest.approx([22e-6 + 1e-6] * L)
+    assert times["fixed-shares"][2].tolist() == pytest.approx([22e-6] * L)
+    assert times["moeless-fixed-shares"][2].tolist() == pytest.approx([22e-6 + 1e-6] * L)
 
 
 def test_a_relevel_costs_more_on_a_layer_of_more_replicas(tmp_path):
@@ -174,3 +176,28 @@ def test_cost_profile_round_trips_and_names_a_missing_field(tmp_path):
         CostProfile.from_json(path)
     with pytest.raises(ProfileError, match="no such cost profile"):
         CostProfile.from_json(tmp_path / "missing.json")
+
+
+def heavy_expert_zero_copied(forecast, cluster, previous, config):
+    """A test planner: static EP plus a replica of expert 0 on GPU 1 in every layer, shares 0.5 / 0.5."""
+    layer = LayerPlacement(np.array([0, 1, 2, 3, 0]), np.array([0, 0, 1, 1, 1]), np.array([0.5, 1, 1, 1, 0.5]))
+    return Placement(tuple(layer for _ in range(forecast.shape[0])), forecast.shape[1], cluster.num_gpus)
+
+
+@pytest.mark.parametrize("name", ["copies-waited-for", "moeless-copies"])
+def test_a_routed_planner_never_waits_for_a_load_and_uses_a_copy_once_it_has_landed(name):
+    from moeless.placement.planner import Planner
+
+    its = iterations([np.array([[8, 0, 0, 0]] * L)], phase="prefill")
+    profile = CostProfile(**{**vars(PROFILE), "load_s": {"disk": 1e-3, "host": 5e-6}})
+    record = replay(Planner(name, heavy_expert_zero_copied, PlannerConfig(model=profile.latency_model())), its,
+                    np.stack([i.load for i in its]), cluster(), profile, TwinSettings(distance=1))
+    # Static EP: GPU 0 runs expert 0's 8 tokens (8 us); with the copy 4 + 4. The copies load one after
+    # another on GPU 1 (5 us each), layer l's issued when layer max(l - 1, 0) starts.
+    if name == "copies-waited-for":  # the paper's model: each layer waits for its copy
+        assert record.exposed_s[0].tolist() == pytest.approx([5e-6, 1e-6, 1e-6])  # done at 5, 10, 15; starts 0, 9, 14
+        assert record.serial_s[0].tolist() == pytest.approx([4e-6] * L)
+    else:  # moeless serve's routed call: layers 0 and 1 start (0, 8 us) before their copies land (5... 10 us)
+        assert record.exposed_s[0].tolist() == [0.0] * L
+        assert record.serial_s[0].tolist() == pytest.approx([8e-6, 8e-6, 4e-6])  # layer 2's landed at 15 <= 16
+    assert record.loads[0].tolist() == [1] * L and record.resident[0].tolist() == [E + 1] * L
