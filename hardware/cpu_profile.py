@@ -23,7 +23,7 @@ from moeless.model.weight_store import export_experts
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.profile import CostProfile
 from moeless.placement.timing import (fastest_seconds, measure_relevel_check_s, measure_relevel_per_replica_s,
-                                      measure_relevel_s)
+                                      measure_relevel_s, measure_relevel_skip_s)
 
 
 def fit_line(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
@@ -81,11 +81,12 @@ def measure_profile(hidden: int, ffn: int, non_expert_bytes: int, repeats: int =
         relevel = measure_relevel_s(num_experts, num_gpus, relevel_model, repeats)
         check = measure_relevel_check_s(num_experts, num_gpus, relevel_model, repeats)
         per_replica = measure_relevel_per_replica_s(num_experts, num_gpus, relevel_model, repeats)
+        skip = measure_relevel_skip_s(num_experts, num_gpus, relevel_model, repeats)
     finally:
         torch.set_num_threads(saved_threads)
     profile = CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
                           expert_bytes=expert_bytes, non_expert_bytes=non_expert_bytes, relevel_s=relevel,
-                          relevel_check_s=check, relevel_per_replica_s=per_replica,
+                          relevel_check_s=check, relevel_per_replica_s=per_replica, relevel_skip_s=skip,
                           source=source or f"this machine's CPU, torch on {threads} thread(s), H={hidden} F={ffn} float32")
     facts = {"expert_shape": {"H": hidden, "F": ffn, "dtype": "float32"}, "torch_threads": threads,
              "ffn_tokens": token_counts, "ffn_seconds": ffn_s, "move_tokens": moved, "move_seconds": move_s}

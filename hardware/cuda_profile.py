@@ -26,7 +26,8 @@ from moeless.model.experts import expert_forward
 from moeless.model.weight_store import export_experts
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.profile import CostProfile
-from moeless.placement.timing import measure_relevel_check_s, measure_relevel_per_replica_s, measure_relevel_s
+from moeless.placement.timing import (measure_relevel_check_s, measure_relevel_per_replica_s, measure_relevel_s,
+                                      measure_relevel_skip_s)
 
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 MOVED = (256, 1024, 4096)
@@ -145,11 +146,13 @@ def measure_cuda_profile(geometry, repeats: int, *, num_experts: int, num_gpus: 
     relevel = measure_relevel_s(num_experts, num_gpus, relevel_model)
     check = measure_relevel_check_s(num_experts, num_gpus, relevel_model)
     per_replica = measure_relevel_per_replica_s(num_experts, num_gpus, relevel_model)
+    skip = measure_relevel_skip_s(num_experts, num_gpus, relevel_model)
     name = torch.cuda.get_device_name(dev)
     beta_note = "GPU0->GPU1 copies" if move_s else "roofline (one GPU: no link to measure)"
     profile = CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host},
                           expert_bytes=geometry.expert_bytes, non_expert_bytes=geometry.non_expert_bytes, relevel_s=relevel,
-                          relevel_check_s=check, relevel_per_replica_s=per_replica, source=f"measured on {name}: {geometry.name} experts H={h} F={f} {geometry.dtype}; beta from {beta_note}")
+                          relevel_check_s=check, relevel_per_replica_s=per_replica, relevel_skip_s=skip,
+                          source=f"measured on {name}: {geometry.name} experts H={h} F={f} {geometry.dtype}; beta from {beta_note}")
     facts = {"device": name, "geometry": geometry.name, "dtype": geometry.dtype, "expert_copies": num_copies,
              "ffn_tokens": list(TOKENS), "ffn_seconds": ffn_s, "move_tokens": list(MOVED) if move_s else [],
              "move_seconds": move_s, "beta_measured": bool(move_s), "gpus_visible": torch.cuda.device_count()}

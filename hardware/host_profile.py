@@ -29,7 +29,8 @@ import numpy as np
 from moeless.expert_fn.wire.routed import RoutedCall
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.profile import CostProfile
-from moeless.placement.timing import measure_relevel_check_s, measure_relevel_per_replica_s, measure_relevel_s
+from moeless.placement.timing import (measure_relevel_check_s, measure_relevel_per_replica_s, measure_relevel_s,
+                                      measure_relevel_skip_s)
 
 CALL_EXPERTS = (1, 2, 4, 8)
 CALL_TOKENS = (1, 4, 16, 64)
@@ -100,6 +101,7 @@ def calibrate_host(client, hidden: int, non_expert_bytes: int, num_experts: int,
                           relevel_s=measure_relevel_s(num_experts, num_hosts, model, repeats),
                           relevel_check_s=measure_relevel_check_s(num_experts, num_hosts, model, repeats),
                           relevel_per_replica_s=measure_relevel_per_replica_s(num_experts, num_hosts, model, repeats),
+                          relevel_skip_s=measure_relevel_skip_s(num_experts, num_hosts, model, repeats),
                           source=f"expert host {client.address}: one copy of each token per expert, medians of {repeats}, compute on the host's "
                                  "clock")
     return HostCosts(profile, fit["host_s"] + fit["c0"], fit)

@@ -62,11 +62,12 @@ class _Layer:
 
 class CheckGate:
     """Per-layer gate in front of `actual_shares` (module docstring). check_s: what one check
-    costs (the profile's check_s); window, max_backoff: the rule's two knobs."""
+    costs (the profile's check_s); window, max_backoff: the rule's two knobs (max_backoff 0: every
+    call checks, the gate's bookkeeping only)."""
 
     def __init__(self, check_s: float, window: int = WINDOW, max_backoff: int = MAX_BACKOFF) -> None:
-        if not check_s >= 0 or window < 1 or max_backoff < 1:
-            raise ValueError(f"CheckGate needs check_s >= 0, window >= 1, max_backoff >= 1; got {check_s}, {window}, {max_backoff}")
+        if not check_s >= 0 or window < 1 or max_backoff < 0:
+            raise ValueError(f"CheckGate needs check_s >= 0, window >= 1, max_backoff >= 0; got {check_s}, {window}, {max_backoff}")
         self.check_s, self.window, self.max_backoff = check_s, window, max_backoff
         self._layers: dict[tuple[int, str], _Layer] = {}
         self.checks = self.skips = 0
@@ -76,7 +77,9 @@ class CheckGate:
         """`actual_shares` for layer `index`'s call in `phase`, or static EP's split without the check (step 3)."""
         if layer.num_replicas == load.shape[0]:
             return Routed(layer, False, False)
-        state = self._layers.setdefault((index, phase), _Layer(deque(maxlen=self.window)))
+        state = self._layers.get((index, phase))
+        if state is None:
+            state = self._layers[(index, phase)] = _Layer(deque(maxlen=self.window))
         if state.adds_copies(layer, num_gpus):  # copies never held before: this call checks them
             state.skip = 0
         if state.skip > 0:
@@ -94,7 +97,7 @@ class CheckGate:
 def back_off(mean_saved_s: float, backoff: int, check_s: float, max_backoff: int) -> int:
     """Calls to skip after a check (steps 2-3): 0 where the records' mean beats check_s, else the
     last back-off doubled (at least 1, at most max_backoff)."""
-    return 0 if mean_saved_s > check_s else min(max(1, 2 * backoff), max_backoff)
+    return 0 if mean_saved_s > check_s or max_backoff == 0 else min(max(1, 2 * backoff), max_backoff)
 
 
 def _unsplit(state: _Layer, layer: LayerPlacement) -> LayerPlacement:

@@ -15,8 +15,10 @@ required; a missing or bad one is one clear error naming the file and the field.
      "relevel_check_s": s,               # optional: the check whether that re-level pays and
                                          # the choice of shares (`actual_shares`); absent:
                                          # counted as relevel_s
-     "relevel_per_replica_s": s}         # optional: what each replica past the E homes and G
+     "relevel_per_replica_s": s,         # optional: what each replica past the E homes and G
                                          # copies relevel_s was timed on adds (absent: 0)
+     "relevel_skip_s": s}                # optional: a call whose check the gate skips
+                                         # (placement/check_gate.py); absent: counted as the check
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ FIELDS = {
 }
 OPTIONAL = {"relevel_check_s": "seconds a serving replica takes to check whether a re-level pays (default: relevel_s)",
             "relevel_per_replica_s": "seconds each replica of a layer past its E homes and G copies adds to a re-level "
-                                     "(default 0)"}
+                                     "(default 0)",
+            "relevel_skip_s": "seconds a serving replica takes to route a call whose check the gate skips "
+                              "(default: relevel_check_s)"}
 
 
 class ProfileError(ValueError):
@@ -64,12 +68,18 @@ class CostProfile:
     source: str
     relevel_check_s: float | None = None
     relevel_per_replica_s: float = 0.0
+    relevel_skip_s: float | None = None
 
     @property
     def check_s(self) -> float:
         """The re-level check's seconds (relevel_s where the profile did not measure it: a check
         never costs more than the re-level it guards)."""
         return self.relevel_s if self.relevel_check_s is None else self.relevel_check_s
+
+    @property
+    def skip_s(self) -> float:
+        """A call's seconds where the gate skips the check (the check's where not measured)."""
+        return self.check_s if self.relevel_skip_s is None else self.relevel_skip_s
 
     def relevel_for(self, num_replicas: int, num_experts: int, num_gpus: int) -> float:
         """A re-level's seconds on a layer of num_replicas: relevel_s was timed on the E homes and a
@@ -118,6 +128,9 @@ class CostProfile:
             _check_number(check, f"{where}: relevel_check_s")
         per_replica = doc.get("relevel_per_replica_s", 0.0)
         _check_number(per_replica, f"{where}: relevel_per_replica_s")
+        skip = doc.get("relevel_skip_s")
+        if skip is not None:
+            _check_number(skip, f"{where}: relevel_skip_s")
         loads = doc["load_s"]
         if not isinstance(loads, dict) or set(TIERS) - set(loads):
             raise ProfileError(f"{where}: load_s must give seconds for every tier {list(TIERS)}, got {loads!r}")
@@ -127,7 +140,7 @@ class CostProfile:
         return CostProfile(float(doc["alpha"]), float(doc["beta"]), float(doc["call_overhead"]),
                            {t: float(loads[t]) for t in tiers}, int(doc["expert_bytes"]), int(doc["non_expert_bytes"]),
                            float(doc["relevel_s"]), str(doc["source"]), None if check is None else float(check),
-                           float(per_replica))
+                           float(per_replica), None if skip is None else float(skip))
 
     @staticmethod
     def from_json(path: str | Path) -> "CostProfile":

@@ -1,6 +1,8 @@
 """How long the data plane's own planning steps take on this machine: the pairing of one layer's
-tokens with its replicas on its actual loads (placement/dispatch.py) and the check whether it pays. The live loop charges them (its
-calibration on a host) and so does the twin (the cost profile's relevel_s and relevel_check_s)."""
+tokens with its replicas on its actual loads (placement/dispatch.py), the check whether it pays and
+a call whose check the gate skips (placement/check_gate.py). The live loop charges them (its
+calibration on a host) and so does the twin (the cost profile's relevel_s, relevel_check_s and
+relevel_skip_s)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ from typing import Callable
 
 import numpy as np
 
+from moeless.placement.check_gate import MAX_BACKOFF, CheckGate
 from moeless.placement.cluster import Cluster
 from moeless.placement.dispatch import pair_tokens
 from moeless.placement.full_replication import plan_full_replication
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement
 
 
@@ -41,11 +43,22 @@ def measure_relevel_s(num_experts: int, num_gpus: int, model: LatencyModel, repe
 
 
 def measure_relevel_check_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
-    """Seconds of one `actual_shares` that does not re-level (the check a serving replica runs on
-    every layer whose plan splits an expert, and the choice of shares it makes) on the layer
-    `measure_relevel_s` times with even shares. The fastest of repeats."""
+    """Seconds of one check that does not re-level (`actual_shares` through the gate that runs it,
+    check_gate.py: the check a serving replica runs on a layer that holds copies, the choice of
+    shares it makes and the gate's records) on the layer `measure_relevel_s` times with even
+    shares. The fastest of repeats."""
     load, layer = _split_layer(num_experts, num_gpus)
-    return fastest_seconds(lambda: actual_shares(load, layer, model, num_gpus, np.inf), repeats)
+    gate = CheckGate(0.0, max_backoff=0)  # every call checks
+    return fastest_seconds(lambda: gate.route(0, "prefill", load, layer, model, num_gpus, np.inf), repeats)
+
+
+def measure_relevel_skip_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:
+    """Seconds of one call whose check the gate skips (check_gate.py, step 3: static EP's split
+    routed), on the same layer. The fastest of repeats (a gate backed off skips all but one in
+    MAX_BACKOFF of them)."""
+    load, layer = _split_layer(num_experts, num_gpus)
+    gate = CheckGate(np.inf)  # no check pays: it backs off
+    return fastest_seconds(lambda: gate.route(0, "prefill", load, layer, model, num_gpus, np.inf), max(repeats, 2 * MAX_BACKOFF))
 
 
 def measure_relevel_per_replica_s(num_experts: int, num_gpus: int, model: LatencyModel, repeats: int = 50) -> float:

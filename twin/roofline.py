@@ -27,7 +27,8 @@ A profile's fields (seconds, bytes), for H hidden, F expert FFN, b bytes per wei
   7. relevel_s      = relevel_fixed_s + relevel_per_expert_s * E: the serving replica's re-level of a
                       layer on its CPU (not a GPU quantity; measured on this project's CPU) with a copy
                       of its G busiest experts, relevel_per_replica_s what each replica more adds, and
-     relevel_check_s the check whether that re-level pays (same CPU)
+     relevel_check_s the check whether that re-level pays, through the gate in front of it, and
+     relevel_skip_s a call whose check the gate skips (same CPU)
 Efficiency factors (`Efficiency`, below) are the fractions of datasheet peaks that real kernels
 reach, each with its reason; override them by keyword, `efficiency(**kw)` or a JSON file.
 
@@ -66,7 +67,11 @@ HOST_COPY_BW = 10e9  # one core's memcpy: parsing the file into (pinned) host me
 # drifts by up to 1.5x between runs, so the earlier constants are scaled by those ratios, beside
 # the check's unchanged 3.4 us, rather than replaced by one run's absolute times).
 RELEVEL_FIXED_S, RELEVEL_PER_EXPERT_S = 4.5e-6, 0.038e-6
-RELEVEL_CHECK_S = 3.4e-6
+# Since 2026-11-28 the check runs behind a gate (placement/check_gate.py): its records take 1.2-1.3x
+# the check's time and a skipped call 0.22-0.28x (E = 8, 64 on 8 GPUs, the fastest of 3 x 500, timed
+# in one run with the bare check; a loaded machine), so 3.4 us x 1.25 and x 0.25, rounded up.
+RELEVEL_CHECK_S = 4.3e-6
+RELEVEL_SKIP_S = 0.9e-6
 # Each replica past those E + G adds to the pairing (it walks every replica): measured 2026-11-28 (the
 # fastest of 300, an idle run) on full replication against E + G replicas: 6.5 -> 13.2 us at E = 64,
 # G = 8 (512 replicas), 7.5 -> 22.9 at E = 128, 7.5 -> 39.9 at E = 64, G = 32, 13.1 -> 292.5 at
@@ -90,6 +95,7 @@ class Efficiency:
     relevel_per_expert_s: float = RELEVEL_PER_EXPERT_S
     relevel_check_s: float = RELEVEL_CHECK_S
     relevel_per_replica_s: float = RELEVEL_PER_REPLICA_S
+    relevel_skip_s: float = RELEVEL_SKIP_S
 
     def __post_init__(self):
         for f in fields(self):
@@ -159,7 +165,8 @@ def roofline_profile(geometry: Geometry, gpu: GpuSpec, count: int = 1, eff: Effi
     relevel = e.relevel_fixed_s + e.relevel_per_expert_s * geometry.num_experts  # 7.
     return CostProfile(alpha=alpha, beta=beta, call_overhead=call, load_s={"disk": disk, "host": host, "peer": peer},
                        expert_bytes=expert, non_expert_bytes=geometry.non_expert_bytes, relevel_s=relevel, source=note,
-                       relevel_check_s=e.relevel_check_s, relevel_per_replica_s=e.relevel_per_replica_s)
+                       relevel_check_s=e.relevel_check_s, relevel_per_replica_s=e.relevel_per_replica_s,
+                       relevel_skip_s=e.relevel_skip_s)
 
 
 def resolve_profile(profile_path: str | Path | None, geometry: Geometry, gpu: GpuSpec, count: int = 1,

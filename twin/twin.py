@@ -33,8 +33,9 @@ The model, per iteration (docs/design.md, "What a plan costs" and "The paper's m
    serve` runs them (`actual_shares`): where a layer has copies, the batch is paired with them
    (placement/dispatch.py) where the most that can save beats relevel_s, paying relevel_s for
    it, and otherwise keeps the better of its planned shares and static EP's split; every such
-   call pays the profile's check_s, unless the check is gated off for it (placement/check_gate.py:
-   per layer and phase, recent checks that did not pay). The baselines keep their shares. Layer t + 1 starts when
+   call pays the profile's check_s, or its skip_s where the gate skips the check
+   (placement/check_gate.py: per layer and phase, recent checks that did not pay). The baselines
+   keep their shares. Layer t + 1 starts when
    layer t ends (serial time + exposed).
 4. Memory, two billing models: `resident`, every replica's bytes for the seconds it holds them
    (from its load's start to its eviction, or the end; per iteration, what is held after its
@@ -170,7 +171,7 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
                 relevel_s = profile.relevel_for(lp.num_replicas, num_experts, num_gpus)
                 routed = gate.route(l, it.phase, np.rint(actual[l]).astype(np.int64), lp, model, num_gpus, relevel_s)
                 lp = routed.layer
-                dispatch = (profile.check_s if routed.checked else 0.0) + (relevel_s if routed.paired else 0.0)
+                dispatch = (profile.check_s if routed.checked else profile.skip_s) + (relevel_s if routed.paired else 0.0)
             rec.serial_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "serial") + dispatch
             rec.paper_s[i, l] = model.layer_time(actual[l], lp, num_gpus, "paper") + dispatch
             start += rec.serial_s[i, l] + rec.exposed_s[i, l]

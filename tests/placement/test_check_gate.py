@@ -64,6 +64,10 @@ def test_copies_never_held_before_are_checked_at_once_and_one_replica_an_expert_
     assert not gate.route(1, "decode", np.array([9, 0, 0, 0]), static, MODEL, 2, 0.0).checked
 
 
-def test_bad_knobs_are_refused():
-    with pytest.raises(ValueError, match="max_backoff"):
-        CheckGate(check_s=1e-6, max_backoff=0)
+def test_max_backoff_zero_checks_every_call_and_bad_knobs_are_refused():
+    gate = CheckGate(check_s=1e-6, max_backoff=0)
+    assert all(r.checked for r in calls(gate, [[2, 2, 2, 2]] * 5))
+    with pytest.raises(ValueError, match="max_backoff >= 0"):
+        CheckGate(check_s=1e-6, max_backoff=-1)
+    with pytest.raises(ValueError, match="window >= 1"):
+        CheckGate(check_s=1e-6, window=0)

@@ -165,6 +165,14 @@ def test_cost_profile_round_trips_and_names_a_missing_field(tmp_path):
     assert PROFILE.relevel_check_s is None and PROFILE.check_s == PROFILE.relevel_s  # an older file: the check costs a re-level
     checked = CostProfile(**{**vars(PROFILE), "relevel_check_s": 2e-6})
     assert CostProfile.from_json(checked.to_json(tmp_path / "c.json")).check_s == 2e-6
+    assert checked.skip_s == 2e-6  # no skip measured: a skipped call costs the check
+    gated = CostProfile.from_json(CostProfile(**{**vars(checked), "relevel_skip_s": 5e-7}).to_json(tmp_path / "g.json"))
+    assert (gated.check_s, gated.skip_s) == (2e-6, 5e-7)
+    bad = json.loads((tmp_path / "g.json").read_text())
+    bad["relevel_skip_s"] = -1
+    (tmp_path / "g.json").write_text(json.dumps(bad))
+    with pytest.raises(ProfileError, match=r"g\.json: relevel_skip_s: expected a finite number >= 0"):
+        CostProfile.from_json(tmp_path / "g.json")
     doc = json.loads(path.read_text())
     del doc["alpha"]
     path.write_text(json.dumps(doc))
