@@ -178,6 +178,10 @@ def _frontier(cells: list[dict]) -> list[str]:
         rows = frontier_rows(c)
         for key in c["frontier"]:
             sel = {r["phase"]: r for r in rows if r["point"] == key}
+            if "unfit" in c["frontier"][key]:
+                out.append(f"| {c['model']} | {c['count']}x{c['gpu']} | {c['workload']} | {c['frontier'][key]['label']} | "
+                           f"does not fit: {c['frontier'][key]['unfit']} | - |")
+                continue
             cols = []
             for p in PHASES:
                 r = sel.get(p)

@@ -26,6 +26,7 @@ import numpy as np
 from moeless.placement.cluster import Cluster
 from moeless.placement.eplb_production import production_replicas
 from moeless.placement.planner import PlannerConfig
+from moeless.placement.types import PlacementError
 from moeless.twin.compare import Run, run_all
 from moeless.twin.iterations import Iteration
 from moeless.twin.twin import TwinSettings
@@ -54,7 +55,9 @@ def frontier_cell(iterations: Sequence[Iteration], forecasts: dict, cluster: Clu
                   settings: TwinSettings, neutral_price: float, bounds: dict[str, np.ndarray], progress=None) -> dict:
     """Every point replayed (the forecast kind: "history" for moeless, "previous" for EPLB, whose
     entry at i is the loads of i - 1, "perfect" for the forecast-blind) and summarised per phase,
-    with the bound and the offline reference (bounds: name -> [I, L] seconds)."""
+    with the bound and the offline reference (bounds: name -> [I, L] seconds). A point whose
+    layout does not fit the cluster (production EPLB's E + N on GPUs too small) has no phases and
+    says why ("unfit")."""
     d = settings.distance
     num_experts = iterations[0].load.shape[1]
     phase = np.array([it.phase for it in iterations])
@@ -64,8 +67,12 @@ def frontier_cell(iterations: Sequence[Iteration], forecasts: dict, cluster: Clu
         factor = extra.pop("price_factor", None)
         config = replace(base, **extra, **({} if factor is None else {"gb_s_price": neutral_price * factor}))
         kind = "history" if planner.startswith("moeless") else "previous" if planner.startswith("eplb") else "perfect"
-        record = run_all([Run(planner, kind, d)], iterations, forecasts, cluster, profile, config, settings,
-                         progress)[Run(planner, kind, d)]
+        try:
+            record = run_all([Run(planner, kind, d)], iterations, forecasts, cluster, profile, config, settings,
+                             progress)[Run(planner, kind, d)]
+        except PlacementError as err:  # this way of spending memory does not fit the cluster: said, not run
+            out[key] = {"label": label, "planner": planner, "phases": {}, "unfit": str(err)}
+            continue
         time, gb_s = record.layer_time("serial"), record.gb_s("resident")
         out[key] = {"label": label, "planner": planner, "phases": {p: {"mean_s": float(time[phase == p].mean()),
                                                                        "gb_s": float(gb_s[phase == p].sum())}
@@ -87,7 +94,9 @@ def frontier_rows(cell: dict) -> list[dict]:
             continue
         gap = static["mean_s"] - bound["mean_s"]
         for key, point in frontier.items():
-            f = point["phases"][p]
+            f = point["phases"].get(p)
+            if f is None:  # a point that does not fit the cluster
+                continue
             rows.append({"model": cell["model"], "gpu": f"{cell['count']}x{cell['gpu']}", "workload": cell["workload"],
                          "phase": p, "point": key, "label": point["label"], "mean_ms": 1e3 * f["mean_s"],
                          "vs_static": f["mean_s"] / static["mean_s"],
