@@ -19,6 +19,7 @@ from moeless.placement.planner import get_planner, relevels
 from moeless.placement.profile import CostProfile, ProfileError
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
+from moeless.placement.check_gate import CheckGate
 from moeless.placement.dispatch import pair_tokens
 from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement, Placement
@@ -289,8 +290,6 @@ def test_actual_shares_relevel_where_the_best_saving_beats_the_cost_else_route_t
     assert relevel_for(model, 11.0)(0, layer, routing, 2) is layer
     # With the twin's gate and a pairing priced by the layer's replicas: the same choice; a phase
     # whose checks found nothing skips the next call's check and routes static EP's split.
-    from moeless.placement.check_gate import CheckGate
-
     gate, phase = CheckGate(check_s=0.5, window=1), ["prefill"]
     relevel = relevel_for(model, lambda r, e, g: 1.0 * r / e, gate=gate, phase=lambda: phase[0])  # 5 / 4
     assert np.allclose(relevel(0, layer, routing, 2).share, [0.2, 1, 1, 1, 0.8])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moeless.twin.iterations import Iteration
-from moeless.placement.planner import PlannerConfig, get_planner
+from moeless.placement.planner import Planner, PlannerConfig, get_planner
 from moeless.placement.profile import CostProfile, ProfileError
 from moeless.twin.twin import TwinSettings, replay
 from moeless.placement.cluster import Cluster
@@ -115,8 +115,6 @@ def split_expert_zero(forecast, cluster, previous, config):
 
 
 def test_moeless_shares_are_relevelled_on_the_actual_loads_and_pay_the_relevel_others_keep_theirs():
-    from moeless.placement.planner import Planner
-
     its = iterations([np.array([[20, 4, 4, 4]] * L)] * 2 + [np.array([[2, 20, 4, 4]] * L)], phase="prefill")
     profile = CostProfile(**{**vars(PROFILE), "relevel_s": 3e-6, "relevel_check_s": 1e-6})
     config = PlannerConfig(model=profile.latency_model())
@@ -194,8 +192,6 @@ def heavy_expert_zero_copied(forecast, cluster, previous, config):
 
 @pytest.mark.parametrize("name", ["copies-waited-for", "moeless-copies"])
 def test_a_routed_planner_never_waits_for_a_load_and_uses_a_copy_once_it_has_landed(name):
-    from moeless.placement.planner import Planner
-
     its = iterations([np.array([[8, 0, 0, 0]] * L)], phase="prefill")
     profile = CostProfile(**{**vars(PROFILE), "load_s": {"disk": 1e-3, "host": 5e-6}})
     record = replay(Planner(name, heavy_expert_zero_copied, PlannerConfig(model=profile.latency_model())), its,
