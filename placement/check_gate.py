@@ -12,7 +12,8 @@ differ, and they alternate), the doubling back-off of a retransmit timer applied
    lead over the unsplit ones; else 0).
 2. Where the mean of the last WINDOW such records beats check_s, the next call checks again.
 3. Otherwise the next `backoff` calls skip it and route static EP's split (each expert on its first
-   replica: a moeless plan lists its homes first), costing nothing; backoff doubles on each check
+   replica: a moeless plan lists its homes first), costing only the gate's own lookup (the
+   profile's relevel_skip_s, ~0.25x a check); backoff doubles on each check
    that does not pay, up to MAX_BACKOFF, and returns to 0 on one that does.
 4. A call whose layer holds a replica the layer never held before checks at once (its records say
    nothing of that copy); copies dropped, or held again, are nothing new.
@@ -42,7 +43,7 @@ MAX_BACKOFF = 64  # calls skipped at most between two checks of a layer whose co
 
 @dataclass
 class _Layer:
-    saved: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    saved: deque  # the last `window` checks' records
     skip: int = 0
     backoff: int = 0
     replicas: LayerPlacement | None = None  # the layer object last routed
