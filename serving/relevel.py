@@ -28,9 +28,8 @@ def relevel_for(model: LatencyModel, cost_s: float | PairingCost, split: bool = 
     per-layer, per-phase gate in front of the check (phase() names the batch's phase)."""
 
     def relevel(layer: int, placement: LayerPlacement, routing: Routing, num_hosts: int) -> LayerPlacement:
-        num_experts = int(placement.expert.max()) + 1
-        load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
-        pairing_s = cost_s(placement.num_replicas, num_experts, num_hosts) if callable(cost_s) else cost_s
+        load = _call_load(placement, routing)
+        pairing_s = cost_s(placement.num_replicas, load.shape[0], num_hosts) if callable(cost_s) else cost_s
         if gate is None:
             return actual_shares(load, placement, model, num_hosts, pairing_s, split).layer
         return gate.route(layer, phase(), load, placement, model, num_hosts, pairing_s, split).layer
@@ -41,6 +40,9 @@ def relevel_for(model: LatencyModel, cost_s: float | PairingCost, split: bool = 
 def routed_shares(placement: LayerPlacement, routing: Routing, num_hosts: int, model: LatencyModel, cost_s: float,
                   split: bool = True) -> Routed:
     """`actual_shares` on the tokens per expert the gate's routing gives this layer call."""
-    num_experts = int(placement.expert.max()) + 1
-    load = np.bincount(routing.idx.numpy().reshape(-1), minlength=num_experts)
-    return actual_shares(load, placement, model, num_hosts, cost_s, split)
+    return actual_shares(_call_load(placement, routing), placement, model, num_hosts, cost_s, split)
+
+
+def _call_load(placement: LayerPlacement, routing: Routing) -> np.ndarray:
+    """[E] tokens per expert of this layer call, E the placement's experts."""
+    return np.bincount(routing.idx.numpy().reshape(-1), minlength=int(placement.expert.max()) + 1)

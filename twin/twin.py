@@ -50,10 +50,10 @@ from typing import Sequence
 
 import numpy as np
 
+from moeless.placement.check_gate import CheckGate
 from moeless.placement.cluster import Cluster
 from moeless.placement.planner import Planner, initial_placement
 from moeless.placement.profile import CostProfile
-from moeless.placement.check_gate import CheckGate
 from moeless.placement.shares import landed
 from moeless.twin.hosts import TwinClock, TwinHosts, pairs_of
 from moeless.twin.iterations import Iteration
@@ -162,7 +162,8 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
             rec.cold_s[i, l] = float(per_gpu.max()) * model.cold_start
             waits = bool(cold.size or pending.any())
             if waits and planner.relevels and loop is None:  # the data plane routes over what has landed
-                usable = hosts.resident[l, lp.expert, lp.gpu] | (hosts.ready[l, lp.expert, lp.gpu] <= now + start)
+                usable = hosts.resident[l, lp.expert, lp.gpu] | (hosts.loading[l, lp.expert, lp.gpu]
+                                                                 & (hosts.ready[l, lp.expert, lp.gpu] <= now + start))
                 if np.bincount(lp.expert[usable], minlength=num_experts).all():
                     lp, waits = landed(lp, usable, num_experts), False
             rec.exposed_s[i, l] = max(done - (now + start), 0.0) if waits else 0.0
