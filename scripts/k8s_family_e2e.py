@@ -2,25 +2,29 @@
 (docs/kubernetes.md, "A base and its fine-tunes"; slow, not in CI). The node, images and cleanup are
 scripts/k8s_helm_release.py's, the release scripts/k8s_pool_release.py's with these models: the default model
 (policy `smollm`) and the fine-tunes `code` and `chat` of `moeless model finetune` over it (policies `smollm-code`,
-`smollm-chat`, `pool.models[].base: smollm`), each with its own serving Deployment (`moeless serve --model
-default+NAME`) on one host pod. Their stores are written into the pool's directory, each fine-tune's over the
-base's (its index names the base's files: the host holds each shared expert once).
+`smollm-chat`, `pool.models[].base: smollm`) on one host pod, served by one Deployment for the family (the chart's
+default: `moeless serve --model default --model default+code --model default+chat`, one engine batching the three,
+serving/family.py) or, with --engines per-model, each by its own (`moeless serve --model default+NAME`,
+pool.models[].ownEngine). Their stores are written into the pool's directory, each fine-tune's over the base's (its
+index names the base's files: the host holds each shared expert once).
 
     moeless model finetune --name code --task humaneval    # once (about 8 min each on 2 cores)
     moeless model finetune --name chat --task sharegpt
     dockerd --bridge=none --iptables=false --ip-masq=false --ip6tables=false &
-    .venv/bin/python scripts/k8s_family_e2e.py [--ref HEAD] [--finetunes DIR]
+    .venv/bin/python scripts/k8s_family_e2e.py [--ref HEAD] [--finetunes DIR] [--engines one|per-model]
 
 Checks, all from outside the pods: the host runs the base's store first and both fine-tunes'; a request to each
 model is answered exactly (each merged model's greedy completion in process, computed here); the experts the three
 share are held once (the host's /metrics: its resident replicas are each model's own plus the shared ones once,
 fewer than the models use together, at most the union of the three stores' keys); per-model GB·s in `kubectl get
-eap` add up to the pool's, each fine-tune paying a shared part; `helm uninstall` leaves nothing.
+eap` add up to the pool's, each fine-tune paying a shared part; with one engine, one serving pod answers all three
+(its /v1/models) and only the base's policy bills non-expert GB·s (held once); `helm uninstall` leaves nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -60,7 +64,12 @@ class FamilyRun(PoolRun):
 
     models = FAMILY
     keep_warm = None
-    serving_cpu = "300m"  # three serving pods, the host and the operator on the node's 2 cores
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.fine_tunes_own_engine = args.engines == "per-model"
+        # the serving pods (three, or one), the host and the operator on the node's 2 cores
+        self.serving_cpu = "300m" if self.fine_tunes_own_engine else "800m"
 
     def run(self) -> int:
         missing = self.finetunes_in_cache()
@@ -71,8 +80,9 @@ class FamilyRun(PoolRun):
         return super().run()
 
     def checks_in_order(self) -> list:
-        return [self.check_base_first, self.check_each_model_exact, self.check_experts_held_once,
-                self.check_billing_adds_up, self.check_fine_tunes_pay_a_shared_part]
+        checks = [self.check_base_first, self.check_each_model_exact, self.check_experts_held_once,
+                  self.check_billing_adds_up, self.check_fine_tunes_pay_a_shared_part]
+        return checks if self.fine_tunes_own_engine else [*checks, self.check_one_engine_for_the_family]
 
     def finetunes_in_cache(self) -> list[str]:
         """The fine-tunes this run serves, copied into the model cache the serving pods mount (where `moeless serve
@@ -131,6 +141,21 @@ class FamilyRun(PoolRun):
                            time.monotonic() - start)
 
 
+    def check_one_engine_for_the_family(self) -> None:
+        """One serving pod answers the base and both fine-tunes (its /v1/models lists them), and the non-expert
+        weights it holds once are billed once: the base's policy has non-expert GB·s, the fine-tunes' none."""
+        start = time.monotonic()
+        pods = [p for p in self.pods("serving") if not p["metadata"].get("deletionTimestamp")]
+        port = self.models["smollm"].port
+        listed = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10).read())["data"]
+        billed = {p: self.eap_of(p)["status"]["cost"].get("nonExpertGBSeconds", 0.0) for p in self.models}
+        ok = (len(pods) == 1 and sorted(m["id"] for m in listed) == sorted(self.served.values())
+              and billed["smollm"] > 0 and not any(billed[p] for p in self.models if p != "smollm"))
+        self.checks.record("one serving pod for the family: it answers all three, its non-expert GB·s billed once", ok,
+                           f"{len(pods)} serving pods; /v1/models on :{port}: {[m['id'] for m in listed]}; "
+                           f"eap nonExpertGBSeconds {billed}", time.monotonic() - start)
+
+
 def main() -> int:
     from moeless.core.paths import cache_dir  # the default of --finetunes: the cache `moeless model finetune` writes to
 
@@ -140,6 +165,8 @@ def main() -> int:
     parser.add_argument("--finetunes", default=str(cache_dir() / "finetunes"), metavar="DIR",
                         help=f"the directory holding the fine-tunes {', '.join(FINETUNES)} (`moeless model finetune` "
                              "writes them to $MOELESS_CACHE/finetunes/NAME, the default); copied into the model cache")
+    parser.add_argument("--engines", choices=("one", "per-model"), default="one",
+                        help="one serving app for the family (the chart's default) or one per model (ownEngine)")
     return run_checks(FamilyRun(parser.parse_args()), "k8s_family_e2e")
 
 

@@ -80,22 +80,30 @@ def model_meters(name: str) -> dict[str, float]:
 class PoolRelease(Release):
     """The pool release: each model's requests, serving pod and policy, the pool, and installing it all.
     models: the pool's models by policy; keep_warm: the index of the one that keeps KEEP_WARM replicas warm
-    (None: none does); serving_cpu: each serving pod's CPU request (they share the node's cores)."""
+    (None: none does); serving_cpu: each serving pod's CPU request (they share the node's cores);
+    fine_tunes_own_engine: a fine-tune gets a serving app of its own (pool.models[].ownEngine), not its base's."""
 
     models: dict[str, Served] = MODELS
     keep_warm: int | None = 1
     serving_cpu = "400m"
+    fine_tunes_own_engine = False
+
+    def app_of(self, policy: str) -> str:
+        """The policy whose serving app answers this model's requests: a fine-tune's base's, unless it has its own."""
+        base = self.models[policy].base
+        return base if base and not self.fine_tunes_own_engine else policy
 
     def complete(self, policy: str, prompt: str, timeout: float = 300) -> tuple[str, float]:
         from openai import OpenAI  # the test extra; the checks above run without it
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{self.models[policy].port}/v1", api_key="none", timeout=timeout, max_retries=0)
+        port = self.models[self.app_of(policy)].port
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=timeout, max_retries=0)
         start = time.perf_counter()
         reply = client.completions.create(model=self.served[policy], prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         return reply.choices[0].text, time.perf_counter() - start
 
     def serving_pod_of(self, policy: str) -> dict:
-        pods = [p for p in self.kubectl.json("get", "pods", "-n", NS, "-l", f"moeless.io/serves={policy}")["items"]
+        pods = [p for p in self.kubectl.json("get", "pods", "-n", NS, "-l", f"moeless.io/serves={self.app_of(policy)}")["items"]
                 if not p["metadata"].get("deletionTimestamp")]
         assert len(pods) == 1, f"{len(pods)} serving pods of {policy}"
         return pods[0]
@@ -163,7 +171,7 @@ class PoolRelease(Release):
                                "drainSeconds": 5},
                      "models": [{"name": policy, "store": f"/models/{policy}", "port": m.port,
                                  **({"model": m.flag} if m.flag != "default" else {}),
-                                 **({"base": m.base} if m.base else {}),
+                                 **({"base": m.base, "ownEngine": self.fine_tunes_own_engine} if m.base else {}),
                                  **({"keepWarmGiB": (KEEP_WARM + 0.5) * self.expert_bytes / 2**30}
                                     if i == self.keep_warm else {}),
                                  "guaranteedGiB": 0.05, "serving": {"keepAliveSeconds": KEEP_ALIVE_S}}
@@ -181,7 +189,7 @@ class PoolRelease(Release):
         self.helm_cmd("install", RELEASE, str(ROOT / "helm" / "moeless"), "-n", NS, "--create-namespace", "-f", str(path))
         self.installed = True
         self.wait_hosts(1, timeout=300)
-        for policy, port in ((p, m.port) for p, m in self.models.items()):
+        for policy, port in ((p, m.port) for p, m in self.models.items() if self.app_of(p) == p):
             wait_for(lambda: pod_ready(self.serving_pod_of(policy)), timeout=900, every=2, what=f"{policy}'s serving pod")
             wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).status == 200,
                      timeout=300, every=2, what=f"{policy}'s /healthz 200")

@@ -77,7 +77,8 @@ class ModelServer:
                                                                              self.pool.slots))
         self.waker = waker_for(config.pool_source)  # a k8s pool at zero is woken by the request that finds it so
         if config.family:  # its ESFT fine-tunes in this engine: each token to its own model's experts
-            self.executor = FamilyExecutor(self.pool, self.source, (config.host_model, *config.family), waker=self.waker)
+            members = (config.host_model, *(config.family_hosts or config.family))  # the hosts' names for them
+            self.executor = FamilyExecutor(self.pool, self.source, members, waker=self.waker)
         else:
             self.executor = RemoteExecutor(self.pool, self.source, waker=self.waker)
         self.follower = None

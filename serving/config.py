@@ -56,9 +56,10 @@ class ServeConfig:
     transport: str = "auto"  # expert calls: shared memory to hosts on this machine, else TCP, else gRPC
     client_poll_s: float = 0.0  # the data channels spin this long for an answer before blocking (expert_fn/wire/polling.py)
     host_model: str | None = None  # the name the expert hosts serve this model by (None: their only one)
-    # ESFT fine-tunes of this model served by the same engine (serving/family.py), each by its name,
-    # which is also the name the hosts serve it by.
+    # ESFT fine-tunes of this model served by the same engine (serving/family.py), each by its name, and
+    # the names the hosts serve them by, in the same order (() - their names: the local hosts' stores).
     family: tuple[str, ...] = ()
+    family_hosts: tuple[str, ...] = ()
     placement_board: str | None = None  # follow placements published under this name (controller/planning/board.py)
     drain_signal: str | None = None  # drain when this signal is raised (shutdown.py)
     # The live loop (serving/live.py, controller/planning/actor.py): the knobs, the loop actor's name (None: no loop,
@@ -91,6 +92,8 @@ class ServeConfig:
                              f"got {self.replica_gpus}")
         if self.family and not self.host_model:
             raise ValueError("a family (fine-tunes in this model's engine) needs host_model: the name the hosts serve it by")
+        if self.family_hosts and len(self.family_hosts) != len(self.family):
+            raise ValueError(f"family_hosts names {len(self.family_hosts)} fine-tunes, family {len(self.family)}")
         if self.plan_loop and not (self.knobs and self.placement_board):
             raise ValueError("the live loop (plan_loop) needs knobs and a placement_board to publish on")
 

@@ -78,15 +78,15 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
 
     base_knobs = knobs or Knobs()
     remote = pool_source(os.environ[HOSTS_ENV]) if os.environ.get(HOSTS_ENV) else None
+    choices = [choose_model(name) for name in models]
+    if remote and len(choices) > 1:
+        _check_remote_family(choices, remote)
     stop = _stop_on_signals()
-    if remote and len(models) > 1:
-        raise KnobError(f"{HOSTS_ENV}: several models need the local expert hosts (one pool serving them all)")
     # 1. Each model (its knobs checked) and its weight store; a fine-tune's over its base's (written
     #    first, served or not), so the hosts hold each expert they share once.
     served = []  # (choice, spec, knobs, store)
     written: dict[str, Path] = {}
-    for name in models:
-        choice = choose_model(name)
+    for choice in choices:
         print(f"loading model {choice.name} ...", flush=True)
         loaded = (choice.first_load or choice.loader)()
         served.append((choice, loaded.spec, _knobs_for(base_knobs, loaded.spec),
@@ -120,7 +120,8 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                                        predictor_file=predictor_file if not several else None,
                                        client_poll_s=poll_s, knob_file=knob_file, transport=transport,
                                        micro_batches=micro_batches, micro_batch_tokens=micro_batch_tokens,
-                                       host_model=c.name if several else getattr(remote, "model", None),
+                                       host_model=getattr(remote, "model", None) if remote else
+                                       (c.name if several else None), family_hosts=getattr(remote, "family", ()),
                                        device=device, replica_gpus=replica_gpus)
                            for c, _, k, _ in served if c.name in family]
                 serve.run(build_app(configs), name="moeless", route_prefix="/")
@@ -163,6 +164,22 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
             if supervisor is not None:
                 supervisor.stop()
                 print("stopping the expert hosts ...", flush=True)
+
+
+def _check_remote_family(choices: list, remote) -> None:
+    """Several models on hosts from $MOELESS_EXPERT_HOSTS are one engine (serving/family.py): the first model
+    and fine-tunes of it that change only experts, the pool's address naming what its hosts serve each
+    fine-tune by (&family=, in --model's order). KnobError says what is not so."""
+    base, tunes = choices[0], choices[1:]
+    for c in tunes:
+        if not (c.base is not None and c.base.name == base.name and c.joins_base):
+            raise KnobError(f"--model {c.name}: on the expert hosts of ${HOSTS_ENV} several models are one engine, the "
+                            f"first ({base.name}) and fine-tunes of it that change only experts (ESFT, a LoRA on "
+                            "experts); serve this one in an app of its own")
+    family = getattr(remote, "family", ())
+    if len(family) != len(tunes):
+        raise KnobError(f"${HOSTS_ENV}: serving {', '.join(c.name for c in tunes)} in {base.name}'s engine needs the "
+                        f"names the pool's hosts serve them by, in that order (&family=NAME,...); it names {len(family)}")
 
 
 def _families(choices: list) -> dict[str, tuple[str, ...]]:

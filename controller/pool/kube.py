@@ -51,6 +51,7 @@ class KubePodSource:
     kubeconfig: str | None = None
     pool: str | None = None  # the ExpertPool whose hosts serve the policy's model (None: the policy's own)
     model: str | None = None  # the name the pool's hosts serve the model by (None: their only one)
+    family: tuple[str, ...] = ()  # the names they serve the fine-tunes in this model's engine by (serving/family.py)
 
     def members(self) -> list[Member]:
         """The pods now, from this process's watch of them (ListWatchError until it has listed them)."""

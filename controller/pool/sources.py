@@ -5,10 +5,12 @@ placement's GPU count) when serving starts, `source.slots_now()` its size now an
 `source.members()` the members now (controller/pool/host_pool.py applies them):
 
     host:port[,host:port...] | dns:///NAME:PORT     a fixed list (controller/pool/addresses.py)
-    k8s://NAMESPACE/POLICY:PORT?slots=N[&hostNetwork=true][&pool=POOL[&model=NAME]]
+    k8s://NAMESPACE/POLICY:PORT?slots=N[&hostNetwork=true][&pool=POOL[&model=NAME[&family=F1,F2...]]]
                                                     the pods of the policy's StatefulSet, or
                                                     of ExpertPool POOL's, which serve the policy's
-                                                    model by NAME (default: the policy's name)
+                                                    model by NAME (default: the policy's name) and
+                                                    the fine-tunes its engine serves too by F1, F2 ...
+                                                    (`moeless serve`'s --model after the first, in order)
     file://PATH                                     a JSON file a local supervisor rewrites
 
 On Kubernetes the members are the policy's pods, read through the API server (controller/pool/kube.py).
@@ -112,13 +114,16 @@ def pool_source(value: str) -> PoolSource:
     query = {k: v[-1] for k, v in parse_qs(url.query).items()}
     if not (namespace and policy and port.isdigit() and query.get("slots", "").isdigit() and int(query["slots"]) > 0):
         raise KnobError(f"{HOSTS_ENV}: {value!r} is not {K8S}NAMESPACE/POLICY:PORT?slots=N[&hostNetwork=true]"
-                        "[&pool=POOL[&model=NAME]] (N: the pool's hosts.maxHosts)")
-    if query.get("model") and not query.get("pool"):
+                        "[&pool=POOL[&model=NAME[&family=F1,F2...]]] (N: the pool's hosts.maxHosts)")
+    if (query.get("model") or query.get("family")) and not query.get("pool"):
         raise KnobError(f"{HOSTS_ENV}: {value!r} names a model without a pool (&pool=POOL&model=NAME)")
+    family = tuple(query.get("family", "").split(",")) if query.get("family") else ()
+    if not all(family):
+        raise KnobError(f"{HOSTS_ENV}: {value!r}: family must list the fine-tunes' names, comma-separated, none empty")
     pool = query.get("pool") or None
     return KubePodSource(namespace, policy, int(port), int(query["slots"]),
                          query.get("hostNetwork", "false").lower() in ("1", "true", "yes"),
-                         pool=pool, model=(query.get("model") or policy) if pool else None)
+                         pool=pool, model=(query.get("model") or policy) if pool else None, family=family)
 
 
 class PoolFollower:

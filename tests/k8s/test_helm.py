@@ -263,6 +263,47 @@ def test_template_of_one_pool_for_several_models(helm, pool_values):
     assert "--store smollm=/models/smollm --store mixtral-tiny=/models/mixtral-tiny --share smollm=1.07374" in command
 
 
+FAMILY_VALUES = {"pool": {"enabled": True, "storage": {"hostPath": "/srv/models", "mountPath": "/models"},
+                          "models": [{"name": "smollm", "store": "/models/smollm"},
+                                     {"name": "code", "store": "/models/code", "base": "smollm", "model": "default+code"},
+                                     {"name": "chat", "store": "/models/chat", "base": "smollm", "model": "default+chat"},
+                                     {"name": "lora", "store": "/models/lora", "base": "smollm", "model": "default+lora",
+                                      "ownEngine": True}]}}
+
+
+def test_template_serves_a_base_and_its_fine_tunes_in_one_app(helm, tmp_path):
+    """A fine-tune (base set) is served by its base's app, one engine for the family (serving/family.py):
+    one Deployment running every member's --model, its pool address naming the hosts' names for the
+    fine-tunes (&family=), a Service per model pointing there, the non-expert weights billed once (the
+    base's policy); ownEngine keeps an app of its own. A fine-tune that cannot join is refused naming it."""
+    path = tmp_path / "family.yaml"
+    path.write_text(yaml.safe_dump(FAMILY_VALUES))
+    docs = render(helm, values=path)
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    assert sorted(deployments) == ["t-moeless-operator", "t-moeless-serving-lora", "t-moeless-serving-smollm"]
+    container = deployments["t-moeless-serving-smollm"]["spec"]["template"]["spec"]["containers"][0]
+    command = container["command"][container["command"].index("--transport") + 2:]
+    assert command == ["--model", "default", "--model", "default+code", "--model", "default+chat"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MOELESS_EXPERT_HOSTS"] == f"k8s://{NS}/smollm:50051?slots=8&pool=t-pool&model=smollm&family=code,chat"
+    lora = deployments["t-moeless-serving-lora"]["spec"]["template"]["spec"]["containers"][0]
+    assert lora["command"][-2:] == ["--model", "default+lora"]
+    services = {d["metadata"]["name"]: d["spec"]["selector"]["moeless.io/serves"] for d in docs if d["kind"] == "Service"
+                and d["metadata"]["name"].startswith("t-moeless-serving-")}
+    assert services == {"t-moeless-serving-smollm": "smollm", "t-moeless-serving-code": "smollm",
+                        "t-moeless-serving-chat": "smollm", "t-moeless-serving-lora": "lora"}
+    billed = {d["metadata"]["name"]: parse_spec(d["spec"]).non_expert_deployment for d in docs
+              if d["kind"] == "ExpertAutoscalingPolicy"}
+    assert billed == {"smollm": "t-moeless-serving-smollm", "code": None, "chat": None, "lora": "t-moeless-serving-lora"}
+    for models, words in (([{"name": "b", "store": "/b"}, {"name": "c", "store": "/c", "base": "b"}],
+                           "pool.models[c].model: a fine-tune served in its base's app needs BASE+FINETUNE"),
+                          ([{"name": "c", "store": "/c", "base": "x", "model": "default+c"}],
+                           "pool.models[c].base: x is not a model of pool.models")):
+        path.write_text(yaml.safe_dump({"pool": {**FAMILY_VALUES["pool"], "models": models}}))
+        bad = helm_run(helm, "template", "t", str(CHART), "-f", str(path), check=False)
+        assert bad.returncode != 0 and words in bad.stderr
+
+
 def test_every_rendered_object_passes_a_server_side_dry_run(helm, kubectl, pool_values):
     kubectl("apply", "-f", str(CHART / "crds"))
     for crd in ("expertautoscalingpolicies", "expertpools"):

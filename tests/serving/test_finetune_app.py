@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from moeless.controller.knobs import KnobError
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.model.finetune import FinetuneError, base_record, merge_experts, save_esft
@@ -52,9 +53,10 @@ def test_a_fine_tune_is_named_after_its_base_and_loads_merged(cache):
     assert "\n" not in str(err.value) and str(err.value).startswith("fine-tune code")
 
 
-@pytest.mark.parametrize("engines", ["one", "per_model"])
+@pytest.mark.parametrize("engines", ["one", "one_hosts_naming_them_otherwise", "per_model"])
 def test_one_app_serves_a_base_and_its_fine_tunes_each_exactly(cache, ray_serve, reference_text, engines):
-    """One engine for the base and its ESFT fine-tunes (serving/family.py), or one engine per model."""
+    """One engine for the base and its ESFT fine-tunes (serving/family.py), or one engine per model. The
+    hosts may serve them by other names than clients use (a pool's: its policies', family_hosts)."""
     import httpx
     from ray import serve
 
@@ -63,11 +65,15 @@ def test_one_app_serves_a_base_and_its_fine_tunes_each_exactly(cache, ray_serve,
 
     choices = [choose_model(m) for m in ("tiny:mixtral", "tiny:mixtral+code", "tiny:mixtral+chat")]
     models, written = {c.name: c.loader() for c in choices}, {}
-    stores = [(c.name, _store(c, models[c.name], written)) for c in choices]
+    renamed = engines == "one_hosts_naming_them_otherwise"
+    on_hosts = {c.name: (f"policy-{i}" if renamed else c.name) for i, c in enumerate(choices)}
+    stores = [(on_hosts[c.name], _store(c, models[c.name], written)) for c in choices]
     with launch_local_hosts(2, stores, keep_alive_s=60, metrics=False) as group:
-        family = tuple(c.name for c in choices[1:]) if engines == "one" else ()
+        family = tuple(c.name for c in choices[1:]) if engines != "per_model" else ()
+        hosts_family = tuple(on_hosts[n] for n in family) if renamed else ()
         configs = [ServeConfig(c.name, c.loader, tuple(group.addresses), replica_cpus=0.1, ingress_cpus=0.1,
-                               host_model=c.name, family=family if c is choices[0] else ())
+                               host_model=on_hosts[c.name], family=family if c is choices[0] else (),
+                               family_hosts=hosts_family if c is choices[0] else ())
                    for c in (choices[:1] if family else choices)]
         serve.run(build_app(configs), name="moeless", route_prefix="/")
         listed = httpx.get(ray_serve + "/v1/models", timeout=30).json()["data"]
@@ -96,6 +102,27 @@ def test_moeless_serve_runs_a_base_and_a_fine_tune_on_the_same_hosts(cache):
                           capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "moeless is serving tiny-mixtral, tiny-mixtral+code at" in proc.stdout and "\nassistant: " in proc.stdout
+
+
+def test_moeless_serve_on_given_hosts_serves_one_family_engine_and_says_what_it_needs(cache, capsys):
+    """On hosts from $MOELESS_EXPERT_HOSTS several models are one engine: a base and fine-tunes of it, the
+    pool's address naming what its hosts serve them by (&family=); otherwise one line says what to do."""
+    from moeless.serving.embedded import serve_embedded
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOELESS_CACHE", str(cache))
+        mp.setenv("MOELESS_EXPERT_HOSTS", "127.0.0.1:1")
+        with pytest.raises(KnobError, match=r"needs the names the pool's hosts serve them by, in that order "
+                                             r"\(&family=NAME,...\); it names 0"):
+            serve_embedded(["tiny:mixtral", "tiny:mixtral+code"])
+        with pytest.raises(KnobError, match=r"^--model tiny-qwen2_moe: on the expert hosts of \$MOELESS_EXPERT_HOSTS "
+                                             r"several models are one engine, the first \(tiny-mixtral\)"):
+            serve_embedded(["tiny:mixtral", "tiny:qwen2_moe"])
+        mp.setenv("MOELESS_EXPERT_HOSTS", "k8s://ns/base:50051?slots=2&pool=p&model=base&family=code")
+        with pytest.raises(KnobError, match=r"serving tiny-mixtral\+code, tiny-mixtral\+chat in tiny-mixtral's engine "
+                                             r".* it names 1"):
+            serve_embedded(["tiny:mixtral", "tiny:mixtral+code", "tiny:mixtral+chat"])
+    assert "loading model" not in capsys.readouterr().out  # refused before any model is loaded
 
 
 def test_bench_finetunes_quick_holds_each_shared_expert_once_and_answers_exactly(tmp_path):

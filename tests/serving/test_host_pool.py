@@ -188,8 +188,11 @@ def test_pool_source_parses_each_form(tmp_path):
     assert pool_source("k8s://ml/phi:50051?slots=4&pool=shared") == KubePodSource(
         "ml", "phi", 50051, 4, pool="shared", model="phi")
     assert pool_source("k8s://ml/phi:50051?slots=4&pool=shared&model=phi-3.5").model == "phi-3.5"
+    # A base whose engine serves fine-tunes too: the names the pool's hosts serve them by, in order.
+    assert pool_source("k8s://ml/base:50051?slots=4&pool=shared&model=base&family=code,chat").family == ("code", "chat")
     for bad in ("k8s://moeless/smollm:50051", "k8s://smollm:50051?slots=2", "k8s://ns/p:x?slots=2", "file:///nope",
-                "k8s://ml/phi:50051?slots=4&model=phi"):
+                "k8s://ml/phi:50051?slots=4&model=phi", "k8s://ml/b:50051?slots=4&family=code",
+                "k8s://ml/b:50051?slots=4&pool=p&family=code,,chat"):
         with pytest.raises(KnobError, match="MOELESS_EXPERT_HOSTS"):
             pool_source(bad)
     path = tmp_path / "pool.json"

@@ -98,3 +98,10 @@ travel over the local channel, an abstract Unix socket, which only pods on the n
 {{- if and $on (not .v.hostNetwork) -}}{{ fail (printf "%s.cudaIpc needs %s.hostNetwork: CUDA IPC handles travel over the local channel, an abstract Unix socket of the node's network; set %s.hostNetwork=true too" .where .where .where) }}{{- end -}}
 {{- if $on -}}true{{- end -}}
 {{- end -}}
+
+{{/* `moeless serve`'s --model flags for a list of models, as a JSON array (none for the default model alone). */}}
+{{- define "moeless.modelFlags" -}}
+{{- $flags := list }}
+{{- range . }}{{ $flags = concat $flags (list "--model" .) }}{{ end }}
+{{- toJson $flags }}
+{{- end }}
