@@ -9,9 +9,12 @@ What they do, and so what this planner does:
    rebalance.
 3. A rebalance every `period` iterations (default 1000): DeepSeek's EPLB (eplb.py) on the summed
    loads picks which experts get the N copies and packs all replicas onto the GPUs. Before the
-   first window is full it serves static EP's blocks with the N copies of an even load; the
-   first rebalance comes after `first` iterations (production starts from such a layout and
-   rebalances once it has statistics).
+   first window is full it serves SGLang's default start (`--init-expert-location trivial`):
+   physical slot i holds expert i mod E, slots in contiguous blocks per GPU, so static EP's
+   blocks with copies of experts 0..N-1 after them (`trivial_layout`); the first rebalance comes
+   after `first` iterations, once there are statistics. (Until 2026-11-28 the start was EPLB's
+   packing of an even load: expert e on GPU e mod G, a layout no production system starts from,
+   which on FLAME's numbering happened to be better than static EP's blocks.)
 4. Tokens split evenly over an expert's replicas (shares 1 / count): production dispatches by
    token index, not by each batch's loads.
 5. Weight moves behind serving: a rebalance's new replicas load while the old layout serves; the
@@ -55,7 +58,8 @@ def production_eplb() -> Callable:
                              f"{config.eplb_first_rebalance}")
         state["window"] = forecast.copy() if state["window"] is None else state["window"] + forecast
         if state["plan"] is None:
-            state["plan"], state["next"] = _eplb(np.ones_like(forecast), replicas, cluster), config.eplb_first_rebalance
+            state["plan"] = _fits(trivial_layout(num_layers, num_experts, replicas, cluster.num_gpus), replicas, cluster)
+            state["next"] = config.eplb_first_rebalance
         if state["calls"] == state["next"]:
             state["plan"] = _eplb(state["window"], replicas, cluster)
             state["window"] = np.zeros_like(forecast)
@@ -66,11 +70,21 @@ def production_eplb() -> Callable:
     return plan
 
 
+def trivial_layout(num_layers: int, num_experts: int, replicas: int, num_gpus: int) -> Placement:
+    """SGLang's default start: slot i of `replicas` holds expert i mod E on GPU i // (replicas / G).
+    Example: E = 4, 6 replicas, 2 GPUs -> GPU 0 holds experts 0, 1, 2 and GPU 1 experts 3, 0, 1."""
+    return Placement.from_eplb(np.tile(np.arange(replicas) % num_experts, (num_layers, 1)), num_experts, num_gpus)
+
+
 def _eplb(loads: np.ndarray, replicas: int, cluster: Cluster) -> Placement:
     """DeepSeek's EPLB with `replicas` per layer on one node and one group (loads [L, E])."""
-    num_experts, num_gpus = loads.shape[1], cluster.num_gpus
-    phy2log, _, _ = rebalance_experts(np.asarray(loads, dtype=np.float64), replicas, 1, 1, num_gpus)
-    placement = Placement.from_eplb(phy2log, num_experts, num_gpus)
+    phy2log, _, _ = rebalance_experts(np.asarray(loads, dtype=np.float64), replicas, 1, 1, cluster.num_gpus)
+    return _fits(Placement.from_eplb(phy2log, loads.shape[1], cluster.num_gpus), replicas, cluster)
+
+
+def _fits(placement: Placement, replicas: int, cluster: Cluster) -> Placement:
+    """The placement, or PlacementError where a GPU holds more replicas than it has slots."""
+    num_gpus = cluster.num_gpus
     held = sum(np.bincount(layer.gpu, minlength=num_gpus) for layer in placement.layers)
     if (held > cluster.slots()).any():
         raise PlacementError(f"EPLB with {replicas} replicas per layer needs {held.max()} slots on a GPU; the GPUs have "

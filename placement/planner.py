@@ -281,7 +281,7 @@ STATEFUL_PLANNERS: dict[str, Callable[[], PlanFn]] = {"eplb-window": plan_eplb_w
 
 def initial_placement(planner: Planner, cluster: Cluster, num_layers: int, num_experts: int) -> Placement:
     """What a deployment has loaded before its first request: the planner's own layout where it
-    keeps a fixed one (full replication; production EPLB's first, for even loads), else static EP's."""
+    keeps a fixed one (full replication; production EPLB's start, SGLang's trivial layout), else static EP's."""
     if planner.name == "full-replication":
         return plan_full_replication(np.zeros((num_layers, num_experts)), cluster, None, planner.config)
     if planner.name == "eplb-production":

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from moeless.placement.cluster import Cluster
-from moeless.placement.eplb_production import production_eplb, production_replicas
+from moeless.placement.eplb_production import production_eplb, production_replicas, trivial_layout
 from moeless.placement.full_replication import plan_full_replication
 from moeless.placement.planner_config import PlannerConfig
-from moeless.placement.types import PlacementError
+from moeless.placement.types import Placement, PlacementError
 
 
 def test_replicas_are_rounded_up_to_a_multiple_of_the_gpus():
@@ -20,8 +20,8 @@ def test_replicas_are_rounded_up_to_a_multiple_of_the_gpus():
 
 
 def test_it_rebalances_on_the_loads_since_the_last_rebalance_only_at_its_times():
-    """E = 4 on 2 GPUs with 2 copies: expert 0 hot from the start. The first plan (even loads)
-    gives no expert two copies for a reason; after `first` = 2 calls, EPLB on the summed loads
+    """E = 4 on 2 GPUs with 2 copies: expert 0 hot from the start. The first plan (SGLang's trivial
+    layout) copies experts 0 and 1 by their index, not their loads; after `first` = 2 calls, EPLB on the summed loads
     gives expert 0 the most replicas; the plan then holds until the next period."""
     plan = production_eplb()
     config = PlannerConfig(eplb_redundant=2, eplb_rebalance_every=3, eplb_first_rebalance=2)
@@ -33,6 +33,17 @@ def test_it_rebalances_on_the_loads_since_the_last_rebalance_only_at_its_times()
     assert counts[2][0] == 3 and sum(counts[2]) == 6  # both copies to the hot expert
     assert plans[2] is plans[3] is plans[4] and plans[5] is not plans[4]  # then every `period`
     assert all(abs(np.bincount(p.layers[0].expert, weights=p.layers[0].share) - 1).max() < 1e-9 for p in plans)
+
+
+def test_it_starts_from_sglang_s_trivial_layout_static_ep_s_blocks_with_the_copies_after_them():
+    """The docstring's example, and the first plan: with no redundant expert it is static EP."""
+    layer = trivial_layout(1, 4, 6, 2).layers[0]
+    assert sorted(zip(layer.gpu.tolist(), layer.expert.tolist())) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 3)]
+    assert layer.logcnt(4).tolist() == [2, 2, 1, 1]
+    first = production_eplb()(np.ones((3, 8)), Cluster.uniform(4, 6, 1), None, PlannerConfig(eplb_redundant=0))
+    static = Placement.static(3, 8, 4)
+    assert all(a.expert.tolist() == b.expert.tolist() and a.gpu.tolist() == b.gpu.tolist()
+               for a, b in zip(first.layers, static.layers))
 
 
 def test_a_layout_that_does_not_fit_is_refused_by_name():

@@ -116,7 +116,7 @@ def test_production_eplb_moves_its_weights_behind_serving_and_frees_the_old_layo
     """Production EPLB (eplb_production.py) rebalances after `first` iterations; the twin keeps
     serving the old layout until the new one's loads land (never waited for), then frees what the
     new layout dropped at once (no keep-alive)."""
-    its = iterations(12, step=0.1, load=(30, 1, 1, 1))
+    its = iterations(12, step=0.1, load=(1, 1, 1, 30))  # expert 3: one copy in the start (SGLang's trivial layout copies 0 and 1)
     config = PlannerConfig(model=PROFILE.latency_model(), eplb_redundant=2, eplb_first_rebalance=2)
     profile = CostProfile(**{**vars(PROFILE), "load_s": {"disk": 1e-3, "host": 0.15}})
     record = replay(get_planner("eplb-production", config), its, np.stack([i.load for i in its]),
