@@ -79,7 +79,7 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     base_knobs = knobs or Knobs()
     remote = pool_source(os.environ[HOSTS_ENV]) if os.environ.get(HOSTS_ENV) else None
     choices = [choose_model(name) for name in models]
-    if remote and len(choices) > 1:
+    if remote and (len(choices) > 1 or getattr(remote, "family", ())):
         _check_remote_family(choices, remote)
     stop = _stop_on_signals()
     # 1. Each model (its knobs checked) and its weight store; a fine-tune's over its base's (written
@@ -176,10 +176,15 @@ def _check_remote_family(choices: list, remote) -> None:
             raise KnobError(f"--model {c.name}: on the expert hosts of ${HOSTS_ENV} several models are one engine, the "
                             f"first ({base.name}) and fine-tunes of it that change only experts (ESFT, a LoRA on "
                             "experts); serve this one in an app of its own")
-    family = getattr(remote, "family", ())
+    if not hasattr(remote, "family"):
+        raise KnobError(f"${HOSTS_ENV}: several models on hosts given as a list need a pool's address instead "
+                        f"(k8s://...&model=BASE&family=NAME,...: what its hosts serve each by); or unset ${HOSTS_ENV} to "
+                        "serve them on local hosts")
+    family = remote.family
     if len(family) != len(tunes):
-        raise KnobError(f"${HOSTS_ENV}: serving {', '.join(c.name for c in tunes)} in {base.name}'s engine needs the "
-                        f"names the pool's hosts serve them by, in that order (&family=NAME,...); it names {len(family)}")
+        raise KnobError(f"${HOSTS_ENV} names {len(family)} fine-tunes of {base.name}'s engine (&family=NAME,...: what the "
+                        f"pool's hosts serve them by), --model {len(tunes)} ({', '.join(c.name for c in tunes) or 'none'}): "
+                        "give each fine-tune in both, in the same order")
 
 
 def _families(choices: list) -> dict[str, tuple[str, ...]]:
