@@ -109,25 +109,27 @@ def test_moeless_serve_on_given_hosts_serves_one_family_engine_and_says_what_it_
     pool's address naming what its hosts serve them by (&family=); otherwise one line says what to do."""
     from moeless.serving.embedded import serve_embedded
 
+    pool = "k8s://ns/base:50051?slots=2&pool=p&model=base"
+    refusals = [  # (MOELESS_EXPERT_HOSTS, --model ..., the one line that refuses them)
+        ("127.0.0.1:1", ["tiny:mixtral", "tiny:mixtral+code"],
+         r"^\$MOELESS_EXPERT_HOSTS: several models on hosts given as a list need a pool's address"),
+        (pool, ["tiny:mixtral", "tiny:mixtral+code"],
+         r"^\$MOELESS_EXPERT_HOSTS names 0 fine-tunes of tiny-mixtral's engine \(&family=NAME,...: .*\), --model 1 "
+         r"\(tiny-mixtral\+code\)"),
+        (pool, ["tiny:mixtral", "tiny:qwen2_moe"],
+         r"^--model tiny-qwen2_moe: on the expert hosts of \$MOELESS_EXPERT_HOSTS several models are one engine, "
+         r"the first \(tiny-mixtral\)"),
+        (pool + "&family=code", ["tiny:mixtral", "tiny:mixtral+code", "tiny:mixtral+chat"],
+         r"names 1 fine-tunes of tiny-mixtral's engine .*, --model 2 \(tiny-mixtral\+code, tiny-mixtral\+chat\): "
+         r"give each fine-tune in both"),
+        (pool + "&family=code", "tiny:mixtral", r"names 1 fine-tunes of tiny-mixtral's engine .*, --model 0 \(none\)"),
+    ]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MOELESS_CACHE", str(cache))
-        mp.setenv("MOELESS_EXPERT_HOSTS", "127.0.0.1:1")
-        with pytest.raises(KnobError, match=r"^\$MOELESS_EXPERT_HOSTS: several models on hosts given as a list need "
-                                             r"a pool's address"):
-            serve_embedded(["tiny:mixtral", "tiny:mixtral+code"])
-        mp.setenv("MOELESS_EXPERT_HOSTS", "k8s://ns/base:50051?slots=2&pool=p&model=base")
-        with pytest.raises(KnobError, match=r"^\$MOELESS_EXPERT_HOSTS names 0 fine-tunes of tiny-mixtral's engine "
-                                             r"\(&family=NAME,...: .*\), --model 1 \(tiny-mixtral\+code\)"):
-            serve_embedded(["tiny:mixtral", "tiny:mixtral+code"])
-        with pytest.raises(KnobError, match=r"^--model tiny-qwen2_moe: on the expert hosts of \$MOELESS_EXPERT_HOSTS "
-                                             r"several models are one engine, the first \(tiny-mixtral\)"):
-            serve_embedded(["tiny:mixtral", "tiny:qwen2_moe"])
-        mp.setenv("MOELESS_EXPERT_HOSTS", "k8s://ns/base:50051?slots=2&pool=p&model=base&family=code")
-        with pytest.raises(KnobError, match=r"names 1 fine-tunes of tiny-mixtral's engine .*, --model 2 "
-                                             r"\(tiny-mixtral\+code, tiny-mixtral\+chat\): give each fine-tune in both"):
-            serve_embedded(["tiny:mixtral", "tiny:mixtral+code", "tiny:mixtral+chat"])
-        with pytest.raises(KnobError, match=r"names 1 fine-tunes of tiny-mixtral's engine .*, --model 0 \(none\)"):
-            serve_embedded("tiny:mixtral")
+        for hosts, models, words in refusals:
+            mp.setenv("MOELESS_EXPERT_HOSTS", hosts)
+            with pytest.raises(KnobError, match=words):
+                serve_embedded(models)
     assert "loading model" not in capsys.readouterr().out  # refused before any model is loaded
 
 
