@@ -298,7 +298,11 @@ def test_template_serves_a_base_and_its_fine_tunes_in_one_app(helm, tmp_path):
     for models, words in (([{"name": "b", "store": "/b"}, {"name": "c", "store": "/c", "base": "b"}],
                            "pool.models[c].model: a fine-tune served in its base's app needs BASE+FINETUNE"),
                           ([{"name": "c", "store": "/c", "base": "x", "model": "default+c"}],
-                           "pool.models[c].base: x is not a model of pool.models")):
+                           "pool.models[c].base: x is not a model of pool.models"),
+                          ([{"name": "b", "store": "/b"}, {"name": "c", "store": "/c", "base": "b", "model": "default+c"},
+                            {"name": "d", "store": "/d", "base": "c", "model": "default+d"}],
+                           "pool.models[d]: its base c is itself a fine-tune; one engine serves a base and its own "
+                           "fine-tunes only: set ownEngine: true")):
         path.write_text(yaml.safe_dump({"pool": {**FAMILY_VALUES["pool"], "models": models}}))
         bad = helm_run(helm, "template", "t", str(CHART), "-f", str(path), check=False)
         assert bad.returncode != 0 and words in bad.stderr
