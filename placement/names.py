@@ -8,6 +8,7 @@ DEFAULT_PLANNER = "moeless"  # the knob's default everywhere (controller/knobs.p
 PLANNER_NAMES = (
     DEFAULT_PLANNER, "paper", "static", "eplb", "eplb-global", "oracle",
     "moeless-no-scaler", "moeless-no-placer", "moeless-no-scaler-no-placer", "moeless-cold", "moeless-free-memory",
+    "moeless-no-moves",
     "moeless-fill", "moeless-fill-no-scaler", "moeless-fill-cold", "moeless-greedy",
     "paper-no-scaler", "paper-no-placer", "paper-no-scaler-no-placer", "moeless-sets", "full-replication",
     "eplb-window", "eplb-production",

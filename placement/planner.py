@@ -19,7 +19,7 @@ both parts off together: moeless-no-scaler-no-placer, paper-no-scaler-no-placer.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -34,6 +34,8 @@ from moeless.placement.eplb_planners import check_memory, plan_eplb, plan_eplb_w
 from moeless.placement.eplb_production import production_eplb
 from moeless.placement.fill_placer import place_fill
 from moeless.placement.full_replication import plan_full_replication
+from moeless.placement.home_moves import HomeMoves, add_moves
+from moeless.placement.layer_plans import plan_layers
 from moeless.placement.priced_placer import place_priced
 from moeless.placement.replica_sets import choose_replicas
 from moeless.placement.resident_planner import ReplicaCost, place_resident
@@ -45,8 +47,6 @@ PlanFn = Callable[[np.ndarray, Cluster, "Placement | None", PlannerConfig], Plac
 LayerScaler = Callable[[np.ndarray, "np.ndarray | None", "int | None", int], np.ndarray]
 # A placer for one layer: (load [E], logcnt [E], free slots [G], previous layer, budget) -> (layer, free slots [G]).
 LayerPlacer = Callable[[np.ndarray, np.ndarray, np.ndarray, "LayerPlacement | None", "int | None"], tuple[LayerPlacement, np.ndarray]]
-# A whole plan of one layer: (load [E], free slots [G], previous layer, budget) -> (layer, free slots [G]).
-LayerPlan = Callable[[np.ndarray, np.ndarray, "LayerPlacement | None", "int | None"], tuple[LayerPlacement, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,16 @@ class Planner:
     plan_fn: PlanFn
     config: PlannerConfig
     lossy_load: Callable[[np.ndarray], np.ndarray] | None = None
+    learn_fn: Callable[[np.ndarray], None] | None = None
 
     def __call__(self, forecast: np.ndarray, cluster: Cluster, previous: Placement | None = None) -> Placement:
         return self.plan_fn(check_forecast(forecast), cluster, previous, self.config)
+
+    def learn(self, *actual: np.ndarray) -> None:
+        """Iterations that ran, in order: each one's actual loads [L, E] (what its gates reported).
+        Planners that keep statistics of them learn (moeless's homes); the others ignore them."""
+        for loads in actual if self.learn_fn is not None else ():
+            self.learn_fn(check_forecast(np.asarray(loads, dtype=np.float64)))
 
     @property
     def relevels(self) -> bool:
@@ -89,32 +96,6 @@ def check_forecast(forecast: np.ndarray) -> np.ndarray:
     if not np.isfinite(forecast).all() or (forecast < 0).any():
         raise ValueError("forecast loads must be finite, non-negative token counts")
     return forecast
-
-
-def plan_layers(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, plan_layer: LayerPlan) -> Placement:
-    """Plan every layer in turn; later layers get the memory earlier ones left.
-
-    forecast: [L, E] (or [L, B, E]: a layer's samples); previous: the placement now resident (its
-    replicas are warm), or None.
-    """
-    num_layers, num_experts = forecast.shape[0], forecast.shape[-1]
-    cluster.check_fits(num_layers, num_experts)
-    if previous is not None and (previous.num_layers, previous.num_experts) != (num_layers, num_experts):
-        raise PlacementError(
-            f"previous placement is {previous.num_layers} x {previous.num_experts}, the forecast {num_layers} x {num_experts}"
-        )
-    free = cluster.slots()
-    cap = cluster.layer_replica_cap()
-    layers = []
-    for l in range(num_layers):
-        # 1. The layer's budget: its memory cap, keeping a slot for every later layer's experts.
-        budget = int(free.sum()) - num_experts * (num_layers - l - 1)
-        budget = budget if cap is None else min(budget, cap)
-        before = previous.layers[l] if previous is not None else None
-        # 2. Replica counts, their GPUs and shares.
-        layer, free = plan_layer(forecast[l], free, before, budget)
-        layers.append(layer)
-    return Placement(tuple(layers), num_experts, cluster.num_gpus)
 
 
 def _scaler(kind: str, config: PlannerConfig) -> LayerScaler:
@@ -190,30 +171,68 @@ def _filled(split: bool = True, warm: bool = True) -> PlanFn:
     return plan
 
 
-def _resident(additions: bool = True, warm: bool = True, placer: str = "resident", price_memory: bool = True) -> PlanFn:
-    """moeless: the resident replicas re-levelled, a replica added only where it pays
-    (placement/resident_planner.py). additions=False: one replica per expert (scaler off);
+@dataclass(frozen=True)
+class Fresh:
+    """A planner with state of its own (its homes, its statistics): get_planner makes a new
+    (plan function, learn function) per planner, so two planners never share what they learnt."""
+
+    make: Callable[[], tuple[PlanFn, Callable[[np.ndarray], None]]]
+
+
+def _resident(additions: bool = True, warm: bool = True, placer: str = "resident", price_memory: bool = True,
+              moves: bool = True) -> Fresh:
+    """moeless: the resident replicas re-levelled around each expert's home, a replica added only
+    where it pays (placement/resident_planner.py), homes moved where the forecasts say a new pairing
+    pays (placement/home_moves.py). additions=False: one replica per expert (scaler off);
     warm=False: ignores what is resident; placer="off": its counts placed round-robin;
-    price_memory=False: memory is free."""
+    price_memory=False: memory is free; moves=False: static EP's homes for good."""
 
-    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
-        if config.model is None:
-            raise ValueError("moeless's planner needs a latency model: PlannerConfig(model=LatencyModel(...))")
-        # Layer l's loads can start at most l layers ahead (the iteration's first layer hides nothing).
-        costs = iter([ReplicaCost(config.model, min(config.prefetch_layers, l), cluster.expert_bytes, config.keep_alive_s,
-                                  config.gb_s_price if price_memory else 0.0, config.horizon, config.iteration_s)
-                      for l in range(forecast.shape[0])])
+    def make() -> tuple[PlanFn, Callable[[np.ndarray], None]]:
+        state: dict = {"homes": None, "actual": []}
 
-        def plan_layer(load, free, before, budget):
-            layer, left, _ = place_resident(load, free, before if warm else None, next(costs),
-                                            budget if additions else load.shape[0], config.static_margin)
-            if placer == "off":
-                return place_round_robin(load, layer.logcnt(load.shape[0]), free)
-            return layer, left
+        def learn(actual: np.ndarray) -> None:
+            if moves:
+                state["actual"].append(actual)
 
-        return plan_layers(forecast, cluster, previous, plan_layer)
+        def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
+            if config.model is None:
+                raise ValueError("moeless's planner needs a latency model: PlannerConfig(model=LatencyModel(...))")
+            num_layers, num_experts = forecast.shape
+            moved = state["homes"]
+            if moves and (moved is None or not moved.fits(num_layers, num_experts, cluster.num_gpus)):
+                moved = state["homes"] = HomeMoves(num_layers, num_experts, cluster.num_gpus,
+                                                   config.home_moves_first, config.home_moves_every)
+            if moves:  # what ran since the last plan (the forecast itself where no gate reports)
+                for actual in state["actual"] or ([] if moved.learnt else [forecast]):
+                    moved.learn(actual, config.model)
+                state["actual"] = []
+            homes = moved.plan_call() if moves else None
+            # Layer l's loads can start at most l layers ahead (the iteration's first layer hides nothing).
+            costs = iter([ReplicaCost(config.model, min(config.prefetch_layers, l), cluster.expert_bytes,
+                                      config.keep_alive_s, config.gb_s_price if price_memory else 0.0, config.horizon,
+                                      config.iteration_s) for l in range(num_layers)])
+            layer_index = iter(range(num_layers))
 
-    return plan
+            def plan_layer(load, free, before, budget):
+                l = next(layer_index)
+                before = moved.release(l, before) if moves else before
+                serving = moved.serving(l, before) if moves else None
+                layer, left, _ = place_resident(load, free, before if warm else None, next(costs),
+                                                budget if additions else num_experts, config.static_margin, serving)
+                if placer == "off":
+                    layer, left = place_round_robin(load, layer.logcnt(num_experts), free)
+                if moves:  # the new homes load behind serving, or the move is called off
+                    layer, left, fits = add_moves(layer, homes[l], left, budget - layer.num_replicas)
+                    if not fits:
+                        moved.cancel(l, serving)
+                return layer, left
+
+            placement = plan_layers(forecast, cluster, previous, plan_layer)
+            return replace(placement, release=moved.released()) if moves else placement
+
+        return plan, learn
+
+    return Fresh(make)
 
 
 def _sets() -> PlanFn:
@@ -250,7 +269,7 @@ def plan_static(forecast: np.ndarray, cluster: Cluster, previous: Placement | No
 # paper's planner, static EP, EPLB, the lossy Oracle); earlier moeless generations, kept as named
 # baselines because docs/ compares with them (moeless-fill: re-plans every iteration by the lowest
 # per-GPU work level; moeless-greedy: the straggler scaler then the priced placer); and ablations.
-PLANNERS: dict[str, PlanFn] = {
+PLANNERS: dict[str, PlanFn | Fresh] = {
     DEFAULT_PLANNER: _resident(),
     "paper": _layered("cv", "warm"),
     "static": plan_static,
@@ -262,6 +281,7 @@ PLANNERS: dict[str, PlanFn] = {
     "moeless-no-scaler-no-placer": _resident(additions=False, placer="off"),
     "moeless-cold": _resident(warm=False),
     "moeless-free-memory": _resident(price_memory=False),
+    "moeless-no-moves": _resident(moves=False),
     "moeless-fill": _filled(),
     "moeless-fill-no-scaler": _filled(split=False),
     "moeless-fill-cold": _filled(warm=False),
@@ -295,7 +315,11 @@ def get_planner(spec: str, config: PlannerConfig | None = None) -> Planner:
     if spec in STATEFUL_PLANNERS:
         return Planner(spec, STATEFUL_PLANNERS[spec](), config)
     if spec in PLANNERS:
-        return Planner(spec, PLANNERS[spec], config, oracle_load if spec == "oracle" else None)
+        fn = PLANNERS[spec]
+        if isinstance(fn, Fresh):
+            plan_fn, learn_fn = fn.make()
+            return Planner(spec, plan_fn, config, learn_fn=learn_fn)
+        return Planner(spec, fn, config, oracle_load if spec == "oracle" else None)
     if ":" not in spec:
         raise ValueError(f"unknown planner {spec!r}; use one of {sorted([*PLANNERS, *STATEFUL_PLANNERS])} or 'module:function'")
     module_name, _, attr = spec.partition(":")

@@ -36,7 +36,11 @@ class PlannerConfig:
     check whether it pays; the cost profile's relevel_s + check_s): moeless-sets prices it;
     eplb_redundant / eplb_rebalance_every / eplb_first_rebalance: "eplb-production" (production
     EPLB: eplb_production.py): redundant experts per layer (None: E / 8), iterations between
-    rebalances, iterations of statistics before the first.
+    rebalances, iterations of statistics before the first;
+    home_moves_first / home_moves_every: moeless's home moves (home_moves.py): plans of statistics
+    before the first chance to move, plans between chances (a layer moves only where it pays; on
+    FLAME's 8 A6000 and 16 H100 cells 10 / 50 was best or within a point of the best of seven
+    schedules, production EPLB's 50 / 1000 among them: docs/deployments.md).
     """
 
     model: LatencyModel | None = None
@@ -60,3 +64,5 @@ class PlannerConfig:
     eplb_redundant: int | None = None
     eplb_rebalance_every: int = 1000
     eplb_first_rebalance: int = 50
+    home_moves_first: int = 10
+    home_moves_every: int = 50

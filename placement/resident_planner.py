@@ -6,14 +6,16 @@ plan costs"). The forecast is counted in whole tokens, and an expert counts a ca
 forecast makes it idle with IDLE_CONFIDENCE (90%): a plan does not bet on a token staying away.
 So, for one layer and one forecast:
 
-1. Base: each expert's home replica (static EP's block: GPU e * G // E; home replicas always stay
-   in the plan, so static EP's layout is always resident) and every other resident replica of the
-   layer (warm, inside its keep-alive) that fits the layer's free slots and budget; the tokens
-   re-levelled over them (`kernels.reshare`, then `resident_kernels.relevel`: whole tokens, a
-   replica may get none). Costs nothing. Unless that beats static EP's split (every token at
-   home) by a margin of its time on the forecast (5%, or the relative noise of the forecast's
-   counts, 1 / sqrt(tokens per expert), when that is more), the base is static EP's split:
-   forecasts err, and a small predicted gain is a loss about as often as not (decode).
+1. Base: each expert's home replica (static EP's block, GPU e * G // E, until
+   placement/home_moves.py moves it; home replicas always stay in the plan, so one replica of
+   every expert is always resident) and every other resident replica of the layer (warm, inside
+   its keep-alive) that fits the layer's free slots and budget; the tokens re-levelled over them
+   (`kernels.reshare`, then `resident_kernels.relevel`: whole tokens, a replica may get none).
+   Costs nothing. Unless that beats the homes' split (every token at home; static EP's split
+   while the homes are static EP's) by a margin of its time on the forecast (5%, or the relative
+   noise of the forecast's counts, 1 / sqrt(tokens per expert), when that is more), the base is
+   the homes' split: forecasts err, and a small predicted gain is a loss about as often as not
+   (decode).
 2. Additions in steps (compiled: resident_kernels.grow). Only a replica of an expert on the
    busiest GPU can lower the layer's (serial) time, so the candidates are each of that GPU's
    experts with tokens on each other GPU with a free slot, within the budget, the expert's tokens
@@ -22,7 +24,7 @@ So, for one layer and one forecast:
    candidates in a row (several GPUs can tie as the straggler: one replica alone then gains
    nothing) and keeps the prefix whose gain, (layer time before - after) x horizon iterations,
    beats its summed cost by the most; when none pays, the layer stays where it is. A last
-   re-level polishes the shares, and a grown plan that does not beat static EP's split by the
+   re-level polishes the shares, and a grown plan that does not beat the homes' split by the
    margin is dropped.
 3. The plan is the replicas that take tokens and the home replicas. Other resident replicas stay
    warm until keep-alive evicts them and can be used again for free meanwhile: adding needs gain >
@@ -123,7 +125,7 @@ class Addition:
 
 @dataclass(frozen=True)
 class ResidentDecision:
-    """Layer times on the forecast: static_s with every token at its expert's home (static EP's
+    """Layer times on the forecast: static_s with every token at its expert's home (the homes'
     split); base_s on the resident replicas re-levelled (or static_s, when that is not below it by
     the margin); grown_s after the additions; final_s the plan's (grown_s re-levelled)."""
 
@@ -145,12 +147,14 @@ def place_resident(
     cost: ReplicaCost,
     budget: int | None = None,
     margin: float = MARGIN,
+    homes: np.ndarray | None = None,
 ) -> tuple[LayerPlacement, np.ndarray, ResidentDecision]:
     """moeless's plan of one layer. load: [E] forecast tokens, free_slots: [G] replicas each GPU
     can still take, resident: the layer's resident replicas (None: static EP's blocks), budget:
     most replicas the plan may use (None: the slots), margin: the least fraction of static EP's
-    time (on the forecast) a plan must save before it leaves static EP's split (more where the
-    forecast tokens are few: see NOISE).
+    time (on the forecast) a plan must save before it leaves the homes' split (more where the
+    forecast tokens are few: see NOISE), homes: [E] each expert's home GPU, the replica that
+    serves it when nothing pays more (None: static EP's blocks; placement/home_moves.py moves them).
 
     Returns the placement (the replicas that take tokens, and every home replica), the free slots
     left [G] and the decision.
@@ -168,9 +172,10 @@ def place_resident(
     if budget < num_experts:
         raise PlacementError(f"a budget of {budget} replicas cannot hold {num_experts} experts; raise the layer memory cap")
     # 1. The base: home replicas and the resident ones that fit, re-levelled, in whole tokens;
-    #    static EP's split (every token at home) unless re-levelling beats it by the margin.
+    #    the homes' split (every token at home) unless re-levelling beats it by the margin.
     tokens_in = _whole_tokens(load)
-    expert, gpu, home = _base(load, free, resident, budget, num_experts)
+    homes = np.arange(num_experts) * num_gpus // num_experts if homes is None else np.asarray(homes, dtype=np.int64)
+    expert, gpu, home = _base(load, free, resident, budget, homes)
     model, call = cost.model, cost.model.call_tokens
     active = tokens_in[tokens_in > 0]
     margin = max(margin, NOISE / np.sqrt(active.mean())) if active.size else margin
@@ -188,12 +193,12 @@ def place_resident(
     final_s = relevel_tokens(tokens_in, grown_e, grown_g, grown_t, num_gpus, model) if rows.shape[0] else grown_s
     if final_s <= (1.0 - margin) * static_s or not rows.shape[0]:
         expert, gpu, tokens = grown_e, grown_g, grown_t
-    else:  # the additions leave too little of a gain over static EP to trust the forecast with: none
+    else:  # the additions leave too little of a gain over the homes' split to trust the forecast with: none
         final_s, grown_s, rows = base_s, base_s, rows[:0]
     share = token_shares(tokens, tokens_in[expert])
     added = tuple(Addition(int(e), int(g), float(gain), float(price), float(before), int(n), int(step))
                   for e, g, gain, price, before, n, step in rows)
-    # 3. The plan: replicas with tokens, and every home replica (static EP's layout stays resident).
+    # 3. The plan: replicas with tokens, and every home replica (one replica of each expert stays resident).
     home = np.arange(expert.shape[0]) < num_experts  # _base put them first; grow appends
     used = share > 0
     keep = used | home | ~_has_used(expert, used | home, num_experts)
@@ -204,22 +209,21 @@ def place_resident(
 
 
 def _base(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, budget: int,
-          num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+          homes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Home and resident replicas that fit the free slots and the budget: (expert [R], gpu [R],
     home [R] bool), the E home replicas first, in expert order.
 
-    Steps: 1. each expert's home replica: static EP's block where it is resident (or nothing is),
-    else its first resident replica, else the block (a cold load); the first of those with room,
-    else the GPU with the most room; 2. the other resident replicas, most loaded expert first,
-    while slots and budget last. (Vectorised when everything fits, the usual case.)
+    Steps: 1. each expert's home replica: its home [E] where it is resident (or nothing is),
+    else its first resident replica (a move in flight), else the home (a cold load); the first of
+    those with room, else the GPU with the most room; 2. the other resident replicas, most loaded
+    expert first, while slots and budget last. (Vectorised when everything fits, the usual case.)
     """
-    num_gpus = free.shape[0]
-    block = np.arange(num_experts) * num_gpus // num_experts
+    num_gpus, num_experts = free.shape[0], homes.shape[0]
     warm = np.zeros((num_experts, num_gpus), dtype=bool)
     if resident is not None:
         warm[resident.expert, resident.gpu] = True
-    at_block = warm[np.arange(num_experts), block] | (resident is None)
-    anchor = np.where(at_block | ~warm.any(axis=1), block, warm.argmax(axis=1))
+    at_home = warm[np.arange(num_experts), homes] | (resident is None)
+    anchor = np.where(at_home | ~warm.any(axis=1), homes, warm.argmax(axis=1))
     warm[np.arange(num_experts), anchor] = False
     extra_e, extra_g = np.nonzero(warm)
     order = np.argsort(-load[extra_e], kind="stable")
@@ -228,23 +232,23 @@ def _base(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, b
     if (held <= free).all() and num_experts + extra_e.shape[0] <= budget:
         expert = np.concatenate([np.arange(num_experts), extra_e])
         return expert, np.concatenate([anchor, extra_g]), np.arange(expert.shape[0]) < num_experts
-    return _base_tight(load, free, resident, budget, num_experts)
+    return _base_tight(load, free, resident, budget, homes)
 
 
 def _base_tight(load: np.ndarray, free: np.ndarray, resident: LayerPlacement | None, budget: int,
-                num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                homes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """_base when slots or the budget are short: the same steps, one replica at a time."""
-    num_gpus = free.shape[0]
+    num_gpus, num_experts = free.shape[0], homes.shape[0]
     pairs = [] if resident is None else sorted(set(zip(resident.expert.tolist(), resident.gpu.tolist())))
-    homes: dict[int, list[int]] = {}
+    warm_at: dict[int, list[int]] = {}
     for e, g in pairs:
-        homes.setdefault(e, []).append(g)
+        warm_at.setdefault(e, []).append(g)
     kept: list[tuple[int, int]] = []
     held = np.zeros(num_gpus, np.int64)
     for e in range(num_experts):
-        block = e * num_gpus // num_experts
-        warm = homes.get(e, [])
-        order = [block, *warm] if resident is None or block in warm else [*warm, block]
+        home = int(homes[e])
+        warm = warm_at.get(e, [])
+        order = [home, *warm] if resident is None or home in warm else [*warm, home]
         room = [g for g in order if held[g] < free[g]]
         g = room[0] if room else int(np.argmax(free - held))
         kept.append((e, g))

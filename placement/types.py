@@ -6,7 +6,7 @@ serving path consumes. It converts to and from DeepSeek EPLB's (phy2log, log2phy
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,11 +65,17 @@ class LayerPlacement:
 
 @dataclass(frozen=True)
 class Placement:
-    """A placement of all L MoE layers over G GPUs (expert hosts)."""
+    """A placement of all L MoE layers over G GPUs (expert hosts).
+
+    release: [n, 3] (layer, expert, gpu) replicas the planner let go of (a moved home's old one):
+    whoever runs the plan evicts each at once when it is resident, not in the plan, and a planned
+    replica of its expert is resident (until then it stands in), instead of after keep-alive.
+    """
 
     layers: tuple[LayerPlacement, ...]
     num_experts: int
     num_gpus: int
+    release: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64), compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +104,17 @@ class Placement:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def replicas(self) -> set[tuple[int, int, int]]:
+        """(layer, expert, gpu) of every replica."""
+        return {(l, e, g) for l, lp in enumerate(self.layers) for e, g in zip(lp.expert.tolist(), lp.gpu.tolist())}
+
+    def releasable(self, resident: np.ndarray) -> list[tuple[int, int, int]]:
+        """(layer, expert, gpu) of `release` to evict now, given resident [L, E, G] bool: resident,
+        not planned, and a planned replica of the same expert resident."""
+        return [(l, e, g) for l, e, g in self.release.tolist()
+                if resident[l, e, g] and not ((lp := self.layers[l]).expert == e)[lp.gpu == g].any()
+                and resident[l, e, lp.gpu[lp.expert == e]].any()]
 
     def logcnt(self) -> np.ndarray:
         """Replicas per expert: [L, E] int."""

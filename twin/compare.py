@@ -28,7 +28,7 @@ from moeless.placement.cluster import Cluster
 
 FORECAST_PLANNERS = ("eplb", "paper", "moeless-fill", "moeless")  # replayed with every forecast kind
 FIXED_PLANNERS = (("static", "perfect"), ("oracle", "perfect"), ("eplb-window", "previous"))  # forecast-blind
-ABLATIONS = ("moeless-no-scaler", "moeless-no-placer", "moeless-cold", "moeless-free-memory", "moeless-greedy")
+ABLATIONS = ("moeless-no-scaler", "moeless-no-placer", "moeless-no-moves", "moeless-cold", "moeless-free-memory", "moeless-greedy")
 PHASES = ("prefill", "decode", "all")
 
 

@@ -64,6 +64,7 @@ class LoopMirror:
         for layer, expert, gpu in decision.loads:
             evicted += self.hosts.load(layer, expert, gpu, now)[1]
             loads[layer] += 1
+        evicted += self.hosts.evict(np.array(decision.release, dtype=np.int64).reshape(-1, 3))
         self.plan = decision.plan
         return loads, evicted
 

@@ -55,6 +55,7 @@ from moeless.placement.cluster import Cluster
 from moeless.placement.planner import Planner, initial_placement
 from moeless.placement.profile import CostProfile
 from moeless.placement.shares import landed
+from moeless.placement.types import LayerPlacement
 from moeless.twin.hosts import TwinClock, TwinHosts, pairs_of
 from moeless.twin.iterations import Iteration
 from moeless.twin.loop_mirror import LoopMirror
@@ -140,6 +141,8 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
         clock.now = float(times[max(i - 1, 0)])
         rec.evictions[i] += hosts.release(dropped)
         clock.now = now
+        if loop is None:  # what the plan let go of, once its expert's new replica serves (Placement.release)
+            rec.evictions[i] += hosts.evict(np.array(plan.releasable(hosts.resident), np.int64).reshape(-1, 3))
         previous = in_use
         actual = planner.lossy_load(it.load) if planner.lossy_load else it.load
         # 3. Loads (queued per GPU) and time, layer by layer.
@@ -164,6 +167,7 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
             if waits and planner.relevels and loop is None:  # the data plane routes over what has landed
                 usable = hosts.resident[l, lp.expert, lp.gpu] | (hosts.loading[l, lp.expert, lp.gpu]
                                                                  & (hosts.ready[l, lp.expert, lp.gpu] <= now + start))
+                lp, usable = _stand_ins(lp, usable, hosts.resident[l])
                 if np.bincount(lp.expert[usable], minlength=num_experts).all():
                     lp, waits = landed(lp, usable, num_experts), False
             rec.exposed_s[i, l] = max(done - (now + start), 0.0) if waits else 0.0
@@ -184,6 +188,7 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
         # 4. Memory held after the loads began, for the iteration's window; a call's last use.
         if used:
             hosts.release(hosts.hold(np.concatenate(used).astype(np.int64)))
+        planner.learn(it.load)  # its gates' report
         rec.resident[i] = hosts.held()
         rec.gb_s_resident[i] = rec.resident[i] * window[i] * bytes_gb
         if progress is not None:
@@ -191,6 +196,19 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
     hosts.release(previous)
     rec.non_expert_gb_s = profile.non_expert_bytes / GB * float(window.sum())
     return rec
+
+
+def _stand_ins(layer: LayerPlacement, usable: np.ndarray, resident: np.ndarray) -> tuple[LayerPlacement, np.ndarray]:
+    """The layer plus, for each expert none of whose planned replicas is usable ([R] bool), its
+    replicas resident off the plan (resident: [E, G]), usable: a move's old home serves until the
+    new one has landed, as serving's published placement does (controller/planning/rules.publishable)."""
+    lacking = np.bincount(layer.expert[usable], minlength=resident.shape[0]) == 0
+    extra_e, extra_g = np.nonzero(resident & lacking[:, None])
+    if not extra_e.size:
+        return layer, usable
+    return (LayerPlacement(np.concatenate([layer.expert, extra_e]), np.concatenate([layer.gpu, extra_g]),
+                           np.concatenate([layer.share, np.zeros(extra_e.shape[0])])),
+            np.concatenate([usable, np.ones(extra_e.shape[0], dtype=bool)]))
 
 
 def _samples(iterations: Sequence[Iteration], forecasts: np.ndarray, i: int) -> np.ndarray:

@@ -80,10 +80,10 @@ class PlanLoop:
         self.started = time.time()
         self._lock = threading.RLock()  # metrics() reads state() under it
         self._actuals: list[np.ndarray] = []  # for stateful planners: every iteration's loads, in order
+        self._learn: list[np.ndarray] = []  # every iteration's loads since the last pass (Planner.learn)
         self._planned = False  # the first pass loads the home replicas (the hosts start empty)
         self._held: dict[str, tuple[float, np.ndarray]] = {}  # phase -> (when, its last merged forecast)
-        self._planner = None
-        self._published = None
+        self._planner, self._published = None, None
         self._fresh = False  # reports came in since the last planning pass
         self._pending_loads = False  # the last pass sent loads (publish them once loaded)
         self._refreshed = 0.0  # when the hosts were last read
@@ -115,6 +115,7 @@ class PlanLoop:
             self._fresh = True
             if self.stateful:
                 self._actuals.append(report.actual)
+            self._learn.append(report.actual)
 
     def set_knobs(self, knobs: Knobs, generation: int) -> bool:
         """Plan by `knobs` from the next pass on (generation: the source's); False, keeping the running
@@ -259,22 +260,24 @@ class PlanLoop:
                                      lambda: self._phase_forecasts(now))
             if self.stateful:  # every iteration's loads, each planned once
                 self._actuals = []
+            learnt, self._learn = self._learn, []
         if not view.live.any():
             return
         # 2. The plan; 3. prefetch what it needs; 4. publish what is loaded.
         off = s.knobs.predictor == "off"
-        decision = plan_groups(self._planner_for(iteration_s, get_planner), groups, view, s.profile.expert_bytes,
-                               self.layer_cap, self._memory, off)
+        planner = self._planner_for(iteration_s, get_planner)
+        planner.learn(*learnt)  # what ran since the last pass
+        decision = plan_groups(planner, groups, view, s.profile.expert_bytes, self.layer_cap, self._memory, off)
         if decision is None:  # a stateful planner without new iterations: nothing to change
             return
-        for layer, expert, host in decision.loads:
-            client = self.pool.client(host)
+        # evict: a moved home's old one, once the new one serves and serving was last told to route elsewhere
+        gone = [(*r, "evict") for r in decision.release if self._published and r not in self._published.replicas()]
+        for layer, expert, host, act in [*gone, *((*r, "load") for r in decision.loads)]:
             try:
-                if client is None:
-                    raise RuntimeError("it left the pool")
-                client.load(layer, expert, wait=False)
-            except Exception as err:  # the host went away meanwhile: planned around next pass
-                log.warning("load of (layer %d, expert %d) on host %d failed: %s", layer, expert, host, err)
+                client = self.pool.client(host)
+                client.evict(layer, expert) if act == "evict" else client.load(layer, expert, wait=False)
+            except Exception as err:  # the host went away meanwhile (None: it left the pool): planned around next pass
+                log.warning("%s of (layer %d, expert %d) on host %d failed: %s", act, layer, expert, host, err)
         self._pending_loads = bool(decision.loads)
         with self._lock:
             self.counts["plans"] += len(groups)

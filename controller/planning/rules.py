@@ -13,8 +13,9 @@ planning/window.py) and, every period, decides what to plan for (`pass_due`, `fo
    is loaded there, below: a host that joins gets its static EP share).
 3. The configured planner on the merged forecast against that resident set.
 4. Loads to send (`loads_to_send`): every planned replica a live host neither holds nor is
-   loading (prefetch, off the critical path). Nothing is evicted here: a replica the plan drops
-   stops getting tokens and its host evicts it after keep-alive.
+   loading (prefetch, off the critical path). A replica the plan drops stops getting tokens and
+   its host evicts it after keep-alive, except what the plan let go of (Placement.release: a
+   moved home's old one), evicted once its expert's planned replica is resident.
 5. What to publish (`publishable`): the plan's replicas whose load has finished, so no token is
    routed to a replica that must still load; an expert none of whose planned replicas is loaded
    keeps them (the host loads on demand: an exposed cold start, counted by the host).
@@ -25,7 +26,7 @@ actual loads (placement.shares.actual_shares: dispatch-time pairing); outputs ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -218,11 +219,12 @@ def publishable(plan: Placement, resident: np.ndarray) -> Placement:
 
 @dataclass(frozen=True)
 class StepDecision:
-    """One pass of the loop: the plan, the loads to send, the placement to publish."""
+    """One pass of the loop: the plan, the loads to send, the placement to publish, what to evict now (Placement.release)."""
 
     plan: Placement
     loads: list[tuple[int, int, int]]
     publish: Placement
+    release: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def plan_step(planner: Planner, forecast: np.ndarray, view: HostView, expert_bytes: int, layer_cap: int | None,
@@ -239,7 +241,8 @@ def plan_step(planner: Planner, forecast: np.ndarray, view: HostView, expert_byt
             raise
         whole = HostView(view.resident, view.loading, view.live, np.asarray(known_memory, dtype=np.float64))
         plan = planner(forecast, whole.cluster(expert_bytes, layer_cap), resident)
-    return StepDecision(plan, loads_to_send(plan, view), publishable(plan, view.resident))
+    return StepDecision(plan, loads_to_send(plan, view), publishable(plan, view.resident),
+                        plan.releasable(view.resident & view.live[None, None, :]))
 
 
 def union_placement(plans: Sequence[Placement], cluster: Cluster) -> Placement:
@@ -256,9 +259,9 @@ def union_placement(plans: Sequence[Placement], cluster: Cluster) -> Placement:
             continue
         expert, gpu = (np.array(c, dtype=np.int64) for c in zip(*pairs))
         layers.append(LayerPlacement.even(expert, gpu, first.num_experts))
-    union = Placement(tuple(layers), first.num_experts, first.num_gpus)
+    union = Placement(tuple(layers), first.num_experts, first.num_gpus, plans[-1].release)  # one planner's: its latest
     held = sum(np.bincount(lp.gpu, minlength=first.num_gpus) for lp in union.layers)
-    return first if (held > cluster.slots()).any() else union
+    return replace(first, release=plans[-1].release) if (held > cluster.slots()).any() else union
 
 
 def plan_phases(planner: Planner, forecasts: Sequence[np.ndarray], view: HostView, expert_bytes: int,
@@ -271,7 +274,8 @@ def plan_phases(planner: Planner, forecasts: Sequence[np.ndarray], view: HostVie
     if len(decisions) == 1:
         return decisions[0]
     plan = union_placement([d.plan for d in decisions], view.cluster(expert_bytes, layer_cap))
-    return StepDecision(plan, loads_to_send(plan, view), publishable(plan, view.resident))
+    return StepDecision(plan, loads_to_send(plan, view), publishable(plan, view.resident),
+                        plan.releasable(view.resident & view.live[None, None, :]))
 
 
 def same_placement(a: Placement | None, b: Placement, shares: bool = True) -> bool:

@@ -1,9 +1,11 @@
 """A home move in the running loop: the planning loop (its class, in this process) over real expert
-hosts with production EPLB (N = 0, its first rebalance after 3 iterations), fed by a serving
-executor's reports while it generates; each load the loop sends lands LOAD_S late. A rebalance moves experts off their hosts: the new host
-loads them behind serving, the old layout serves until then, the placement that drops an old
-replica is published only once every replica it routes to is resident, the old host releases it
-(keep-alive) only after that, and every generation equals the in-process model's.
+hosts with production EPLB (N = 0, its first rebalance after 3 iterations) and with moeless (its
+homes moved, placement/home_moves.py, a chance every 5 plans after 3), fed by a serving executor's reports
+while it generates; each load the loop sends lands LOAD_S late. A move takes experts off their
+hosts: the new host loads them behind serving, the old layout serves until then, the placement
+that drops an old replica is published only once every replica it routes to is resident, the old
+host releases it only after that (EPLB: keep-alive; moeless: evicted by the loop, well before its
+keep-alive of a minute), and every generation equals the in-process model's.
 
 The board is the one seam: the loop's publish goes straight to the executor's PlacementSource
 (the Ray actor that carries it to serving replicas is tested in test_live_loop.py)."""
@@ -12,6 +14,7 @@ import time
 
 import threading
 
+import pytest
 import torch
 
 from moeless.controller.knobs import Knobs
@@ -42,7 +45,12 @@ def _replicas(placement) -> set[tuple[int, int, int]]:
     return {(l, e, g) for l, lp in enumerate(placement.layers) for e, g in zip(lp.expert.tolist(), lp.gpu.tolist())}
 
 
-def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(tiny_store, hosts, tmp_path, monkeypatch):
+@pytest.mark.parametrize("planner, extra, keep_alive_s", [
+    ("eplb-production", {"eplb_redundant": 0, "eplb_first_rebalance": 3}, KEEP_ALIVE_S),
+    ("moeless", {"home_moves_first": 3, "home_moves_every": 5}, 60.0),  # a chance to move every 5 plans: one pays
+])
+def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planner, extra, keep_alive_s, tiny_store,
+                                                                          hosts, tmp_path, monkeypatch):
     model, _ = tiny_store
     spec = model.spec
     path = tmp_path / "pool.json"
@@ -69,10 +77,10 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(tiny_s
         return "loading"
 
     monkeypatch.setattr(ExpertHostClient, "load", slow_load)  # the loop's prefetches
-    knobs = Knobs(planner="eplb-production", predictor="history", distance=1, keep_alive_s=KEEP_ALIVE_S)
+    knobs = Knobs(planner=planner, predictor="history", distance=1, keep_alive_s=keep_alive_s)
     settings = LoopSettings(pool=FileSource.open(str(path)), num_layers=spec.num_layers, num_experts=spec.num_experts,
                             knobs=knobs, profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05,
-                            planner_extra={"eplb_redundant": 0, "eplb_first_rebalance": 3})
+                            planner_extra=extra)
     loop = actor.PlanLoop.__ray_metadata__.modified_class(settings)
     live = LiveExecutor(RemoteExecutor(clients, source), spec.num_layers, spec.num_experts, replica="test",
                         sink=loop.report)
@@ -88,21 +96,22 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(tiny_s
                 break
         assert moved, f"no published placement dropped a replica in 60 s ({len(published)} published)"
         assert loop.state()["errors"] == 0
-    finally:
+        for k, (l, e, old) in moved:
+            when, placement, held = published[k]
+            routed = {r for r in _replicas(placement) if r[:2] == (l, e)}
+            assert routed and routed <= held, f"expert {(l, e)} published on {routed} before all were resident ({held})"
+            assert (l, e, old) in held  # the old home still held when the layout that drops it took over
+        # Released by keep-alive (moeless: by the loop, its keep-alive a minute) once no call reaches it
+        # (the executor routes by the last placement only).
+        deadline = time.monotonic() + min(keep_alive_s, KEEP_ALIVE_S) + 10
+        while time.monotonic() < deadline and any((l, e, old) in _held(clients) for _, (l, e, old) in moved
+                                                  if (l, e, old) not in _replicas(published[-1][1])):
+            ids = torch.randint(0, 128, (1, 4), generator=g)
+            assert torch.equal(model.generate(ids, 2, executor=live.inner), model.generate(ids, 2))
+            time.sleep(0.2)
+        last = _replicas(published[-1][1])
+        assert not {r for _, r in moved if r not in last} & _held(clients)
+    finally:  # the loop runs on while old homes are released (moeless evicts them from it)
         loop.stop()
-    for k, (l, e, old) in moved:
-        when, placement, held = published[k]
-        routed = {r for r in _replicas(placement) if r[:2] == (l, e)}
-        assert routed and routed <= held, f"expert {(l, e)} published on {routed} before all were resident ({held})"
-        assert (l, e, old) in held  # the old home still held when the layout that drops it took over
-    # Released by keep-alive once no call reaches it (the executor routes by the last placement only).
-    deadline = time.monotonic() + KEEP_ALIVE_S + 10
-    while time.monotonic() < deadline and any((l, e, old) in _held(clients) for _, (l, e, old) in moved
-                                              if (l, e, old) not in _replicas(published[-1][1])):
-        ids = torch.randint(0, 128, (1, 4), generator=g)
-        assert torch.equal(model.generate(ids, 2, executor=live.inner), model.generate(ids, 2))
-        time.sleep(0.2)
-    last = _replicas(published[-1][1])
-    assert not {r for _, r in moved if r not in last} & _held(clients)
     for c in clients:
         c.close()

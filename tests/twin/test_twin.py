@@ -205,3 +205,19 @@ def test_a_routed_planner_never_waits_for_a_load_and_uses_a_copy_once_it_has_lan
         assert record.exposed_s[0].tolist() == [0.0] * L
         assert record.serial_s[0].tolist() == pytest.approx([8e-6, 8e-6, 4e-6])  # layer 2's landed at 15 <= 16
     assert record.loads[0].tolist() == [1] * L and record.resident[0].tolist() == [E + 1] * L
+
+
+def test_a_moeless_home_move_waits_for_no_load_and_releases_the_old_home_at_once():
+    """Experts 0 and 1 hot in GPU 0's static block: moeless moves a home after 3 plans (its gates'
+    loads learnt). The new home loads behind serving (no exposed time), the old one serves until it
+    has landed, is then evicted at once (keep-alive is a minute) and the layer runs faster after."""
+    hot = np.array([[40, 40, 1, 1]] * L)
+    its = iterations([hot] * 10, step=0.1)
+    config = PlannerConfig(model=PROFILE.latency_model(), home_moves_first=3, gb_s_price=1e9)  # no copies
+    record = replay(get_planner("moeless", config), its, np.stack([i.load for i in its]).astype(float), cluster(),
+                    PROFILE, TwinSettings(keep_alive_s=60.0, distance=1))
+    assert (record.exposed_s == 0).all()
+    assert record.loads[:3].sum() == 0 and record.loads[3].tolist() == [2] * L  # two experts swap homes
+    assert record.evictions[4:].sum(axis=0).tolist() == [2] * L  # the old homes, once the new ones landed
+    assert record.resident[-1].tolist() == [E] * L  # not E + 2 for keep-alive's minute
+    assert record.serial_s[-1].max() < record.serial_s[0].min()  # 41 tokens a GPU, not 80

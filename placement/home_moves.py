@@ -1,0 +1,181 @@
+"""Where each expert lives: moeless's homes, moved where the forecasts say a new pairing pays.
+
+On fine-grained routing (docs/deployments.md, FLAME-MoE) which experts share a GPU decides most of
+decode's time: copies cost a weight read each and 4-32 tokens an expert cannot pay for it, while a
+better pairing of experts with GPUs costs nothing once loaded. Production EPLB (SGLang, vLLM)
+re-pairs on the loads summed since its last rebalance, unconditionally. moeless does the same on
+its forecasts and moves a layer only where the new pairing would have been faster on the recent
+forecasts, so a move made on noise does not cost time:
+
+1. Statistics: every iteration's actual loads [L, E] (its gates' report: Planner.learn) summed
+   since the last move, and the last SAMPLES kept; where nothing reports (a bare `moeless plan`),
+   the forecasts instead. (Summed history forecasts, tried first, chose worse homes on FLAME:
+   their shares are a mean over both phases' iterations, not weighted by tokens as the loads are.)
+2. On schedule (after `first` plans, then every `every`: PlannerConfig.home_moves_first and
+   home_moves_every, 10 and 50 by default; production EPLB waits 50 and then 1000), the candidate homes
+   are DeepSeek's EPLB packing with no redundant expert on the sums (`packed_homes`: E rounded up to
+   a multiple of G slots, so every GPU gets E / G experts, heaviest first onto the lightest GPU).
+3. A layer moves only where the candidate's time with every token at home (`home_time`) is below
+   the current homes' by MOVE_MARGIN, in the mean over the kept iterations.
+4. Behind serving (`add_moves`): a new home that is not resident loads with no tokens while the old
+   one serves (`serving`; a move the layer's memory cannot hold is cancelled: `cancel`); once it has landed it takes the tokens and the old
+   one is released (`release`, and Placement.release: evicted at once), so no call waits for a
+   move and no move leaves a free copy behind.
+
+Golden example: `packed_homes([[10, 1, 1, 10, 5, 5, 1, 1]], 2)` puts the two experts of 10 apart,
+17 tokens on each GPU (static EP's blocks hold 22 and 12).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeless.placement.eplb import rebalance_experts
+from moeless.placement.latency_model import LatencyModel
+from moeless.placement.types import LayerPlacement
+
+SAMPLES = 64  # forecasts kept to judge a move (the last ~3 s of serving at 50 ms an iteration)
+MOVE_MARGIN = 0.01  # a layer moves only where its homes would have saved this share of its time
+
+
+def static_homes(num_layers: int, num_experts: int, num_gpus: int) -> np.ndarray:
+    """[L, E] static EP's blocks: expert e on GPU e * G // E."""
+    return np.tile(np.arange(num_experts) * num_gpus // num_experts, (num_layers, 1))
+
+
+def packed_homes(loads: np.ndarray, num_gpus: int) -> np.ndarray:
+    """[L, E] summed loads -> [L, E] home GPUs: EPLB's packing with no redundant expert (E slots
+    rounded up to a multiple of G; an expert given two slots lives at its first)."""
+    num_layers, num_experts = loads.shape
+    slots = -(-num_experts // num_gpus) * num_gpus
+    phy2log, _, _ = rebalance_experts(np.asarray(loads, dtype=np.float64), slots, 1, 1, num_gpus)
+    homes = np.empty((num_layers, num_experts), np.int64)
+    for l in range(num_layers):
+        first = np.unique(np.asarray(phy2log[l]), return_index=True)[1]
+        homes[l] = first // (slots // num_gpus)
+    return homes
+
+
+def home_time(samples: np.ndarray, homes: np.ndarray, num_gpus: int, model: LatencyModel) -> float:
+    """Mean seconds of a layer over samples [S, E] of tokens with every token at its home [E]: the
+    busiest GPU's alpha * tokens + call_overhead per expert with tokens, plus 2 beta times the
+    most tokens a GPU receives (kernels.serial_time's model, all samples at once)."""
+    onehot = np.zeros((homes.shape[0], num_gpus))
+    onehot[np.arange(homes.shape[0]), homes] = 1.0
+    tokens = np.rint(samples) @ onehot
+    calls = (np.rint(samples) > 0) @ onehot
+    work = (model.alpha * tokens + model.call_overhead * calls).max(axis=1)
+    return float((work + 2.0 * model.beta * tokens.max(axis=1)).mean())
+
+
+@dataclass
+class HomeMoves:
+    """One planner's homes and their statistics (module docstring). Stateful: one per planner."""
+
+    num_layers: int
+    num_experts: int
+    num_gpus: int
+    first: int
+    every: int
+    homes: np.ndarray = field(init=False)
+    calls: int = field(default=0, init=False)
+    learnt: int = field(default=0, init=False)  # iterations in the statistics
+    moved: int = field(default=0, init=False)  # layers moved so far, for `moeless plan`'s report
+    _sum: np.ndarray = field(init=False)
+    _samples: list = field(default_factory=list, init=False)
+    _left: list = field(init=False)
+    _model: LatencyModel | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.first < 1 or self.every < 1:
+            raise ValueError(f"homes move after >= 1 call, every >= 1; got {self.first}, {self.every}")
+        self.homes = static_homes(self.num_layers, self.num_experts, self.num_gpus)
+        self._sum = np.zeros((self.num_layers, self.num_experts))
+        self._left = [set() for _ in range(self.num_layers)]
+
+    def fits(self, num_layers: int, num_experts: int, num_gpus: int) -> bool:
+        return (self.num_layers, self.num_experts, self.num_gpus) == (num_layers, num_experts, num_gpus)
+
+    def learn(self, loads: np.ndarray, model: LatencyModel) -> None:
+        """Step 1 for one iteration's loads [L, E] (actual: what its gates reported)."""
+        self._model = model
+        self._sum += loads
+        self._samples = [*self._samples[-(SAMPLES - 1):], np.asarray(loads, dtype=np.float64)]
+        self.learnt += 1
+
+    def plan_call(self) -> np.ndarray:
+        """Steps 2-3 at one plan: the homes [L, E] to plan on."""
+        model = self._model
+        self.calls += 1
+        if self._samples and self.calls > self.first and (self.calls - 1 - self.first) % self.every == 0:
+            candidate = packed_homes(self._sum, self.num_gpus)
+            samples = np.stack(self._samples, axis=1)  # [L, S, E]
+            for l in np.flatnonzero((candidate != self.homes).any(axis=1)):
+                now = home_time(samples[l], self.homes[l], self.num_gpus, model)
+                if home_time(samples[l], candidate[l], self.num_gpus, model) < (1.0 - MOVE_MARGIN) * now:
+                    changed = np.flatnonzero(candidate[l] != self.homes[l])
+                    back = {(e, g) for e, g in self._left[l] if candidate[l, e] == g}  # moved back: a home again
+                    self._left[l] = (self._left[l] - back) | {(int(e), int(self.homes[l, e])) for e in changed}
+                    self.homes[l] = candidate[l]
+                    self.moved += 1
+            self._sum[:] = 0.0
+        return self.homes
+
+    def serving(self, layer: int, resident: LayerPlacement | None) -> np.ndarray:
+        """[E] the homes that serve layer `layer` now: the new ones once every one of them is
+        resident, else the old homes of the experts that move (a layer half moved can be slower
+        than either layout, so it switches at once, as production EPLB's does)."""
+        homes = self.homes[layer].copy()
+        if resident is None or not self._left[layer]:
+            return homes
+        pairs = set(zip(resident.expert.tolist(), resident.gpu.tolist()))
+        if all((e, int(g)) in pairs for e, g in enumerate(homes)):
+            return homes
+        for e, g in self._left[layer]:
+            if (e, g) in pairs:
+                homes[e] = g
+        return homes
+
+    def cancel(self, layer: int, serving: np.ndarray) -> None:
+        """The layer's move does not fit its memory: it keeps the homes that serve it ([E])."""
+        self.homes[layer] = serving
+        self._left[layer] = {(e, g) for e, g in self._left[layer] if serving[e] != g}
+
+    def released(self) -> np.ndarray:
+        """[n, 3] (layer, expert, gpu) of the old homes the moves left that were last seen resident
+        (Placement.release: evicted once the new home serves)."""
+        rows = [(l, e, g) for l, left in enumerate(self._left) for e, g in sorted(left)]
+        return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+    def release(self, layer: int, resident: LayerPlacement | None) -> LayerPlacement | None:
+        """Step 4: the layer's resident replicas without the old homes a move left, once every new
+        home of the layer is resident (until then the old homes serve)."""
+        left = self._left[layer]
+        if resident is None or not left:
+            return resident
+        pairs = set(zip(resident.expert.tolist(), resident.gpu.tolist()))
+        self._left[layer] = left = {(e, g) for e, g in left if (e, g) in pairs}  # evicted: forgotten
+        if not left or not all((e, int(g)) in pairs for e, g in enumerate(self.homes[layer])):  # not done yet
+            return resident
+        keep = np.array([(e, g) not in left for e, g in zip(resident.expert.tolist(), resident.gpu.tolist())])
+        return LayerPlacement(resident.expert[keep], resident.gpu[keep], resident.share[keep])
+
+
+def add_moves(layer: LayerPlacement, homes: np.ndarray, free: np.ndarray, room: int) -> tuple[LayerPlacement, np.ndarray, bool]:
+    """The layer plus, without tokens, each home [E] it lacks (a move's new home, which loads while
+    the old one serves), where it fits: a slot left on its GPU (free: [G]) and at most `room` more
+    replicas in the layer (what its budget and the later layers leave). Returns (layer, free slots
+    left [G], whether all fit); when not all fit, the layer unchanged (a half move never switches)."""
+    missing = np.ones(homes.shape[0], dtype=bool)
+    missing[layer.expert[layer.gpu == homes[layer.expert]]] = False
+    moving = np.flatnonzero(missing)
+    need = np.bincount(homes[moving], minlength=free.shape[0])
+    if not moving.size:
+        return layer, free, True
+    if moving.size > room or (need > free).any():
+        return layer, free, False
+    grown = LayerPlacement(np.concatenate([layer.expert, moving]), np.concatenate([layer.gpu, homes[moving]]),
+                           np.concatenate([layer.share, np.zeros(moving.shape[0])]))
+    return grown, free - need, True

@@ -1,0 +1,113 @@
+"""moeless's homes (placement/home_moves.py): packed on the summed forecasts, moved on schedule
+only where the recent forecasts say it pays, behind serving, the old home released."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeless.placement.cluster import Cluster
+from moeless.placement.home_moves import HomeMoves, add_moves, home_time, packed_homes, static_homes
+from moeless.placement.latency_model import LatencyModel
+from moeless.placement.planner import PlannerConfig, get_planner
+from moeless.placement.types import LayerPlacement, Placement
+
+MODEL = LatencyModel(alpha=1e-3, beta=0.0, cold_start=1e-3, call_overhead=1e-4)
+HOT = np.array([[40.0, 40, 1, 1]])  # experts 0 and 1 hot, both in GPU 0's static block
+
+
+def test_packed_homes_golden():
+    homes = packed_homes(np.array([[10.0, 1, 1, 10, 5, 5, 1, 1]]), 2)
+    assert homes.tolist() == [[0, 0, 1, 1, 0, 1, 0, 1]]  # 10 + 1 + 5 + 1 = 17 on each GPU; static EP: 22 and 12
+
+
+def test_packed_homes_with_experts_not_a_multiple_of_the_gpus():
+    homes = packed_homes(np.array([[9.0, 1, 1, 1, 1]]), 2)
+    assert set(homes[0].tolist()) == {0, 1} and np.bincount(homes[0]).max() <= 3
+
+
+def test_home_time_is_the_busiest_gpus_work_averaged_over_samples():
+    samples = np.array([[10.0, 0, 5, 5], [0.0, 10, 0, 0]])
+    homes = np.array([0, 0, 1, 1])
+    # sample 0: GPU 0 10 tokens 1 call = 10.1 ms, GPU 1 10 tokens 2 calls = 10.2 ms; sample 1: 10.1 ms
+    assert home_time(samples, homes, 2, MODEL) == pytest.approx((10.2e-3 + 10.1e-3) / 2)
+
+
+def test_a_layer_moves_on_schedule_and_only_where_the_new_homes_pay():
+    """Layer 0's hot experts share a GPU (a move pays); layer 1's are already apart (none does)."""
+    moves = HomeMoves(2, 4, 2, first=3, every=1000)
+    forecast = np.array([[40.0, 40, 1, 1], [40.0, 1, 40, 1]])
+    for _ in range(3):
+        moves.learn(forecast, MODEL)
+        assert (moves.plan_call() == static_homes(2, 4, 2)).all()
+    moves.learn(forecast, MODEL)
+    homes = moves.plan_call()  # the fourth call: after 3 of statistics
+    assert homes[0, 0] != homes[0, 1] and homes[1].tolist() == [0, 0, 1, 1] and moves.moved == 1
+    for _ in range(5):
+        moves.learn(forecast * 0 + 1, MODEL)
+        assert (moves.plan_call() == homes).all()  # not due again for 1000 calls
+
+
+def test_the_schedule_is_checked():
+    with pytest.raises(ValueError, match="after >= 1 call"):
+        HomeMoves(1, 4, 2, first=0, every=10)
+
+
+def test_a_move_happens_behind_serving_and_leaves_no_copy():
+    """The move's new home joins the plan with no tokens while the old one serves; once it is
+    resident it takes the tokens and the old home leaves the plan (released), though still warm."""
+    planner = get_planner("moeless", PlannerConfig(model=MODEL, home_moves_first=2, gb_s_price=1e9))  # no copies
+    cluster = Cluster.uniform(2, 8, 1)
+    static = Placement.static(1, 4, 2)
+    for _ in range(2):
+        assert planner(HOT, cluster, static).layers[0].num_replicas == 4
+    moving = planner(HOT, cluster, static).layers[0]
+    loading = {(e, g) for e, g, s in zip(moving.expert.tolist(), moving.gpu.tolist(), moving.share.tolist()) if s == 0.0}
+    movers = sorted(e for e, _ in loading)
+    assert movers == [1, 2] and loading == {(1, 1), (2, 0)}  # hot expert 1 swaps places with cold expert 2
+    assert moving.num_replicas == 6 and moving.share[np.isin(moving.expert, movers) & (moving.share > 0)].tolist() == [1.0, 1.0]
+    both = Placement((LayerPlacement.even(np.array([0, 1, 2, 3, 1, 2]), np.array([0, 0, 1, 1, 1, 0]), 4),), 4, 2)
+    for _ in range(2):  # the old homes stay warm (keep-alive) but are no copies to keep
+        after = planner(HOT, cluster, both).layers[0]
+        assert sorted(zip(after.expert.tolist(), after.gpu.tolist())) == [(0, 0), (1, 1), (2, 0), (3, 1)]
+        assert after.share.tolist() == [1.0] * 4
+
+
+def test_no_moves_keeps_static_homes_and_planners_do_not_share_homes():
+    config = PlannerConfig(model=MODEL, home_moves_first=1, gb_s_price=1e9)
+    cluster = Cluster.uniform(2, 8, 1)
+    static = Placement.static(1, 4, 2)
+    still = get_planner("moeless-no-moves", config)
+    mover = get_planner("moeless", config)
+    for _ in range(3):
+        assert sorted(zip(still(HOT, cluster, static).layers[0].expert.tolist(),
+                          still(HOT, cluster, static).layers[0].gpu.tolist())) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+        moved = mover(HOT, cluster, static)
+    assert moved.layers[0].num_replicas == 6  # two new homes loading
+    fresh = get_planner("moeless", config)(HOT, cluster, static)
+    assert fresh.layers[0].num_replicas == 4  # a new planner starts at static EP's homes
+
+
+def test_add_moves_adds_the_missing_homes_only_where_all_fit():
+    layer = LayerPlacement.even(np.array([0, 1, 2, 3]), np.array([0, 0, 1, 1]), 4)
+    homes = np.array([0, 1, 0, 1])  # experts 1 and 2 swap GPUs
+    grown, left, fits = add_moves(layer, homes, np.array([1, 1]), room=2)
+    assert fits and left.tolist() == [0, 0]
+    assert sorted(zip(grown.expert.tolist(), grown.gpu.tolist(), grown.share.tolist()))[1:4] == [
+        (1, 0, 1.0), (1, 1, 0.0), (2, 0, 0.0)]
+    for free, room in (([1, 0], 2), ([1, 1], 1)):  # no slot on GPU 1; room for one replica only
+        same, left, fits = add_moves(layer, homes, np.array(free), room)
+        assert not fits and same is layer and left.tolist() == free
+
+
+def test_a_move_the_memory_cannot_hold_is_called_off_and_later_layers_keep_their_budget():
+    """Two layers, 4 experts on 2 GPUs with 4 slots each: layer 0's move needs 2 more replicas, which
+    would leave layer 1 fewer than its 4 experts; the move is called off and both plans hold."""
+    planner = get_planner("moeless", PlannerConfig(model=MODEL, home_moves_first=1, gb_s_price=1e9))
+    cluster = Cluster.uniform(2, 4, 1)
+    static = Placement.static(2, 4, 2)
+    load = np.array([[40.0, 40, 1, 1], [1.0, 1, 1, 1]])
+    for _ in range(3):
+        plan = planner(load, cluster, static)
+        assert [lp.num_replicas for lp in plan.layers] == [4, 4]
+        assert sorted(zip(plan.layers[0].expert.tolist(), plan.layers[0].gpu.tolist())) == [(0, 0), (1, 0), (2, 1), (3, 1)]
