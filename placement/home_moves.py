@@ -82,7 +82,7 @@ class HomeMoves:
     homes: np.ndarray = field(init=False)
     calls: int = field(default=0, init=False)
     learnt: int = field(default=0, init=False)  # iterations in the statistics
-    moved: int = field(default=0, init=False)  # layers moved so far, for `moeless plan`'s report
+    moves: list = field(default_factory=list, init=False)  # (plan, layer, experts, s before, s after, samples)
     _sum: np.ndarray = field(init=False)
     _samples: list = field(default_factory=list, init=False)
     _left: list = field(init=False)
@@ -114,12 +114,13 @@ class HomeMoves:
             samples = np.stack(self._samples, axis=1)  # [L, S, E]
             for l in np.flatnonzero((candidate != self.homes).any(axis=1)):
                 now = home_time(samples[l], self.homes[l], self.num_gpus, model)
-                if home_time(samples[l], candidate[l], self.num_gpus, model) < (1.0 - MOVE_MARGIN) * now:
+                then = home_time(samples[l], candidate[l], self.num_gpus, model)
+                if then < (1.0 - MOVE_MARGIN) * now:
                     changed = np.flatnonzero(candidate[l] != self.homes[l])
                     back = {(e, g) for e, g in self._left[l] if candidate[l, e] == g}  # moved back: a home again
                     self._left[l] = (self._left[l] - back) | {(int(e), int(self.homes[l, e])) for e in changed}
                     self.homes[l] = candidate[l]
-                    self.moved += 1
+                    self.moves.append((self.calls, int(l), changed.size, now, then, len(self._samples)))
             self._sum[:] = 0.0
         return self.homes
 
@@ -137,6 +138,13 @@ class HomeMoves:
             if (e, g) in pairs:
                 homes[e] = g
         return homes
+
+    def describe(self) -> list[str]:
+        """One line per move made: when, which layer, and why (`moeless plan` prints them)."""
+        if not self.moves:
+            return [f"homes: static EP's blocks (no move paid by {MOVE_MARGIN:.0%} after {self.calls} plans)"]
+        return [f"layer {l}: {n} experts' homes moved at plan {k}, the homes' layer time on the last {s} iterations "
+                f"{now * 1e6:.1f} us -> {then * 1e6:.1f} us" for k, l, n, now, then, s in self.moves]
 
     def cancel(self, layer: int, serving: np.ndarray) -> None:
         """The layer's move does not fit its memory: it keeps the homes that serve it ([E])."""

@@ -59,6 +59,7 @@ class Planner:
     config: PlannerConfig
     lossy_load: Callable[[np.ndarray], np.ndarray] | None = None
     learn_fn: Callable[[np.ndarray], None] | None = None
+    describe_fn: Callable[[], list[str]] | None = None
 
     def __call__(self, forecast: np.ndarray, cluster: Cluster, previous: Placement | None = None) -> Placement:
         return self.plan_fn(check_forecast(forecast), cluster, previous, self.config)
@@ -68,6 +69,10 @@ class Planner:
         Planners that keep statistics of them learn (moeless's homes); the others ignore them."""
         for loads in actual if self.learn_fn is not None else ():
             self.learn_fn(check_forecast(np.asarray(loads, dtype=np.float64)))
+
+    def describe(self) -> list[str]:
+        """What a planner with state has decided so far and why (moeless: its home moves), one line each."""
+        return self.describe_fn() if self.describe_fn is not None else []
 
     @property
     def relevels(self) -> bool:
@@ -174,9 +179,9 @@ def _filled(split: bool = True, warm: bool = True) -> PlanFn:
 @dataclass(frozen=True)
 class Fresh:
     """A planner with state of its own (its homes, its statistics): get_planner makes a new
-    (plan function, learn function) per planner, so two planners never share what they learnt."""
+    (plan, learn, describe) per planner, so two planners never share what they learnt."""
 
-    make: Callable[[], tuple[PlanFn, Callable[[np.ndarray], None]]]
+    make: Callable[[], tuple[PlanFn, Callable[[np.ndarray], None], Callable[[], list[str]]]]
 
 
 def _resident(additions: bool = True, warm: bool = True, placer: str = "resident", price_memory: bool = True,
@@ -187,7 +192,7 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
     warm=False: ignores what is resident; placer="off": its counts placed round-robin;
     price_memory=False: memory is free; moves=False: static EP's homes for good."""
 
-    def make() -> tuple[PlanFn, Callable[[np.ndarray], None]]:
+    def make() -> tuple[PlanFn, Callable[[np.ndarray], None], Callable[[], list[str]]]:
         state: dict = {"homes": None, "actual": []}
 
         def learn(actual: np.ndarray) -> None:
@@ -230,7 +235,10 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
             placement = plan_layers(forecast, cluster, previous, plan_layer)
             return replace(placement, release=moved.released()) if moves else placement
 
-        return plan, learn
+        def describe() -> list[str]:
+            return state["homes"].describe() if state["homes"] is not None else []
+
+        return plan, learn, describe
 
     return Fresh(make)
 
@@ -317,8 +325,8 @@ def get_planner(spec: str, config: PlannerConfig | None = None) -> Planner:
     if spec in PLANNERS:
         fn = PLANNERS[spec]
         if isinstance(fn, Fresh):
-            plan_fn, learn_fn = fn.make()
-            return Planner(spec, plan_fn, config, learn_fn=learn_fn)
+            plan_fn, learn_fn, describe_fn = fn.make()
+            return Planner(spec, plan_fn, config, learn_fn=learn_fn, describe_fn=describe_fn)
         return Planner(spec, fn, config, oracle_load if spec == "oracle" else None)
     if ":" not in spec:
         raise ValueError(f"unknown planner {spec!r}; use one of {sorted([*PLANNERS, *STATEFUL_PLANNERS])} or 'module:function'")

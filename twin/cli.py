@@ -18,7 +18,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "plan",
         help="plan one iteration's placement from per-layer expert loads and print it",
         description="Runs a planner on loads [L, E] (a .npy file; [B, L, E]: samples of the batches to come, for "
-                    "moeless-sets) and prints, per layer, each GPU's replicas (expert:share), the predicted layer time "
+                    "moeless-sets; for moeless, the batches its gates reported, one plan after each, so that it may "
+                    "move homes: it prints each move and why) and prints, per layer, each GPU's replicas "
+                    "(expert:share), the predicted layer time "
                     "under the paper's and the serial execution model, and why each copy was chosen: what it saves "
                     "on these loads with each call paired (placement/dispatch.py) against its price (its load and "
                     "the memory it holds, at --memory-price seconds per GB·s).",
@@ -32,6 +34,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--cv-threshold", type=float, default=0.2, help="the paper's CV threshold V (default 0.2)")
     plan.add_argument("--eplb-replicas", type=int, default=None, help="EPLB's replicas per layer (a multiple of --gpus)")
     plan.add_argument("--profile", metavar="JSON", help="a cost profile (default: measured now at the default model's expert shape)")
+    plan.add_argument("--move-after", type=int, default=10,
+                      help="moeless: plans of the gates' loads before its first chance to move homes (default 10)")
     plan.add_argument("--memory-price", type=float, default=0.0,
                       help="seconds of layer time one GB·s of replica memory is worth (default 0: memory free)")
     plan.set_defaults(func=plan_command)
@@ -56,9 +60,18 @@ def plan_command(args: argparse.Namespace) -> int:
     cluster = Cluster.uniform(args.gpus, -(-num_layers * cap // args.gpus), expert_bytes=profile.expert_bytes,
                               layer_cap_replicas=cap)
     config = PlannerConfig(model=model, cv_threshold=args.cv_threshold, eplb_replicas=args.eplb_replicas,
-                           gb_s_price=args.memory_price, dispatch_s=profile.relevel_s + profile.check_s)
+                           gb_s_price=args.memory_price, dispatch_s=profile.relevel_s + profile.check_s,
+                           home_moves_first=args.move_after)
     planner = get_planner(args.planner, config)
-    placement = planner(loads if planner.samples or loads.ndim == 2 else loads.mean(axis=0), cluster)
+    if loads.ndim == 3 and planner.learn_fn is not None:  # what its gates reported: a plan after each, loaded
+        placement = None
+        for batch in loads:
+            planner.learn(batch)
+            placement = planner(batch, cluster, placement)
+    else:
+        placement = planner(loads if planner.samples or loads.ndim == 2 else loads.mean(axis=0), cluster)
+    for line in planner.describe():
+        print(line)
     priced = loads.mean(axis=0) if loads.ndim == 3 else loads
     priced = planner.lossy_load(priced) if planner.lossy_load else priced
     for l, layer in enumerate(placement.layers):
@@ -83,7 +96,7 @@ def _why(samples: np.ndarray, layer, config, profile, num_gpus: int) -> list[str
     _, first = np.unique(layer.expert, return_index=True)
     copies = np.setdiff1d(np.arange(layer.num_replicas), first)
     if not copies.size:
-        return ["no copies: static EP's split"]
+        return ["no copies: every token at its expert's home"]
     samples = np.rint(samples).astype(np.int64)
     cost = ReplicaCost(config.model, config.prefetch_layers, profile.expert_bytes, config.keep_alive_s, config.gb_s_price,
                        config.horizon, config.iteration_s)

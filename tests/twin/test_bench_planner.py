@@ -123,4 +123,21 @@ def test_plan_says_why_it_chose_each_copy(tmp_path: Path, capsys):
     out = capsys.readouterr().out
     assert "copy of expert 0 on gpu 1: saves" in out and "copy of expert 2 on gpu 0: saves" in out and "against its price" in out
     assert main(["plan", str(path), "--gpus", "2", "--planner", "static", "--profile", str(profile)]) == 0
-    assert "no copies: static EP's split" in capsys.readouterr().out
+    assert "no copies: every token at its expert's home" in capsys.readouterr().out
+
+
+def test_plan_with_the_gates_batches_says_which_homes_moeless_moved_and_why(tmp_path: Path, capsys):
+    """Batches [B, L, E] for moeless: what its gates reported, a plan after each. Experts 0 and 1 hot
+    in GPU 0's static block: after 3 batches it moves two homes, and says so with the layer times."""
+    from moeless.cli import main
+
+    path, profile = tmp_path / "batches.npy", tmp_path / "profile.json"
+    np.save(path, np.array([[[400, 400, 20, 20]]] * 5))
+    profile.write_text(json.dumps(PROFILE))
+    args = ["plan", str(path), "--gpus", "2", "--profile", str(profile), "--memory-price", "1e9"]
+    assert main([*args, "--move-after", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 0: 2 experts' homes moved at plan 4" in out and " us -> " in out
+    assert sorted(out.split("  gpu 0: ")[1].split("\n")[0].split()) != ["0:1.00", "1:1.00"]  # the hot pair split
+    assert main([*args, "--move-after", "10"]) == 0
+    assert "homes: static EP's blocks (no move paid by 1% after 5 plans)" in capsys.readouterr().out
