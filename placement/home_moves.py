@@ -171,12 +171,14 @@ class HomeMoves:
         return LayerPlacement(resident.expert[keep], resident.gpu[keep], resident.share[keep])
 
 
-def add_moves(layer: LayerPlacement, homes: np.ndarray, free: np.ndarray, room: int) -> tuple[LayerPlacement, np.ndarray, bool]:
-    """The layer plus, without tokens, each home [E] it lacks (a move's new home, which loads while
-    the old one serves), where it fits: a slot left on its GPU (free: [G]) and at most `room` more
-    replicas in the layer (what its budget and the later layers leave). Returns (layer, free slots
-    left [G], whether all fit); when not all fit, the layer unchanged (a half move never switches)."""
-    missing = np.ones(homes.shape[0], dtype=bool)
+def add_moves(layer: LayerPlacement, homes: np.ndarray, serving: np.ndarray, free: np.ndarray,
+              room: int) -> tuple[LayerPlacement, np.ndarray, bool]:
+    """The layer plus, without tokens, the new home [E] of each expert that moves (its home is not
+    the one serving [E]) where the layer lacks it: it loads while the old one serves. Only where it
+    fits: a slot left on its GPU (free: [G]) and at most `room` more replicas in the layer (what its
+    budget and the later layers leave). Returns (layer, free slots left [G], whether all fit); when
+    not all fit, the layer unchanged (a half move never switches)."""
+    missing = homes != serving
     missing[layer.expert[layer.gpu == homes[layer.expert]]] = False
     moving = np.flatnonzero(missing)
     need = np.bincount(homes[moving], minlength=free.shape[0])

@@ -227,7 +227,7 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
                 if placer == "off":
                     layer, left = place_round_robin(load, layer.logcnt(num_experts), free)
                 if moves:  # the new homes load behind serving, or the move is called off
-                    layer, left, fits = add_moves(layer, homes[l], left, budget - layer.num_replicas)
+                    layer, left, fits = add_moves(layer, homes[l], serving, left, budget - layer.num_replicas)
                     if not fits:
                         moved.cancel(l, serving)
                 return layer, left

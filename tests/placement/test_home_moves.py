@@ -91,13 +91,14 @@ def test_no_moves_keeps_static_homes_and_planners_do_not_share_homes():
 
 def test_add_moves_adds_the_missing_homes_only_where_all_fit():
     layer = LayerPlacement.even(np.array([0, 1, 2, 3]), np.array([0, 0, 1, 1]), 4)
-    homes = np.array([0, 1, 0, 1])  # experts 1 and 2 swap GPUs
-    grown, left, fits = add_moves(layer, homes, np.array([1, 1]), room=2)
+    homes, serving = np.array([0, 1, 0, 1]), np.array([0, 0, 1, 1])  # experts 1 and 2 swap GPUs
+    assert add_moves(layer, serving, serving, np.array([1, 1]), room=2)[0] is layer  # nothing moves
+    grown, left, fits = add_moves(layer, homes, serving, np.array([1, 1]), room=2)
     assert fits and left.tolist() == [0, 0]
     assert sorted(zip(grown.expert.tolist(), grown.gpu.tolist(), grown.share.tolist()))[1:4] == [
         (1, 0, 1.0), (1, 1, 0.0), (2, 0, 0.0)]
     for free, room in (([1, 0], 2), ([1, 1], 1)):  # no slot on GPU 1; room for one replica only
-        same, left, fits = add_moves(layer, homes, np.array(free), room)
+        same, left, fits = add_moves(layer, homes, serving, np.array(free), room)
         assert not fits and same is layer and left.tolist() == free
 
 
