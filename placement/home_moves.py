@@ -1,11 +1,11 @@
-"""Where each expert lives: moeless's homes, moved where the forecasts say a new pairing pays.
+"""Where each expert lives: moeless's homes, moved where the gates' loads say a new pairing pays.
 
 On fine-grained routing (docs/deployments.md, FLAME-MoE) which experts share a GPU decides most of
 decode's time: copies cost a weight read each and 4-32 tokens an expert cannot pay for it, while a
 better pairing of experts with GPUs costs nothing once loaded. Production EPLB (SGLang, vLLM)
 re-pairs on the loads summed since its last rebalance, unconditionally. moeless does the same on
-its forecasts and moves a layer only where the new pairing would have been faster on the recent
-forecasts, so a move made on noise does not cost time:
+the loads its gates report and moves a layer only where the new pairing would have been faster on
+the recent iterations, so a move made on noise does not cost time:
 
 1. Statistics: every iteration's actual loads [L, E] (its gates' report: Planner.learn) summed
    since the last move, and the last SAMPLES kept; where nothing reports (a bare `moeless plan`),
@@ -18,9 +18,9 @@ forecasts, so a move made on noise does not cost time:
 3. A layer moves only where the candidate's time with every token at home (`home_time`) is below
    the current homes' by MOVE_MARGIN, in the mean over the kept iterations.
 4. Behind serving (`add_moves`): a new home that is not resident loads with no tokens while the old
-   one serves (`serving`; a move the layer's memory cannot hold is cancelled: `cancel`); once it has landed it takes the tokens and the old
-   one is released (`release`, and Placement.release: evicted at once), so no call waits for a
-   move and no move leaves a free copy behind.
+   one serves (`serving`; a move the layer's memory cannot hold is called off: `cancel`); once all
+   of the layer's have landed they take the tokens and the old ones are released (`release`, and
+   Placement.release: evicted at once), so no call waits for a move and no move leaves a free copy.
 
 Golden example: `packed_homes([[10, 1, 1, 10, 5, 5, 1, 1]], 2)` puts the two experts of 10 apart,
 17 tokens on each GPU (static EP's blocks hold 22 and 12).
@@ -36,7 +36,7 @@ from moeless.placement.eplb import rebalance_experts
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import LayerPlacement
 
-SAMPLES = 64  # forecasts kept to judge a move (the last ~3 s of serving at 50 ms an iteration)
+SAMPLES = 64  # iterations kept to judge a move (the last ~3 s of serving at 50 ms an iteration)
 MOVE_MARGIN = 0.01  # a layer moves only where its homes would have saved this share of its time
 
 
@@ -82,7 +82,8 @@ class HomeMoves:
     homes: np.ndarray = field(init=False)
     calls: int = field(default=0, init=False)
     learnt: int = field(default=0, init=False)  # iterations in the statistics
-    moves: list = field(default_factory=list, init=False)  # (plan, layer, experts, s before, s after, samples)
+    moves: list = field(default_factory=list, init=False)  # (plan, layer, experts, s before, s after, samples);
+    # a move called off: (plan, layer, 0, 0, 0, 0)
     _sum: np.ndarray = field(init=False)
     _samples: list = field(default_factory=list, init=False)
     _left: list = field(init=False)
@@ -144,12 +145,15 @@ class HomeMoves:
         if not self.moves:
             return [f"homes: static EP's blocks (no move paid by {MOVE_MARGIN:.0%} after {self.calls} plans)"]
         return [f"layer {l}: {n} experts' homes moved at plan {k}, the homes' layer time on the last {s} iterations "
-                f"{now * 1e6:.1f} us -> {then * 1e6:.1f} us" for k, l, n, now, then, s in self.moves]
+                f"{now * 1e6:.1f} us -> {then * 1e6:.1f} us" if n else
+                f"layer {l}: its move called off at plan {k}: the new homes do not fit beside the old in its memory"
+                for k, l, n, now, then, s in self.moves]
 
     def cancel(self, layer: int, serving: np.ndarray) -> None:
         """The layer's move does not fit its memory: it keeps the homes that serve it ([E])."""
         self.homes[layer] = serving
         self._left[layer] = {(e, g) for e, g in self._left[layer] if serving[e] != g}
+        self.moves.append((self.calls, layer, 0, 0.0, 0.0, 0))
 
     def released(self) -> np.ndarray:
         """[n, 3] (layer, expert, gpu) of the old homes the moves left that were last seen resident

@@ -113,3 +113,6 @@ def test_a_move_the_memory_cannot_hold_is_called_off_and_later_layers_keep_their
         plan = planner(load, cluster, static)
         assert [lp.num_replicas for lp in plan.layers] == [4, 4]
         assert sorted(zip(plan.layers[0].expert.tolist(), plan.layers[0].gpu.tolist())) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    moved, called_off = planner.describe()
+    assert moved.startswith("layer 0: 2 experts' homes moved at plan 2")
+    assert called_off == "layer 0: its move called off at plan 2: the new homes do not fit beside the old in its memory"
