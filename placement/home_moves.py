@@ -18,8 +18,8 @@ the recent iterations, so a move made on noise does not cost time:
 3. A layer moves only where the candidate's time with every token at home (`home_time`) is below
    the current homes' by MOVE_MARGIN, in the mean over the kept iterations.
 4. Behind serving (`add_moves`): a new home that is not resident loads with no tokens while the old
-   one serves (`serving`; a move the layer's memory cannot hold is called off: `cancel`); once all
-   of the layer's have landed they take the tokens and the old ones are released (`release`, and
+   one serves (`settle`; a move the layer's memory cannot hold is called off: `cancel`); once all
+   of the layer's have landed they take the tokens and the old ones are released (`settle`, and
    Placement.release: evicted at once), so no call waits for a move and no move leaves a free copy.
 
 Golden example: `packed_homes([[10, 1, 1, 10, 5, 5, 1, 1]], 2)` puts the two experts of 10 apart,
@@ -40,9 +40,9 @@ SAMPLES = 64  # iterations kept to judge a move (the last ~3 s of serving at 50 
 MOVE_MARGIN = 0.01  # a layer moves only where its homes would have saved this share of its time
 
 
-def static_homes(num_layers: int, num_experts: int, num_gpus: int) -> np.ndarray:
-    """[L, E] static EP's blocks: expert e on GPU e * G // E."""
-    return np.tile(np.arange(num_experts) * num_gpus // num_experts, (num_layers, 1))
+def static_homes(num_experts: int, num_gpus: int) -> np.ndarray:
+    """[E] static EP's blocks: expert e on GPU e * G // E."""
+    return np.arange(num_experts) * num_gpus // num_experts
 
 
 def packed_homes(loads: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -87,28 +87,25 @@ class HomeMoves:
     _sum: np.ndarray = field(init=False)
     _samples: list = field(default_factory=list, init=False)
     _left: list = field(init=False)
-    _model: LatencyModel | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.first < 1 or self.every < 1:
             raise ValueError(f"homes move after >= 1 call, every >= 1; got {self.first}, {self.every}")
-        self.homes = static_homes(self.num_layers, self.num_experts, self.num_gpus)
+        self.homes = np.tile(static_homes(self.num_experts, self.num_gpus), (self.num_layers, 1))
         self._sum = np.zeros((self.num_layers, self.num_experts))
         self._left = [set() for _ in range(self.num_layers)]
 
     def fits(self, num_layers: int, num_experts: int, num_gpus: int) -> bool:
         return (self.num_layers, self.num_experts, self.num_gpus) == (num_layers, num_experts, num_gpus)
 
-    def learn(self, loads: np.ndarray, model: LatencyModel) -> None:
+    def learn(self, loads: np.ndarray) -> None:
         """Step 1 for one iteration's loads [L, E] (actual: what its gates reported)."""
-        self._model = model
         self._sum += loads
         self._samples = [*self._samples[-(SAMPLES - 1):], np.asarray(loads, dtype=np.float64)]
         self.learnt += 1
 
-    def plan_call(self) -> np.ndarray:
-        """Steps 2-3 at one plan: the homes [L, E] to plan on."""
-        model = self._model
+    def plan_call(self, model: LatencyModel) -> np.ndarray:
+        """Steps 2-3 at one plan (a move judged by `model`'s layer time): the homes [L, E] to plan on."""
         self.calls += 1
         if self._samples and self.calls > self.first and (self.calls - 1 - self.first) % self.every == 0:
             candidate = packed_homes(self._sum, self.num_gpus)
@@ -124,21 +121,6 @@ class HomeMoves:
                     self.moves.append((self.calls, int(l), changed.size, now, then, len(self._samples)))
             self._sum[:] = 0.0
         return self.homes
-
-    def serving(self, layer: int, resident: LayerPlacement | None) -> np.ndarray:
-        """[E] the homes that serve layer `layer` now: the new ones once every one of them is
-        resident, else the old homes of the experts that move (a layer half moved can be slower
-        than either layout, so it switches at once, as production EPLB's does)."""
-        homes = self.homes[layer].copy()
-        if resident is None or not self._left[layer]:
-            return homes
-        pairs = set(zip(resident.expert.tolist(), resident.gpu.tolist()))
-        if all((e, int(g)) in pairs for e, g in enumerate(homes)):
-            return homes
-        for e, g in self._left[layer]:
-            if (e, g) in pairs:
-                homes[e] = g
-        return homes
 
     def describe(self) -> list[str]:
         """One line per move made: when, which layer, and why (`moeless plan` prints them)."""
@@ -161,19 +143,24 @@ class HomeMoves:
         rows = [(l, e, g) for l, left in enumerate(self._left) for e, g in sorted(left)]
         return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
-    def release(self, layer: int, resident: LayerPlacement | None) -> LayerPlacement | None:
-        """Step 4: the layer's resident replicas without the old homes a move left, once every new
-        home of the layer is resident (until then the old homes serve)."""
-        left = self._left[layer]
-        if resident is None or not left:
-            return resident
+    def settle(self, layer: int, resident: LayerPlacement | None) -> tuple[LayerPlacement | None, np.ndarray]:
+        """Step 4 for layer `layer`: (its resident replicas less the old homes a move left, once every
+        new home of the layer is resident; the homes that serve it [E]: the new ones then, else the
+        old homes of the experts that move). A layer half moved can be slower than either layout, so
+        it switches at once, as production EPLB's does."""
+        homes = self.homes[layer].copy()
+        if resident is None or not self._left[layer]:
+            return resident, homes
         pairs = set(zip(resident.expert.tolist(), resident.gpu.tolist()))
-        self._left[layer] = left = {(e, g) for e, g in left if (e, g) in pairs}  # evicted: forgotten
-        if not left or not all((e, int(g)) in pairs for e, g in enumerate(self.homes[layer])):  # not done yet
-            return resident
+        self._left[layer] = left = {(e, g) for e, g in self._left[layer] if (e, g) in pairs}  # evicted: forgotten
+        if not all((e, int(g)) in pairs for e, g in enumerate(homes)):  # not done yet: the old homes serve
+            for e, g in left:
+                homes[e] = g
+            return resident, homes
+        if not left:
+            return resident, homes
         keep = np.array([(e, g) not in left for e, g in zip(resident.expert.tolist(), resident.gpu.tolist())])
-        return LayerPlacement(resident.expert[keep], resident.gpu[keep], resident.share[keep])
-
+        return LayerPlacement(resident.expert[keep], resident.gpu[keep], resident.share[keep]), homes
 
 def add_moves(layer: LayerPlacement, homes: np.ndarray, serving: np.ndarray, free: np.ndarray,
               room: int) -> tuple[LayerPlacement, np.ndarray, bool]:

@@ -209,9 +209,9 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
                                                    config.home_moves_first, config.home_moves_every)
             if moves:  # what ran since the last plan (the forecast itself where no gate reports)
                 for actual in state["actual"] or ([] if moved.learnt else [forecast]):
-                    moved.learn(actual, config.model)
+                    moved.learn(actual)
                 state["actual"] = []
-            homes = moved.plan_call() if moves else None
+            homes = moved.plan_call(config.model) if moves else None
             # Layer l's loads can start at most l layers ahead (the iteration's first layer hides nothing).
             costs = iter([ReplicaCost(config.model, min(config.prefetch_layers, l), cluster.expert_bytes,
                                       config.keep_alive_s, config.gb_s_price if price_memory else 0.0, config.horizon,
@@ -220,8 +220,7 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
 
             def plan_layer(load, free, before, budget):
                 l = next(layer_index)
-                before = moved.release(l, before) if moves else before
-                serving = moved.serving(l, before) if moves else None
+                before, serving = moved.settle(l, before) if moves else (before, None)
                 layer, left, _ = place_resident(load, free, before if warm else None, next(costs),
                                                 budget if additions else num_experts, config.static_margin, serving)
                 if placer == "off":

@@ -74,7 +74,7 @@ def choose_replicas(samples: np.ndarray, free_slots: np.ndarray, resident: Layer
     if budget < num_experts:
         raise PlacementError(f"a budget of {budget} replicas cannot hold {num_experts} experts; raise the layer memory cap")
     # 1. The base.
-    expert, gpu, home = _base(samples.mean(axis=0), free, resident, budget, static_homes(1, num_experts, free.shape[0])[0])
+    expert, gpu, home = _base(samples.mean(axis=0), free, resident, budget, static_homes(num_experts, free.shape[0]))
     model = cost.model
     base_s = mean_paired_seconds(samples, expert, gpu, home.astype(np.float64), num_gpus, model)
     base_s += dispatch_s if expert.shape[0] > num_experts else 0.0

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeless.placement import kernels, resident_kernels
+from moeless.placement.home_moves import static_homes
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.shares import GAIN_EPSILON_S, relevel_tokens, routable, token_shares
 from moeless.placement.types import LayerPlacement, PlacementError
@@ -174,7 +175,7 @@ def place_resident(
     # 1. The base: home replicas and the resident ones that fit, re-levelled, in whole tokens;
     #    the homes' split (every token at home) unless re-levelling beats it by the margin.
     tokens_in = _whole_tokens(load)
-    homes = np.arange(num_experts) * num_gpus // num_experts if homes is None else np.asarray(homes, dtype=np.int64)
+    homes = static_homes(num_experts, num_gpus) if homes is None else np.asarray(homes, dtype=np.int64)
     expert, gpu, home = _base(load, free, resident, budget, homes)
     model, call = cost.model, cost.model.call_tokens
     active = tokens_in[tokens_in > 0]

@@ -69,6 +69,19 @@ def routable(layer: LayerPlacement, num_experts: int) -> LayerPlacement:
     return LayerPlacement(layer.expert, layer.gpu, share)
 
 
+def with_stand_ins(layer: LayerPlacement, usable: np.ndarray, resident: np.ndarray) -> tuple[LayerPlacement, np.ndarray]:
+    """The layer plus, for each expert none of whose planned replicas is usable ([R] bool), its
+    replicas resident off the plan (resident: [E, G] bool) with no share, usable: they stand in
+    (a move's old home serves until the new one has landed). Returns (layer, usable [R'])."""
+    lacking = np.bincount(layer.expert[usable], minlength=resident.shape[0]) == 0
+    extra_e, extra_g = np.nonzero(resident & lacking[:, None])
+    if not extra_e.size:
+        return layer, usable
+    return (LayerPlacement(np.concatenate([layer.expert, extra_e]), np.concatenate([layer.gpu, extra_g]),
+                           np.concatenate([layer.share, np.zeros(extra_e.shape[0])])),
+            np.concatenate([usable, np.ones(extra_e.shape[0], dtype=bool)]))
+
+
 def landed(layer: LayerPlacement, usable: np.ndarray, num_experts: int) -> LayerPlacement:
     """The layer on its usable replicas only (usable: [R] bool; each expert keeps at least one),
     each expert's shares scaled back to 1 over them."""

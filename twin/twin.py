@@ -54,8 +54,7 @@ from moeless.placement.check_gate import CheckGate
 from moeless.placement.cluster import Cluster
 from moeless.placement.planner import Planner, initial_placement
 from moeless.placement.profile import CostProfile
-from moeless.placement.shares import landed
-from moeless.placement.types import LayerPlacement
+from moeless.placement.shares import landed, with_stand_ins
 from moeless.twin.hosts import TwinClock, TwinHosts, pairs_of
 from moeless.twin.iterations import Iteration
 from moeless.twin.loop_mirror import LoopMirror
@@ -167,7 +166,7 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
             if waits and planner.relevels and loop is None:  # the data plane routes over what has landed
                 usable = hosts.resident[l, lp.expert, lp.gpu] | (hosts.loading[l, lp.expert, lp.gpu]
                                                                  & (hosts.ready[l, lp.expert, lp.gpu] <= now + start))
-                lp, usable = _stand_ins(lp, usable, hosts.resident[l])
+                lp, usable = with_stand_ins(lp, usable, hosts.resident[l])  # serving's rule (rules.publishable)
                 if np.bincount(lp.expert[usable], minlength=num_experts).all():
                     lp, waits = landed(lp, usable, num_experts), False
             rec.exposed_s[i, l] = max(done - (now + start), 0.0) if waits else 0.0
@@ -196,19 +195,6 @@ def replay(planner: Planner, iterations: Sequence[Iteration], forecasts: np.ndar
     hosts.release(previous)
     rec.non_expert_gb_s = profile.non_expert_bytes / GB * float(window.sum())
     return rec
-
-
-def _stand_ins(layer: LayerPlacement, usable: np.ndarray, resident: np.ndarray) -> tuple[LayerPlacement, np.ndarray]:
-    """The layer plus, for each expert none of whose planned replicas is usable ([R] bool), its
-    replicas resident off the plan (resident: [E, G]), usable: a move's old home serves until the
-    new one has landed, as serving's published placement does (controller/planning/rules.publishable)."""
-    lacking = np.bincount(layer.expert[usable], minlength=resident.shape[0]) == 0
-    extra_e, extra_g = np.nonzero(resident & lacking[:, None])
-    if not extra_e.size:
-        return layer, usable
-    return (LayerPlacement(np.concatenate([layer.expert, extra_e]), np.concatenate([layer.gpu, extra_g]),
-                           np.concatenate([layer.share, np.zeros(extra_e.shape[0])])),
-            np.concatenate([usable, np.ones(extra_e.shape[0], dtype=bool)]))
 
 
 def _samples(iterations: Sequence[Iteration], forecasts: np.ndarray, i: int) -> np.ndarray:

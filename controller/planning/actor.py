@@ -270,8 +270,8 @@ class PlanLoop:
         decision = plan_groups(planner, groups, view, s.profile.expert_bytes, self.layer_cap, self._memory, off)
         if decision is None:  # a stateful planner without new iterations: nothing to change
             return
-        # evict: a moved home's old one, once the new one serves and serving was last told to route elsewhere
-        gone = [(*r, "evict") for r in decision.release if self._published and r not in self._published.replicas()]
+        routed = self._published.replicas() if self._published else None  # evict a moved home's old one once
+        gone = [(*r, "evict") for r in decision.release if routed is not None and r not in routed]  # unrouted
         for layer, expert, host, act in [*gone, *((*r, "load") for r in decision.loads)]:
             try:
                 client = self.pool.client(host)

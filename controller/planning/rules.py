@@ -33,6 +33,7 @@ import numpy as np
 
 from moeless.placement.planner import STATEFUL_PLANNERS, Planner, PlannerConfig, get_planner, relevels
 from moeless.placement.profile import CostProfile
+from moeless.placement.shares import with_stand_ins
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.placement.cluster import Cluster, ClusterError
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
@@ -199,17 +200,10 @@ def publishable(plan: Placement, resident: np.ndarray) -> Placement:
     on the actual loads anyway."""
     layers = []
     for l, lp in enumerate(plan.layers):
-        loaded = resident[l, lp.expert, lp.gpu]
+        lp, loaded = with_stand_ins(lp, resident[l, lp.expert, lp.gpu], resident[l])  # experts resident only off the plan
         has_loaded = np.bincount(lp.expert, weights=loaded, minlength=plan.num_experts) > 0
         keep = loaded | ~has_loaded[lp.expert]
         expert, gpu, share = lp.expert[keep], lp.gpu[keep], lp.share[keep]
-        stand_in = ~has_loaded & resident[l].any(axis=1)  # experts resident only off the plan
-        if stand_in.any():
-            moved = np.isin(expert, np.flatnonzero(stand_in))
-            extra_e, extra_g = np.nonzero(resident[l] & stand_in[:, None])
-            expert = np.concatenate([expert[~moved], extra_e])
-            gpu = np.concatenate([gpu[~moved], extra_g])
-            share = np.concatenate([share[~moved], np.zeros(extra_e.shape[0])])
         total = np.bincount(expert, weights=share, minlength=plan.num_experts)
         count = np.bincount(expert, minlength=plan.num_experts)
         share = np.where(total[expert] > 0, share / np.where(total[expert] > 0, total[expert], 1.0), 1.0 / count[expert])

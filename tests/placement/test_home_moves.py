@@ -38,15 +38,15 @@ def test_a_layer_moves_on_schedule_and_only_where_the_new_homes_pay():
     moves = HomeMoves(2, 4, 2, first=3, every=1000)
     forecast = np.array([[40.0, 40, 1, 1], [40.0, 1, 40, 1]])
     for _ in range(3):
-        moves.learn(forecast, MODEL)
-        assert (moves.plan_call() == static_homes(2, 4, 2)).all()
-    moves.learn(forecast, MODEL)
-    homes = moves.plan_call()  # the fourth call: after 3 of statistics
+        moves.learn(forecast)
+        assert (moves.plan_call(MODEL) == static_homes(4, 2)).all()
+    moves.learn(forecast)
+    homes = moves.plan_call(MODEL)  # the fourth call: after 3 of statistics
     assert homes[0, 0] != homes[0, 1] and homes[1].tolist() == [0, 0, 1, 1]
     assert [m[:3] for m in moves.moves] == [(4, 0, 2)] and moves.describe()[0].startswith("layer 0: 2 experts' homes moved at plan 4")
     for _ in range(5):
-        moves.learn(forecast * 0 + 1, MODEL)
-        assert (moves.plan_call() == homes).all()  # not due again for 1000 calls
+        moves.learn(forecast * 0 + 1)
+        assert (moves.plan_call(MODEL) == homes).all()  # not due again for 1000 calls
 
 
 def test_the_schedule_is_checked():
