@@ -34,7 +34,7 @@ from moeless.placement.eplb_planners import check_memory, plan_eplb, plan_eplb_w
 from moeless.placement.eplb_production import production_eplb
 from moeless.placement.fill_placer import place_fill
 from moeless.placement.full_replication import plan_full_replication
-from moeless.placement.home_moves import HomeMoves, add_moves
+from moeless.placement.home_moves import HomeMoves, add_moves, static_homes
 from moeless.placement.layer_plans import plan_layers
 from moeless.placement.priced_placer import place_priced
 from moeless.placement.replica_sets import choose_replicas
@@ -211,7 +211,8 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
                 for actual in state["actual"] or ([] if moved.learnt else [forecast]):
                     moved.learn(actual)
                 state["actual"] = []
-            homes = moved.plan_call(config.model) if moves else None
+            homes = moved.plan_call(config.model) if moves else np.tile(static_homes(num_experts, cluster.num_gpus),
+                                                                         (num_layers, 1))
             # Layer l's loads can start at most l layers ahead (the iteration's first layer hides nothing).
             costs = iter([ReplicaCost(config.model, min(config.prefetch_layers, l), cluster.expert_bytes,
                                       config.keep_alive_s, config.gb_s_price if price_memory else 0.0, config.horizon,
@@ -231,7 +232,7 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
                         moved.cancel(l, serving)
                 return layer, left
 
-            placement = plan_layers(forecast, cluster, previous, plan_layer)
+            placement = plan_layers(forecast, cluster, previous, plan_layer, homes)
             return replace(placement, release=moved.released()) if moves else placement
 
         def describe() -> list[str]:

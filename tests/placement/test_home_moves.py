@@ -116,3 +116,16 @@ def test_a_move_the_memory_cannot_hold_is_called_off_and_later_layers_keep_their
     moved, called_off = planner.describe()
     assert moved.startswith("layer 0: 2 experts' homes moved at plan 2")
     assert called_off == "layer 0: its move called off at plan 2: the new homes do not fit beside the old in its memory"
+
+
+@pytest.mark.parametrize("name", ["moeless", "moeless-no-moves"])
+def test_early_layers_leave_each_gpu_the_later_layers_homes(name):
+    """Memory free, 2 layers of 8 experts on 2 GPUs of 9 slots (homes 0-3 on GPU 0, 4-7 on GPU 1).
+    Layer 0's hot experts 0-2 want copies on GPU 1; the totals alone (a budget of 18 - 8) let them
+    take 2 of its slots, leaving 3 for layer 1's 4 homes there, and layer 1 then loaded expert 7 on
+    GPU 0, cold, and waited for it. Each GPU keeps the later layers' homes: one copy, homes kept."""
+    planner = get_planner(name, PlannerConfig(model=MODEL, gb_s_price=0.0))
+    plan = planner(np.array([[60.0, 60, 60, 1, 1, 1, 1, 1], [1.0] * 8]), Cluster.uniform(2, 9, 1), Placement.static(2, 8, 2))
+    assert plan.layers[1].gpu.tolist() == static_homes(8, 2).tolist()
+    assert plan.layers[0].num_replicas == 9
+    assert np.bincount(np.concatenate([lp.gpu for lp in plan.layers])).tolist() == [8, 9]
