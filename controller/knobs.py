@@ -11,6 +11,7 @@ Every knob has one name in each place, one unit and one range, all in KNOBS:
 | layer_memory_cap_gib | --layer-memory-cap GIB | layerMemoryCapGiB | GiB all replicas of one layer may hold (null: 2 x one replica per expert) |
 | cv_threshold | --cv-threshold V | cvThreshold | the paper's V (coefficient of variation) |
 | memory_price | --memory-price P | memoryPrice | seconds of MoE-layer time one GB·s of replica memory is worth (0: memory is free; null: memory-neutral, 1 / the deployment's GB) |
+| home_moves_every | --home-moves-every N | homeMovesEvery | plans between moeless's chances to move experts' homes (0: never) |
 | scaler | --no-scaler | scaler | on/off (ablation: off = one replica per expert) |
 | placer | --no-placer | placer | on/off (ablation: off = round-robin placement) |
 
@@ -115,6 +116,10 @@ KNOBS: tuple[Knob, ...] = (
          "gain beats its exposed cold start plus its memory at this price (0: memory is free; default: "
          "memory-neutral, 1 / the deployment's GB, so scaling never grows the GB·s bill)",
          _number(float, low=0.0, nullable=True)),
+    Knob("home_moves_every", "homeMovesEvery", "--home-moves-every", "N", "plans",
+         "moeless re-pairs each layer's experts with the GPUs (moves their homes, the new ones loaded behind "
+         "serving) at most once every N plans, where the loads its gates reported since say the new homes "
+         "are faster (0: homes never move)", _number(int, low=0)),
     Knob("scaler", "scaler", "--no-scaler", None, "on/off", "ablation: off keeps one replica per expert", _switch),
     Knob("placer", "placer", "--no-placer", None, "on/off", "ablation: off places replicas round-robin", _switch),
 )
@@ -133,6 +138,7 @@ class Knobs:
     layer_memory_cap_gib: float | None = None
     cv_threshold: float = 0.2
     memory_price: float | None = None  # None: CostProfile.memory_neutral_price
+    home_moves_every: int = 50  # PlannerConfig.home_moves_every
     scaler: bool = True
     placer: bool = True
 
@@ -206,7 +212,7 @@ def _cli_type(knob: Knob) -> Callable[[str], Any]:
         if knob.attr in ("layer_memory_cap_gib", "memory_price") and text.lower() in ("none", "null"):
             return None
         try:
-            return int(text) if knob.attr == "distance" else float(text)
+            return int(text) if knob.attr in ("distance", "home_moves_every") else float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 

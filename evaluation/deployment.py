@@ -121,7 +121,7 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
     tier = "peer" if "peer" in profile.load_s else "host"  # a copy comes from a GPU that holds the expert
     base = PlannerConfig(model=profile.latency_model(tier), cv_threshold=knobs.cv_threshold, horizon=life(HORIZON, knobs.keep_alive_s, step),
                          keep_alive_s=knobs.keep_alive_s, gb_s_price=price, iteration_s=step,
-                         dispatch_s=profile.relevel_s + profile.check_s)
+                         dispatch_s=profile.relevel_s + profile.check_s, home_moves_every=knobs.home_moves_every)
     settings = TwinSettings(keep_alive_s=knobs.keep_alive_s, distance=d, tier=tier)
     records = run_all([Run(p, f, d) for _, _, p, f in CASES if p.startswith("moeless")] +
                       [Run(p, f, d) for _, _, p, f in CASES if not p.startswith("moeless")],

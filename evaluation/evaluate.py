@@ -104,7 +104,7 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
     price = memory_price(config.knobs, profile, num_layers, num_experts)
     planner_config = PlannerConfig(model=profile.latency_model(config.tier), cv_threshold=config.knobs.cv_threshold,
                                    horizon=HORIZON, keep_alive_s=config.knobs.keep_alive_s, gb_s_price=price,
-                                   iteration_s=config.sizes.step_s)
+                                   iteration_s=config.sizes.step_s, home_moves_every=config.knobs.home_moves_every)
     settings = TwinSettings(keep_alive_s=config.knobs.keep_alive_s, tier=config.tier)
     # 3. Every case through the twin; ablations and sweeps under the first batching only.
     plans = {(w.spec.name, mode): runs.plan_cases(config.knobs, *((config.ablations, config.distances, config.cv_thresholds)

@@ -12,7 +12,8 @@ the recent iterations, so a move made on noise does not cost time:
    the forecasts instead. (Summed history forecasts, tried first, chose worse homes on FLAME:
    their shares are a mean over both phases' iterations, not weighted by tokens as the loads are.)
 2. On schedule (after `first` plans, then every `every`: PlannerConfig.home_moves_first and
-   home_moves_every, 10 and 50 by default; production EPLB waits 50 and then 1000), the candidate homes
+   home_moves_every, 10 and 50 by default, the knob homeMovesEvery, 0: no more moves; production
+   EPLB waits 50 and then 1000), the candidate homes
    are DeepSeek's EPLB packing with no redundant expert on the sums (`packed_homes`: E rounded up to
    a multiple of G slots, so every GPU gets E / G experts, heaviest first onto the lightest GPU).
 3. A layer moves only where the candidate's time with every token at home (`home_time`) is below
@@ -89,8 +90,8 @@ class HomeMoves:
     _left: list = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.first < 1 or self.every < 1:
-            raise ValueError(f"homes move after >= 1 call, every >= 1; got {self.first}, {self.every}")
+        if self.first < 1 or self.every < 0:
+            raise ValueError(f"homes move after >= 1 call, every >= 0 (0: never); got {self.first}, {self.every}")
         self.homes = np.tile(static_homes(self.num_experts, self.num_gpus), (self.num_layers, 1))
         self._sum = np.zeros((self.num_layers, self.num_experts))
         self._left = [set() for _ in range(self.num_layers)]
@@ -107,7 +108,8 @@ class HomeMoves:
     def plan_call(self, model: LatencyModel) -> np.ndarray:
         """Steps 2-3 at one plan (a move judged by `model`'s layer time): the homes [L, E] to plan on."""
         self.calls += 1
-        if self._samples and self.calls > self.first and (self.calls - 1 - self.first) % self.every == 0:
+        due = self.every and self.calls > self.first and (self.calls - 1 - self.first) % self.every == 0
+        if due and self._samples:
             candidate = packed_homes(self._sum, self.num_gpus)
             samples = np.stack(self._samples, axis=1)  # [L, S, E]
             for l in np.flatnonzero((candidate != self.homes).any(axis=1)):

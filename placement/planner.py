@@ -207,6 +207,8 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
             if moves and (moved is None or not moved.fits(num_layers, num_experts, cluster.num_gpus)):
                 moved = state["homes"] = HomeMoves(num_layers, num_experts, cluster.num_gpus,
                                                    config.home_moves_first, config.home_moves_every)
+            if moves:  # a live knob (homeMovesEvery; 0: the homes stay where they are)
+                moved.every = config.home_moves_every
             if moves:  # what ran since the last plan (the forecast itself where no gate reports)
                 for actual in state["actual"] or ([] if moved.learnt else [forecast]):
                     moved.learn(actual)

@@ -36,6 +36,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--profile", metavar="JSON", help="a cost profile (default: measured now at the default model's expert shape)")
     plan.add_argument("--move-after", type=int, default=10,
                       help="moeless: plans of the gates' loads before its first chance to move homes (default 10)")
+    plan.add_argument("--move-every", type=int, default=50,
+                      help="moeless: plans between its chances to move homes after that (default 50; 0: never)")
     plan.add_argument("--memory-price", type=float, default=0.0,
                       help="seconds of layer time one GB·s of replica memory is worth (default 0: memory free)")
     plan.set_defaults(func=plan_command)
@@ -61,7 +63,7 @@ def plan_command(args: argparse.Namespace) -> int:
                               layer_cap_replicas=cap)
     config = PlannerConfig(model=model, cv_threshold=args.cv_threshold, eplb_replicas=args.eplb_replicas,
                            gb_s_price=args.memory_price, dispatch_s=profile.relevel_s + profile.check_s,
-                           home_moves_first=args.move_after)
+                           home_moves_first=args.move_after, home_moves_every=args.move_every)
     planner = get_planner(args.planner, config)
     if loads.ndim == 3 and planner.learn_fn is not None:  # what its gates reported: a plan after each, loaded
         placement = None

@@ -122,7 +122,8 @@ def planner_config(knobs: Knobs, profile: CostProfile, iteration_s: float, extra
     config = PlannerConfig(model=profile.latency_model("host"), cv_threshold=knobs.cv_threshold,
                            prefetch_layers=knobs.distance, keep_alive_s=knobs.keep_alive_s,
                            gb_s_price=memory_price(knobs, profile, num_layers, num_experts, serving_replicas),
-                           iteration_s=max(iteration_s, 1e-4), dispatch_s=profile.relevel_s + profile.check_s)
+                           iteration_s=max(iteration_s, 1e-4), dispatch_s=profile.relevel_s + profile.check_s,
+                           home_moves_every=knobs.home_moves_every)
     return replace(config, **dict(extra or {}))
 
 

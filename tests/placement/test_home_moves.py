@@ -3,6 +3,8 @@ only where the recent forecasts say it pays, behind serving, the old home releas
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -50,8 +52,31 @@ def test_a_layer_moves_on_schedule_and_only_where_the_new_homes_pay():
 
 
 def test_the_schedule_is_checked():
-    with pytest.raises(ValueError, match="after >= 1 call"):
-        HomeMoves(1, 4, 2, first=0, every=10)
+    for first, every in ((0, 10), (1, -1)):
+        with pytest.raises(ValueError, match="after >= 1 call, every >= 0"):
+            HomeMoves(1, 4, 2, first=first, every=every)
+
+
+def test_the_knob_at_zero_stops_moves_and_keeps_the_homes_moved():
+    """homeMovesEvery 0 from the start: static EP's homes for good; set to 0 live after a move: the
+    moved homes stay (no move back), and no later chance comes."""
+    cluster, static = Cluster.uniform(2, 8, 1), Placement.static(1, 4, 2)
+    config = PlannerConfig(model=MODEL, home_moves_first=1, home_moves_every=1, gb_s_price=1e9)
+    never = get_planner("moeless", replace(config, home_moves_every=0))
+    for _ in range(4):
+        assert never(HOT, cluster, static).layers[0].gpu.tolist() == [0, 0, 1, 1]
+    assert never.describe()[0].startswith("homes: static EP's blocks")
+    mover = get_planner("moeless", config)
+    for _ in range(2):
+        moving = mover(HOT, cluster, static).layers[0]
+    assert moving.num_replicas == 6  # expert 1 and 2 swap homes: loading
+    moved = Placement((LayerPlacement.even(np.array([0, 1, 2, 3]), np.array([0, 1, 0, 1]), 4),), 4, 2)
+    mover = replace(mover, config=replace(config, home_moves_every=0))  # as the planning loop applies a live knob
+    swapped = np.array([[40.0, 1, 40, 1]])  # hot experts 0 and 2 now share GPU 0: a move would pay
+    for _ in range(3):
+        mover.learn(swapped)  # what its gates reported
+        layer = mover(swapped, cluster, moved).layers[0]
+        assert sorted(zip(layer.expert.tolist(), layer.gpu.tolist())) == [(0, 0), (1, 1), (2, 0), (3, 1)]
 
 
 def test_a_move_happens_behind_serving_and_leaves_no_copy():
