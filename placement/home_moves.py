@@ -126,6 +126,8 @@ class HomeMoves:
 
     def describe(self) -> list[str]:
         """One line per move made: when, which layer, and why (`moeless plan` prints them)."""
+        if not self.moves and not self.every:
+            return ["homes: static EP's blocks (moves off: homeMovesEvery 0)"]
         if not self.moves:
             return [f"homes: static EP's blocks (no move paid by {MOVE_MARGIN:.0%} after {self.calls} plans)"]
         return [f"layer {l}: {n} experts' homes moved at plan {k}, the homes' layer time on the last {s} iterations "

@@ -49,6 +49,10 @@ def plan_command(args: argparse.Namespace) -> int:
     from moeless.placement.planner import PlannerConfig, get_planner
     from moeless.placement.profile import CostProfile, ProfileError
 
+    if args.move_after < 1 or args.move_every < 0:
+        print(f"moeless plan: --move-after must be 1 or more and --move-every 0 or more; got {args.move_after}, "
+              f"{args.move_every}", file=sys.stderr)
+        return 2
     loads = np.load(args.loads)
     loads = np.atleast_2d(loads) if loads.ndim < 3 else loads
     num_layers, num_experts = loads.shape[-2:]

@@ -141,3 +141,9 @@ def test_plan_with_the_gates_batches_says_which_homes_moeless_moved_and_why(tmp_
     assert sorted(out.split("  gpu 0: ")[1].split("\n")[0].split()) != ["0:1.00", "1:1.00"]  # the hot pair split
     assert main([*args, "--move-after", "10"]) == 0
     assert "homes: static EP's blocks (no move paid by 1% after 5 plans)" in capsys.readouterr().out
+    assert main([*args, "--move-after", "3", "--move-every", "0"]) == 0
+    assert "homes: static EP's blocks (moves off: homeMovesEvery 0)" in capsys.readouterr().out
+    for bad in (["--move-after", "0"], ["--move-every", "-1"]):
+        assert main([*args, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moeless plan: --move-after must be 1 or more and --move-every 0 or more") and err.count("\n") == 1
