@@ -19,7 +19,8 @@ What they do, and so what this planner does:
    token index, not by each batch's loads.
 5. Weight moves behind serving: a rebalance's new replicas load while the old layout serves; the
    new layout takes over once they are resident (the twin counts the loads, their link time and
-   the memory both layouts hold meanwhile: twin.py).
+   the memory both layouts hold meanwhile: twin.py), and the old layout's replicas it dropped are
+   let go then (`Placement.release`, as moeless's moved homes: evicted, not held for keep-alive).
 
 The twin replays it with the "previous" forecast kind, whose entry at iteration i is iteration
 i - 1's actual loads (what the gates reported).
@@ -27,6 +28,7 @@ i - 1's actual loads (what the gates reported).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -47,7 +49,7 @@ def production_eplb() -> Callable:
     config.eplb_redundant copies per layer (None: E / 8), rebalanced after eplb_first_rebalance
     iterations and then every eplb_rebalance_every on the loads summed since the last rebalance
     (module docstring)."""
-    state: dict = {"calls": 0, "window": None, "plan": None, "next": None}
+    state: dict = {"calls": 0, "window": None, "plan": None, "next": None, "left": set(), "out": None}
 
     def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config) -> Placement:
         num_layers, num_experts = forecast.shape
@@ -61,11 +63,18 @@ def production_eplb() -> Callable:
             state["plan"] = _fits(trivial_layout(num_layers, num_experts, replicas, cluster.num_gpus), replicas, cluster)
             state["next"] = config.eplb_first_rebalance
         if state["calls"] == state["next"]:
-            state["plan"] = _eplb(state["window"], replicas, cluster)
+            old, state["plan"] = state["plan"], _eplb(state["window"], replicas, cluster)
+            state["left"] |= old.replicas() - state["plan"].replicas()
             state["window"] = np.zeros_like(forecast)
             state["next"] += config.eplb_rebalance_every
+            state["out"] = None
         state["calls"] += 1
-        return state["plan"]
+        # 5. What the last rebalances dropped and is still resident: released (forgotten once evicted).
+        left = (state["left"] & previous.replicas()) - state["plan"].replicas() if previous is not None else state["left"]
+        if state["out"] is None or left != state["left"]:  # the same object while nothing changes
+            state["left"] = left
+            state["out"] = replace(state["plan"], release=np.array(sorted(left), np.int64).reshape(-1, 3))
+        return state["out"]
 
     return plan
 

@@ -9,7 +9,7 @@ from moeless.placement.cluster import Cluster
 from moeless.placement.eplb_production import production_eplb, production_replicas, trivial_layout
 from moeless.placement.full_replication import plan_full_replication
 from moeless.placement.planner_config import PlannerConfig
-from moeless.placement.types import Placement, PlacementError
+from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
 
 def test_replicas_are_rounded_up_to_a_multiple_of_the_gpus():
@@ -33,6 +33,26 @@ def test_it_rebalances_on_the_loads_since_the_last_rebalance_only_at_its_times()
     assert counts[2][0] == 3 and sum(counts[2]) == 6  # both copies to the hot expert
     assert plans[2] is plans[3] is plans[4] and plans[5] is not plans[4]  # then every `period`
     assert all(abs(np.bincount(p.layers[0].expert, weights=p.layers[0].share) - 1).max() < 1e-9 for p in plans)
+
+
+def test_a_rebalance_releases_the_old_replicas_it_dropped_until_they_are_evicted():
+    """N = 0, E = 4 on 2 GPUs, hot experts 0 and 1 both in GPU 0's block: the first rebalance pairs
+    them apart, and its plan releases the old replicas it dropped while they are resident (who runs
+    the plan evicts them once the new ones serve: Placement.release); once evicted, forgotten."""
+    plan = production_eplb()
+    config = PlannerConfig(eplb_redundant=0, eplb_rebalance_every=100, eplb_first_rebalance=1)
+    cluster, static = Cluster.uniform(2, 8, 1), Placement.static(1, 4, 2)
+    hot = np.array([[30.0, 30, 1, 1]])
+    assert plan(hot, cluster, static, config).release.shape == (0, 3)
+    moved = plan(hot, cluster, static, config)
+    dropped = static.replicas() - moved.replicas()
+    assert len(dropped) == 2 and {tuple(r) for r in moved.release.tolist()} == dropped
+    union = sorted(static.replicas() | moved.replicas())
+    both = Placement((LayerPlacement.even(np.array([e for _, e, _ in union]), np.array([g for _, _, g in union]), 4),), 4, 2)
+    held = plan(hot, cluster, both, config)
+    assert held is plan(hot, cluster, both, config) and {tuple(r) for r in held.release.tolist()} == dropped
+    after = plan(hot, cluster, moved, config)  # evicted
+    assert after.release.shape == (0, 3) and after.replicas() == moved.replicas()
 
 
 def test_it_starts_from_sglang_s_trivial_layout_static_ep_s_blocks_with_the_copies_after_them():

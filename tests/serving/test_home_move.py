@@ -4,8 +4,8 @@ homes moved, placement/home_moves.py, a chance every 5 plans after 3), fed by a 
 while it generates; each load the loop sends lands LOAD_S late. A move takes experts off their
 hosts: the new host loads them behind serving, the old layout serves until then, the placement
 that drops an old replica is published only once every replica it routes to is resident, the old
-host releases it only after that (EPLB: keep-alive; moeless: evicted by the loop, well before its
-keep-alive of a minute), and every generation equals the in-process model's.
+host releases it only after that (evicted by the loop, well before its keep-alive of a minute:
+Placement.release), and every generation equals the in-process model's.
 
 The board is the one seam: the loop's publish goes straight to the executor's PlacementSource
 (the Ray actor that carries it to serving replicas is tested in test_live_loop.py)."""
@@ -30,7 +30,8 @@ from moeless.serving.placement_source import PlacementSource
 
 PROFILE = CostProfile(alpha=2e-5, beta=1e-8, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
                       expert_bytes=9216, non_expert_bytes=100_000, relevel_s=1e-5, source="test")
-KEEP_ALIVE_S = 1.5
+KEEP_ALIVE_S = 60.0  # the old replica must go well before this: the loop evicts it
+RELEASED_S = 12.0  # once no published placement routes to it
 LOAD_S = 0.5  # each prefetch the loop sends lands this late (tiny experts load in microseconds)
 RESIDENT = ("warm", "idle")
 
@@ -45,11 +46,11 @@ def _replicas(placement) -> set[tuple[int, int, int]]:
     return {(l, e, g) for l, lp in enumerate(placement.layers) for e, g in zip(lp.expert.tolist(), lp.gpu.tolist())}
 
 
-@pytest.mark.parametrize("planner, extra, keep_alive_s", [
-    ("eplb-production", {"eplb_redundant": 0, "eplb_first_rebalance": 3}, KEEP_ALIVE_S),
-    ("moeless", {"home_moves_first": 3, "home_moves_every": 5}, 60.0),  # a chance to move every 5 plans: one pays
+@pytest.mark.parametrize("planner, extra", [
+    ("eplb-production", {"eplb_redundant": 0, "eplb_first_rebalance": 3}),
+    ("moeless", {"home_moves_first": 3, "home_moves_every": 5}),  # a chance to move every 5 plans: one pays
 ])
-def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planner, extra, keep_alive_s, tiny_store,
+def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planner, extra, tiny_store,
                                                                           hosts, tmp_path, monkeypatch):
     model, _ = tiny_store
     spec = model.spec
@@ -77,7 +78,7 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
         return "loading"
 
     monkeypatch.setattr(ExpertHostClient, "load", slow_load)  # the loop's prefetches
-    knobs = Knobs(planner=planner, predictor="history", distance=1, keep_alive_s=keep_alive_s)
+    knobs = Knobs(planner=planner, predictor="history", distance=1, keep_alive_s=KEEP_ALIVE_S)
     settings = LoopSettings(pool=FileSource.open(str(path)), num_layers=spec.num_layers, num_experts=spec.num_experts,
                             knobs=knobs, profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05,
                             planner_extra=extra)
@@ -101,9 +102,9 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
             routed = {r for r in _replicas(placement) if r[:2] == (l, e)}
             assert routed and routed <= held, f"expert {(l, e)} published on {routed} before all were resident ({held})"
             assert (l, e, old) in held  # the old home still held when the layout that drops it took over
-        # Released by keep-alive (moeless: by the loop, its keep-alive a minute) once no call reaches it
-        # (the executor routes by the last placement only).
-        deadline = time.monotonic() + min(keep_alive_s, KEEP_ALIVE_S) + 10
+        # Released by the loop (the keep-alive is a minute) once no call reaches it (the executor
+        # routes by the last placement only).
+        deadline = time.monotonic() + RELEASED_S
         while time.monotonic() < deadline and any((l, e, old) in _held(clients) for _, (l, e, old) in moved
                                                   if (l, e, old) not in _replicas(published[-1][1])):
             ids = torch.randint(0, 128, (1, 4), generator=g)
