@@ -49,6 +49,8 @@ class ReplicaMeters:
     used: dict[int, float] = field(default_factory=dict)  # model -> its last use in this residency
     settled: float = 0.0
     split: dict[int, float] = field(default_factory=dict)
+    shared: bool = False  # other models' stores hold its key too (now: Meters.users_changed)
+    shared_split: dict[int, float] = field(default_factory=dict)  # the part of split settled while shared
     loads_by: dict[int, int] = field(default_factory=dict)
     cold_by: dict[int, int] = field(default_factory=dict)
     tokens_by: dict[int, int] = field(default_factory=dict)
@@ -86,8 +88,8 @@ class HostTotals:
 class ModelTotals:
     """One model's part of a host's totals (a host serving several models: model_stores.py). gb_s and
     bytes_held are its split of shared replicas (module docstring), so every model's add up to the
-    host's; shared_gb_s the part of gb_s from replicas whose content key other models of the host hold
-    too; own_replicas, shared_replicas and shared_bytes: the resident replicas it uses alone or with
+    host's; shared_gb_s the part of gb_s held while other models of the host held the replica's
+    content key too (a model added later shares from then on); own_replicas, shared_replicas and shared_bytes: the resident replicas it uses alone or with
     other models (a shared one counted for each)."""
 
     gb_s: float = 0.0
@@ -151,6 +153,7 @@ class Meters:
     load_s_sum: float = 0.0
     cold: ColdMeters = field(default_factory=ColdMeters)
     adapters: dict[int, tuple[int, float]] = field(default_factory=dict)  # model -> (LoRA bytes, held since)
+    users: Callable[[Key], Sequence[int]] = lambda key: ()  # the models whose stores hold key (now)
 
     def hold_adapter(self, model: int, nbytes: int) -> None:
         """`model`'s LoRA factors hold nbytes from now on (while the host serves it)."""
@@ -168,6 +171,15 @@ class Meters:
         self.free(key)
         now = self.clock()
         m.bytes, m.held_since, m.settled, m.loader, m.used = nbytes, now, now, model, {}
+        m.shared = len(self.users(key)) > 1
+
+    def users_changed(self) -> None:
+        """The models whose stores hold each key changed (a model added): what was held until now
+        was shared or a model's own as it was then; from now on as it is."""
+        now = self.clock()
+        for key, m in self.replicas.items():
+            self._settle(m, now)
+            m.shared = len(self.users(key)) > 1
 
     def free(self, key: Key) -> None:
         """key stops holding memory (evicted or its load failed)."""
@@ -239,8 +251,8 @@ class Meters:
             sharing = users(key)
             for i, byte_s in m.split.items():
                 out[names[i]].gb_s += byte_s / GB
-                if len(sharing) > 1:
-                    out[names[i]].shared_gb_s += byte_s / GB
+            for i, byte_s in m.shared_split.items():
+                out[names[i]].shared_gb_s += byte_s / GB
             payers = self._payers(m, now) if m.bytes else []
             for n, i in enumerate(payers):  # whole bytes, the remainder to the first: they add up exactly
                 out[names[i]].bytes_held += m.bytes // len(payers) + (m.bytes % len(payers) if n == 0 else 0)
@@ -306,5 +318,7 @@ class Meters:
             payers = self._payers(m, t)
             for i in payers:
                 m.split[i] = m.split.get(i, 0.0) + m.bytes * (until - t) / len(payers)
+                if m.shared:
+                    m.shared_split[i] = m.shared_split.get(i, 0.0) + m.bytes * (until - t) / len(payers)
             t = until
         m.settled = max(m.settled, now)

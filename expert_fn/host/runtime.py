@@ -73,7 +73,7 @@ class ExpertHostRuntime:
         self.health = "starting"  # "serving" once the server listens, "draining" on SIGTERM
         self._forward = forward_for(device, exact=self.dtype == torch.float32)  # float32: the reference's bits
         self._lock = threading.Lock()
-        self.meters = Meters(clock, keep_alive_s)
+        self.meters = Meters(clock, keep_alive_s, users=self.models.users)
         self.table = ReplicaTable(capacity_bytes, keep_alive_s, clock, self.meters, shares)
         self._weights: dict[Key, Weights] = {}
         self._loads: dict[Key, Future] = {}
@@ -213,6 +213,7 @@ class ExpertHostRuntime:
         store = WeightStore.open(root)  # outside the lock: reads its index (and its base's)
         with self._lock:
             added = self.models.add(name, store)
+            self.meters.users_changed()
             self._hold_loras()
             if self.table.shares is not None:  # no guarantee for it; its shared keys' users count it
                 self.table.shares = self.models.extend(self.table.shares)
@@ -275,8 +276,7 @@ class ExpertHostRuntime:
         if not self.table.needs_load(key):
             return None, False
         self._dropped(self.table.begin_load(key, self._resident_bytes(key), model))
-        future = self._pool.submit(self._load_weights, key)
-        self._loads[key] = future
+        self._loads[key] = future = self._pool.submit(self._load_weights, key)
         return future, True
 
     def _load_weights(self, key: Key) -> None:

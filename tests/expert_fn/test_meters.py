@@ -60,7 +60,7 @@ def test_a_shared_replica_s_gb_s_is_split_evenly_among_the_models_keeping_it_res
     """The golden example of meters.py's rule: 1 GB loaded by A at t=0, used by A at 1 and by B at 2,
     keep-alive 10, read at t=20: A pays alone [0, 2) (loader, then its claim), A and B share [2, 11),
     B alone [11, 12) (A's claim ran out) and [12, 20) (nobody's claim: the last user)."""
-    meters = Meters(clock, keep_alive_s=10.0)
+    meters = Meters(clock, keep_alive_s=10.0, users=lambda key: (0, 1))  # a content key both models hold
     start = clock()
     meters.hold((0, 0), 10**9, model=0)
     clock.advance(1.0)
@@ -81,12 +81,28 @@ def test_a_shared_replica_s_gb_s_is_split_evenly_among_the_models_keeping_it_res
     assert (parts["a"].shared_replicas, parts["b"].shared_replicas, parts["a"].shared_bytes) == (1, 1, 10**9)
     # A content key both models hold: all of each one's GB·s of it is its shared share (kubectl's Shared-GBs).
     assert (parts["a"].shared_gb_s, parts["b"].shared_gb_s) == (pytest.approx(6.5), pytest.approx(13.5))
-    assert meters.by_model(["a", "b"], lambda layer: 0)["a"].shared_gb_s == 0.0  # one model's key: nothing shared
     assert meters.totals(users=lambda key: (0, 1)).shared_replicas == 1
     assert meters.needed_by((0, 0)) == []  # both claims ran out
     meters.free((0, 0))  # evicted: nothing more for anyone
     clock.advance(100.0)
     assert meters.by_model(["a", "b"], lambda layer: 0)["b"].gb_s == pytest.approx(13.5)
+
+
+def test_a_model_added_later_shares_a_replica_from_then_on(clock):
+    """1 GB of model a's alone for 10 s; then model b, whose store holds the same content key, is added
+    (users_changed) and both use it: only the GB·s from then on are shared, the first 10 stay a's own."""
+    users = {(0, 0): (0,)}
+    meters = Meters(clock, keep_alive_s=100.0, users=lambda key: users[key])
+    meters.hold((0, 0), 10**9, model=0)
+    meters.invoked([((0, 0), 1, 0)])
+    clock.advance(10.0)
+    users[(0, 0)] = (0, 1)
+    meters.users_changed()
+    meters.invoked([((0, 0), 1, 1)])
+    clock.advance(10.0)
+    parts = meters.by_model(["a", "b"], lambda layer: 0, users=lambda key: users[key])
+    assert (parts["a"].gb_s, parts["b"].gb_s) == (pytest.approx(15.0), pytest.approx(5.0))
+    assert (parts["a"].shared_gb_s, parts["b"].shared_gb_s) == (pytest.approx(5.0), pytest.approx(5.0))
 
 
 def _by_sampling(uses: list[tuple[float, int]], start: float, end: float, keep_alive: float, loader: int,

@@ -134,8 +134,13 @@ def test_a_fine_tune_added_to_running_hosts_serves_exactly_without_a_restart(fam
         assert _forwards(running, executors, _batches(3, 2)) == {name: [] for name in running}
         for address in group.addresses:
             with ExpertHostClient(address) as host:
+                before, since = host.status(), time.monotonic()
                 served = host.add_model("chat", str(stores[2][1]))
                 assert [m["name"] for m in served] == ["base", "code", "chat"]
+                # the base's replicas of experts code replaced are shared from now on, not before
+                after, held = host.status(), before["meters"]["bytes_held"] / 1e9
+                grew = sum(after["models"][m]["shared_gb_s"] - before["models"][m]["shared_gb_s"] for m in ("base", "code"))
+                assert grew <= (time.monotonic() - since) * held + 1e-12
                 with pytest.raises(ExpertHostError, match="this host serves 'chat' already"):
                     host.add_model("chat", str(stores[2][1]))
                 with pytest.raises(ExpertHostError, match=r"no weight-store index"):
