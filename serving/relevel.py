@@ -28,19 +28,21 @@ def relevel_for(model: LatencyModel, cost_s: float | PairingCost, split: bool = 
     per-layer, per-phase gate in front of the check (phase() names the batch's phase)."""
 
     def relevel(layer: int, placement: LayerPlacement, routing: Routing, num_hosts: int) -> LayerPlacement:
-        load = _call_load(placement, routing)
-        pairing_s = cost_s(placement.num_replicas, load.shape[0], num_hosts) if callable(cost_s) else cost_s
-        if gate is None:
-            return actual_shares(load, placement, model, num_hosts, pairing_s, split).layer
-        return gate.route(layer, phase(), load, placement, model, num_hosts, pairing_s, split).layer
+        num_experts = int(placement.expert.max()) + 1
+        pairing_s = cost_s(placement.num_replicas, num_experts, num_hosts) if callable(cost_s) else cost_s
+        return routed_shares(placement, routing, num_hosts, model, pairing_s, split, gate, layer, phase()).layer
 
     return relevel
 
 
 def routed_shares(placement: LayerPlacement, routing: Routing, num_hosts: int, model: LatencyModel, cost_s: float,
-                  split: bool = True) -> Routed:
-    """`actual_shares` on the tokens per expert the gate's routing gives this layer call."""
-    return actual_shares(_call_load(placement, routing), placement, model, num_hosts, cost_s, split)
+                  split: bool = True, gate: CheckGate | None = None, layer: int = 0, phase: str = "prefill") -> Routed:
+    """`actual_shares` on the tokens per expert the gate's routing gives this layer call (behind
+    `gate`, layer `layer`'s in `phase`, where one is given)."""
+    load = _call_load(placement, routing)
+    if gate is None:
+        return actual_shares(load, placement, model, num_hosts, cost_s, split)
+    return gate.route(layer, phase, load, placement, model, num_hosts, cost_s, split)
 
 
 def _call_load(placement: LayerPlacement, routing: Routing) -> np.ndarray:

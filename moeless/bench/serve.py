@@ -156,7 +156,7 @@ def run_bench(model: str = "default", *, hosts: int = 2, prompts: int = 8, promp
                    for t in transports}
         timed |= {f"expert_functions_{t}": TimedExecutor(remotes[t]) for t in transports}
         # the node-local path with every expert on every host, paired per call (bench/serve_pairing.py)
-        relevel = timed_relevel(clients["local"][0], spec.hidden_size, spec.num_experts, hosts)
+        relevel = timed_relevel(clients["local"][0], spec.hidden_size, spec.num_experts, hosts, batch)
         replicated = replicated_placement(spec.num_layers, spec.num_experts, hosts)
         preload(clients["local"], replicated)
         timed[PAIRED] = TimedExecutor(RemoteExecutor(clients["local"], PlacementSource(replicated), relevel=relevel))

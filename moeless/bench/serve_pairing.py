@@ -3,10 +3,12 @@
 Every host holds every expert (full replication, placement/full_replication.py: static EP's homes
 listed first, copies after them with share 0), and every MoE-layer call's tokens are paired with
 the replicas on this batch's own loads by the serving path's rule (serving/relevel.py ->
-placement/shares.actual_shares -> placement/dispatch.py): a check on every call, the pairing where
-the most it can save beats its own measured cost. Its seconds are inside the layer call the bench
-times (the path pays them), and counted apart here: microseconds per layer call, and how many calls
-paired. Replicas are loaded before the warm-up, so no call meets a cold start.
+placement/shares.actual_shares -> placement/dispatch.py): the check behind serving's per-layer,
+per-phase gate (placement/check_gate.py: a layer whose recent checks did not pay skips the check
+and keeps static EP's split), the pairing where the most it can save beats its own measured cost.
+Its seconds are inside the layer call the bench times (the path pays them), and counted apart
+here: microseconds per layer call, how many calls checked, skipped and paired. Replicas are loaded
+before the warm-up, so no call meets a cold start.
 """
 
 from __future__ import annotations
@@ -21,30 +23,37 @@ from moeless.model.interface import Routing
 from moeless.placement.cluster import Cluster
 from moeless.placement.full_replication import plan_full_replication
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.timing import measure_relevel_s
+from moeless.placement.check_gate import CheckGate
+from moeless.placement.timing import measure_relevel_check_s, measure_relevel_s
 from moeless.placement.types import LayerPlacement, Placement
 from moeless.serving.relevel import routed_shares
 
 
 class TimedRelevel:
-    """serving/relevel.relevel_for's rule (`routed_shares`), each call timed: samples of (seconds, paired)."""
+    """serving/relevel.relevel_for's rule (`routed_shares` behind a CheckGate), each call timed:
+    samples of (seconds, checked, paired). A call is a prefill's where it has more tokens than the
+    batch has rows (serving/path_timing.py's rule), for the gate's per-phase records."""
 
-    def __init__(self, model: LatencyModel, relevel_s: float, split: bool = True):
-        self.model, self.relevel_s, self.split, self.samples = model, relevel_s, split, []
+    def __init__(self, model: LatencyModel, relevel_s: float, check_s: float, batch: int, split: bool = True):
+        self.model, self.relevel_s, self.check_s, self.batch, self.split = model, relevel_s, check_s, batch, split
+        self.gate, self.samples = CheckGate(check_s), []
 
     def __call__(self, layer: int, placement: LayerPlacement, routing: Routing, num_hosts: int) -> LayerPlacement:
         start = time.perf_counter()
-        routed = routed_shares(placement, routing, num_hosts, self.model, self.relevel_s, self.split)
-        self.samples.append((time.perf_counter() - start, routed.paired))
+        phase = "prefill" if routing.idx.shape[0] > self.batch else "decode"
+        routed = routed_shares(placement, routing, num_hosts, self.model, self.relevel_s, self.split, self.gate, layer, phase)
+        self.samples.append((time.perf_counter() - start, routed.checked, routed.paired))
         return routed.layer
 
     def summary(self) -> dict[str, float]:
-        """us per layer call (mean, median, p90; check and pairing together), calls, calls paired."""
-        seconds = np.array([s for s, _ in self.samples]) if self.samples else np.zeros(1)
+        """us per layer call (mean, median, p90; gate, check and pairing together), calls, calls
+        checked (the rest skipped the check) and paired."""
+        seconds = np.array([s for s, _, _ in self.samples]) if self.samples else np.zeros(1)
         return {"us_per_layer_mean": 1e6 * float(seconds.mean()), "us_per_layer_median": 1e6 * float(np.median(seconds)),
                 "us_per_layer_p90": 1e6 * float(np.percentile(seconds, 90)), "calls": len(self.samples),
-                "paired_calls": sum(paired for _, paired in self.samples), "relevel_s": self.relevel_s,
-                "splits": self.split}
+                "checked_calls": sum(checked for _, checked, _ in self.samples),
+                "paired_calls": sum(paired for _, _, paired in self.samples), "relevel_s": self.relevel_s,
+                "check_s": self.check_s, "splits": self.split}
 
 
 def replicated_placement(num_layers: int, num_experts: int, hosts: int) -> Placement:
@@ -74,11 +83,13 @@ def pairing_figures(dispatch: dict[str, float], model: LatencyModel, paired_ms: 
             "ratio_to_static_local_p90": {p: paired_ms[p]["p90"] / static_ms[p]["p90"] for p in phases}}
 
 
-def timed_relevel(client, hidden: int, num_experts: int, hosts: int) -> TimedRelevel:
+def timed_relevel(client, hidden: int, num_experts: int, hosts: int, batch: int) -> TimedRelevel:
     """The pairing rule on the host's costs as the planning loop fits them (hardware/host_profile.py:
     alpha and the per-expert call overhead inside a host call, not the call's round trip), its own
-    cost (relevel_s) measured here on this layer's shape; experts split only where the host is
-    split-exact (host_profile.split_exact), as serving/live.py decides."""
+    cost (relevel_s) and the check's (the gate's price of a check) measured here on this layer's
+    shape; experts split only where the host is split-exact (host_profile.split_exact), as
+    serving/live.py decides; batch: rows of the bench's batches (a prefill's calls have more tokens)."""
     fit = fit_host_calls(client, hidden, experts=tuple(m for m in CALL_EXPERTS if m <= num_experts), repeats=5)
     model = LatencyModel(alpha=fit["alpha"], beta=fit["beta"], cold_start=0.0, call_overhead=fit["call_overhead"])
-    return TimedRelevel(model, measure_relevel_s(num_experts, hosts, model), split_exact(client, hidden))
+    return TimedRelevel(model, measure_relevel_s(num_experts, hosts, model), measure_relevel_check_s(num_experts, hosts, model),
+                        batch, split_exact(client, hidden))

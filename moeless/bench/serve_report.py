@@ -63,7 +63,8 @@ def print_report(result: dict[str, Any]) -> None:
     d = pairing["dispatch"]
     print(f"dispatch-time pairing (expert_functions_local_paired: every expert on every host, each call's tokens paired "
           f"on its own loads): {d['us_per_layer_median']:.1f} us per layer call p50 ({d['us_per_layer_p90']:.1f} p90; "
-          f"a pairing costs {1e6 * d['relevel_s']:.1f} us), {d['paired_calls']} of {d['calls']} calls paired, "
+          f"a pairing costs {1e6 * d['relevel_s']:.1f} us, a check {1e6 * d['check_s']:.1f} us), {d['checked_calls']} of "
+          f"{d['calls']} calls checked (the others skipped: placement/check_gate.py), {d['paired_calls']} paired, "
           f"{'experts split past the knee' if d['splits'] else 'whole experts only (the hosts are not split-exact)'}; MoE layer / "
           f"static EP's on the same channel: " + ", ".join(
               f"{p} {r:.2f}x p50 / {pairing['ratio_to_static_local_p90'][p]:.2f}x p90"
