@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moeless.placement.cluster import Cluster
-from moeless.placement.home_moves import HomeMoves, add_moves, home_time, packed_homes, static_homes
+from moeless.placement.home_moves import HomeMoves, add_moves, home_time, packed_homes, static_homes, swapped_homes
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.planner import PlannerConfig, get_planner
 from moeless.placement.types import LayerPlacement, Placement
@@ -26,6 +26,18 @@ def test_packed_homes_golden():
 def test_packed_homes_with_experts_not_a_multiple_of_the_gpus():
     homes = packed_homes(np.array([[9.0, 1, 1, 1, 1]]), 2)
     assert set(homes[0].tolist()) == {0, 1} and np.bincount(homes[0]).max() <= 3
+
+
+def test_swaps_balance_each_sample_where_the_sums_are_balanced_already():
+    """Experts 0 and 2 are hot together, then 1 and 3: on GPUs [0, 1, 0, 1] the sums are even but
+    each sample sits on one GPU (the busiest holds all of it). The first best swap (0 with 1: the
+    first pair in order among the ties) splits every sample in half; then no swap helps: stop."""
+    model = LatencyModel(alpha=1.0, beta=0.0, cold_start=0.0, call_overhead=0.0)
+    samples = np.array([[10.0, 0, 10, 0], [0, 10, 0, 10]] * 3)
+    assert swapped_homes(samples, np.array([0, 1, 0, 1]), 2, model).tolist() == [1, 0, 0, 1]
+    assert swapped_homes(samples, np.array([0, 1, 0, 1]), 2, model, swaps=0).tolist() == [0, 1, 0, 1]
+    assert swapped_homes(samples, np.array([0, 0, 1, 1]), 2, model).tolist() == [0, 0, 1, 1]  # balanced: kept
+    assert home_time(samples, np.array([1, 0, 0, 1]), 2, model) == 10.0 < home_time(samples, np.array([0, 1, 0, 1]), 2, model)
 
 
 def test_home_time_is_the_busiest_gpus_work_averaged_over_samples():
