@@ -45,6 +45,7 @@ from moeless.placement.types import LayerPlacement
 
 SAMPLES = 64  # iterations kept to judge a move (the last ~3 s of serving at 50 ms an iteration)
 SWAPS = 16  # best swaps tried on the packing per layer and chance (16 and 32 gave the same on FLAME)
+MAX_PAIRS = 8192  # swaps weighed per step: all pairs up to E = 128; beyond, those with an expert of the busiest GPUs
 MOVE_MARGIN = 0.01  # a layer moves only where its homes would have saved this share of its time
 
 
@@ -77,8 +78,13 @@ def swapped_homes(samples: np.ndarray, homes: np.ndarray, num_gpus: int, model: 
     homes = np.asarray(homes, dtype=np.int64).copy()
     num_experts = homes.shape[0]
     a, b = np.triu_indices(num_experts, 1)
+    few = a.shape[0] <= MAX_PAIRS
     for _ in range(swaps):
         per_gpu = work @ np.eye(num_gpus)[homes]  # [S, G]
+        if not few:  # the experts of the busiest GPUs (on average), each with every other
+            busiest = np.argsort(-per_gpu.mean(axis=0), kind="stable")
+            mine = np.concatenate([np.flatnonzero(homes == g) for g in busiest])[:max(1, MAX_PAIRS // num_experts)]
+            a, b = np.repeat(mine, num_experts), np.tile(np.arange(num_experts), mine.shape[0])
         pair = homes[a] != homes[b]
         ea, eb = a[pair], b[pair]
         if not ea.size:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from moeless.placement import home_moves
 from moeless.placement.cluster import Cluster
 from moeless.placement.home_moves import HomeMoves, add_moves, home_time, packed_homes, static_homes, swapped_homes
 from moeless.placement.latency_model import LatencyModel
@@ -28,7 +29,7 @@ def test_packed_homes_with_experts_not_a_multiple_of_the_gpus():
     assert set(homes[0].tolist()) == {0, 1} and np.bincount(homes[0]).max() <= 3
 
 
-def test_swaps_balance_each_sample_where_the_sums_are_balanced_already():
+def test_swaps_balance_each_sample_where_the_sums_are_balanced_already(monkeypatch):
     """Experts 0 and 2 are hot together, then 1 and 3: on GPUs [0, 1, 0, 1] the sums are even but
     each sample sits on one GPU (the busiest holds all of it). The first best swap (0 with 1: the
     first pair in order among the ties) splits every sample in half; then no swap helps: stop."""
@@ -38,6 +39,8 @@ def test_swaps_balance_each_sample_where_the_sums_are_balanced_already():
     assert swapped_homes(samples, np.array([0, 1, 0, 1]), 2, model, swaps=0).tolist() == [0, 1, 0, 1]
     assert swapped_homes(samples, np.array([0, 0, 1, 1]), 2, model).tolist() == [0, 0, 1, 1]  # balanced: kept
     assert home_time(samples, np.array([1, 0, 0, 1]), 2, model) == 10.0 < home_time(samples, np.array([0, 1, 0, 1]), 2, model)
+    monkeypatch.setattr(home_moves, "MAX_PAIRS", 4)  # a large E: only the busiest GPUs' experts swap (GPU 0's first)
+    assert swapped_homes(samples, np.array([0, 1, 0, 1]), 2, model).tolist() == [1, 0, 0, 1]
 
 
 def test_home_time_is_the_busiest_gpus_work_averaged_over_samples():
