@@ -89,8 +89,9 @@ class ModelTotals:
     """One model's part of a host's totals (a host serving several models: model_stores.py). gb_s and
     bytes_held are its split of shared replicas (module docstring), so every model's add up to the
     host's; shared_gb_s the part of gb_s held while other models of the host held the replica's
-    content key too (a model added later shares from then on); own_replicas, shared_replicas and shared_bytes: the resident replicas it uses alone or with
-    other models (a shared one counted for each)."""
+    content key too (a model added later shares from then on); own_replicas, shared_replicas and
+    shared_bytes: the resident replicas it uses alone or with other models (a shared one counted
+    for each)."""
 
     gb_s: float = 0.0
     shared_gb_s: float = 0.0
