@@ -44,7 +44,7 @@ from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import LayerPlacement
 
 SAMPLES = 64  # iterations kept to judge a move (the last ~3 s of serving at 50 ms an iteration)
-SWAPS = 16  # best swaps tried on the packing per layer and chance (16 and 32 gave the same on FLAME)
+SWAPS = 16  # best swaps tried on the packing per layer and chance (a bound on the time; a layer stops where none helps)
 MAX_PAIRS = 8192  # swaps weighed per step: all pairs up to E = 128; beyond, those with an expert of the busiest GPUs
 MOVE_MARGIN = 0.01  # a layer moves only where its homes would have saved this share of its time
 
