@@ -70,7 +70,9 @@ def production_eplb() -> Callable:
             state["out"] = None
         state["calls"] += 1
         # 5. What the last rebalances dropped and is still resident: released (forgotten once evicted).
-        left = (state["left"] & previous.replicas()) - state["plan"].replicas() if previous is not None else state["left"]
+        left = state["left"]
+        if left and previous is not None:  # (nothing to walk while nothing is left)
+            left = (left & previous.replicas()) - state["plan"].replicas()
         if state["out"] is None or left != state["left"]:  # the same object while nothing changes
             state["left"] = left
             state["out"] = replace(state["plan"], release=np.array(sorted(left), np.int64).reshape(-1, 3))
