@@ -83,7 +83,7 @@ class PlanLoop:
         self._learn: list[np.ndarray] = []  # every iteration's loads since the last pass (Planner.learn)
         self._planned = False  # the first pass loads the home replicas (the hosts start empty)
         self._held: dict[str, tuple[float, np.ndarray]] = {}  # phase -> (when, its last merged forecast)
-        self._planner, self._published = None, None
+        self._planner, self._published, self._releasing = None, None, None  # _releasing: the last plan
         self._fresh = False  # reports came in since the last planning pass
         self._pending_loads = False  # the last pass sent loads (publish them once loaded)
         self._refreshed = 0.0  # when the hosts were last read
@@ -142,8 +142,7 @@ class PlanLoop:
         with self._lock:
             return {"planner": self.name, "predictor": self.s.knobs.predictor, "memory_price": self.memory_price,
                     "generation": self.generation, "knob_error": self.knob_error,
-                    "restart_pending": list(self.restart_pending),
-                    "heartbeat_s": self.heartbeat.last,
+                    "restart_pending": list(self.restart_pending), "heartbeat_s": self.heartbeat.last,
                     "heartbeat_age_s": self.heartbeat.age(), "stalled": self.heartbeat.stalled(),
                     "stall_threshold_s": self.s.stall_s, "last_error": self.last_error, **self.counts,
                     "hosts_live": list(self.hosts_live)}
@@ -154,8 +153,7 @@ class PlanLoop:
             return {
                 **self.state(), "stats": self.stats.as_dict(), "plan_s": dict(self.plan_s),
                 "latency_fit": self.fit.as_dict(), "resident_replicas": self.resident_replicas,
-                **meter_totals([m for m in self.host_meters if m]),
-                "expert_gb_s": self._gb_s.total,
+                **meter_totals([m for m in self.host_meters if m]), "expert_gb_s": self._gb_s.total,
                 "non_expert_gb_s": self.s.profile.non_expert_bytes / 1e9 * self.s.replicas * (time.time() - self.started),
             }
 
@@ -268,16 +266,18 @@ class PlanLoop:
         planner = self._planner_for(iteration_s, get_planner)
         planner.learn(*learnt)  # what ran since the last pass
         decision = plan_groups(planner, groups, view, s.profile.expert_bytes, self.layer_cap, self._memory, off)
-        if decision is None:  # a stateful planner without new iterations: nothing to change
-            return
-        routed = self._published.replicas() if self._published else None  # evict a moved home's old one once
-        gone = [(*r, "evict") for r in decision.release if routed is not None and r not in routed]  # unrouted
-        for layer, expert, host, act in [*gone, *((*r, "load") for r in decision.loads)]:
+        self._releasing = self._releasing if decision is None else decision.plan  # its release: evicted once unrouted
+        routed = self._published.replicas() if self._published else None
+        free = self._releasing.releasable(view.resident & view.live[None, None, :]) if self._releasing else []
+        gone = [(*r, "evict") for r in free if routed is not None and r not in routed]
+        for layer, expert, host, act in [*gone, *((*r, "load") for r in (decision.loads if decision else []))]:
             try:
                 client = self.pool.client(host)
                 client.evict(layer, expert) if act == "evict" else client.load(layer, expert, wait=False)
             except Exception as err:  # the host went away meanwhile (None: it left the pool): planned around next pass
                 log.warning("%s of (layer %d, expert %d) on host %d failed: %s", act, layer, expert, host, err)
+        if decision is None:  # a stateful planner without new iterations, or no traffic: nothing to change
+            return
         self._pending_loads = bool(decision.loads)
         with self._lock:
             self.counts["plans"] += len(groups)

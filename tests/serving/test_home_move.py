@@ -5,7 +5,8 @@ while it generates; each load the loop sends lands LOAD_S late. A move takes exp
 hosts: the new host loads them behind serving, the old layout serves until then, the placement
 that drops an old replica is published only once every replica it routes to is resident, the old
 host releases it only after that (evicted by the loop, well before its keep-alive of a minute:
-Placement.release), and every generation equals the in-process model's.
+Placement.release, on a pass that plans or not: no report comes after the move is published), and
+every generation equals the in-process model's.
 
 The board is the one seam: the loop's publish goes straight to the executor's PlacementSource
 (the Ray actor that carries it to serving replicas is tested in test_live_loop.py)."""
@@ -62,8 +63,11 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
             c.evict(r["layer"], r["expert"])
     source = PlacementSource.static(spec.num_layers, spec.num_experts, 3)
     published = []  # (when, placement, what the hosts held then)
+    quiet = threading.Event()  # set once a move is published: no report after it (traffic may stop there)
 
     def publish(placement, board):
+        if published and _replicas(published[-1][1]) - _replicas(placement):
+            quiet.set()
         published.append((time.monotonic(), placement, _held(clients)))
         source.set(placement)
         return len(published)
@@ -84,7 +88,7 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
                             planner_extra=extra)
     loop = actor.PlanLoop.__ray_metadata__.modified_class(settings)
     live = LiveExecutor(RemoteExecutor(clients, source), spec.num_layers, spec.num_experts, replica="test",
-                        sink=loop.report)
+                        sink=lambda report: quiet.is_set() or loop.report(report))
     g = torch.Generator().manual_seed(7)
     try:
         moved, deadline = [], time.monotonic() + 60
@@ -103,7 +107,7 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
             assert routed and routed <= held, f"expert {(l, e)} published on {routed} before all were resident ({held})"
             assert (l, e, old) in held  # the old home still held when the layout that drops it took over
         # Released by the loop (the keep-alive is a minute) once no call reaches it (the executor
-        # routes by the last placement only).
+        # routes by the last placement only), with no report since the move was published.
         deadline = time.monotonic() + RELEASED_S
         while time.monotonic() < deadline and any((l, e, old) in _held(clients) for _, (l, e, old) in moved
                                                   if (l, e, old) not in _replicas(published[-1][1])):
