@@ -39,12 +39,17 @@ class TimedExecutor:
         machine's stalls; the 10th percentile is what the machine gives when other jobs leave it
         alone (a path of several processes waits for the CPU at every hand-over, so contention
         inflates it more than the single-process baseline)."""
-        phases = {"all": [s for _, s in self.samples], "prefill": [s for t, s in self.samples if t > batch],
-                  "decode": [s for t, s in self.samples if t <= batch]}
+        phases = {"all": [s for _, s in self.samples], **{p: [s for t, s in self.samples if phase_of(t, batch) == p]
+                                                          for p in ("prefill", "decode")}}
         return {name: {"mean": 1e3 * float(np.mean(v)), "median": 1e3 * float(np.median(v)),
                        "p10": 1e3 * float(np.percentile(v, 10)), "p90": 1e3 * float(np.percentile(v, 90)),
                        "calls": len(v)}
                 for name, v in phases.items() if v}
+
+
+def phase_of(rows: int, batch: int) -> str:
+    """A layer call's phase by its rows: a decode step carries one per sequence (<= batch), a prefill more."""
+    return "prefill" if rows > batch else "decode"
 
 
 def rotated(names: list[str], shift: int) -> list[str]:

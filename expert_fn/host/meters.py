@@ -241,15 +241,15 @@ class Meters:
         return (m.byte_seconds + open_part) / GB
 
     def by_model(self, names: Sequence[str], model_of: Callable[[int], int],
-                 users: Callable[[Key], Sequence[int]] = lambda key: (), now: float | None = None) -> dict[str, ModelTotals]:
+                 now: float | None = None) -> dict[str, ModelTotals]:
         """Totals per model name (names[i]: model i; model_of(layer): the model of a host layer, for
-        the cold-start seconds of its calls; users(key): the models whose stores hold key, for own and
-        shared replicas); GB·s and bytes held add up to totals(now)."""
+        the cold-start seconds of its calls; own and shared replicas by self.users); GB·s and bytes
+        held add up to totals(now)."""
         now = self.clock() if now is None else now
         out = {name: ModelTotals() for name in names}
         for key, m in self.replicas.items():
             self._settle(m, now)
-            sharing = users(key)
+            sharing = self.users(key)
             for i, byte_s in m.split.items():
                 out[names[i]].gb_s += byte_s / GB
             for i, byte_s in m.shared_split.items():
@@ -279,7 +279,7 @@ class Meters:
             t.cold_exposed_s += c.exposed_s
         return out
 
-    def totals(self, now: float | None = None, users: Callable[[Key], Sequence[int]] = lambda key: ()) -> HostTotals:
+    def totals(self, now: float | None = None) -> HostTotals:
         now = self.clock() if now is None else now
         layers = self.cold.layers.values()
         t = HostTotals(invocations=self.host_invocations, load_s_sum=self.load_s_sum,
@@ -294,7 +294,7 @@ class Meters:
             t.cold_starts += m.cold_starts
             t.evictions += m.evictions
             t.tokens += m.tokens
-            t.shared_replicas += bool(m.bytes) and len(users(key)) > 1
+            t.shared_replicas += bool(m.bytes) and len(self.users(key)) > 1
         t.gb_s += sum(self._adapter_gb_s(now).values())
         t.lora_bytes = sum(nbytes for nbytes, _ in self.adapters.values())
         t.bytes_held += t.lora_bytes

@@ -248,9 +248,9 @@ class ExpertHostRuntime:
             return {
                 "device": self.device, "memory_bytes": self.table.capacity_bytes,
                 "keep_alive_s": self.keep_alive_s, "health": self.health, "inflight": self._inflight,
-                "replicas": replicas, "meters": self.meters.totals(now, models.users).as_dict(),
+                "replicas": replicas, "meters": self.meters.totals(now).as_dict(),
                 "models": {name: asdict(t) for name, t in
-                           self.meters.by_model(models.names, models.index_of, models.users, now).items()},
+                           self.meters.by_model(models.names, models.index_of, now).items()},
                 "cold": self.meters.cold.as_dict(), "host_tier": self.tier.stats(),
             }
 

@@ -26,13 +26,14 @@ from moeless.placement.latency_model import LatencyModel
 from moeless.placement.check_gate import CheckGate
 from moeless.placement.timing import measure_relevel_check_s, measure_relevel_s
 from moeless.placement.types import LayerPlacement, Placement
+from moeless.serving.path_timing import phase_of
 from moeless.serving.relevel import routed_shares
 
 
 class TimedRelevel:
     """serving/relevel.relevel_for's rule (`routed_shares` behind a CheckGate), each call timed:
     samples of (seconds, checked, paired). A call is a prefill's where it has more tokens than the
-    batch has rows (serving/path_timing.py's rule), for the gate's per-phase records."""
+    batch has rows (serving/path_timing.phase_of), for the gate's per-phase records."""
 
     def __init__(self, model: LatencyModel, relevel_s: float, check_s: float, batch: int, split: bool = True):
         self.model, self.relevel_s, self.check_s, self.batch, self.split = model, relevel_s, check_s, batch, split
@@ -40,7 +41,7 @@ class TimedRelevel:
 
     def __call__(self, layer: int, placement: LayerPlacement, routing: Routing, num_hosts: int) -> LayerPlacement:
         start = time.perf_counter()
-        phase = "prefill" if routing.idx.shape[0] > self.batch else "decode"
+        phase = phase_of(routing.idx.shape[0], self.batch)
         routed = routed_shares(placement, routing, num_hosts, self.model, self.relevel_s, self.split, self.gate, layer, phase)
         self.samples.append((time.perf_counter() - start, routed.checked, routed.paired))
         return routed.layer

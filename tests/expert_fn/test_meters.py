@@ -73,7 +73,7 @@ def test_a_shared_replica_s_gb_s_is_split_evenly_among_the_models_keeping_it_res
     assert mid["a"].bytes_held + mid["b"].bytes_held == 10**9  # both claim it now: half each
     clock.advance(13.0)
     assert clock() - start == 20.0
-    parts = meters.by_model(["a", "b"], lambda layer: 0, users=lambda key: (0, 1))
+    parts = meters.by_model(["a", "b"], lambda layer: 0)
     assert parts["a"].gb_s == pytest.approx(6.5) and parts["b"].gb_s == pytest.approx(13.5)
     assert parts["a"].gb_s + parts["b"].gb_s == pytest.approx(meters.totals().gb_s) == pytest.approx(20.0)
     assert (parts["a"].bytes_held, parts["b"].bytes_held) == (0, 10**9)  # the last user's now
@@ -81,7 +81,7 @@ def test_a_shared_replica_s_gb_s_is_split_evenly_among_the_models_keeping_it_res
     assert (parts["a"].shared_replicas, parts["b"].shared_replicas, parts["a"].shared_bytes) == (1, 1, 10**9)
     # A content key both models hold: all of each one's GB·s of it is its shared share (kubectl's Shared-GBs).
     assert (parts["a"].shared_gb_s, parts["b"].shared_gb_s) == (pytest.approx(6.5), pytest.approx(13.5))
-    assert meters.totals(users=lambda key: (0, 1)).shared_replicas == 1
+    assert meters.totals().shared_replicas == 1
     assert meters.needed_by((0, 0)) == []  # both claims ran out
     meters.free((0, 0))  # evicted: nothing more for anyone
     clock.advance(100.0)
@@ -100,7 +100,7 @@ def test_a_model_added_later_shares_a_replica_from_then_on(clock):
     meters.users_changed()
     meters.invoked([((0, 0), 1, 1)])
     clock.advance(10.0)
-    parts = meters.by_model(["a", "b"], lambda layer: 0, users=lambda key: users[key])
+    parts = meters.by_model(["a", "b"], lambda layer: 0)
     assert (parts["a"].gb_s, parts["b"].gb_s) == (pytest.approx(15.0), pytest.approx(5.0))
     assert (parts["a"].shared_gb_s, parts["b"].shared_gb_s) == (pytest.approx(5.0), pytest.approx(5.0))
 
