@@ -43,6 +43,17 @@ def test_swaps_balance_each_sample_where_the_sums_are_balanced_already(monkeypat
     assert swapped_homes(samples, np.array([0, 1, 0, 1]), 2, model).tolist() == [1, 0, 0, 1]
 
 
+def test_a_swap_that_evens_each_iteration_may_not_slow_the_window():
+    """A prefill of 160 tokens and a decode step of 5 on homes [0, 0, 1, 1]. Swapping experts 0 and 2
+    evens the shares most (busiest 0.681 -> 0.644 in the mean) but raises the busiest GPU's tokens
+    47 -> 56.5 in the mean (the prefill's 90 -> 110); swapping 0 and 3 evens them less (0.650) and
+    lowers them (42): that one is made."""
+    samples = np.array([[30.0, 60, 50, 20], [0.0, 1, 1, 3]])
+    tokens = LatencyModel(alpha=1.0, beta=0.0, cold_start=0.0)
+    assert swapped_homes(samples, np.array([0, 0, 1, 1]), 2, tokens, swaps=1).tolist() == [1, 0, 1, 0]
+    assert home_time(samples, np.array([1, 0, 1, 0]), 2, tokens) == 42.0 < home_time(samples, np.array([0, 0, 1, 1]), 2, tokens)
+
+
 def test_home_time_is_the_busiest_gpus_work_averaged_over_samples():
     samples = np.array([[10.0, 0, 5, 5], [0.0, 10, 0, 0]])
     homes = np.array([0, 0, 1, 1])
