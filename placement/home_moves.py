@@ -49,6 +49,7 @@ from moeless.placement.types import LayerPlacement
 SAMPLES = 64  # iterations kept to judge a move (the last ~3 s of serving at 50 ms an iteration)
 SWAPS = 16  # best swaps tried on the packing per layer and chance (a bound on the time; a layer stops where none helps)
 MAX_PAIRS = 8192  # swaps weighed per step: all pairs up to E = 128; beyond, those with an expert of the busiest GPUs
+# (a chance's swaps, timed on 2 cores: 0.1 s a layer at E = 64 on 8 GPUs, 0.8 s at E = 256 on 64)
 MOVE_MARGIN = 0.01  # a layer moves only where its homes would have saved this share of its time
 
 
@@ -92,11 +93,12 @@ def swapped_homes(samples: np.ndarray, homes: np.ndarray, num_gpus: int, model: 
         if not ea.size:
             break
         now, after = _busiest_after_swaps(shares, homes, ea, eb, num_gpus)
-        now_s, after_s = _busiest_after_swaps(seconds, homes, ea, eb, num_gpus)
-        after = np.where(after_s <= now_s * (1.0 + 1e-9), after, np.inf)  # the window's busiest seconds: no worse
-        best = int(np.argmin(after))
-        if not after[best] < now * (1.0 - 1e-9):
+        better = np.flatnonzero(after < now * (1.0 - 1e-9))
+        now_s, after_s = _busiest_after_swaps(seconds, homes, ea[better], eb[better], num_gpus)
+        better = better[after_s <= now_s * (1.0 + 1e-9)]  # the window's busiest seconds: no worse
+        if not better.size:
             break
+        best = better[np.argmin(after[better])]
         homes[ea[best]], homes[eb[best]] = homes[eb[best]], homes[ea[best]]
     return homes
 
