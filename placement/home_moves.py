@@ -23,8 +23,9 @@ the recent iterations, so a move made on noise does not cost time:
    swaps that do not raise the mean of the busiest GPU's seconds (which prefills dominate, and step
    3 judges). The sums balance tokens over the window; the swaps balance each iteration (FLAME on
    8 x H100, the twin: 33% / 21% of the bound's gain in prefill / decode with the packing alone,
-   48% / 24% with 16 swaps, 49% / 24% with the seconds' guard; Phi-3.5-MoE code on 8 x A6000:
-   prefill -24.8% / -24.1% / -24.6% against static EP, decode -9.7% / -10.4% / -10.2%).
+   48% / 24% with 16 swaps, 49% / 24% with the seconds' guard; Phi-3.5-MoE code on 8 x A6000,
+   moeless and static EP alone on the cell: prefill -24.8% / -24.1% / -24.6% against static EP,
+   decode -9.7% / -10.4% / -10.2%).
 3. A layer moves only where the candidate's time with every token at home (`home_time`) is below
    the current homes' by MOVE_MARGIN, in the mean over the kept iterations.
 4. Behind serving (`add_moves`): a new home that is not resident loads with no tokens while the old
