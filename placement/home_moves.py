@@ -28,6 +28,9 @@ the recent iterations, so a move made on noise does not cost time:
    decode -9.7% / -10.4% / -10.2%).
 3. A layer moves only where the candidate's time with every token at home (`home_time`) is below
    the current homes' by MOVE_MARGIN, in the mean over the kept iterations.
+   The live loop (PlannerConfig.home_moves_submit) computes step 2's candidate on a thread of its
+   own and judges it at its first plan after (a DeepSeek-V3 of 58 layers on 64 GPUs would hold
+   the loop about 45 s a chance on 2 cores); the twin and `moeless plan` compute it in place.
 4. Behind serving (`add_moves`): a new home that is not resident loads with no tokens while the old
    one serves (`settle`; a move the layer's memory cannot hold is called off: `cancel`); once all
    of the layer's have landed they take the tokens and the old ones are released (`settle`, and
@@ -39,13 +42,17 @@ Golden example: `packed_homes([[10, 1, 1, 10, 5, 5, 1, 1]], 2)` puts the two exp
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
 from moeless.placement.eplb import rebalance_experts
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import LayerPlacement
+
+log = logging.getLogger(__name__)
 
 SAMPLES = 64  # iterations kept to judge a move (the last ~3 s of serving at 50 ms an iteration)
 SWAPS = 16  # best swaps tried on the packing per layer and chance (a bound on the time; a layer stops where none helps)
@@ -134,6 +141,13 @@ def home_time(samples: np.ndarray, homes: np.ndarray, num_gpus: int, model: Late
     return float((work + 2.0 * model.beta * tokens.max(axis=1)).mean())
 
 
+
+def candidate_homes(sums: np.ndarray, samples: np.ndarray, num_gpus: int, model: LatencyModel) -> np.ndarray:
+    """Step 2: summed loads [L, E] and kept samples [L, S, E] -> the candidate homes [L, E]."""
+    packed = packed_homes(sums, num_gpus)
+    return np.stack([swapped_homes(samples[l], packed[l], num_gpus, model) for l in range(sums.shape[0])])
+
+
 @dataclass
 class HomeMoves:
     """One planner's homes and their statistics (module docstring). Stateful: one per planner."""
@@ -143,6 +157,7 @@ class HomeMoves:
     num_gpus: int
     first: int
     every: int
+    submit: Callable[..., Any] | None = None  # runs a chance's candidate elsewhere: f, *args -> a future (plan_call)
     homes: np.ndarray = field(init=False)
     calls: int = field(default=0, init=False)
     learnt: int = field(default=0, init=False)  # iterations in the statistics
@@ -151,6 +166,7 @@ class HomeMoves:
     _sum: np.ndarray = field(init=False)
     _samples: list = field(default_factory=list, init=False)
     _left: list = field(init=False)
+    _computing: tuple | None = field(default=None, init=False)  # (the candidate's future, its samples)
 
     def __post_init__(self) -> None:
         if self.first < 1 or self.every < 0:
@@ -169,25 +185,46 @@ class HomeMoves:
         self.learnt += 1
 
     def plan_call(self, model: LatencyModel) -> np.ndarray:
-        """Steps 2-3 at one plan (a move judged by `model`'s layer time): the homes [L, E] to plan on."""
+        """Steps 2-3 at one plan (a move judged by `model`'s layer time): the homes [L, E] to plan on.
+        With `submit` (the live loop's), a due chance's candidate is computed by it and judged at the
+        first plan after it is done; a chance due while one computes is skipped."""
         self.calls += 1
         due = self.every and self.calls > self.first and (self.calls - 1 - self.first) % self.every == 0
-        if due and self._samples:
-            packed = packed_homes(self._sum, self.num_gpus)
-            samples = np.stack(self._samples, axis=1)  # [L, S, E]
-            candidate = np.stack([swapped_homes(samples[l], packed[l], self.num_gpus, model)
-                                  for l in range(self.num_layers)])
-            for l in np.flatnonzero((candidate != self.homes).any(axis=1)):
-                now = home_time(samples[l], self.homes[l], self.num_gpus, model)
-                then = home_time(samples[l], candidate[l], self.num_gpus, model)
-                if then < (1.0 - MOVE_MARGIN) * now:
-                    changed = np.flatnonzero(candidate[l] != self.homes[l])
-                    back = {(e, g) for e, g in self._left[l] if candidate[l, e] == g}  # moved back: a home again
-                    self._left[l] = (self._left[l] - back) | {(int(e), int(self.homes[l, e])) for e in changed}
-                    self.homes[l] = candidate[l]
-                    self.moves.append((self.calls, int(l), changed.size, now, then, len(self._samples)))
+        if self._computing is not None and self._computing[0].done():
+            pending, samples = self._computing
+            self._computing = None
+            try:
+                candidate = pending.result()
+            except Exception:  # a chance lost, logged: the homes stay as they are
+                log.exception("the homes' candidate judged at plan %d failed", self.calls)
+            else:
+                self._judge(candidate, samples, model)
+        if due and self._samples and self._computing is None:
+            sums, samples = self._sum.copy(), np.stack(self._samples, axis=1)  # [L, E], [L, S, E]
             self._sum[:] = 0.0
+            if self.submit is None:
+                self._judge(candidate_homes(sums, samples, self.num_gpus, model), samples, model)
+            else:
+                self._computing = (self.submit(candidate_homes, sums, samples, self.num_gpus, model), samples)
         return self.homes
+
+    @property
+    def computing(self) -> bool:
+        """A chance's candidate is being computed elsewhere (submit)."""
+        return self._computing is not None and not self._computing[0].done()
+
+    def _judge(self, candidate: np.ndarray, samples: np.ndarray, model: LatencyModel) -> None:
+        """Step 3: each layer of candidate [L, E] whose homes would have been faster on samples
+        [L, S, E] by MOVE_MARGIN moves."""
+        for l in np.flatnonzero((candidate != self.homes).any(axis=1)):
+            now = home_time(samples[l], self.homes[l], self.num_gpus, model)
+            then = home_time(samples[l], candidate[l], self.num_gpus, model)
+            if then < (1.0 - MOVE_MARGIN) * now:
+                changed = np.flatnonzero(candidate[l] != self.homes[l])
+                back = {(e, g) for e, g in self._left[l] if candidate[l, e] == g}  # moved back: a home again
+                self._left[l] = (self._left[l] - back) | {(int(e), int(self.homes[l, e])) for e in changed}
+                self.homes[l] = candidate[l]
+                self.moves.append((self.calls, int(l), changed.size, now, then, samples.shape[1]))
 
     def describe(self) -> list[str]:
         """One line per move made: when, which layer, and why (`moeless plan` prints them)."""

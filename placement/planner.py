@@ -206,7 +206,8 @@ def _resident(additions: bool = True, warm: bool = True, placer: str = "resident
             moved = state["homes"]
             if moves and (moved is None or not moved.fits(num_layers, num_experts, cluster.num_gpus)):
                 moved = state["homes"] = HomeMoves(num_layers, num_experts, cluster.num_gpus,
-                                                   config.home_moves_first, config.home_moves_every)
+                                                   config.home_moves_first, config.home_moves_every,
+                                                   config.home_moves_submit)
             if moves:  # a live knob (homeMovesEvery; 0: the homes stay where they are)
                 moved.every = config.home_moves_every
             if moves:  # what ran since the last plan (the forecast itself where no gate reports)

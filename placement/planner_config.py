@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from moeless.placement.fill_placer import HORIZON
 from moeless.placement.latency_model import LatencyModel
@@ -40,7 +41,10 @@ class PlannerConfig:
     home_moves_first / home_moves_every: moeless's home moves (home_moves.py): plans of statistics
     before the first chance to move, plans between chances (a layer moves only where it pays; on
     FLAME's 8 A6000 and 16 H100 cells 10 / 50 was best or within a point of the best of seven
-    schedules, production EPLB's 50 / 1000 among them: docs/deployments.md).
+    schedules, production EPLB's 50 / 1000 among them: docs/deployments.md);
+    home_moves_submit: runs a chance's candidate homes elsewhere, an Executor's submit (f, *args) ->
+    a future; judged at the first plan after it is done (the live loop's thread; None: in place, as
+    the twin and `moeless plan` do).
     """
 
     model: LatencyModel | None = None
@@ -66,3 +70,4 @@ class PlannerConfig:
     eplb_first_rebalance: int = 50
     home_moves_first: int = 10
     home_moves_every: int = 50
+    home_moves_submit: Callable[..., Any] | None = None

@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -41,7 +42,6 @@ from moeless.controller.planning.settings import LoopSettings
 from moeless.controller.planning.window import (PHASES, Accumulated, Heartbeat, IterationReport, LiveStats,
                                                 ReportWindow, meter_totals)
 from moeless.controller.pool.sources import follow_pool
-from moeless.controller.pool.wake import waker_for
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.hardware.host_profile import calibrate_host
 from moeless.placement.planner import get_planner
@@ -62,7 +62,7 @@ class PlanLoop:
         num_hosts = self.pool.slots
         self.host_call_s = 0.0  # a host call's fixed cost, when the profile was measured here
         if settings.profile is None:
-            with ExpertHostClient(self._first_host(settings.first_host_wait_s), timeout_s=60,
+            with ExpertHostClient(self.follower.first_ready_address(settings.first_host_wait_s), timeout_s=60,
                                   model=settings.host_model) as client:
                 costs = calibrate_host(client, settings.hidden_size, settings.non_expert_bytes, settings.num_experts,
                                        num_hosts)
@@ -95,6 +95,7 @@ class PlanLoop:
         self.host_meters: list[dict] = [{} for _ in range(num_hosts)]
         self.resident_replicas = 0
         self._gb_s = Accumulated(num_hosts)
+        self._swaps = ThreadPoolExecutor(1, "home-swaps")  # a chance's candidate homes (placement/home_moves.py)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="plan-loop", daemon=True)
         self._thread.start()
@@ -181,23 +182,9 @@ class PlanLoop:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self._swaps.shutdown(wait=False, cancel_futures=True)
         self.follower.close()
         self.pool.close()
-
-    def _first_host(self, wait_s: float) -> str:
-        """The lowest ready slot's address, waiting up to wait_s for one; a pool at zero on Kubernetes is
-        woken for it (controller/pool/wake.py): serving replicas wait for the profile, so no request can wake it."""
-        waker = waker_for(self.follower.source)
-        if waker is not None:
-            waker.timeout_s = max(waker.timeout_s, wait_s)
-            waker.wait_for_hosts(lambda: bool(self.pool.addresses()), lambda: bool(self.pool.not_ready()))
-        deadline = time.monotonic() + wait_s
-        while not (addresses := self.pool.addresses()):
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"no expert host became ready within {wait_s:g} s to measure the cost profile "
-                                   "on; start one (or pass a profile)")
-            time.sleep(self.follower.period_s)
-        return addresses[min(addresses)]
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -317,7 +304,8 @@ class PlanLoop:
         the measured iteration time."""
         with self._lock:
             profile = self.fit.scaled(self.s.profile)
-        config = planner_config(self.s.knobs, profile, iteration_s, self.s.planner_extra, num_layers=self.s.num_layers,
+        extra = {"home_moves_submit": self._swaps.submit, **self.s.planner_extra}
+        config = planner_config(self.s.knobs, profile, iteration_s, extra, num_layers=self.s.num_layers,
                                 num_experts=self.s.num_experts, serving_replicas=self.s.replicas)
         if self._planner is None:
             self._planner = get_planner(self.name, config)

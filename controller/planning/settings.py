@@ -38,7 +38,7 @@ class LoopSettings:
     status_timeout_s: float = 1.0
     planner_extra: dict = field(default_factory=dict)
     pool_period_s: float = 1.0
-    first_host_wait_s: float = 60.0  # measuring the profile needs a ready host: how long to wait for one (_first_host)
+    first_host_wait_s: float = 60.0  # measuring the profile needs a ready host: how long to wait for one (PoolFollower.first_ready_address)
     knob_source: Any = None  # controller/planning/knob_sources.py: knobs followed while running (None: fixed)
     host_model: str | None = None  # the name the hosts serve this model by (None: their only one)
     knob_period_s: float = 1.0

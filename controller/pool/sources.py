@@ -33,6 +33,7 @@ from moeless.controller.pool.addresses import HOSTS_ENV, expert_hosts
 from moeless.controller.pool.host_pool import HostPool
 from moeless.controller.pool.kube import KubePodSource
 from moeless.controller.pool.members import Member
+from moeless.controller.pool.wake import waker_for
 
 log = logging.getLogger(__name__)
 K8S, FILE = "k8s://", "file://"
@@ -153,6 +154,22 @@ class PoolFollower:
             slots = None
             log.debug("cannot read the pool's size (%s); keeping %d slots", err, self.pool.slots)
         self.pool.update(members, self.clock(), slots)
+
+    def first_ready_address(self, wait_s: float) -> str:
+        """The lowest ready slot's address, waiting up to wait_s for one; a pool at zero on Kubernetes
+        is woken for it (controller/pool/wake.py: the planning loop measures its cost profile on it
+        before any request can wake the pool)."""
+        waker = waker_for(self.source)
+        if waker is not None:
+            waker.timeout_s = max(waker.timeout_s, wait_s)
+            waker.wait_for_hosts(lambda: bool(self.pool.addresses()), lambda: bool(self.pool.not_ready()))
+        deadline = time.monotonic() + wait_s
+        while not (addresses := self.pool.addresses()):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"no expert host became ready within {wait_s:g} s to measure the cost profile "
+                                   "on; start one (or pass a profile)")
+            time.sleep(self.period_s)
+        return addresses[min(addresses)]
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):

@@ -3,6 +3,9 @@ only where the recent forecasts say it pays, behind serving, the old home releas
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -75,6 +78,51 @@ def test_a_layer_moves_on_schedule_and_only_where_the_new_homes_pay():
     for _ in range(5):
         moves.learn(forecast * 0 + 1)
         assert (moves.plan_call(MODEL) == homes).all()  # not due again for 1000 calls
+
+
+def test_in_the_background_a_chance_does_not_hold_the_plan_and_moves_as_in_place(monkeypatch, caplog):
+    """The live loop's way (a thread computes the candidate): the due plan returns at once; the first
+    plan after the candidate is ready makes the same move the in-place way made at the due plan; a
+    candidate that fails loses its chance only."""
+    forecast = np.array([[40.0, 40, 1, 1], [40.0, 1, 40, 1]])
+    swaps = ThreadPoolExecutor(1)
+    in_place, background = HomeMoves(2, 4, 2, first=3, every=1000), HomeMoves(2, 4, 2, 3, 1000, submit=swaps.submit)
+    for moves in (in_place, background):
+        for _ in range(3):
+            moves.learn(forecast)
+            moves.plan_call(MODEL)
+    in_place.learn(forecast)
+    moved = in_place.plan_call(MODEL).copy()
+    computed, real = threading.Event(), home_moves.candidate_homes
+
+    def slow(*args):
+        assert computed.wait(10.0), "the test never let the candidate finish"
+        return real(*args)
+
+    monkeypatch.setattr(home_moves, "candidate_homes", slow)
+    background.learn(forecast)
+    assert (background.plan_call(MODEL) == static_homes(4, 2)).all() and background.computing  # not held
+    assert (background.plan_call(MODEL) == static_homes(4, 2)).all()  # still computing: the homes serve
+    computed.set()
+    deadline = time.monotonic() + 10.0
+    while background.computing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (background.plan_call(MODEL) == moved).all() and not background.computing
+    assert [m[1:] for m in background.moves] == [m[1:] for m in in_place.moves] and background.moves[0][0] == 6
+
+    def broken(*args):
+        raise RuntimeError("no candidate")
+
+    monkeypatch.setattr(home_moves, "candidate_homes", broken)
+    background.every = 1  # due at every plan from now on (the knob, live)
+    background.learn(forecast[::-1])  # layer 0's hot experts now share GPU 0 in the moved homes
+    background.plan_call(MODEL)  # due: submitted, it fails
+    while background.computing:
+        time.sleep(0.01)
+    with caplog.at_level("ERROR", logger=home_moves.__name__):
+        assert (background.plan_call(MODEL) == moved).all() and len(background.moves) == 1
+    assert "candidate judged at plan 8 failed" in caplog.text
+    swaps.shutdown(wait=True)
 
 
 def test_the_schedule_is_checked():
