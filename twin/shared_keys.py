@@ -13,8 +13,13 @@ draws as the expert-grain way, where it is a model of its own). Per window, in n
    routed a token to the key within keep_alive_s, or its wake-up prefetched the key that long ago),
    and the keep-warm sets.
 2. Each awake fine-tune's calls: a routed key not resident is a cold start, outside a wake-up, or
-   part of its wake-up: loaded layer by layer, G at once, as the expert-grain way loads (the
-   non-expert weights too unless another fine-tune awake holds them). A wake-up then claims all the
+   part of its wake-up. A wake-up loads at once, at its first call, each of its keys not resident
+   where another fine-tune's key of the same (layer, expert) is (the expert hosts' wake set:
+   ModelStores.wake_set; a family engine places every member's expert where the base's is), spread
+   over the pool's GPUs (a PCIe link each: the GPUs its bytes take in the window, at least G); the
+   routed keys not so placed load layer by layer, G at once, as the expert-grain way loads; the
+   non-expert weights too unless another fine-tune awake holds them. Counted as all the placed loads
+   first, then the routed ones (no overlap: a bound from above). A wake-up then claims all the
    fine-tune's keys (the loop prefetches its static share); every routed key is claimed anew.
 3. Held after the calls: the union of the claims; the non-expert weights while any fine-tune is awake.
 4. GB·s split, by the hosts' rule (expert_fn/host/meters.py; docs/shared-pool.md, "Who pays for a
@@ -120,16 +125,18 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
         claimed = (w - last <= keep) & steady[:, None] | kept
         base_before, own_before = (claimed & ~own).any(axis=0), claimed & own
         # 2. The calls: cold starts and wake-ups.
+        waking = []
         for m in np.flatnonzero(awake):
             hit = lines[m].hits[row[m]].reshape(-1)
             row[m] += 1
             missing = hit & ~np.where(own[m], own_before[m], base_before)
             if steady[m]:
                 cold[m, w] = int(missing.sum())
-            else:
-                per_layer = np.ceil(missing.reshape(layers, experts).sum(axis=1) / base.gpus)
-                loads = (0.0 if steady.any() else base.non_expert_load_s) + per_layer.sum() * base.expert_load_s
-                wakes[m].append((w, loads, float(steady.any())))
+            else:  # step 2's wake-up, timed once the pool's GPUs are known (below)
+                placed = base_before | (own_before & own).any(axis=0, where=np.arange(n)[:, None] != m)
+                ahead = ~np.where(own[m], own_before[m], base_before) & placed  # its experts where another's is held
+                waking.append((m, int(ahead.sum()), (missing & ~ahead).reshape(layers, experts).sum(axis=1),
+                               steady.any()))
                 last[m] = w
             last[m][hit] = w
         # 3. Held after the calls.
@@ -139,6 +146,10 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
         own_windows += own_now
         held[w] = (base_now.sum() + own_now.sum()) * float(base.expert_bytes) + awake.any() * float(base.non_expert_bytes)
         extra[w] = max(int(awake.sum()) - 1, 0) * float(base.non_expert_bytes)
+        links = max(base.gpus, int(np.ceil(held[w] / s.gpu_bytes - 1e-9)))  # the pool's GPUs: a PCIe link each
+        for m, ahead, on_demand, warm in waking:
+            loads = np.ceil(ahead / links) + np.ceil(on_demand / base.gpus).sum()
+            wakes[m].append((w, (0.0 if warm else base.non_expert_load_s) + loads * base.expert_load_s, float(warm)))
         # 4. The split (own keys are their model's: own_windows), the engine's batched step.
         split.window(w, base_now, claims & ~own)
         non_expert.window(w, np.array([awake.any()]), awake[:, None])

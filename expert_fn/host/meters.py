@@ -137,6 +137,11 @@ class ColdMeters:
             m.prefetched += 1
             m.hidden_s += max(load_s - waited_s, 0.0)
 
+    def copied(self, copy_s: float) -> None:
+        """A replica's weights went from the host tier to the device in copy_s seconds."""
+        self.copies += 1
+        self.copy_s_sum += copy_s
+
     def as_dict(self) -> dict:
         return {"layers": {l: asdict(m) for l, m in sorted(self.layers.items())}, "prefetch_wasted": self.prefetch_wasted,
                 "copies": self.copies, "copy_s_sum": self.copy_s_sum}

@@ -9,7 +9,9 @@ invocations waited. A sweeper thread evicts replicas idle for longer than keep_a
 
 Models whose experts are the same bytes share one replica: every key given to load / evict / invoke
 is mapped to its canonical replica first (model_stores.py), so all below works per content key; an
-Evict leaves a replica another model used within the keep-alive (meters.py bills it among them).
+Evict leaves a replica another model used within the keep-alive (meters.py bills it among them). A
+model's first call in a keep-alive prefetches its experts where the host holds another model's
+(a fine-tune waking on a warm base: ModelStores.wake_set), into free memory only.
 
 The compute dtype is float32 by default: every model's outputs then equal the float32 reference
 (model/moe_model.py) bit for bit, a LoRA fine-tune's too (its factors applied over the shared replica
@@ -80,6 +82,7 @@ class ExpertHostRuntime:
         self._ahead: set[Key] = set()  # loaded or loading ahead of any invocation (prefetch, pre-warm)
         self._inflight = 0
         self._loras: dict[Key, Weights] = {}  # host key -> its LoRA factors on the device (adapters.py)
+        self._called: dict[int, float] = {}  # model -> its last call's time here (_wake)
         self._hold_loras()
         self._pool = ThreadPoolExecutor(load_workers, thread_name_prefix="expert-load")
         self._stop = threading.Event()
@@ -91,11 +94,9 @@ class ExpertHostRuntime:
     # --- operations -------------------------------------------------------------------------
 
     def load(self, layer: int, expert: int, wait: bool = False) -> tuple[ReplicaState, bool]:
-        """Pre-warm or prefetch (layer, expert); returns (its state, whether this call started a load).
-
-        wait=True blocks until resident and raises ReplicaLoadError if the load fails.
-        """
-        key, model = self._check_key(layer, expert)
+        """Pre-warm or prefetch (layer, expert) -> (its state, whether this call started a load); wait=True
+        blocks until resident and raises ReplicaLoadError if the load fails."""
+        key, model = self.models.check(layer, expert)
         with self._lock:
             future, started = self._start_load(key, model)
             if started:
@@ -108,7 +109,7 @@ class ExpertHostRuntime:
     def evict(self, layer: int, expert: int) -> tuple[bool, ReplicaState]:
         """Evict now if idle and no other model used it within the keep-alive (a shared replica it
         still needs stays); returns (evicted, state afterwards)."""
-        key, model = self._check_key(layer, expert)
+        key, model = self.models.check(layer, expert)
         with self._lock:
             if set(self.meters.needed_by(key)) - {model}:
                 return False, self.table.state(key)
@@ -128,7 +129,7 @@ class ExpertHostRuntime:
         slices, in batches' order, instead of tensors of their own.
         Raises ReplicaLoadError (naming the file) if any expert fails to load.
         """
-        resolved = {expert: self._check_key(layer, expert) for expert in batches}  # (replica, its model) each
+        resolved = {expert: self.models.check(layer, expert) for expert in batches}  # (replica, its model) each
         for expert, x in batches.items():
             if x.dim() != 2:
                 raise BadRequest(f"expert {expert}: tokens must be [n, H], got shape {list(x.shape)}")
@@ -139,6 +140,7 @@ class ExpertHostRuntime:
         pinned: list[Key] = []
         with self._lock:
             self._inflight += 1
+            self._wake(keys, owners)
             # Every replica resident and none loaded ahead (most calls): pin them all at once.
             if self._ahead.isdisjoint(keys) and all(self.table.state(key) in RESIDENT for key in keys):
                 for key in keys:
@@ -238,13 +240,10 @@ class ExpertHostRuntime:
             for (layer, expert), r in sorted(self.table.replicas().items()):
                 m = self.meters.replicas[(layer, expert)]
                 replicas.append({
-                    "layer": layer, "expert": expert, "state": r.state.value, "bytes": r.bytes,
-                    "gb_s": self.meters.gb_s((layer, expert), now), "invocations": m.invocations,
-                    "tokens": m.tokens, "last_load_s": m.last_load_s, "error": r.error, "loads": m.loads,
-                    "cold_starts": m.cold_starts, "evictions": m.evictions,
-                    "models": [models.names[i] for i in models.users((layer, expert))],
-                    "aliases": aliases.get((layer, expert), []),
-                })
+                    "layer": layer, "expert": expert, "state": r.state.value, "bytes": r.bytes, "error": r.error,
+                    "gb_s": self.meters.gb_s((layer, expert), now), "invocations": m.invocations, "tokens": m.tokens,
+                    "last_load_s": m.last_load_s, "loads": m.loads, "cold_starts": m.cold_starts, "evictions": m.evictions,
+                    "models": [models.names[i] for i in models.users((layer, expert))], "aliases": aliases.get((layer, expert), [])})
             return {
                 "device": self.device, "memory_bytes": self.table.capacity_bytes,
                 "keep_alive_s": self.keep_alive_s, "health": self.health, "inflight": self._inflight,
@@ -287,10 +286,8 @@ class ExpertHostRuntime:
             raw, _ = self.tier.get(key)
             started = time.perf_counter()
             weights = self._copier.to_device(raw)
-            copy_s = time.perf_counter() - started
             with self._lock:
-                self.meters.cold.copies += 1
-                self.meters.cold.copy_s_sum += copy_s
+                self.meters.cold.copied(time.perf_counter() - started)
         except WeightStoreError as err:
             error = str(err)
         except Exception as err:  # a device or conversion failure is this replica's problem only
@@ -333,14 +330,17 @@ class ExpertHostRuntime:
         """Bytes key takes in the compute dtype (the store may hold a narrower one than float32)."""
         return self.models.expert_bytes(*key) * self.dtype.itemsize // stored_dtype(self.models).itemsize
 
-    def _check_key(self, layer: int, expert: int) -> tuple[Key, int]:
-        """(The canonical replica, the model) of host key (layer, expert), its model's own expert or, by
-        family addressing (model_stores.resolve), another's; BadRequest for a key no store has."""
-        if not self.models.has(layer, expert):
-            raise BadRequest(f"no expert (layer {layer}, expert {expert}): the store has {self.models.num_layers} "
-                             f"layers x {self.models.num_experts} experts")
-        resolved = self.models.resolve(layer, expert)
-        return self.models.canonical(*resolved), self.models.index_of(resolved[0])
+    def _wake(self, keys: list[Key], owners: list[int]) -> None:
+        """Under the lock: a model's first call here in a keep-alive loads its ModelStores.wake_set (but the
+        call's own keys) at once, into free memory only: a fine-tune waking on a warm base, on every host."""
+        now = self.meters.clock()
+        for m in set(owners):
+            if now - self._called.get(m, -float("inf")) > self.keep_alive_s:
+                for key in self.models.wake_set(m, lambda k: k in keys or self.table.state(k) in RESIDENT or k in self._loads):
+                    room = self.table.capacity_bytes - self.table.bytes_held
+                    if room >= self._resident_bytes(key) and self._start_load(key, m)[1]:
+                        self._ahead.add(key)
+            self._called[m] = now
 
     def _sweep(self) -> None:
         period = min(max(self.keep_alive_s / 4, 0.05), 1.0)

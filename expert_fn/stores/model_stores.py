@@ -40,10 +40,11 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
+from moeless.expert_fn.errors import BadRequest
 from moeless.expert_fn.host.shares import Key, Shares
 from moeless.model.weight_store import WeightStore, WeightStoreError
 
@@ -144,6 +145,31 @@ class ModelStores:
             return layer, expert
         j, e = divmod(expert, r.experts)
         return self._ranges[j - 1].first_layer + layer - r.first_layer, e
+
+    def check(self, layer: int, expert: int) -> tuple[Key, int]:
+        """(The canonical replica, the model) of host key (layer, expert), its model's own expert or, by
+        family addressing (`resolve`), another's; BadRequest for a key no store has."""
+        if not self.has(layer, expert):
+            raise BadRequest(f"no expert (layer {layer}, expert {expert}): the store has {self.num_layers} "
+                             f"layers x {self.num_experts} experts")
+        resolved = self.resolve(layer, expert)
+        return self.canonical(*resolved), self.index_of(resolved[0])
+
+    def wake_set(self, model: int, held: Callable[[Key], bool]) -> list[Key]:
+        """The replicas of model's experts not held here (held(key): resident or loading) at the places
+        (layer, expert) where this host holds another model's expert of the same geometry, in layer
+        order: where a family engine sends this model's tokens (serving/family.py places each member's
+        expert where the base's is), so what a fine-tune waking on a warm base will call here."""
+        r = self._ranges[model]
+        others = [o.first_layer for j, o in enumerate(self._ranges)
+                  if j != model and (o.layers, o.experts) == (r.layers, r.experts)]
+        out: dict[Key, None] = {}
+        for layer in range(r.layers):
+            for expert in range(r.experts):
+                key = self.canonical(r.first_layer + layer, expert)
+                if not held(key) and any(held(self.canonical(first + layer, expert)) for first in others):
+                    out[key] = None
+        return list(out)
 
     def loras(self) -> dict[Key, dict[str, torch.Tensor]]:
         """Every host key's LoRA factors (each LoRA fine-tune's own memory on the host)."""

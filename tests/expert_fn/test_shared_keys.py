@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moeless.expert_fn.client.client import ExpertHostClient
+from moeless.expert_fn.host.runtime import ExpertHostRuntime
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.stores.model_stores import ModelStores
 from moeless.model.experts import expert_forward
@@ -161,3 +162,49 @@ def test_one_model_s_loads_never_evict_a_shared_replica_the_other_s_share_protec
         assert held(code) == {(0, 0), (1, 3)}
         base.close()
         code.close()
+
+
+def test_a_model_s_wake_set_is_its_experts_not_held_where_another_model_s_are(family):
+    stores = ModelStores.open([(name, root) for name, (_, root) in family.items()])
+    layers, experts = family["base"][0].spec.num_layers, family["base"][0].spec.num_experts
+    base_layer0 = {(0, e) for e in range(experts)}
+    assert stores.wake_set(1, base_layer0.__contains__) == [(layers, 1)]  # code's own (0, 1); nothing held in layer 1
+    every_base = {(l, e) for l in range(layers) for e in range(experts)}
+    assert stores.wake_set(1, every_base.__contains__) == [(layers, 1), (layers + 1, 3)]  # layer order
+    assert stores.wake_set(2, every_base.__contains__) == [(2 * layers, 1), (2 * layers + 1, 0)]
+    assert stores.wake_set(1, (every_base | {(layers, 1)}).__contains__) == [(layers + 1, 3)]  # held: not again
+    assert stores.wake_set(0, {(layers, 1), (layers + 1, 3)}.__contains__) == [(0, 1), (1, 3)]  # base where code is
+
+
+def test_a_fine_tune_s_first_call_on_a_warm_base_loads_its_own_experts_at_once_into_free_memory_only(family, clock):
+    """Base holds layers 0 and 1; code's first call (a shared expert, resident) starts its own (0, 1) and
+    (1, 3) with no call to them: code's call of (1, 3) then waits for nothing and is exact. Within the
+    keep-alive a later call starts nothing. With room for one more replica only its (0, 1) loads, and
+    no base replica is evicted for the wake."""
+    stores = ModelStores.open([(name, family[name][1]) for name in ("base", "code")])
+    base, code = family["base"][0], family["code"][0]
+    layers, experts, one = base.spec.num_layers, base.spec.num_experts, _bytes(base)
+    x = torch.randn(3, base.spec.hidden_size)
+    for room, woken in ((10 * one, [(layers, 1), (layers + 1, 3)]), (one, [(layers, 1)])):
+        rt = ExpertHostRuntime(stores, capacity_bytes=2 * experts * one + room, keep_alive_s=30.0, clock=clock)
+        try:
+            for layer in range(2):  # the base warm: every expert of layers 0 and 1
+                rt.invoke(layer, {e: x for e in range(experts)})
+            assert rt.invoke(layers, {0: x}).cold_starts == 0  # code's first call: the shared (0, 0)
+            deadline = time.monotonic() + 10.0
+            held = lambda: {(r["layer"], r["expert"]) for r in rt.status()["replicas"] if r["state"] in ("idle", "warm")}
+            while not set(woken) <= held() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert held() == {(l, e) for l in range(2) for e in range(experts)} | set(woken)  # no base replica evicted
+            rows = {(r["layer"], r["expert"]): r for r in rt.status()["replicas"]}
+            assert all(rows[key]["loads"] == 1 and rows[key]["cold_starts"] == 0 for key in woken)
+            if len(woken) == 2:
+                called = rt.invoke(layers + 1, {3: x})
+                assert called.cold_starts == 0
+                assert torch.equal(called.outputs[3], expert_forward(code.expert_weights(1, 3), x, code.spec.act))
+                assert rt.evict(layers + 1, 3)[0]
+                rt.invoke(layers, {0: x})  # within the keep-alive: no wake again
+                time.sleep(0.3)
+                assert (layers + 1, 3) not in held()
+        finally:
+            rt.close()

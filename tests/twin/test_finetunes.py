@@ -162,21 +162,24 @@ def test_a_finetune_that_replaced_nothing_pays_what_its_base_pays():
     assert doc["gb_s_shared_keys"] <= alone["gb_s"]["whole-model"] + 1e-9
 
 
-def test_a_finetune_whose_base_is_warm_loads_only_its_own_routed_experts():
+def test_a_finetune_whose_base_is_warm_loads_its_own_experts_at_once_over_the_pools_gpus():
     """The base, served all along (a request every second), keeps its experts warm; B wakes at 100 s with
-    a long prompt: its wake-up loads its own experts, a layer's G at once, and no non-expert weights."""
+    a long prompt: its wake-up loads its own experts (one a layer, where the base's are held) at once,
+    spread over the pool's GPUs (G = 2, or the 4 its bytes take on GPUs of 3 GB), and no non-expert
+    weights. Layer by layer, G at a time, it would take 4 loads either way."""
     base = _base(layers=4, experts=8, gpus=2)
     a = FineTune(base, np.zeros(base.popularity.shape, bool))
-    b = _finetunes(base, 1, 0.25)[0]  # two own experts per layer: one load per layer on 2 GPUs
+    b = _finetunes(base, 1, 0.125)[0]  # one own expert per layer
     keep = Requests(np.arange(0.0, 300.0, 1.0), np.full(300, 2000.0), np.full(300, 10.0))
     late = Requests(np.array([100.0]), np.array([4000.0]), np.array([10.0]))
-    s = PoolSettings(horizon_s=300, window_s=1, step_s=0.05, idle_delay_s=30, keep_alive_s=300, gpu_bytes=64 * GB)
-    doc = evaluate_finetunes([a, b], [keep, late], s)
-    woken = doc["models"][1]
-    assert woken["wake_s"]["shared-keys-base-warm"]["count"] == 1
-    assert woken["wake_s"][SHARED_KEYS]["p50"] == pytest.approx(4 * base.expert_load_s)
-    assert woken["wake_s"]["whole-model"]["p50"] == base.whole_load_s
-    assert woken["wake_s"]["expert-grain"]["p50"] > base.non_expert_load_s  # alone, it loads the non-expert weights
+    for gpu_gb, loads in ((64, 2), (3, 1)):
+        s = PoolSettings(horizon_s=300, window_s=1, step_s=0.05, idle_delay_s=30, keep_alive_s=300, gpu_bytes=gpu_gb * GB)
+        doc = evaluate_finetunes([a, b], [keep, late], s)
+        woken = doc["models"][1]
+        assert woken["wake_s"]["shared-keys-base-warm"]["count"] == 1
+        assert woken["wake_s"][SHARED_KEYS]["p50"] == pytest.approx(loads * base.expert_load_s)
+        assert woken["wake_s"]["whole-model"]["p50"] == base.whole_load_s
+        assert woken["wake_s"]["expert-grain"]["p50"] > base.non_expert_load_s  # alone, it loads the non-expert weights
 
 
 def test_a_batched_step_carries_every_busy_finetunes_tokens_and_a_pool_sized_for_it_holds_more_gpus():
