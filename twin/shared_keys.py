@@ -17,10 +17,11 @@ draws as the expert-grain way, where it is a model of its own). Per window, in n
    where another fine-tune's key of the same (layer, expert) is (the expert hosts' wake set:
    ModelStores.wake_set; a family engine places every member's expert where the base's is), spread
    over the pool's GPUs (a PCIe link each: the GPUs its bytes take in the window, at least G); the
-   routed keys not so placed load layer by layer, G at once, as the expert-grain way loads; the
-   non-expert weights too unless another fine-tune awake holds them. Counted as all the placed loads
-   first, then the routed ones (no overlap: a bound from above). A wake-up then claims all the
-   fine-tune's keys (the loop prefetches its static share); every routed key is claimed anew.
+   routed keys not so placed load layer by layer, G at once, as the expert-grain way loads, before
+   the wake set's (a call's loads go first on the hosts), and so do routed keys of the wake set not
+   loaded yet when the forward reaches their layer (`wake_seconds`); the non-expert weights too unless
+   another fine-tune awake holds them. A wake-up then claims all the fine-tune's keys (the loop
+   prefetches its static share); every routed key is claimed anew.
 3. Held after the calls: the union of the claims; the non-expert weights while any fine-tune is awake.
 4. GB·s split, by the hosts' rule (expert_fn/host/meters.py; docs/shared-pool.md, "Who pays for a
    shared replica") at the window's grain: each window, a held key's GB·s (its bytes x window_s) is
@@ -97,6 +98,26 @@ class EvenSplit:
         self.gb_s += even_shares(held, claims, self.last) * self.gb_per_window
 
 
+def wake_seconds(ahead: np.ndarray, routed_ahead: np.ndarray, demand: np.ndarray, links: int, gpus: int,
+                 load_s: float) -> float:
+    """A wake-up's loads [L] per layer: its wake set (ahead: loaded at once from its first call, in layer
+    order over `links` GPUs), of which its tokens route to routed_ahead, and the routed keys outside it
+    (demand) -> the seconds its forward waits. The forward reaches layer l at t; a call's loads go
+    first (expert_fn/host/load_queue.py), `gpus` at once: layer l's demand, and its routed wake-set
+    keys unless the wake set is loaded through layer l sooner. That moment counts every call's load
+    before the wake set's (a bound from above).
+
+    Golden: ahead [2, 2], routed_ahead [1, 1], demand [0, 0], 4 links, G = 2: the wake set is loaded by
+    1 load's time; layer 0 waits for it (1), layer 1 for nothing more -> 1 load. Layer by layer, G
+    at a time: 2 loads."""
+    done = np.ceil((np.cumsum(ahead) + np.cumsum(demand)) / links) * load_s
+    t = 0.0
+    for l in range(len(ahead)):
+        calls = t + np.ceil(demand[l] / gpus) * load_s
+        t = max(calls, min(done[l], t + np.ceil((demand[l] + routed_ahead[l]) / gpus) * load_s))
+    return float(t)
+
+
 def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[ModelTimeline],
                      s: PoolSettings) -> SharedKeys:
     """Steps 1-4 over the windows for fine-tunes of one base: models [N] (each its task's routing and
@@ -135,8 +156,8 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
             else:  # step 2's wake-up, timed once the pool's GPUs are known (below)
                 placed = base_before | (own_before & own).any(axis=0, where=np.arange(n)[:, None] != m)
                 ahead = ~np.where(own[m], own_before[m], base_before) & placed  # its experts where another's is held
-                waking.append((m, int(ahead.sum()), (missing & ~ahead).reshape(layers, experts).sum(axis=1),
-                               steady.any()))
+                per_layer = [x.reshape(layers, experts).sum(axis=1) for x in (ahead, missing & ahead, missing & ~ahead)]
+                waking.append((m, per_layer, steady.any()))
                 last[m] = w
             last[m][hit] = w
         # 3. Held after the calls.
@@ -147,9 +168,9 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
         held[w] = (base_now.sum() + own_now.sum()) * float(base.expert_bytes) + awake.any() * float(base.non_expert_bytes)
         extra[w] = max(int(awake.sum()) - 1, 0) * float(base.non_expert_bytes)
         links = max(base.gpus, int(np.ceil(held[w] / s.gpu_bytes - 1e-9)))  # the pool's GPUs: a PCIe link each
-        for m, ahead, on_demand, warm in waking:
-            loads = np.ceil(ahead / links) + np.ceil(on_demand / base.gpus).sum()
-            wakes[m].append((w, (0.0 if warm else base.non_expert_load_s) + loads * base.expert_load_s, float(warm)))
+        for m, (ahead, routed_ahead, demand), warm in waking:
+            loads_s = wake_seconds(ahead, routed_ahead, demand, links, base.gpus, base.expert_load_s)
+            wakes[m].append((w, (0.0 if warm else base.non_expert_load_s) + loads_s, float(warm)))
         # 4. The split (own keys are their model's: own_windows), the engine's batched step.
         split.window(w, base_now, claims & ~own)
         non_expert.window(w, np.array([awake.any()]), awake[:, None])

@@ -2,10 +2,10 @@
 
 Thread-safe: gRPC handler threads call load / evict / invoke / status concurrently. A load
 goes through the weight tiers (expert_fn/stores/tiers.py): disk -> host memory (sha256 checked once, on
-entry) -> device, on a small thread pool, so a pre-warm or prefetch returns at once; an invoke
-that needs a replica still loading waits for it (a cold start), and a load already running is
-never started twice. Per layer the meters count the cold-start time a prefetch hid and the time
-invocations waited. A sweeper thread evicts replicas idle for longer than keep_alive_s.
+entry) -> device, on a few load workers (a call's loads before prefetches: load_queue.py), so a
+pre-warm or prefetch returns at once; an invoke that needs a replica still loading waits for it (a
+cold start), and a load already running is never started twice. Per layer the meters count the
+cold-start time a prefetch hid and the time invocations waited. A sweeper thread evicts replicas idle for longer than keep_alive_s.
 
 Models whose experts are the same bytes share one replica: every key given to load / evict / invoke
 is mapped to its canonical replica first (model_stores.py), so all below works per content key; an
@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import asdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -40,6 +40,7 @@ from moeless.expert_fn.errors import BadRequest, ReplicaLoadError
 from moeless.expert_fn.host.adapters import bytes_by_model, device_loras, lora_forward
 from moeless.expert_fn.host.executor import Weights, compute_clock, forward_for
 from moeless.expert_fn.host.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
+from moeless.expert_fn.host.load_queue import LoadQueue
 from moeless.expert_fn.host.meters import Meters
 from moeless.expert_fn.stores.model_stores import ModelRange, as_model_stores
 from moeless.expert_fn.host.shares import Shares
@@ -84,7 +85,7 @@ class ExpertHostRuntime:
         self._loras: dict[Key, Weights] = {}  # host key -> its LoRA factors on the device (adapters.py)
         self._called: dict[int, float] = {}  # model -> its last call's time here (_wake)
         self._hold_loras()
-        self._pool = ThreadPoolExecutor(load_workers, thread_name_prefix="expert-load")
+        self._pool = LoadQueue(load_workers, "expert-load")  # a call's loads before prefetches
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="keep-alive", daemon=True)
         self._sweeper.start()
@@ -182,7 +183,7 @@ class ExpertHostRuntime:
         # 1. Start the loads, then pin.
         with self._lock:
             cold = [(key, m) for key, m in zip(keys, owners) if self.table.state(key) not in RESIDENT]
-            loading = {key: self._start_load(key, m)[0] for key, m in cold}
+            loading = {key: self._start_load(key, m, urgent=True)[0] for key, m in cold}
             for key, m in cold:
                 self.meters.cold_start(key, m)
             cold = [key for key, _ in cold]
@@ -268,14 +269,14 @@ class ExpertHostRuntime:
         for i, nbytes in bytes_by_model(new, self.models.index_of).items():
             self.meters.hold_adapter(i, nbytes)
 
-    def _start_load(self, key: Key, model: int) -> tuple[Future | None, bool]:
-        """Under the lock: the future of key's running load, starting one (for `model`) if it is not resident."""
+    def _start_load(self, key: Key, model: int, urgent: bool = False) -> tuple[Future | None, bool]:
+        """Under the lock: the future of key's load, starting one (for `model`) if not resident; urgent: a call's."""
         if key in self._loads:
-            return self._loads[key], False
+            return self._pool.hurried(self._loads[key], urgent), False
         if not self.table.needs_load(key):
             return None, False
         self._dropped(self.table.begin_load(key, self._resident_bytes(key), model))
-        self._loads[key] = future = self._pool.submit(self._load_weights, key)
+        self._loads[key] = future = self._pool.submit(self._load_weights, key, urgent=urgent)
         return future, True
 
     def _load_weights(self, key: Key) -> None:
@@ -304,9 +305,8 @@ class ExpertHostRuntime:
             raise ReplicaLoadError(f"layer {key[0]} expert {key[1]} failed to load: {error}")
 
     def _pin(self, key: Key, load: Future | None, model: int) -> float:
-        """Acquire key for an invocation, waiting for `load` (its running load, which raises if it
-        failed: a failed load is not retried here) and again if it was evicted meanwhile; returns
-        the seconds waited (on the injected clock)."""
+        """Acquire key for an invocation, waiting for `load` (its load, which raises if it failed: not retried
+        here) and again if it was evicted meanwhile; returns the seconds waited (on the injected clock)."""
         started = self.meters.clock()
         if load is not None:
             load.result()
@@ -315,7 +315,7 @@ class ExpertHostRuntime:
                 if self.table.state(key) in RESIDENT:
                     self.table.acquire(key)
                     return self.meters.clock() - started
-                future, _ = self._start_load(key, model)
+                future, _ = self._start_load(key, model, urgent=True)
             future.result()
 
     def _dropped(self, keys: list[Key]) -> None:

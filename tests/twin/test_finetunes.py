@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moeless.twin.finetunes import SHARED_KEYS, FineTune, evaluate_finetunes, make_finetune, replaced_counts, step_floor
-from moeless.twin.shared_keys import EvenSplit, even_shares, shared_keys_pass
+from moeless.twin.shared_keys import EvenSplit, even_shares, shared_keys_pass, wake_seconds
 from moeless.twin.shared_pool import PoolModel, PoolSettings, Requests, evaluate_pool, timelines
 
 GB = 10**9
@@ -160,6 +160,14 @@ def test_a_finetune_that_replaced_nothing_pays_what_its_base_pays():
     assert a["gb_s"]["whole-model"] == alone["gb_s"]["whole-model"]
     # The pair holds at most what the base alone holds at any time: no key of their own.
     assert doc["gb_s_shared_keys"] <= alone["gb_s"]["whole-model"] + 1e-9
+
+
+def test_wake_seconds_golden():
+    """The docstring's example; and on one GPU's link a wake set of ten a layer costs no more than
+    loading the routed keys layer by layer (a call's loads go first): 2 x (1 + 3) loads."""
+    assert wake_seconds(np.array([2, 2]), np.array([1, 1]), np.array([0, 0]), 4, 2, 1.0) == 1.0
+    assert wake_seconds(np.array([10, 10]), np.array([3, 3]), np.array([1, 1]), 1, 1, 1.0) == 8.0
+    assert wake_seconds(np.array([0, 0]), np.array([0, 0]), np.array([3, 1]), 8, 2, 1.0) == 3.0  # no wake set: G at a time
 
 
 def test_a_finetune_whose_base_is_warm_loads_its_own_experts_at_once_over_the_pools_gpus():
