@@ -141,7 +141,6 @@ def home_time(samples: np.ndarray, homes: np.ndarray, num_gpus: int, model: Late
     return float((work + 2.0 * model.beta * tokens.max(axis=1)).mean())
 
 
-
 def candidate_homes(sums: np.ndarray, samples: np.ndarray, num_gpus: int, model: LatencyModel) -> np.ndarray:
     """Step 2: summed loads [L, E] and kept samples [L, S, E] -> the candidate homes [L, E]."""
     packed = packed_homes(sums, num_gpus)

@@ -5,7 +5,7 @@ goes through the weight tiers (expert_fn/stores/tiers.py): disk -> host memory (
 entry) -> device, on a few load workers (a call's loads before prefetches: load_queue.py), so a
 pre-warm or prefetch returns at once; an invoke that needs a replica still loading waits for it (a
 cold start), and a load already running is never started twice. Per layer the meters count the
-cold-start time a prefetch hid and the time invocations waited. A sweeper thread evicts replicas idle for longer than keep_alive_s.
+cold-start time a prefetch hid and the time calls waited; a sweeper evicts replicas idle past keep_alive_s.
 
 Models whose experts are the same bytes share one replica: every key given to load / evict / invoke
 is mapped to its canonical replica first (model_stores.py), so all below works per content key; an
