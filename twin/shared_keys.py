@@ -150,12 +150,13 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
         for m in np.flatnonzero(awake):
             hit = lines[m].hits[row[m]].reshape(-1)
             row[m] += 1
-            missing = hit & ~np.where(own[m], own_before[m], base_before)
+            held_m = np.where(own[m], own_before[m], base_before)  # its keys resident before its calls
+            missing = hit & ~held_m
             if steady[m]:
                 cold[m, w] = int(missing.sum())
             else:  # step 2's wake-up, timed once the pool's GPUs are known (below)
                 placed = base_before | (own_before & own).any(axis=0, where=np.arange(n)[:, None] != m)
-                ahead = ~np.where(own[m], own_before[m], base_before) & placed  # its experts where another's is held
+                ahead = ~held_m & placed  # its experts where another's is held
                 per_layer = [x.reshape(layers, experts).sum(axis=1) for x in (ahead, missing & ahead, missing & ~ahead)]
                 waking.append((m, per_layer, steady.any()))
                 last[m] = w

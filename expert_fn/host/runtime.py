@@ -336,7 +336,7 @@ class ExpertHostRuntime:
         now = self.meters.clock()
         for m in set(owners):
             if now - self._called.get(m, -float("inf")) > self.keep_alive_s:
-                for key in self.models.wake_set(m, lambda k: k in keys or self.table.state(k) in RESIDENT or k in self._loads):
+                for key in self.models.wake_set(m, lambda k: k in keys or not self.table.needs_load(k)):
                     room = self.table.capacity_bytes - self.table.bytes_held
                     if room >= self._resident_bytes(key) and self._start_load(key, m)[1]:
                         self._ahead.add(key)
