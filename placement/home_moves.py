@@ -35,6 +35,8 @@ the recent iterations, so a move made on noise does not cost time:
    one serves (`settle`; a move the layer's memory cannot hold is called off: `cancel`); once all
    of the layer's have landed they take the tokens and the old ones are released (`settle`, and
    Placement.release: evicted at once), so no call waits for a move and no move leaves a free copy.
+5. A planner made while replicas are resident (a restarted loop) adopts the homes the hosts hold
+   (`adopt`): an expert held only away from its home has its home there.
 
 Golden example: `packed_homes([[10, 1, 1, 10, 5, 5, 1, 1]], 2)` puts the two experts of 10 apart,
 17 tokens on each GPU (static EP's blocks hold 22 and 12).
@@ -160,6 +162,7 @@ class HomeMoves:
     homes: np.ndarray = field(init=False)
     calls: int = field(default=0, init=False)
     learnt: int = field(default=0, init=False)  # iterations in the statistics
+    adopted: int = field(default=0, init=False)  # homes taken from what the hosts held (adopt)
     moves: list = field(default_factory=list, init=False)  # (plan, layer, experts, s before, s after, samples);
     # a move called off: (plan, layer, 0, 0, 0, 0)
     _sum: np.ndarray = field(init=False)
@@ -173,6 +176,28 @@ class HomeMoves:
         self.homes = np.tile(static_homes(self.num_experts, self.num_gpus), (self.num_layers, 1))
         self._sum = np.zeros((self.num_layers, self.num_experts))
         self._left = [set() for _ in range(self.num_layers)]
+
+    def adopt(self, resident: np.ndarray) -> int:
+        """The homes the hosts hold (resident: [L, E, G] bool, replicas loaded on live hosts), for
+        homes made while replicas are resident (a restarted loop): an expert held elsewhere but not
+        at its home has its home where it is held (of those GPUs the one with fewest homes, then the
+        lowest), the old home left to release. Without it a restarted loop would load static EP's
+        blocks back, undoing the moves made before it. Returns how many homes it adopted."""
+        resident = np.asarray(resident, dtype=bool)
+        if resident.shape != (self.num_layers, self.num_experts, self.num_gpus):
+            raise ValueError(f"resident must be [L, E, G] = {self.homes.shape + (self.num_gpus,)}, got {resident.shape}")
+        for l in range(self.num_layers):
+            count = np.bincount(self.homes[l], minlength=self.num_gpus)
+            away = ~resident[l, np.arange(self.num_experts), self.homes[l]] & resident[l].any(axis=1)
+            for e in np.flatnonzero(away):
+                gpus = np.flatnonzero(resident[l, e])
+                g = int(gpus[np.argmin(count[gpus])])
+                count[self.homes[l, e]] -= 1
+                count[g] += 1
+                self._left[l].add((int(e), int(self.homes[l, e])))
+                self.homes[l, e] = g
+                self.adopted += 1
+        return self.adopted
 
     def fits(self, num_layers: int, num_experts: int, num_gpus: int) -> bool:
         return (self.num_layers, self.num_experts, self.num_gpus) == (num_layers, num_experts, num_gpus)
@@ -227,11 +252,13 @@ class HomeMoves:
 
     def describe(self) -> list[str]:
         """One line per move made: when, which layer, and why (`moeless plan` prints them)."""
+        start = (f"{self.adopted} experts' homes where the hosts held them" if self.adopted else "static EP's blocks")
         if not self.moves and not self.every:
-            return ["homes: static EP's blocks (moves off: homeMovesEvery 0)"]
+            return [f"homes: {start} (moves off: homeMovesEvery 0)"]
         if not self.moves:
-            return [f"homes: static EP's blocks (no move paid by {MOVE_MARGIN:.0%} after {self.calls} plans)"]
-        return [f"layer {l}: {n} experts' homes moved at plan {k}, the homes' layer time on the last {s} iterations "
+            return [f"homes: {start} (no move paid by {MOVE_MARGIN:.0%} after {self.calls} plans)"]
+        adopted = [f"homes at start: {start}"] if self.adopted else []
+        return adopted + [f"layer {l}: {n} experts' homes moved at plan {k}, the homes' layer time on the last {s} iterations "
                 f"{now * 1e6:.1f} us -> {then * 1e6:.1f} us" if n else
                 f"layer {l}: its move called off at plan {k}: the new homes do not fit beside the old in its memory"
                 for k, l, n, now, then, s in self.moves]

@@ -19,7 +19,7 @@ both parts off together: moeless-no-scaler-no-placer, paper-no-scaler-no-placer.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -34,15 +34,12 @@ from moeless.placement.eplb_planners import check_memory, plan_eplb, plan_eplb_w
 from moeless.placement.eplb_production import production_eplb
 from moeless.placement.fill_placer import place_fill
 from moeless.placement.full_replication import plan_full_replication
-from moeless.placement.home_moves import HomeMoves, add_moves, static_homes
 from moeless.placement.layer_plans import plan_layers
+from moeless.placement.moeless_planners import Fresh, PlanFn, PlannerState, moeless_planner, moeless_sets
 from moeless.placement.priced_placer import place_priced
-from moeless.placement.replica_sets import choose_replicas
-from moeless.placement.resident_planner import ReplicaCost, place_resident
-from moeless.placement.types import LayerPlacement, Placement, PlacementError
+from moeless.placement.types import LayerPlacement, Placement
 
 
-PlanFn = Callable[[np.ndarray, Cluster, "Placement | None", PlannerConfig], Placement]
 # A scaler for one layer: (load [E], previous logcnt [E] or None, budget, G) -> logcnt [E].
 LayerScaler = Callable[[np.ndarray, "np.ndarray | None", "int | None", int], np.ndarray]
 # A placer for one layer: (load [E], logcnt [E], free slots [G], previous layer, budget) -> (layer, free slots [G]).
@@ -58,8 +55,7 @@ class Planner:
     plan_fn: PlanFn
     config: PlannerConfig
     lossy_load: Callable[[np.ndarray], np.ndarray] | None = None
-    learn_fn: Callable[[np.ndarray], None] | None = None
-    describe_fn: Callable[[], list[str]] | None = None
+    state: PlannerState | None = None
 
     def __call__(self, forecast: np.ndarray, cluster: Cluster, previous: Placement | None = None) -> Placement:
         return self.plan_fn(check_forecast(forecast), cluster, previous, self.config)
@@ -67,12 +63,18 @@ class Planner:
     def learn(self, *actual: np.ndarray) -> None:
         """Iterations that ran, in order: each one's actual loads [L, E] (what its gates reported).
         Planners that keep statistics of them learn (moeless's homes); the others ignore them."""
-        for loads in actual if self.learn_fn is not None else ():
-            self.learn_fn(check_forecast(np.asarray(loads, dtype=np.float64)))
+        for loads in actual if self.state is not None else ():
+            self.state.learn(check_forecast(np.asarray(loads, dtype=np.float64)))
+
+    def adopt(self, resident: np.ndarray) -> None:
+        """What the hosts hold, for a planner made while replicas are resident (a restarted loop):
+        resident [L, E, G] bool, loaded replicas on live hosts. moeless takes its homes from it; the others ignore it."""
+        if self.state is not None:
+            self.state.adopt(np.asarray(resident, dtype=bool))
 
     def describe(self) -> list[str]:
         """What a planner with state has decided so far and why (moeless: its home moves), one line each."""
-        return self.describe_fn() if self.describe_fn is not None else []
+        return self.state.describe() if self.state is not None else []
 
     @property
     def relevels(self) -> bool:
@@ -176,98 +178,6 @@ def _filled(split: bool = True, warm: bool = True) -> PlanFn:
     return plan
 
 
-@dataclass(frozen=True)
-class Fresh:
-    """A planner with state of its own (its homes, its statistics): get_planner makes a new
-    (plan, learn, describe) per planner, so two planners never share what they learnt."""
-
-    make: Callable[[], tuple[PlanFn, Callable[[np.ndarray], None], Callable[[], list[str]]]]
-
-
-def _resident(additions: bool = True, warm: bool = True, placer: str = "resident", price_memory: bool = True,
-              moves: bool = True) -> Fresh:
-    """moeless: the resident replicas re-levelled around each expert's home, a replica added only
-    where it pays (placement/resident_planner.py), homes moved where the forecasts say a new pairing
-    pays (placement/home_moves.py). additions=False: one replica per expert (scaler off);
-    warm=False: ignores what is resident; placer="off": its counts placed round-robin;
-    price_memory=False: memory is free; moves=False: static EP's homes for good."""
-
-    def make() -> tuple[PlanFn, Callable[[np.ndarray], None], Callable[[], list[str]]]:
-        state: dict = {"homes": None, "actual": []}
-
-        def learn(actual: np.ndarray) -> None:
-            if moves:
-                state["actual"].append(actual)
-
-        def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
-            if config.model is None:
-                raise ValueError("moeless's planner needs a latency model: PlannerConfig(model=LatencyModel(...))")
-            num_layers, num_experts = forecast.shape
-            moved = state["homes"]
-            if moves and (moved is None or not moved.fits(num_layers, num_experts, cluster.num_gpus)):
-                moved = state["homes"] = HomeMoves(num_layers, num_experts, cluster.num_gpus,
-                                                   config.home_moves_first, config.home_moves_every,
-                                                   config.home_moves_submit)
-            if moves:  # a live knob (homeMovesEvery; 0: the homes stay where they are)
-                moved.every = config.home_moves_every
-            if moves:  # what ran since the last plan (the forecast itself where no gate reports)
-                for actual in state["actual"] or ([] if moved.learnt else [forecast]):
-                    moved.learn(actual)
-                state["actual"] = []
-            homes = moved.plan_call(config.model) if moves else np.tile(static_homes(num_experts, cluster.num_gpus),
-                                                                         (num_layers, 1))
-            # Layer l's loads can start at most l layers ahead (the iteration's first layer hides nothing).
-            costs = iter([ReplicaCost(config.model, min(config.prefetch_layers, l), cluster.expert_bytes,
-                                      config.keep_alive_s, config.gb_s_price if price_memory else 0.0, config.horizon,
-                                      config.iteration_s) for l in range(num_layers)])
-            layer_index = iter(range(num_layers))
-
-            def plan_layer(load, free, before, budget):
-                l = next(layer_index)
-                before, serving = moved.settle(l, before) if moves else (before, None)
-                layer, left, _ = place_resident(load, free, before if warm else None, next(costs),
-                                                budget if additions else num_experts, config.static_margin, serving)
-                if placer == "off":
-                    layer, left = place_round_robin(load, layer.logcnt(num_experts), free)
-                if moves:  # the new homes load behind serving, or the move is called off
-                    layer, left, fits = add_moves(layer, homes[l], serving, left, budget - layer.num_replicas)
-                    if not fits:
-                        moved.cancel(l, serving)
-                return layer, left
-
-            placement = plan_layers(forecast, cluster, previous, plan_layer, homes)
-            return replace(placement, release=moved.released()) if moves else placement
-
-        def describe() -> list[str]:
-            return state["homes"].describe() if state["homes"] is not None else []
-
-        return plan, learn, describe
-
-    return Fresh(make)
-
-
-def _sets() -> PlanFn:
-    """moeless-sets: each layer's copies chosen for dispatch room per GB on samples of the batches
-    to come (placement/replica_sets.py), homes and resident copies kept; the data plane pairs each
-    call's tokens with them. A single forecast [L, E] is one sample."""
-
-    def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
-        if config.model is None:
-            raise ValueError("moeless's planner needs a latency model: PlannerConfig(model=LatencyModel(...))")
-        samples = forecast if forecast.ndim == 3 else forecast[None]
-        costs = iter([ReplicaCost(config.model, min(config.prefetch_layers, l), cluster.expert_bytes, config.keep_alive_s,
-                                  config.gb_s_price, config.horizon, config.iteration_s)
-                      for l in range(samples.shape[1])])
-
-        def plan_layer(layer_samples, free, before, budget):
-            layer, left, _ = choose_replicas(layer_samples, free, before, next(costs), budget, config.dispatch_s)
-            return layer, left
-
-        return plan_layers(samples.transpose(1, 0, 2), cluster, previous, plan_layer)
-
-    return plan
-
-
 def plan_static(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config: PlannerConfig) -> Placement:
     """Static EP (Megatron-LM): one replica per expert in contiguous blocks; ignores loads."""
     num_layers, num_experts = forecast.shape
@@ -281,18 +191,18 @@ def plan_static(forecast: np.ndarray, cluster: Cluster, previous: Placement | No
 # baselines because docs/ compares with them (moeless-fill: re-plans every iteration by the lowest
 # per-GPU work level; moeless-greedy: the straggler scaler then the priced placer); and ablations.
 PLANNERS: dict[str, PlanFn | Fresh] = {
-    DEFAULT_PLANNER: _resident(),
+    DEFAULT_PLANNER: moeless_planner(),
     "paper": _layered("cv", "warm"),
     "static": plan_static,
     "eplb": plan_eplb(global_only=False),
     "eplb-global": plan_eplb(global_only=True),
     "oracle": plan_static,
-    "moeless-no-scaler": _resident(additions=False),
-    "moeless-no-placer": _resident(placer="off"),
-    "moeless-no-scaler-no-placer": _resident(additions=False, placer="off"),
-    "moeless-cold": _resident(warm=False),
-    "moeless-free-memory": _resident(price_memory=False),
-    "moeless-no-moves": _resident(moves=False),
+    "moeless-no-scaler": moeless_planner(additions=False),
+    "moeless-no-placer": moeless_planner(placer="off"),
+    "moeless-no-scaler-no-placer": moeless_planner(additions=False, placer="off"),
+    "moeless-cold": moeless_planner(warm=False),
+    "moeless-free-memory": moeless_planner(price_memory=False),
+    "moeless-no-moves": moeless_planner(moves=False),
     "moeless-fill": _filled(),
     "moeless-fill-no-scaler": _filled(split=False),
     "moeless-fill-cold": _filled(warm=False),
@@ -300,7 +210,7 @@ PLANNERS: dict[str, PlanFn | Fresh] = {
     "paper-no-scaler": _layered("off", "warm"),
     "paper-no-placer": _layered("cv", "off"),
     "paper-no-scaler-no-placer": _layered("off", "off"),
-    "moeless-sets": _sets(),
+    "moeless-sets": moeless_sets(),
     "full-replication": plan_full_replication,
 }
 SAMPLE_PLANNERS = frozenset({"moeless-sets"})
@@ -328,8 +238,8 @@ def get_planner(spec: str, config: PlannerConfig | None = None) -> Planner:
     if spec in PLANNERS:
         fn = PLANNERS[spec]
         if isinstance(fn, Fresh):
-            plan_fn, learn_fn, describe_fn = fn.make()
-            return Planner(spec, plan_fn, config, learn_fn=learn_fn, describe_fn=describe_fn)
+            plan_fn, state = fn.make()
+            return Planner(spec, plan_fn, config, state=state)
         return Planner(spec, fn, config, oracle_load if spec == "oracle" else None)
     if ":" not in spec:
         raise ValueError(f"unknown planner {spec!r}; use one of {sorted([*PLANNERS, *STATEFUL_PLANNERS])} or 'module:function'")

@@ -69,7 +69,7 @@ def plan_command(args: argparse.Namespace) -> int:
                            gb_s_price=args.memory_price, dispatch_s=profile.relevel_s + profile.check_s,
                            home_moves_first=args.move_after, home_moves_every=args.move_every)
     planner = get_planner(args.planner, config)
-    if loads.ndim == 3 and planner.learn_fn is not None:  # what its gates reported: a plan after each, loaded
+    if loads.ndim == 3 and planner.state is not None:  # what its gates reported: a plan after each, loaded
         placement = None
         for batch in loads:
             planner.learn(batch)

@@ -250,7 +250,10 @@ class PlanLoop:
             return
         # 2. The plan; 3. prefetch what it needs; 4. publish what is loaded.
         off = s.knobs.predictor == "off"
+        made = self._planner is None
         planner = self._planner_for(iteration_s, get_planner)
+        if made:  # a restarted loop keeps the homes its predecessor moved
+            planner.adopt(view.resident & view.live[None, None, :])
         planner.learn(*learnt)  # what ran since the last pass
         decision = plan_groups(planner, groups, view, s.profile.expert_bytes, self.layer_cap, self._memory, off)
         self._releasing = self._releasing if decision is None else decision.plan  # its release: evicted once unrouted

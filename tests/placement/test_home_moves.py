@@ -228,3 +228,50 @@ def test_early_layers_leave_each_gpu_the_later_layers_homes(name):
     assert plan.layers[1].gpu.tolist() == static_homes(8, 2).tolist()
     assert plan.layers[0].num_replicas == 9
     assert np.bincount(np.concatenate([lp.gpu for lp in plan.layers])).tolist() == [8, 9]
+
+
+def test_adopt_takes_the_homes_the_hosts_hold_golden():
+    """An expert held only away from its home gets its home there (of several GPUs, the one with
+    fewest homes); one held at home or nowhere keeps it; the old home is left to release."""
+    moves = HomeMoves(1, 4, 2, first=10, every=50)
+    held = np.zeros((1, 4, 2), bool)
+    held[0, 0, 0] = held[0, 3, 1] = True  # at static EP's homes
+    held[0, 1, 1] = True  # moved: its home (GPU 0) holds it no more
+    held[0, 2, [0, 1]] = True  # held at home and elsewhere: the home stays
+    assert moves.adopt(held) == 1
+    assert moves.homes.tolist() == [[0, 1, 1, 1]]
+    assert moves.released().tolist() == [[0, 1, 0]]
+    assert moves.describe()[0] == "homes: 1 experts' homes where the hosts held them (no move paid by 1% after 0 plans)"
+    away = HomeMoves(1, 4, 2, first=10, every=50)
+    swapped = np.zeros((1, 4, 2), bool)
+    swapped[0, [0, 1, 2, 3], [1, 1, 0, 0]] = True  # the two blocks swapped
+    assert away.adopt(swapped) == 4 and away.homes.tolist() == [[1, 1, 0, 0]]
+    spread = HomeMoves(1, 4, 4, first=10, every=50)
+    held = np.zeros((1, 4, 4), bool)
+    held[0, 0, 1] = held[0, 1, 1] = held[0, 2, 2] = True
+    held[0, 3, [1, 2]] = True  # GPU 1 has two homes by then, GPU 2 one
+    assert spread.adopt(held) == 2 and spread.homes.tolist() == [[1, 1, 2, 2]]
+    with pytest.raises(ValueError, match=r"resident must be \[L, E, G\]"):
+        away.adopt(np.zeros((1, 4, 3), bool))
+
+
+def test_a_planner_made_over_moved_homes_keeps_them():
+    """A restarted loop: the hosts hold the moved layout (experts 1 and 2 swapped); its resident view
+    also counts every static home of a live host. Adopted, the new planner plans the moved homes and
+    loads nothing; without it, it loads static EP's homes of experts 1 and 2 back."""
+    config = PlannerConfig(model=MODEL, home_moves_first=10, gb_s_price=1e9)  # no copies, no move soon
+    cluster = Cluster.uniform(2, 8, 1)
+    held = np.zeros((1, 4, 2), bool)
+    held[0, [0, 1, 2, 3], [0, 1, 0, 1]] = True
+    view = Placement((LayerPlacement.even(np.array([0, 1, 1, 2, 2, 3]), np.array([0, 0, 1, 0, 1, 1]), 4),), 4, 2)
+    adopted = get_planner("moeless", config)
+    adopted.adopt(held)
+    fresh = get_planner("moeless", config)
+    for _ in range(3):
+        kept = adopted(HOT, cluster, view)
+        assert sorted(zip(kept.layers[0].expert.tolist(), kept.layers[0].gpu.tolist())) == [(0, 0), (1, 1), (2, 0), (3, 1)]
+        assert kept.release.tolist() == [[0, 1, 0], [0, 2, 1]]  # the static homes: nothing resident there to evict
+    back = fresh(HOT, cluster, view).layers[0]
+    assert sorted(zip(back.expert.tolist(), back.gpu.tolist()))[:3] == [(0, 0), (1, 0), (1, 1)]
+    assert adopted.describe()[0] == "homes: 2 experts' homes where the hosts held them (no move paid by 1% after 3 plans)"
+    get_planner("static", config).adopt(held)  # a planner without homes ignores it

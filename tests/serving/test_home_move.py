@@ -12,6 +12,7 @@ The board is the one seam: the loop's publish goes straight to the executor's Pl
 (the Ray actor that carries it to serving replicas is tested in test_live_loop.py)."""
 
 import contextlib
+import dataclasses
 import threading
 import time
 
@@ -75,7 +76,10 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
     monkeypatch.setattr(actor, "publish_placement", publish)
     load = ExpertHostClient.load
 
+    sent = []  # (layer, expert, host) of every load the loops send
+
     def slow_load(client, layer, expert, wait=False):  # a load that takes LOAD_S, as a large expert's does
+        sent.append((layer, expert, hosts.addresses.index(client.address)))
         if wait:
             return load(client, layer, expert, wait=True)
         def land():
@@ -121,5 +125,33 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
         assert not {r for _, r in moved if r not in last} & _held(clients)
     finally:  # the loop runs on while old homes are released (moeless evicts them from it)
         loop.stop()
-    for c in clients:
-        c.close()
+    try:
+        if planner == "moeless":
+            _a_restarted_loop_keeps_the_moved_homes(settings, source, clients, published, sent, moved, model, g)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _a_restarted_loop_keeps_the_moved_homes(settings, source, clients, published, sent, moved, model, g):
+    """The loop made again over the same hosts (a restarted controller): it adopts the homes they
+    hold, so it loads none of the old homes back and routes each moved expert where it was moved."""
+    sent.clear()
+    old = {r for _, r in moved if r not in _replicas(published[-1][1])}
+    assert old and not old & _held(clients)
+    count = len(published)
+    settings = dataclasses.replace(settings, planner_extra={"home_moves_first": 1000})  # no move of its own meanwhile
+    loop = actor.PlanLoop.__ray_metadata__.modified_class(settings)
+    live = LiveExecutor(RemoteExecutor(clients, source), settings.num_layers, settings.num_experts, replica="test",
+                        sink=loop.report)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (len(published) < count + 1 or loop.state()["plans"] < 5):
+            ids = torch.randint(0, 128, (2, 6), generator=g)
+            assert torch.equal(model.generate(ids, 4, executor=live), model.generate(ids, 4))
+        assert len(published) > count and loop.state()["plans"] >= 5 and loop.state()["errors"] == 0
+        assert not set(sent) & old, f"the restarted loop loaded old homes back: {sorted(set(sent) & old)}"
+        assert not old & _replicas(published[-1][1]) and not old & _held(clients)
+        assert loop._planner.describe()[0].startswith("homes: ") and "where the hosts held them" in loop._planner.describe()[0]
+    finally:
+        loop.stop()
