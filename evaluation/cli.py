@@ -95,6 +95,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                          "deepseek-v2-lite), each base's pool apart, for each N given, four ways: dedicated, whole-model, "
                          "expert-grain, and shared keys (a replica of an expert the fine-tunes did not change serves them all); "
                          "--quick: the level 1 request/min alone unless --levels")
+    sp.add_argument("--no-family-warm", dest="family_warm", action="store_false",
+                    help="with --finetunes: a base's experts expire on their own keep-alive even while a fine-tune of it "
+                         "is awake (the expert hosts' --no-family-warm; default: they stay, so a waking fine-tune loads "
+                         "only its own)")
     sp.add_argument("--replaced", nargs="+", type=float, metavar="SHARE",
                     help="with --finetunes: shares of the base's experts each fine-tune replaces, ESFT-style, in [0, 1) "
                          "(default 0.05 0.15)")
@@ -253,7 +257,8 @@ def _shared_pool_config(args: argparse.Namespace):
     if not 0 <= args.keep_warm <= 1:
         raise DeploymentError(f"--keep-warm: a share of each layer's experts, 0..1; got {args.keep_warm:g}")
     settings = PoolSettings(**{k: (v if v is not None else getattr(settings, k)) for k, v in picked.items()},
-                            step_s=args.step_ms / 1e3, seed=args.seed, keep_warm=args.keep_warm)
+                            step_s=args.step_ms / 1e3, seed=args.seed, keep_warm=args.keep_warm,
+                            family_warm=args.family_warm)
     gpus = args.gpu or [base.gpu]
     if len(gpus) != 1:
         raise DeploymentError(f"--gpu: the shared pool takes one GPU type, got {gpus}")

@@ -150,7 +150,10 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
              "",
              f"{run['gpu']} GPUs ({run['gpu_bytes_for_weights'] / 1e9:.0f} GB of each for weights), a horizon of "
              f"{s['horizon_s']:g} s in windows of {s['window_s']:g} s, sleep after {s['idle_delay_s']:g} s without a request, "
-             f"an expert evicted after {s['keep_alive_s']:g} s without a token. Fine-tune i takes workload i mod "
+             f"an expert evicted after {s['keep_alive_s']:g} s without a token"
+             + ("; with shared keys the base stays whole while a fine-tune calls (the hosts' family warmth, "
+                "expert_fn/host/model_calls.py)" if s.get("family_warm", False) else "")
+             + ". Fine-tune i takes workload i mod "
              f"{len(run['workloads'])}: " + "; ".join(f"{j}: {w}" for j, w in enumerate(run["workloads"])) + ".", "",
              f"{h}# The bases", "",
              "| base | dedicated GPUs per fine-tune | weights GB (non-expert) | expert MB | layers x experts, k | "

@@ -60,7 +60,8 @@ class SharedPoolConfig:
                 "--levels", *(f"{x:g}" for x in self.levels), "--routing", self.routing, "--horizon", f"{s.horizon_s:g}",
                 "--idle-delay", f"{s.idle_delay_s:g}", "--keep-alive", f"{s.keep_alive_s:g}",
                 "--step-ms", f"{s.step_s * 1e3:g}", "--seed", s.seed,
-                *(["--keep-warm", f"{s.keep_warm:g}"] if s.keep_warm else []), *extra, "--out", out]
+                *(["--keep-warm", f"{s.keep_warm:g}"] if s.keep_warm else []),
+                *([] if s.family_warm else ["--no-family-warm"]), *extra, "--out", out]
         return " ".join(shlex.quote(str(a)) for a in args)
 
 

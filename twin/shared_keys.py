@@ -11,7 +11,11 @@ Each fine-tune's windows, wake-ups and routed experts are its twin/shared_pool t
 draws as the expert-grain way, where it is a model of its own). Per window, in numbered steps:
 1. Resident before the window's calls: every key claimed by a fine-tune awake and not waking (it
    routed a token to the key within keep_alive_s, or its wake-up prefetched the key that long ago),
-   and the keep-warm sets.
+   the keep-warm sets, and (family_warm, the hosts' rule: expert_fn/host/model_calls.py) every
+   base key held in the last window that a fine-tune not calling uses, while a fine-tune stays
+   awake: the base's replicas outlive their keep-alive while any fine-tune of it calls, so a
+   fine-tune waking then finds the base's experts held (those its awake siblings replaced or have
+   not routed to lately) and loads only its own.
 2. Each awake fine-tune's calls: a routed key not resident is a cold start, outside a wake-up, or
    part of its wake-up. A wake-up loads at once, at its first call, each of its keys not resident
    where another fine-tune's key of the same (layer, expert) is (the expert hosts' wake set:
@@ -22,12 +26,15 @@ draws as the expert-grain way, where it is a model of its own). Per window, in n
    loaded yet when the forward reaches their layer (`wake_seconds`); the non-expert weights too unless
    another fine-tune awake holds them. A wake-up then claims all the fine-tune's keys (the loop
    prefetches its static share); every routed key is claimed anew.
-3. Held after the calls: the union of the claims; the non-expert weights while any fine-tune is awake.
+3. Held after the calls: the union of the claims, and with family_warm, of the base keys a
+   fine-tune asleep uses (it may wake), those held before while any fine-tune is awake and the one
+   at each place where a fine-tune holds its own (the expert it replaced: a host loads it ahead,
+   into free memory, once the own one is resident; the fine-tune claims it while it holds its own);
+   the non-expert weights while any fine-tune is awake.
 4. GB·s split, by the hosts' rule (expert_fn/host/meters.py; docs/shared-pool.md, "Who pays for a
    shared replica") at the window's grain: each window, a held key's GB·s (its bytes x window_s) is
    split evenly among the fine-tunes claiming it in that window (step 3's claims); a held window
-   nobody claims (none here: held is the claims' union) goes to those that claimed it last in its
-   residency. A replaced expert's key is its fine-tune's alone; the non-expert weights split evenly
+   nobody claims (a key family_warm keeps) goes to those that claimed it last in its residency. A replaced expert's key is its fine-tune's alone; the non-expert weights split evenly
    among the fine-tunes awake in the window. So the fine-tunes' GB·s add up to the pool's. Why per
    moment: a fine-tune pays for the windows its use keeps a replica resident and stops paying when its
    claim runs out, whoever else keeps it (the host meters each moment; a window is the twin's
@@ -135,6 +142,7 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
     non_expert = EvenSplit(n, 1, base.non_expert_bytes, s.window_s)
     own_windows = np.zeros(n)  # windows x own keys held, per model
     held, extra, batched = np.zeros(s.windows), np.zeros(s.windows), np.zeros(s.windows)
+    base_held = np.zeros(layers * experts, bool)  # the base's keys held after the last window
     cold, wakes = np.zeros((n, s.windows), np.int64), [[] for _ in range(n)]
     awake_all = np.stack([line.awake for line in lines])  # [N, W]
     for w in range(s.windows):
@@ -144,7 +152,9 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
         steady = awake & (awake_all[:, w - 1] if w else False)
         # 1. Resident before the calls: the base's keys any steady model claims, each model's own.
         claimed = (w - last <= keep) & steady[:, None] | kept
-        base_before, own_before = (claimed & ~own).any(axis=0), claimed & own
+        idle_user = (~own & ~steady[:, None]).any(axis=0)  # a base key a fine-tune not calling steadily uses
+        base_before = (claimed & ~own).any(axis=0) | (base_held & s.family_warm & steady.any() & idle_user)
+        own_before = claimed & own
         # 2. The calls: cold starts and wake-ups.
         waking = []
         for m in np.flatnonzero(awake):
@@ -163,7 +173,9 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
             last[m][hit] = w
         # 3. Held after the calls.
         claims = (w - last <= keep) & awake[:, None] | kept
-        base_now = (claims & ~own).any(axis=0)
+        asleep_user = (~own & ~awake[:, None]).any(axis=0)  # a base key a fine-tune asleep uses (it may wake)
+        siblings = (claims & own).any(axis=0) & s.family_warm & asleep_user  # where a fine-tune holds its own
+        base_now = base_held = (claims & ~own).any(axis=0) | (base_held & s.family_warm & awake.any() & asleep_user) | siblings
         own_now = (claims & own).sum(axis=1)
         own_windows += own_now
         held[w] = (base_now.sum() + own_now.sum()) * float(base.expert_bytes) + awake.any() * float(base.non_expert_bytes)
@@ -173,7 +185,7 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
             loads_s = wake_seconds(ahead, routed_ahead, demand, links, base.gpus, base.expert_load_s)
             wakes[m].append((w, (0.0 if warm else base.non_expert_load_s) + loads_s, float(warm)))
         # 4. The split (own keys are their model's: own_windows), the engine's batched step.
-        split.window(w, base_now, claims & ~own)
+        split.window(w, base_now, claims & ~own | (claims & own if s.family_warm else False))
         non_expert.window(w, np.array([awake.any()]), awake[:, None])
         sent = np.array([line.tokens[w] if line.busy[w] else 0.0 for line in lines])
         if sent.any():

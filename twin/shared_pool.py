@@ -107,6 +107,7 @@ class PoolSettings:
     gpu_bytes: float = 64e9  # a GPU's bytes for weights
     seed: int = 0
     keep_warm: float = 0.0  # share of each layer's experts (the most popular) kept resident while asleep
+    family_warm: bool = True  # shared keys: the base's held experts stay while any fine-tune of it is awake
 
     @property
     def windows(self) -> int:

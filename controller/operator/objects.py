@@ -100,6 +100,8 @@ def host_command(spec: PolicySpec | PoolSpec, members: Sequence[Member] = ()) ->
         tail += f" --poll-us {pool.poll_microseconds:g}"
     if pool.compute_dtype != "float32":
         tail += f" --compute-dtype {pool.compute_dtype}"
+    if not pool.family_warm:
+        tail += " --no-family-warm"
     if pool.host_network:
         offset = "${POD_NAME##*-}"
         return ["sh", "-c", f"exec moeless expert-host {tail} --port $(({pool.grpc_port} + {offset})) "

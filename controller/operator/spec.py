@@ -38,6 +38,7 @@ class HostPool:
     poll_microseconds: float = 0.0  # the data plane's busy-poll (expert-host --poll-us)
     compute_dtype: str = "float32"  # expert-host --compute-dtype
     cuda_ipc: bool = False  # the node's PID and IPC namespaces, for CUDA IPC with serving pods on the node
+    family_warm: bool = True  # a fine-tune's base stays whole while it calls (expert-host --no-family-warm when off)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ _POOL_KEYS = {
     "cpu": ("cpu", str), "grpcPort": ("grpc_port", int), "metricsPort": ("metrics_port", int),
     "hostNetwork": ("host_network", bool), "drainSeconds": ("drain_seconds", int),
     "pollMicroseconds": ("poll_microseconds", float), "computeDtype": ("compute_dtype", str),
-    "cudaIpc": ("cuda_ipc", bool),
+    "cudaIpc": ("cuda_ipc", bool), "familyWarm": ("family_warm", bool),
 }
 
 

@@ -168,10 +168,11 @@ class ReplicaTable:
             self._replicas[key].evict_when_idle = True
         return False
 
-    def expire(self) -> list[Key]:
-        """Evict the idle replicas unused for keep_alive_s, except the models' keep-warm sets; returns their keys."""
+    def expire(self, keeps: Callable[[Key], bool] | None = None) -> list[Key]:
+        """Evict the idle replicas unused for keep_alive_s, except the models' keep-warm sets and those
+        keeps(key) holds (model_calls.py's family warmth); returns their keys."""
         now = self._clock()
-        expired = [key for key, r in self._idle() if now - r.last_used >= self.keep_alive_s]
+        expired = [key for key, r in self._idle() if now - r.last_used >= self.keep_alive_s and not (keeps and keeps(key))]
         if expired and self.shares is not None:  # models' keep-warm sets stay (shares.warm_set)
             warm = warm_set([(k, r.bytes, self._meters.replicas[k].tokens) for k, r in self._replicas.items() if r.bytes],
                             self.shares)

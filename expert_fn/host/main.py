@@ -66,6 +66,10 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add("--keep-warm", action="append", default=[], metavar="NAME=GB",
         help="a model's hottest replicas (most tokens) kept resident past the keep-alive, up to GB (repeatable): it "
              "wakes with them after a quiet spell; not guaranteed (a load that needs room evicts them); default 0")
+    add("--no-family-warm", dest="family_warm", action="store_false",
+        help="let a base's replicas expire on their own keep-alive while a fine-tune of it calls (default: a "
+             "model's calls keep every replica of its family, the models sharing replicas with it, resident; "
+             "model_calls.py)")
     add("--poll-us", type=float, default=DEFAULT_HOST_POLL_S * 1e6, metavar="US",
         help="after each data-plane call, spin this many microseconds for the next before blocking: shorter "
              "wake-ups for a core's worth of CPU while calls keep coming (default %(default)g; 0: block at once)")
@@ -122,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"expert-host: {err}", file=sys.stderr)
         return 2
     runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s,
-                                tier=tier, shares=shares, compute_dtype=args.compute_dtype)
+                                tier=tier, shares=shares, compute_dtype=args.compute_dtype, family_warm=args.family_warm)
     # 2. gRPC server and HTTP endpoints.
     # OpenMP's thread count is per thread: without the initializer, handler threads compute on every core.
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,

@@ -11,7 +11,8 @@ Models whose experts are the same bytes share one replica: every key given to lo
 is mapped to its canonical replica first (model_stores.py), so all below works per content key; an
 Evict leaves a replica another model used within the keep-alive (meters.py bills it among them). A
 model's first call in a keep-alive prefetches its experts where the host holds another model's
-(a fine-tune waking on a warm base: ModelStores.wake_set), into free memory only.
+(a fine-tune waking on a warm base: ModelStores.wake_set), into free memory only, and while a model
+calls, its family's replicas outlive the keep-alive (model_calls.py).
 
 The compute dtype is float32 by default: every model's outputs then equal the float32 reference
 (model/moe_model.py) bit for bit, a LoRA fine-tune's too (its factors applied over the shared replica
@@ -42,6 +43,7 @@ from moeless.expert_fn.host.executor import Weights, compute_clock, forward_for
 from moeless.expert_fn.host.lifecycle import RESIDENT, Key, ReplicaState, ReplicaTable
 from moeless.expert_fn.host.load_queue import LoadQueue
 from moeless.expert_fn.host.meters import Meters
+from moeless.expert_fn.host.model_calls import ModelCalls
 from moeless.expert_fn.stores.model_stores import ModelRange, as_model_stores
 from moeless.expert_fn.host.shares import Shares
 from moeless.expert_fn.stores.tiers import DeviceCopier, HostTier, TierConfig, compute_dtype_of
@@ -66,6 +68,7 @@ class ExpertHostRuntime:
         tier: TierConfig = TierConfig(),
         shares: Shares | None = None,
         compute_dtype: str = "float32",
+        family_warm: bool = True,
     ) -> None:
         self.dtype = compute_dtype_of(store, compute_dtype)  # options.COMPUTE_DTYPES
         self.models = as_model_stores(store)  # each host layer's model; each key's canonical replica
@@ -83,7 +86,7 @@ class ExpertHostRuntime:
         self._ahead: set[Key] = set()  # loaded or loading ahead of any invocation (prefetch, pre-warm)
         self._inflight = 0
         self._loras: dict[Key, Weights] = {}  # host key -> its LoRA factors on the device (adapters.py)
-        self._called: dict[int, float] = {}  # model -> its last call's time here (_wake)
+        self.calls = ModelCalls(self.models, family_warm)  # wake-ups, family warmth
         self._hold_loras()
         self._pool = LoadQueue(load_workers, "expert-load")  # a call's loads before prefetches
         self._stop = threading.Event()
@@ -331,19 +334,16 @@ class ExpertHostRuntime:
         return self.models.expert_bytes(*key) * self.dtype.itemsize // stored_dtype(self.models).itemsize
 
     def _wake(self, keys: list[Key], owners: list[int]) -> None:
-        """Under the lock: a model's first call here in a keep-alive loads its ModelStores.wake_set (but the
-        call's own keys) at once, into free memory only: a fine-tune waking on a warm base, on every host."""
-        now = self.meters.clock()
-        for m in set(owners):
-            if now - self._called.get(m, -float("inf")) > self.keep_alive_s:
-                for key in self.models.wake_set(m, lambda k: k in keys or not self.table.needs_load(k)):
-                    room = self.table.capacity_bytes - self.table.bytes_held
-                    if room >= self._resident_bytes(key) and self._start_load(key, m)[1]:
-                        self._ahead.add(key)
-            self._called[m] = now
+        """Under the lock: what a call loads ahead (model_calls.py: a waking model's wake set, a fine-tune's
+        base where it calls its own), into free memory only."""
+        for key, m in self.calls.ahead(keys, owners, self.meters.clock(), self.keep_alive_s,
+                                       lambda k: not self.table.needs_load(k)):
+            room = self.table.capacity_bytes - self.table.bytes_held
+            if room >= self._resident_bytes(key) and self._start_load(key, m)[1]:
+                self._ahead.add(key)
 
     def _sweep(self) -> None:
         period = min(max(self.keep_alive_s / 4, 0.05), 1.0)
         while not self._stop.wait(period):
             with self._lock:
-                self._dropped(self.table.expire())
+                self._dropped(self.table.expire(self.calls.keeps(self.meters.clock(), self.keep_alive_s)))

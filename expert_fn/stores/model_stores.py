@@ -76,6 +76,8 @@ class ModelStores:
         self._users: dict[Key, tuple[int, ...]] = {}  # canonical key -> the models using it, where several
         self._seen: dict[str, Key] = {}  # content key -> its canonical replica
         self._loras: dict[Key, dict[str, torch.Tensor]] = {}  # host key -> its model's LoRA factors
+        self._families: dict[int, frozenset[int]] = {}  # model -> its family (`family`), made on demand
+        self._bases_at: dict[Key, Key] | None = None  # a fine-tune's own replica -> the base's there (`base_at`)
         for name, store in stores:
             self.add(name, store)
 
@@ -101,6 +103,8 @@ class ModelStores:
                 self._canonical[host_key] = canonical
                 users = self._users.get(canonical) or (self._which(canonical[0]) if canonical[0] < first else i,)
                 self._users[canonical] = users if i in users else (*users, i)
+        self._families.clear()
+        self._bases_at = None
         self.stores.append(store)
         self._firsts.append(first)
         self._ranges.append(ModelRange(name, first, store.num_layers, store.num_experts))  # last: now it is served
@@ -190,6 +194,30 @@ class ModelStores:
     def users(self, key: Key) -> tuple[int, ...]:
         """The models (indices, in --store order) whose experts canonical replica `key` is."""
         return self._users.get(key) or (self._which(key[0]),)
+
+    def family(self, model: int) -> frozenset[int]:
+        """The models sharing a canonical replica with `model` (a base and its fine-tunes), itself included."""
+        if model not in self._families:  # made once per model list (add clears them)
+            self._families[model] = frozenset({model}.union(*(u for u in self._users.values() if model in u)))
+        return self._families[model]
+
+    def base_at(self, key: Key) -> Key | None:
+        """The base's replica at the place (layer, expert) of a fine-tune's own replica `key` (canonical:
+        the expert it replaced), or None where key is no fine-tune's own (a base's, a shared one). A
+        dict lookup (the runtime asks at every call), made once per model list."""
+        if self._bases_at is None:
+            self._bases_at = {}
+            for model, mine in enumerate(self._ranges):
+                base = min(self.family(model))
+                theirs = self._ranges[base]
+                if base == model or (mine.layers, mine.experts) != (theirs.layers, theirs.experts):
+                    continue
+                for layer in range(mine.layers):
+                    for expert in range(mine.experts):
+                        own = (mine.first_layer + layer, expert)
+                        if own not in self._canonical and own not in self._users:  # its own bytes, its alone
+                            self._bases_at[own] = self.canonical(theirs.first_layer + layer, expert)
+        return self._bases_at.get(key)
 
     def shared(self) -> dict[Key, tuple[int, ...]]:
         """Every canonical replica that several models use, with their indices."""

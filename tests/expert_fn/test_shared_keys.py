@@ -208,3 +208,52 @@ def test_a_fine_tune_s_first_call_on_a_warm_base_loads_its_own_experts_at_once_i
                 assert (layers + 1, 3) not in held()
         finally:
             rt.close()
+
+
+def test_a_model_s_family_is_the_models_sharing_a_replica_with_it(family, tmp_path):
+    names = ("base", "code", "chat")
+    other = export_store(tiny_model("mixtral", 7), "other")  # other weights: no replica in common
+    stores = ModelStores.open([*((name, family[name][1]) for name in names), ("other", other)])
+    assert [stores.family(m) for m in range(4)] == [frozenset({0, 1, 2})] * 3 + [frozenset({3})]
+
+
+def test_a_fine_tune_s_calls_load_and_keep_its_base_whole(family, clock):
+    """code replaced the base's (0, 1). Its call of its own (0, 1) once resident loads the base's (0, 1)
+    ahead (family warmth: the base whole for the next fine-tune to wake), and while code calls (its
+    own (0, 1) only) the base's (0, 0), which the base called once, and (0, 1) outlive the keep-alive.
+    With --no-family-warm the base's (0, 1) never loads and its (0, 0) expires; once code stops too,
+    everything goes."""
+    stores = ModelStores.open([(name, family[name][1]) for name in ("base", "code")])
+    assert stores.base_at((base_layers := family["base"][0].spec.num_layers, 1)) == (0, 1)  # code's own (0, 1)
+    assert stores.base_at((0, 1)) is None and stores.base_at((0, 0)) is None  # a base's; a shared one
+    assert stores.base_at((base_layers, 0)) is None  # not canonical: the base's bytes
+    layers, x = base_layers, torch.randn(2, family["base"][0].spec.hidden_size)
+    held = lambda rt: {(r["layer"], r["expert"]) for r in rt.status()["replicas"] if r["state"] in ("idle", "warm")}
+
+    def settled(rt, keys, present, timeout_s=10.0):  # the sweeper runs every 1 s of real time at most
+        deadline = time.monotonic() + timeout_s
+        while (keys <= held(rt) if present else bool(keys & held(rt))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.2)  # one more sweep (or load): what it keeps stays
+        return keys <= held(rt) if present else not keys & held(rt)
+
+    for family_warm in (True, False):
+        rt = ExpertHostRuntime(stores, capacity_bytes=100 * _bytes(family["base"][0]), keep_alive_s=30.0,
+                               clock=clock, family_warm=family_warm)
+        try:
+            rt.invoke(0, {0: x})  # the base's (0, 0)
+            for _ in range(2):  # code's own (0, 1): cold, then resident
+                rt.invoke(layers, {1: x})
+            for _ in range(3):  # code alone calls, past the base's keep-alive
+                clock.advance(20.0)
+                rt.invoke(layers, {1: x})
+            if family_warm:
+                assert settled(rt, {(0, 0), (0, 1), (layers, 1)}, present=True)
+                rows = {(r["layer"], r["expert"]): r for r in rt.status()["replicas"]}
+                assert rows[(0, 1)]["loads"] == 1 and rows[(0, 1)]["cold_starts"] == 0  # loaded ahead, once
+            else:
+                assert settled(rt, {(0, 0), (0, 1)}, present=False) and (layers, 1) in held(rt)
+            clock.advance(31.0)  # nobody calls
+            assert settled(rt, {(0, 0), (0, 1), (layers, 1)}, present=False)
+        finally:
+            rt.close()

@@ -62,6 +62,17 @@ def test_host_command_matches_the_expert_host_flags():
     assert build_parser().parse_args(host_command(polling)[1:]).poll_us == 250
 
 
+def test_family_warmth_is_on_unless_the_hosts_turn_it_off():
+    from moeless.cli import build_parser
+
+    plain = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2}})
+    off = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "familyWarm": False}})
+    assert "--no-family-warm" not in host_command(plain) and build_parser().parse_args(host_command(plain)[1:]).family_warm
+    assert not build_parser().parse_args(host_command(off)[1:]).family_warm
+    with pytest.raises(SpecError, match=r"spec.hosts.familyWarm: expected bool, got 'no'"):
+        parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "familyWarm": "no"}})
+
+
 def test_a_compute_dtype_reaches_the_host_command_and_a_bad_one_is_refused_naming_the_field():
     from moeless.cli import build_parser
 

@@ -52,10 +52,11 @@ def test_a_finetune_replaces_its_share_per_layer_the_experts_its_task_routes_to_
 
 
 def test_one_finetune_is_the_shared_pools_own_comparison():
-    """N = 1: the three ways are evaluate_pool's for that one model, and shared keys its expert grain."""
+    """N = 1: the three ways are evaluate_pool's for that one model, and shared keys its expert grain
+    without family warmth (which also holds the base's experts it replaced, with nobody to use them)."""
     ft = _finetunes(_base(), 1, 0.15)
     requests = [_requests(0.02, 900, 1)]
-    doc = evaluate_finetunes(ft, requests, SETTINGS)
+    doc = evaluate_finetunes(ft, requests, replace(SETTINGS, family_warm=False))
     alone = evaluate_pool([ft[0].model], requests, SETTINGS)
     for way in ("dedicated", "whole-model", "expert-grain"):
         assert doc["gpu_s"][way] == alone["gpu_s"][way]
@@ -136,12 +137,35 @@ def test_shared_keys_hold_each_shared_expert_once():
     own = sum(int(ft.replaced.sum()) for ft in fts)
     assert own == 18
     used = int((~np.logical_and.reduce([ft.replaced for ft in fts])).sum())  # a base expert all three replaced: unused
-    assert 3 * 8 - 3 <= used <= 3 * 8
+    assert 3 * 8 - 3 <= used < 3 * 8
     held = (base.non_expert_bytes + (used + own) * base.expert_bytes) * 300 / 1e9
     assert doc["gb_s_shared_keys"] == pytest.approx(held)
     assert sum(m["gb_s"]["expert-grain"] for m in doc["models"]) == pytest.approx(3 * base.weight_bytes * 300 / 1e9)
     for m in doc["models"]:  # its own experts, all along, are its own
         assert m["gb_s_shared_keys_parts"]["own"] == pytest.approx(6 * base.expert_bytes * 300 / 1e9)
+
+
+@pytest.mark.parametrize("family_warm", [False, True])
+def test_family_warmth_holds_the_base_s_experts_a_sleeping_fine_tune_uses(family_warm):
+    """Fine-tunes 0 and 1 awake all along, 2 never called: the base's experts both awake ones replaced
+    are used by 2 alone. With family warmth they are held (loaded where 0 or 1 holds its own: the base
+    whole for 2's wake), without it not; 2's own experts never are."""
+    base = _base(layers=3, experts=8, gpus=1)
+    fts = _finetunes(base, 3, 0.25)
+    steady = Requests(np.arange(0.0, 300.0, 1.0), np.full(300, 2000.0), np.full(300, 20.0))
+    none = Requests(np.zeros(0), np.zeros(0), np.zeros(0))
+    s = PoolSettings(horizon_s=300, window_s=1, step_s=0.05, idle_delay_s=60, keep_alive_s=400, gpu_bytes=64 * GB,
+                     family_warm=family_warm)
+    doc = evaluate_finetunes(fts, [steady, steady, none], s)
+    r0, r1, r2 = (ft.replaced for ft in fts)
+    awake_use = int((~(r0 & r1)).sum())
+    for_two = int((r0 & r1 & ~r2).sum())  # the base's experts only the sleeping one uses
+    assert for_two > 0
+    base_held = awake_use + (for_two if family_warm else 0)
+    held = (base.non_expert_bytes + (base_held + int(r0.sum() + r1.sum())) * base.expert_bytes) * 300 / 1e9
+    assert doc["gb_s_shared_keys"] == pytest.approx(held)
+    per_model = [m["gb_s"][SHARED_KEYS] for m in doc["models"]]
+    assert sum(per_model) == pytest.approx(doc["gb_s_shared_keys"]) and per_model[2] == 0.0
 
 
 def test_a_finetune_that_replaced_nothing_pays_what_its_base_pays():
