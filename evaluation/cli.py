@@ -96,9 +96,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                          "expert-grain, and shared keys (a replica of an expert the fine-tunes did not change serves them all); "
                          "--quick: the level 1 request/min alone unless --levels")
     sp.add_argument("--no-family-warm", dest="family_warm", action="store_false",
-                    help="with --finetunes: a base's experts expire on their own keep-alive even while a fine-tune of it "
-                         "is awake (the expert hosts' --no-family-warm; default: they stay, so a waking fine-tune loads "
-                         "only its own)")
+                    help="with --finetunes: no family warmth (the expert hosts' --no-family-warm): the base's experts "
+                         "are neither loaded where a fine-tune holds its own nor kept past their keep-alive while a "
+                         "fine-tune is awake (default: both, so a waking fine-tune loads only its own)")
     sp.add_argument("--replaced", nargs="+", type=float, metavar="SHARE",
                     help="with --finetunes: shares of the base's experts each fine-tune replaces, ESFT-style, in [0, 1) "
                          "(default 0.05 0.15)")

@@ -67,9 +67,9 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
         help="a model's hottest replicas (most tokens) kept resident past the keep-alive, up to GB (repeatable): it "
              "wakes with them after a quiet spell; not guaranteed (a load that needs room evicts them); default 0")
     add("--no-family-warm", dest="family_warm", action="store_false",
-        help="let a base's replicas expire on their own keep-alive while a fine-tune of it calls (default: a "
-             "model's calls keep every replica of its family, the models sharing replicas with it, resident; "
-             "model_calls.py)")
+        help="no family warmth: a fine-tune's calls neither load its base's expert where it calls its own nor keep "
+             "the base's replicas past their keep-alive (default: they do, for the models not calling, so that a "
+             "sibling fine-tune wakes loading only its own experts; model_calls.py)")
     add("--poll-us", type=float, default=DEFAULT_HOST_POLL_S * 1e6, metavar="US",
         help="after each data-plane call, spin this many microseconds for the next before blocking: shorter "
              "wake-ups for a core's worth of CPU while calls keep coming (default %(default)g; 0: block at once)")

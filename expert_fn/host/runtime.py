@@ -11,8 +11,8 @@ Models whose experts are the same bytes share one replica: every key given to lo
 is mapped to its canonical replica first (model_stores.py), so all below works per content key; an
 Evict leaves a replica another model used within the keep-alive (meters.py bills it among them). A
 model's first call in a keep-alive prefetches its experts where the host holds another model's
-(a fine-tune waking on a warm base: ModelStores.wake_set), into free memory only, and while a model
-calls, its family's replicas outlive the keep-alive (model_calls.py).
+(a fine-tune waking on a warm base: ModelStores.wake_set), into free memory only, and while a
+fine-tune calls its base stays whole (model_calls.py's family warmth).
 
 The compute dtype is float32 by default: every model's outputs then equal the float32 reference
 (model/moe_model.py) bit for bit, a LoRA fine-tune's too (its factors applied over the shared replica
