@@ -32,7 +32,7 @@ from moeless.expert_fn.stores.model_stores import ModelStores
 
 class ModelCalls:
     """The last call of each model (an index in --store order) over `models` (model_stores.ModelStores:
-    users, family, base_at and wake_set of its canonical replicas)."""
+    users, base_of, base_at and wake_set of its canonical replicas)."""
 
     def __init__(self, models: ModelStores, family_warm: bool = True) -> None:
         self.models, self.family_warm = models, family_warm
@@ -71,7 +71,7 @@ class ModelCalls:
             return None
         bases = set()
         for m, t in self._last.items():
-            base = min(self.models.family(m))
+            base = self.models.base_of(m)
             if base != m and now - t <= keep_alive_s:  # a fine-tune that called within the keep-alive
                 bases.add(base)
         if not bases:

@@ -201,6 +201,10 @@ class ModelStores:
             self._families[model] = frozenset({model}.union(*(u for u in self._users.values() if model in u)))
         return self._families[model]
 
+    def base_of(self, model: int) -> int:
+        """The base of `model`'s family: its first model in --store order (`model` itself where it is no fine-tune)."""
+        return min(self.family(model))
+
     def base_at(self, key: Key) -> Key | None:
         """The base's replica at the place (layer, expert) of a fine-tune's own replica `key` (canonical:
         the expert it replaced), or None where key is no fine-tune's own (a base's, a shared one). A
@@ -208,7 +212,7 @@ class ModelStores:
         if self._bases_at is None:
             self._bases_at = {}
             for model, mine in enumerate(self._ranges):
-                base = min(self.family(model))
+                base = self.base_of(model)
                 theirs = self._ranges[base]
                 if base == model or (mine.layers, mine.experts) != (theirs.layers, theirs.experts):
                     continue

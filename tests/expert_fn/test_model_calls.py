@@ -15,8 +15,8 @@ class _Models:
     def users(self, key):
         return USERS[key]
 
-    def family(self, model):
-        return FAMILY[model]
+    def base_of(self, model):
+        return min(FAMILY[model])
 
     def base_at(self, key):
         return (0, 1) if key == (4, 1) else None
