@@ -186,6 +186,7 @@ class HomeMoves:
         resident = np.asarray(resident, dtype=bool)
         if resident.shape != (self.num_layers, self.num_experts, self.num_gpus):
             raise ValueError(f"resident must be [L, E, G] = {self.homes.shape + (self.num_gpus,)}, got {resident.shape}")
+        before = self.adopted
         for l in range(self.num_layers):
             count = np.bincount(self.homes[l], minlength=self.num_gpus)
             away = ~resident[l, np.arange(self.num_experts), self.homes[l]] & resident[l].any(axis=1)
@@ -197,7 +198,7 @@ class HomeMoves:
                 self._left[l].add((int(e), int(self.homes[l, e])))
                 self.homes[l, e] = g
                 self.adopted += 1
-        return self.adopted
+        return self.adopted - before
 
     def fits(self, num_layers: int, num_experts: int, num_gpus: int) -> bool:
         return (self.num_layers, self.num_experts, self.num_gpus) == (num_layers, num_experts, num_gpus)

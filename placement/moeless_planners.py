@@ -42,7 +42,7 @@ class Fresh:
 
 
 def moeless_planner(additions: bool = True, warm: bool = True, placer: str = "resident", price_memory: bool = True,
-              moves: bool = True) -> Fresh:
+                    moves: bool = True) -> Fresh:
     """moeless: the resident replicas re-levelled around each expert's home, a replica added only
     where it pays (placement/resident_planner.py), homes moved where the forecasts say a new pairing
     pays (placement/home_moves.py). additions=False: one replica per expert (scaler off);
@@ -68,8 +68,9 @@ def moeless_planner(additions: bool = True, warm: bool = True, placer: str = "re
                 moved = state["homes"] = HomeMoves(num_layers, num_experts, cluster.num_gpus,
                                                    config.home_moves_first, config.home_moves_every,
                                                    config.home_moves_submit)
-                if state["held"] is not None and state["held"].shape == (num_layers, num_experts, cluster.num_gpus):
-                    moved.adopt(state["held"])
+                held, state["held"] = state["held"], None  # what the hosts held at the planner's start: used once
+                if held is not None and held.shape == (num_layers, num_experts, cluster.num_gpus):
+                    moved.adopt(held)
             if moves:  # a live knob (homeMovesEvery; 0: the homes stay where they are)
                 moved.every = config.home_moves_every
             if moves:  # what ran since the last plan (the forecast itself where no gate reports)

@@ -34,8 +34,9 @@ draws as the expert-grain way, where it is a model of its own). Per window, in n
 4. GB·s split, by the hosts' rule (expert_fn/host/meters.py; docs/shared-pool.md, "Who pays for a
    shared replica") at the window's grain: each window, a held key's GB·s (its bytes x window_s) is
    split evenly among the fine-tunes claiming it in that window (step 3's claims); a held window
-   nobody claims (a key family_warm keeps) goes to those that claimed it last in its residency. A replaced expert's key is its fine-tune's alone; the non-expert weights split evenly
-   among the fine-tunes awake in the window. So the fine-tunes' GB·s add up to the pool's. Why per
+   nobody claims (a key family_warm keeps) goes to those that claimed it last in its residency. A
+   replaced expert's key is its fine-tune's alone; the non-expert weights split evenly among the
+   fine-tunes awake in the window. So the fine-tunes' GB·s add up to the pool's. Why per
    moment: a fine-tune pays for the windows its use keeps a replica resident and stops paying when its
    claim runs out, whoever else keeps it (the host meters each moment; a window is the twin's
    moment). Why evenly, not by tokens: docs/shared-pool.md argues it.
