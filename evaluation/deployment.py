@@ -12,7 +12,8 @@ A cell, in numbered steps:
 4. The planners through the twin (serial execution; both billing models): static EP, EPLB-window,
    the paper's planner, moeless with the forecasts a trace allows (previous iteration, history
    window), moeless with a perfect forecast; the lossless bound (twin/bound.py) per layer and the
-   offline reference (twin/reference.py: EPLB on each iteration's own loads, moves free); moeless
+   offline reference and the hindsight homes (twin/reference.py: EPLB on each iteration's own loads,
+   moves free; fixed homes fitted on the run's other batches); moeless
    at a few knob values (memory price, keep-alive) for the recommendation; the frontier
    (evaluation/frontier.py): time against GB·s for static EP, production EPLB, moeless at four
    memory prices and full replication.
@@ -36,7 +37,7 @@ from moeless.twin.chunked import scale_to_load, schedule, split_counts, step_loa
 from moeless.twin.compare import Run, run_all
 from moeless.twin.forecasts import forecast_set
 from moeless.twin.iterations import Iteration
-from moeless.twin.reference import offline_reference
+from moeless.twin.reference import hindsight_homes, offline_reference
 from moeless.twin.twin import TwinSettings
 
 CASES = (  # (key, label, planner, forecast)
@@ -137,9 +138,10 @@ def run_cell(iterations: list[Iteration], profile, gpu, count: int, top_k: int, 
     loads = np.stack([it.load for it in iterations])
     budgets = sorted({-(-num_experts // count) * count, max(num_experts, cap // count * count)})
     bound = {"bound": profile_bound(loads, count, profile), "call_bound": profile_call_bound(loads, count, profile),
-             "offline": offline_reference(loads, count, profile.latency_model("host"), budgets)}
+             "offline": offline_reference(loads, count, profile.latency_model("host"), budgets),
+             "hindsight": hindsight_homes(loads, count, profile.latency_model("host"))}
     frontier = frontier_cell(iterations, forecasts, cluster, profile, base, settings, neutral,
-                             {"offline": bound["offline"], "bound": bound["bound"]}, progress)
+                             {k: bound[k] for k in ("offline", "hindsight", "bound")}, progress)
     return cell_doc(iterations, by_key, bound, knob_rows, profile, top_k, {"slots_per_gpu": slots, "distance": d,
                     "memory_price": price, "neutral_price": neutral, "keep_alive_s": knobs.keep_alive_s,
                     "frontier": frontier})

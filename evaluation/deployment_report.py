@@ -273,6 +273,13 @@ def _why(a: dict, c: dict, per_call: float) -> str:
             why.append(f"with a perfect forecast moeless reaches {100 * reach:.0f}% of the bound's gain: each new replica's "
                        f"{1e3 * c['profile']['load_s']['host']:.1f} ms host-to-GPU load must pay back within its keep-alive, and "
                        "replicas are whole (one expert's weights per call)")
+        hindsight = c.get("hindsight", {}).get(a["phase"])
+        st = c["cases"]["static"]["phases"][a["phase"]]
+        gap = st["mean_s"] - c["bound"][a["phase"]]["mean_s"]
+        if hindsight is not None and gap > 0:
+            why.append(f"fixed homes fitted on the run's other batches (hindsight homes) reach "
+                       f"{100 * (st['mean_s'] - hindsight['mean_s']) / gap:.0f}%: beyond them lies each batch's own "
+                       "imbalance, which only a per-batch choice reaches")
         if a["offline_share"] is not None and a["offline_share"] < BOUND_SHARE:
             why.append(f"EPLB knowing each iteration's loads and moving experts for free reaches {100 * a['offline_share']:.0f}%: "
                        "the bound counts fractions of a call that whole replicas cannot split")

@@ -22,7 +22,7 @@ from moeless.evaluation.workload import Sizes, WorkloadSpec, read_arrivals
 from moeless.hardware.gpus import parse_gpu_arg
 from moeless.traces.recording import moefied_routing
 from moeless.traces.shipped import load_named_routing
-from moeless.twin.geometry import load_geometry
+from moeless.twin.geometry import Geometry, load_geometry
 from moeless.twin.roofline import resolve_profile
 
 FORMAT = "moeless-deployments/1"
@@ -59,9 +59,9 @@ class DeploymentConfig:
         return " ".join(shlex.quote(str(a)) for a in args)
 
 
-def _routing_for(config: DeploymentConfig, geometry, prompts: str, progress: bool):
-    """(Routing, its label): a shipped log by name or a routing file (checked against the geometry's E
-    and k), or moefied."""
+def routing_for(config: DeploymentConfig, geometry: Geometry, prompts: str, progress: bool):
+    """The cell's routing: a shipped log by name or a routing file (checked against the geometry's E
+    and k), or moefied routing recorded on `prompts` (a dataset name)."""
     if config.routing != "moefied":
         routing = load_named_routing(config.routing)
         if (routing.num_experts, routing.top_k) != (geometry.num_experts, geometry.top_k):
@@ -82,13 +82,13 @@ def evaluate_deployments(config: DeploymentConfig, out: str | Path, progress: bo
     arrivals = {w.name: read_arrivals(w, Sizes(requests=s.requests)) for w in config.workloads}
     if config.routing != "moefied":
         for g in geometries:
-            _routing_for(config, g, "sharegpt", progress)
+            routing_for(config, g, "sharegpt", progress)
     # 2. Cells: routing per (model, prompts), iterations per (model, GPU, workload), the planners.
     cells = []
     with tqdm(total=len(geometries) * len(gpus) * len(config.workloads), desc="deployment cells", disable=not progress) as bar:
         for geo in geometries:
             for w in config.workloads:
-                routing = _routing_for(config, geo, w.prompts, progress)
+                routing = routing_for(config, geo, w.prompts, progress)
                 prompts, outputs, lengths_note = dataset_lengths(w.prompts, s.requests)
                 iterations = iterations_for(routing, prompts, outputs, arrivals[w.name].seconds, s, geo.moe_layers)
                 for (gpu, count), gpu_arg in zip(gpus, config.gpus):

@@ -11,8 +11,9 @@ billing, every cost paid: loads, moves, the data plane's pairing):
   for dispatch room per GB on the phase's recent batches) at the same prices;
 - full replication (placement/full_replication.py): every GPU holds every expert of the layers
   that fit, each batch paired: the memory-is-free reference;
-and, without memory of their own, the offline reference (twin/reference.py) and the lossless
-bound (twin/bound.py). Each point per phase: mean seconds per layer and GB·s, both also against
+and, without memory of their own, the offline reference and the hindsight homes (twin/reference.py:
+EPLB on each iteration's own loads with free moves; fixed homes fitted on the run's other batches)
+and the lossless bound (twin/bound.py). Each point per phase: mean seconds per layer and GB·s, both also against
 static EP's, and the share of the bound's gain.
 """
 
@@ -32,6 +33,7 @@ from moeless.twin.iterations import Iteration
 from moeless.twin.twin import TwinSettings
 
 PRICES = (0.0, 0.1, 1.0, 10.0)  # x the memory-neutral price
+LABELS = {"hindsight": "hindsight homes"}  # the references' labels where not their keys
 PHASES = ("prefill", "decode")
 
 
@@ -55,7 +57,7 @@ def frontier_cell(iterations: Sequence[Iteration], forecasts: dict, cluster: Clu
                   settings: TwinSettings, neutral_price: float, bounds: dict[str, np.ndarray], progress=None) -> dict:
     """Every point replayed (the forecast kind: "history" for moeless, "previous" for EPLB, whose
     entry at i is the loads of i - 1, "perfect" for the forecast-blind) and summarised per phase,
-    with the bound and the offline reference (bounds: name -> [I, L] seconds). A point whose
+    with the bound and the references (bounds: name -> [I, L] seconds). A point whose
     layout does not fit the cluster (production EPLB's E + N on GPUs too small) has no phases and
     says why ("unfit")."""
     d = settings.distance
@@ -78,7 +80,7 @@ def frontier_cell(iterations: Sequence[Iteration], forecasts: dict, cluster: Clu
                                                                        "gb_s": float(gb_s[phase == p].sum())}
                                                                    for p in PHASES if (phase == p).any()}}
     for name, seconds in bounds.items():
-        out[name] = {"label": name, "planner": None,
+        out[name] = {"label": LABELS.get(name, name), "planner": None,
                      "phases": {p: {"mean_s": float(seconds[phase == p].mean()), "gb_s": None}
                                 for p in PHASES if (phase == p).any()}}
     return out

@@ -44,13 +44,14 @@ def test_a_quick_deployment_run_writes_the_report(inputs, tmp_path):
     assert (out / "gain-by-batch-tokens.png").stat().st_size > 0 and (out / "deployments.csv").is_file()
     assert main(["report", str(out)]) == 0 and (out / "report.md").read_text() == md.replace("](run/", "](")
     # The frontier: every point of the cell in the table, the CSV and the figure, for both phases run.
-    keys = {key for key, *_ in frontier_points(4, 2)} | {"offline", "bound"}
+    keys = {key for key, *_ in frontier_points(4, 2)} | {"offline", "hindsight", "bound"}
     cell = json.loads((out / "run.json").read_text())["cells"][0]
     assert set(cell["frontier"]) == keys
     rows = list(csv.DictReader((out / "frontier.csv").open()))
     phases = {r["phase"] for r in rows}
     assert phases and {(r["point"], r["phase"]) for r in rows} == {(k, p) for k in keys for p in phases}
     assert "## The frontier: MoE-layer time against expert GB·s" in md and "full replication" in md and "moeless-sets, price x0.1" in md
+    assert "| hindsight homes |" in md
     assert (out / "frontier.png").stat().st_size > 0
 
 

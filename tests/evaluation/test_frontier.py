@@ -27,8 +27,8 @@ def test_a_point_that_does_not_fit_says_why_and_the_others_run():
     config = PlannerConfig(model=PROFILE.latency_model(), iteration_s=0.05)
     seconds = np.full((len(its), L), 1e-5)
     frontier = frontier_cell(its, forecasts, cluster, PROFILE, config, TwinSettings(), 1.0,
-                             {"bound": seconds, "offline": seconds})
-    assert set(frontier) == {key for key, *_ in frontier_points(E, G)} | {"bound", "offline"}
+                             {"bound": seconds, "offline": seconds, "hindsight": seconds})
+    assert set(frontier) == {key for key, *_ in frontier_points(E, G)} | {"bound", "offline", "hindsight"}
     unfit = {key for key, point in frontier.items() if "unfit" in point}
     assert unfit == {"eplb-production-2"} and "slots on a GPU" in frontier["eplb-production-2"]["unfit"]
     cell = {"model": "m", "gpu": "H100", "count": G, "workload": "w", "frontier": frontier}
@@ -36,3 +36,4 @@ def test_a_point_that_does_not_fit_says_why_and_the_others_run():
     assert {r["point"] for r in rows} == set(frontier) - unfit and {r["phase"] for r in rows} == {"prefill", "decode"}
     table = "\n".join(_frontier([cell]))
     assert "| production EPLB, N = 2 | does not fit: EPLB with 6 replicas per layer" in table
+    assert "| hindsight homes |" in table
