@@ -132,15 +132,20 @@ def _busiest_after_swaps(work: np.ndarray, homes: np.ndarray, ea: np.ndarray, eb
 
 
 def home_time(samples: np.ndarray, homes: np.ndarray, num_gpus: int, model: LatencyModel) -> float:
-    """Mean seconds of a layer over samples [S, E] of tokens with every token at its home [E]: the
+    """Mean seconds of a layer over samples [S, E] of tokens with every token at its home [E] (`home_seconds`)."""
+    return float(home_seconds(samples, homes, num_gpus, model).mean())
+
+
+def home_seconds(loads: np.ndarray, homes: np.ndarray, num_gpus: int, model: LatencyModel) -> np.ndarray:
+    """Seconds of a layer per load [..., E] of tokens with every token at its home [E] -> [...]: the
     busiest GPU's alpha * tokens + call_overhead per expert with tokens, plus 2 beta times the
-    most tokens a GPU receives (kernels.serial_time's model, all samples at once)."""
+    most tokens a GPU receives (kernels.serial_time's model, all loads at once)."""
     onehot = np.zeros((homes.shape[0], num_gpus))
     onehot[np.arange(homes.shape[0]), homes] = 1.0
-    tokens = np.rint(samples) @ onehot
-    calls = (np.rint(samples) > 0) @ onehot
-    work = (model.alpha * tokens + model.call_overhead * calls).max(axis=1)
-    return float((work + 2.0 * model.beta * tokens.max(axis=1)).mean())
+    tokens = np.rint(loads) @ onehot
+    calls = (np.rint(loads) > 0) @ onehot
+    work = (model.alpha * tokens + model.call_overhead * calls).max(axis=-1)
+    return work + 2.0 * model.beta * tokens.max(axis=-1)
 
 
 def candidate_homes(sums: np.ndarray, samples: np.ndarray, num_gpus: int, model: LatencyModel) -> np.ndarray:

@@ -33,7 +33,7 @@ from moeless.evaluation.deployment_run import DeploymentConfig, routing_for
 from moeless.evaluation.lengths import dataset_lengths
 from moeless.evaluation.workload import Sizes, parse_workload, read_arrivals
 from moeless.hardware.gpus import parse_gpu_arg
-from moeless.placement.home_moves import packed_homes, static_homes, swapped_homes
+from moeless.placement.home_moves import home_seconds, packed_homes, static_homes, swapped_homes
 from moeless.twin.bound import profile_bound
 from moeless.twin.geometry import load_geometry
 from moeless.twin.roofline import resolve_profile
@@ -55,13 +55,6 @@ def cell_loads(gpu_arg: str, iterations: int, routing: str, geometry: str):
                            sizes, geo.moe_layers)
     return np.stack([it.load for it in its]).astype(np.int64), np.array([it.phase for it in its]), \
         resolve_profile(None, geo, gpu, count), count
-
-
-def layer_seconds(x: np.ndarray, homes: np.ndarray, num_gpus: int, model) -> np.ndarray:
-    """x [..., E] tokens with every token at its home [E] -> [...] seconds (kernels.serial_time's rule)."""
-    onehot = np.eye(num_gpus)[homes]
-    tokens, calls = x @ onehot, (x > 0) @ onehot
-    return (model.alpha * tokens + model.call_overhead * calls).max(-1) + 2.0 * model.beta * tokens.max(-1)
 
 
 def fit(window: np.ndarray, num_gpus: int, model, swaps: int = 16) -> np.ndarray:
@@ -138,7 +131,7 @@ def main() -> None:
     I, L, E = loads.shape
     half = I // 2
     test, first = loads[half:], loads[:half]
-    static = layer_seconds(test, static_homes(E, G), G, model).mean(-1)  # [I - half]
+    static = home_seconds(test, static_homes(E, G), G, model).mean(-1)  # [I - half]
     bound = np.asarray(profile_bound(test, G, profile)).mean(-1)
     ph = phase[half:]
 
@@ -148,7 +141,7 @@ def main() -> None:
                          for p in PHASES for m in [(ph == p) & rows] if m.any())
 
     def on_homes(homes: np.ndarray) -> np.ndarray:
-        return np.stack([layer_seconds(test[:, l], homes[l], G, model) for l in range(L)], axis=1).mean(-1)
+        return np.stack([home_seconds(test[:, l], homes[l], G, model) for l in range(L)], axis=1).mean(-1)
 
     print(f"{args.gpu}: {I} iterations, the second half's {I - half} scored; shares of the bound's gain (tokens and calls only)")
     past = fit(first, G, model)
@@ -161,10 +154,10 @@ def main() -> None:
         for i in range(half, I):
             if (i - half) % every == 0:
                 homes = fit(loads[max(0, i - window):i], G, model)
-            seconds[i - half] = np.mean([layer_seconds(loads[i, l], homes[l], G, model) for l in range(L)])
+            seconds[i - half] = np.mean([home_seconds(loads[i, l], homes[l], G, model) for l in range(L)])
         print(f"3. re-fitted every {every:>2} on the last {window:>2}:     {share(seconds)}")
     for steps in (2, 8):
-        seconds = np.array([np.mean([layer_seconds(x[l], greedy_swaps(x[l], past[l], *candidate_pairs(x[l], past[l], G, model),
+        seconds = np.array([np.mean([home_seconds(x[l], greedy_swaps(x[l], past[l], *candidate_pairs(x[l], past[l], G, model),
                                                                      steps, G, model), G, model) for l in range(L)])
                             for x in test])
         print(f"4. per batch, {steps} swaps on its own loads ({2 * steps:>2} copies): {share(seconds)}")
@@ -182,7 +175,7 @@ def main() -> None:
                 chosen.append(p)
                 taken |= {int(ea[p]), int(eb[p])}
         held.append((ea[chosen], eb[chosen]))
-    seconds = np.array([np.mean([layer_seconds(x[l], greedy_swaps(x[l], past[l], *held[l], args.pairs, G, model), G, model)
+    seconds = np.array([np.mean([home_seconds(x[l], greedy_swaps(x[l], past[l], *held[l], args.pairs, G, model), G, model)
                                  for l in range(L)]) for x in test])
     print(f"5. {args.pairs} swap pairs held (+{200 * args.pairs / E:.0f}% replicas), swapped per batch: {share(seconds)}")
 

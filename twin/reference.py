@@ -42,7 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from moeless.placement.eplb import rebalance_experts
-from moeless.placement.home_moves import packed_homes, swapped_homes
+from moeless.placement.home_moves import home_seconds, packed_homes, swapped_homes
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.dispatch import pair_tokens
 from moeless.placement.types import Placement
@@ -82,9 +82,6 @@ def hindsight_homes(loads: np.ndarray, num_gpus: int, model: LatencyModel) -> np
         packed = packed_homes(fitted.sum(axis=0), num_gpus)
         weighed = np.unique(np.linspace(0, fitted.shape[0] - 1, min(fitted.shape[0], HINDSIGHT_SAMPLES)).astype(np.int64))
         for l in range(loads.shape[1]):
-            onehot = np.eye(num_gpus)[swapped_homes(fitted[weighed, l], packed[l], num_gpus, model)]
-            x = loads[fold == scored, l]
-            tokens, calls = x @ onehot, (x > 0) @ onehot  # [n, G]: home_time's rule per iteration
-            out[fold == scored, l] = ((model.alpha * tokens + model.call_overhead * calls).max(axis=1)
-                                      + 2.0 * model.beta * tokens.max(axis=1))
+            homes = swapped_homes(fitted[weighed, l], packed[l], num_gpus, model)
+            out[fold == scored, l] = home_seconds(loads[fold == scored, l], homes, num_gpus, model)
     return out
