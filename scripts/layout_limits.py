@@ -4,7 +4,7 @@ docs/deployments.md, "What a layout chosen ahead of a batch can reach". Per phas
 the lossless bound's gain on the run's second half of
 
 1. homes fitted on its first half (EPLB's packing of the summed loads, then up to 16 swaps on the
-   iterations: placement/home_moves.py's steps 2), as moeless's first move would choose them;
+   iterations: placement/home_moves.py's step 2), as moeless's first move would choose them;
 2. homes fitted on the second half itself (hindsight: the best fixed layout had the loads been known),
    and fitted on its even iterations, scored on its odd ones (the same loads, unseen batches: what
    of hindsight's lead is noise fitted rather than the loads' drift);
@@ -64,11 +64,16 @@ def fit(window: np.ndarray, num_gpus: int, model, swaps: int = 16) -> np.ndarray
                      for l in range(window.shape[1])])
 
 
-def swap_gains(x: np.ndarray, homes: np.ndarray, ea: np.ndarray, eb: np.ndarray, num_gpus: int, model) -> np.ndarray:
-    """[P] seconds the layer would save on loads x [E] by swapping each pair's homes (negative: it loses)."""
+def gpu_work(x: np.ndarray, homes: np.ndarray, num_gpus: int, model) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [G], work [G]) on each GPU with loads x [E] at their homes [E] (home_seconds' two terms)."""
     onehot = np.eye(num_gpus)[homes]
     tokens = x @ onehot
-    work = model.alpha * tokens + model.call_overhead * ((x > 0) @ onehot)
+    return tokens, model.alpha * tokens + model.call_overhead * ((x > 0) @ onehot)
+
+
+def swap_gains(x: np.ndarray, homes: np.ndarray, ea: np.ndarray, eb: np.ndarray, num_gpus: int, model) -> np.ndarray:
+    """[P] seconds the layer would save on loads x [E] by swapping each pair's homes (negative: it loses)."""
+    tokens, work = gpu_work(x, homes, num_gpus, model)
     ga, gb = homes[ea], homes[eb]
     dt = (x[eb] - x[ea]).astype(float)  # what ga gains and gb loses
     dw = model.alpha * dt + model.call_overhead * ((x[eb] > 0).astype(float) - (x[ea] > 0))
@@ -109,9 +114,7 @@ def greedy_swaps(x: np.ndarray, homes: np.ndarray, ea: np.ndarray, eb: np.ndarra
 
 def candidate_pairs(x: np.ndarray, homes: np.ndarray, num_gpus: int, model) -> tuple[np.ndarray, np.ndarray]:
     """Pairs of an expert on the GPU that sets the layer's time (busiest in work or in tokens) with any expert elsewhere."""
-    onehot = np.eye(num_gpus)[homes]
-    tokens = x @ onehot
-    work = model.alpha * tokens + model.call_overhead * ((x > 0) @ onehot)
+    tokens, work = gpu_work(x, homes, num_gpus, model)
     mine = np.flatnonzero(np.isin(homes, [int(np.argmax(work)), int(np.argmax(tokens))]))
     ea, eb = np.repeat(mine, homes.shape[0]), np.tile(np.arange(homes.shape[0]), mine.shape[0])
     keep = homes[ea] != homes[eb]
@@ -161,9 +164,8 @@ def main() -> None:
                                                                      steps, G, model), G, model) for l in range(L)])
                             for x in test])
         print(f"4. per batch, {steps} swaps on its own loads ({2 * steps:>2} copies): {share(seconds)}")
-    held = []
+    held, (ea, eb) = [], np.triu_indices(E, 1)
     for l in range(L):  # 5. pairs scored by the swaps the first half's last 64 batches would make
-        ea, eb = np.triu_indices(E, 1)
         score = np.zeros(ea.shape[0])
         for x in first[-64:, l]:
             greedy_swaps(x, past[l], ea, eb, 4, G, model, score)

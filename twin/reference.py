@@ -21,11 +21,11 @@ and 1 with 2 (11 + 2 = 13 and 7 + 2 = 9): 13 of static EP's 18.
 `hindsight_homes` is the other side of that split: what a fixed pairing of experts with GPUs (no
 copy) reaches when it is fitted on the run's own loads but not on the batches it is scored on.
 The run's iterations fall in two folds of alternating blocks of HINDSIGHT_BLOCK; each fold is
-scored on homes fitted on the other (placement/home_moves.py's steps 2: EPLB's packing of the
+scored on homes fitted on the other (placement/home_moves.py's step 2: EPLB's packing of the
 fold's summed loads, then its swaps on up to HINDSIGHT_SAMPLES of the fold's iterations), every
 token at its home, moved for free. Fitted on the scored batches themselves, the swaps would fit
-their noise (on FLAME's 8 x A6000 cell that reached 67% / 45% of the bound's gain in prefill /
-decode where unseen batches got 57% / 32%). Below moeless, the gain moeless reaches is more than
+their noise (on FLAME's 8 x A6000 cell, up to 64 swaps fitted and timed on the same batches read
+67% / 45% of the bound's gain in prefill / decode, where these cross-fitted homes read 55% / 30%). Below moeless, the gain moeless reaches is more than
 knowing the workload gives a fixed layout; above it, moeless's homes (chosen online, on the past)
 leave that much; what it leaves of the bound is each batch's own imbalance, which only a
 per-batch choice (copies paired at dispatch, or the offline reference's free moves) reaches. A
