@@ -7,10 +7,11 @@
    fine-tune's own expert that is resident loads the base's expert at that place (the one it
    replaced: ModelStores.base_at) ahead, if not held; (b) while a fine-tune has called here within
    the keep-alive, its base's replicas outlive their own keep-alive (a family: the models sharing
-   replicas, ModelStores.family; its base: the first of them in --store order, whose replicas the
-   others share). Both only for a replica that a model not calling uses (the base itself, or a
-   fine-tune asleep: it may wake). Without them the base's experts that no awake fine-tune routes
-   to (those they replaced, and the cold ones) are not held while the family is awake, and the next
+   replicas, ModelStores.family; its base: ModelStores.base_of, the one whose store is over no
+   other's, whose replicas the others share). Both only for a replica that a model not calling
+   uses (the base itself, or a fine-tune asleep: it may wake). Without them the base's experts that
+   no awake fine-tune routes to (those they replaced, and the cold ones) are not held while the
+   family is awake, and the next
    fine-tune to wake, which uses them, loads them beside its own: in the twin (docs/shared-pool.md)
    Mixtral-8x7B fine-tunes replacing 15% woke in a p99 of 15.8% of a whole-model wake, 9.5% with
    them. A fine-tune's own replicas keep their keep-alive, and so does every replica while no

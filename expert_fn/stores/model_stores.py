@@ -202,8 +202,12 @@ class ModelStores:
         return self._families[model]
 
     def base_of(self, model: int) -> int:
-        """The base of `model`'s family: its first model in --store order (`model` itself where it is no fine-tune)."""
-        return min(self.family(model))
+        """The base of `model`'s family (`model` itself where it is no fine-tune): the first member in
+        --store order whose store is written over no other (a fine-tune's store names its base:
+        model/weight_store.py's "base"), so a fine-tune listed before its base does not become it;
+        the first member where every store of the family is over another, or none is."""
+        family = sorted(self.family(model))
+        return next((m for m in family if "base" not in self.stores[m].index), family[0])
 
     def base_at(self, key: Key) -> Key | None:
         """The base's replica at the place (layer, expert) of a fine-tune's own replica `key` (canonical:

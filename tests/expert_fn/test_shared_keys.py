@@ -217,6 +217,18 @@ def test_a_model_s_family_is_the_models_sharing_a_replica_with_it(family, tmp_pa
     assert [stores.family(m) for m in range(4)] == [frozenset({0, 1, 2})] * 3 + [frozenset({3})]
 
 
+def test_a_fine_tune_listed_before_its_base_does_not_become_the_base(family):
+    """code's store is written over the base's; listed first, the base is still the base: code's own
+    (0, 1) maps to the base's (0, 1), and the base's replicas are no fine-tune's own."""
+    stores = ModelStores.open([(name, family[name][1]) for name in ("code", "base")])
+    layers = family["base"][0].spec.num_layers
+    assert [stores.base_of(m) for m in range(2)] == [1, 1]
+    assert stores.base_at((0, 1)) == (layers, 1)  # code's own (0, 1) -> the base's, on the base's layers
+    assert stores.base_at((layers, 1)) is None and stores.base_at((layers, 0)) is None  # the base's own; a shared one
+    alone = ModelStores.open([(name, family[name][1]) for name in ("code", "chat")])  # fine-tunes without their base
+    assert alone.family(0) == frozenset({0, 1}) and [alone.base_of(m) for m in range(2)] == [0, 0]  # both over another
+
+
 def test_a_fine_tune_s_calls_load_and_keep_its_base_whole(family, clock):
     """code replaced the base's (0, 1). Its call of its own (0, 1) once resident loads the base's (0, 1)
     ahead (family warmth: the base whole for the next fine-tune to wake), and while code calls (its
