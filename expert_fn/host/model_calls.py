@@ -11,10 +11,9 @@
    other's, whose replicas the others share). Both only for a replica that a model not calling
    uses (the base itself, or a fine-tune asleep: it may wake). Without them the base's experts that
    no awake fine-tune routes to (those they replaced, and the cold ones) are not held while the
-   family is awake, and the next
-   fine-tune to wake, which uses them, loads them beside its own: in the twin (docs/shared-pool.md)
-   Mixtral-8x7B fine-tunes replacing 15% woke in a p99 of 15.8% of a whole-model wake, 9.5% with
-   them. A fine-tune's own replicas keep their keep-alive, and so does every replica while no
+   family is awake, and the next fine-tune to wake, which uses them, loads them beside its own: in
+   the twin (docs/shared-pool.md) Mixtral-8x7B fine-tunes replacing 15% woke in a p99 of 15.8% of
+   a whole-model wake, 9.5% with them. A fine-tune's own replicas keep their keep-alive, and so does every replica while no
    fine-tune calls (a base alone, an unrelated model). Both only use free memory or stop the
    keep-alive's eviction: a load that needs room still evicts such a replica (lifecycle.py); its
    GB·s go by meters.py's rule to the models that used it last, or to the fine-tune that loaded it.
