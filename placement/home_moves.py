@@ -140,12 +140,17 @@ def home_seconds(loads: np.ndarray, homes: np.ndarray, num_gpus: int, model: Lat
     """Seconds of a layer per load [..., E] of tokens with every token at its home [E] -> [...]: the
     busiest GPU's alpha * tokens + call_overhead per expert with tokens, plus 2 beta times the
     most tokens a GPU receives (kernels.serial_time's model, all loads at once)."""
+    tokens, work = gpu_work(loads, homes, num_gpus, model)
+    return work.max(axis=-1) + 2.0 * model.beta * tokens.max(axis=-1)
+
+
+def gpu_work(loads: np.ndarray, homes: np.ndarray, num_gpus: int, model: LatencyModel) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [..., G], work [..., G]) on each GPU with loads [..., E] at their homes [E]: alpha *
+    tokens + call_overhead per expert with tokens (`home_seconds`' terms, before their maxima)."""
     onehot = np.zeros((homes.shape[0], num_gpus))
     onehot[np.arange(homes.shape[0]), homes] = 1.0
     tokens = np.rint(loads) @ onehot
-    calls = (np.rint(loads) > 0) @ onehot
-    work = (model.alpha * tokens + model.call_overhead * calls).max(axis=-1)
-    return work + 2.0 * model.beta * tokens.max(axis=-1)
+    return tokens, model.alpha * tokens + model.call_overhead * ((np.rint(loads) > 0) @ onehot)
 
 
 def candidate_homes(sums: np.ndarray, samples: np.ndarray, num_gpus: int, model: LatencyModel) -> np.ndarray:

@@ -33,7 +33,7 @@ from moeless.evaluation.deployment_run import DeploymentConfig, routing_for
 from moeless.evaluation.lengths import dataset_lengths
 from moeless.evaluation.workload import Sizes, parse_workload, read_arrivals
 from moeless.hardware.gpus import parse_gpu_arg
-from moeless.placement.home_moves import home_seconds, packed_homes, static_homes, swapped_homes
+from moeless.placement.home_moves import gpu_work, home_seconds, packed_homes, static_homes, swapped_homes
 from moeless.twin.bound import profile_bound
 from moeless.twin.geometry import load_geometry
 from moeless.twin.roofline import resolve_profile
@@ -62,13 +62,6 @@ def fit(window: np.ndarray, num_gpus: int, model, swaps: int = 16) -> np.ndarray
     packed = packed_homes(window.sum(axis=0), num_gpus)
     return np.stack([swapped_homes(window[:, l].astype(float), packed[l], num_gpus, model, swaps)
                      for l in range(window.shape[1])])
-
-
-def gpu_work(x: np.ndarray, homes: np.ndarray, num_gpus: int, model) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [G], work [G]) on each GPU with loads x [E] at their homes [E] (home_seconds' two terms)."""
-    onehot = np.eye(num_gpus)[homes]
-    tokens = x @ onehot
-    return tokens, model.alpha * tokens + model.call_overhead * ((x > 0) @ onehot)
 
 
 def swap_gains(x: np.ndarray, homes: np.ndarray, ea: np.ndarray, eb: np.ndarray, num_gpus: int, model) -> np.ndarray:

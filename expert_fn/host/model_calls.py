@@ -13,10 +13,11 @@
    no awake fine-tune routes to (those they replaced, and the cold ones) are not held while the
    family is awake, and the next fine-tune to wake, which uses them, loads them beside its own: in
    the twin (docs/shared-pool.md) Mixtral-8x7B fine-tunes replacing 15% woke in a p99 of 15.8% of
-   a whole-model wake, 9.5% with them. A fine-tune's own replicas keep their keep-alive, and so does every replica while no
-   fine-tune calls (a base alone, an unrelated model). Both only use free memory or stop the
-   keep-alive's eviction: a load that needs room still evicts such a replica (lifecycle.py); its
-   GB·s go by meters.py's rule to the models that used it last, or to the fine-tune that loaded it.
+   a whole-model wake, 9.5% with them. A fine-tune's own replicas keep their keep-alive, and so
+   does every replica while no fine-tune calls (a base alone, an unrelated model). Both only use
+   free memory or stop the keep-alive's eviction: a load that needs room still evicts such a
+   replica (lifecycle.py); its GB·s go by meters.py's rule to the models that used it last, or to
+   the fine-tune that loaded it.
    `family_warm=False` (`expert-host --no-family-warm`) turns it off.
 
 Not thread-safe: the runtime calls it under its lock, on its clock's times.
