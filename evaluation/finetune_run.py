@@ -38,6 +38,7 @@ from moeless.hardware.gpus import gpu_spec
 from moeless.twin import arrivals as arr
 from moeless.twin.finetunes import evaluate_finetunes, make_finetune, replaced_counts
 from moeless.twin.geometry import load_geometry
+from moeless.twin.shared_pool import PoolSettings
 
 FORMAT = "moeless-shared-pool-finetunes/1"
 BASES = ("mixtral-8x7b", "deepseek-v2-lite")
@@ -61,8 +62,10 @@ class FineTuneConfig:
 
     def command(self, out: str) -> str:
         """The `moeless eval` command line that replays this run."""
+        hold = self.pool.settings.step_hold_s
         return self.pool.command(out, ("--finetunes", *map(str, self.finetunes), "--replaced",
-                                       *(f"{x:g}" for x in self.replaced)))
+                                       *(f"{x:g}" for x in self.replaced),
+                                       *(["--step-hold", f"{hold:g}"] if hold != PoolSettings.step_hold_s else [])))
 
 
 def evaluate_finetune_pools(config: FineTuneConfig, out: str | Path, progress: bool = True) -> dict:

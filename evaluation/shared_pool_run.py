@@ -96,7 +96,8 @@ def pool_model(geometry: Geometry, gpu: GpuSpec, shares: np.ndarray) -> PoolMode
     profile = roofline_profile(geometry, gpu, count)
     per_byte = profile.load_s["host"] / profile.expert_bytes
     return PoolModel(geometry.name, geometry.top_k, profile.expert_bytes, profile.non_expert_bytes, count,
-                     profile.load_s["host"], per_byte * profile.non_expert_bytes, profile.alpha, profile.call_overhead, shares)
+                     profile.load_s["host"], per_byte * profile.non_expert_bytes, profile.alpha, profile.call_overhead, shares,
+                     profile.load_s["peer"])
 
 
 def level_requests(found: arr.Arrivals, prompt: np.ndarray, output: np.ndarray, per_minute: float, shift: float,

@@ -21,11 +21,16 @@ by content: twin/shared_keys). Every shared pool here holds the GPUs its bytes t
 one computes), the whole-model pool too, though its models packed onto one GPU would share its compute.
 The shared-keys pool's one engine batches every busy fine-tune's tokens in one step, so sized by bytes
 it packs sixteen busy fine-tunes' compute onto the GPUs of one (the batched p99 shows it); beside it,
-the same pool sized for that step too (step_floor: each window at least the GPUs that keep the batched
-step no longer than the slowest busy fine-tune's step alone on its G; `gpu_s_sized_for_step`, p99
-"shared-keys-batched-sized"), a figure with no like for like in the whole-model pool, which this
-twin does not size for compute. A fine-tune's GPU-seconds in a shared pool are the pool's in the
-ratio of its GB·s to the pool's.
+the same pool sized for that step too, by a step SLO per fine-tune (step_floor: each window at least
+the GPUs that keep the batched step within the SLO of every fine-tune busy in it, or its own step
+alone where that is longer; the SLO here is the fine-tune's p99 step on its dedicated pool, what it
+had alone, so the pool meets that p99, not each window's step; held_for: an added GPU stays
+step_hold_s after the last window that needed it; `gpu_s_sized_for_step`, p99
+"shared-keys-batched-sized"). A window's added GPUs come with its tokens, as the bytes' GPUs do here,
+the step's work spread evenly over them once they have copied their share of the experts from the
+GPUs holding them (scaled_p99: the steps until then run on the GPUs before); the whole-model
+pool is not sized for compute. A fine-tune's GPU-seconds in a shared pool are the pool's in the ratio
+of its GB·s to the pool's.
 
 Tiny example (the tests): with 0% replaced a fine-tune holds no key of its own, and with one
 fine-tune the shared-keys pool is the expert-grain pool of that one model, figure for figure.
@@ -47,6 +52,7 @@ from moeless.twin.shared_pool import (
     stats,
     steady_windows,
     timelines,
+    weighted_p99,
 )
 from moeless.twin.shared_keys import SharedKeys, shared_keys_pass
 
@@ -85,14 +91,49 @@ def make_finetune(base: PoolModel, name: str, routing: np.ndarray, share: float,
     return FineTune(replace(base, name=name, popularity=popularity), replaced)
 
 
-def step_floor(sk: SharedKeys, lines: list, gpus: int, s: PoolSettings) -> np.ndarray:
-    """GPUs [W] the one engine needs for its batched step (every busy fine-tune's tokens) to take no
-    longer than the slowest busy fine-tune's step alone on its G GPUs, what its dedicated pool takes:
-    ceil(the batched step's GPU seconds / that step); 0 where none is busy. With one fine-tune it is G."""
+def step_floor(batched_step_s: np.ndarray, lines: list, slo_s: np.ndarray, gpus: int, s: PoolSettings) -> np.ndarray:
+    """GPUs [W] the one engine needs for its batched step (batched_step_s [W] expert GPU seconds, every
+    busy fine-tune's tokens), spread evenly over them, to take no longer for any fine-tune busy in the
+    window than its step SLO (slo_s [N]; 0: none) or, where longer, its own step alone on G = `gpus`
+    GPUs: ceil(the step / the least such limit); 0 where none is busy. So one fine-tune needs at most G."""
     steps = s.window_s / s.step_s
-    alone = np.max([np.where(line.busy, line.compute_s / (steps * gpus), 0.0) for line in lines], axis=0)
-    need = sk.batched_step_s / np.where(alone > 0, alone, 1.0)
-    return np.where(alone > 0, np.ceil(need * (1 - 1e-9) - 1e-9), 0.0)  # rounding: one fine-tune needs G, not G + 1
+    busy = np.stack([line.busy for line in lines])
+    alone = np.stack([line.compute_s for line in lines]) / (steps * gpus)
+    limit = np.where(busy, np.maximum(slo_s[:, None], alone), np.inf).min(axis=0)
+    need = batched_step_s / np.where((limit > 0) & np.isfinite(limit), limit, 1.0)
+    return np.where(np.isfinite(limit), np.ceil(need * (1 - 1e-9) - 1e-9), 0.0)  # need = G exactly: G, not G + 1
+
+
+def held_for(floor: np.ndarray, windows: int) -> np.ndarray:
+    """floor [W] GPUs, each kept `windows` more windows after the last that needed it (a scale-down
+    delay: every scale-up copies experts onto the added GPUs, which the steps wait for)."""
+    out = floor.copy()
+    for lag in range(1, min(windows, len(floor) - 1) + 1):
+        out[lag:] = np.maximum(out[lag:], floor[:-lag])
+    return out
+
+
+def scaled_p99(step_s: np.ndarray, held: np.ndarray, ready: np.ndarray, cold: np.ndarray, steps: float,
+               step_len_s: float, load_s: float) -> float:
+    """The p99 step time of windows of `steps` steps (each step_len_s long) taking step_s [n] GPU seconds
+    spread over held [n] GPUs, where ready [n, 2] (added_gpus: the GPUs before, the seconds the added
+    ones load) keeps a window's first steps on the GPUs of the window before, and each of its cold [n]
+    cold starts stalls a step of its own by load_s (twin/shared_pool.stalled_p99)."""
+    slow = np.minimum(np.ceil(ready[:, 1] / step_len_s - 1e-9), steps)
+    stalled = np.minimum(cold, steps - slow)
+    before = np.maximum(ready[:, 0], 1.0)
+    return weighted_p99(np.concatenate([step_s / held, step_s / before, step_s / held + load_s]),
+                        np.concatenate([steps - slow - stalled, slow, stalled]))
+
+
+def added_gpus(held: np.ndarray, keys: np.ndarray, move_s: float) -> np.ndarray:
+    """[W, 2]: for each window where the pool holds more GPUs (held [W]) than in the window before and
+    had some then, those GPUs and the seconds the added ones take to take over their even share of the
+    keys [W] held (keys / held each, copied from the GPUs that hold them, move_s an expert:
+    PoolModel.expert_move_s); elsewhere (held, 0)."""
+    prev = np.concatenate([[0.0], held[:-1]])
+    grows = (prev > 0) & (held > prev)
+    return np.stack([np.where(grows, prev, held), np.where(grows, keys / np.maximum(held, 1.0) * move_s, 0.0)], axis=1)
 
 
 def shared_gpus(sk: SharedKeys, finetunes: list[FineTune], busy: np.ndarray, s: PoolSettings,
@@ -116,7 +157,9 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     sk = shared_keys_pass(models, np.stack([ft.replaced for ft in finetunes]), lines, s)
     busy = np.any([line.busy for line in lines], axis=0)
     gpus = shared_gpus(sk, finetunes, busy, s)
-    sized = shared_gpus(sk, finetunes, busy, s, floor=step_floor(sk, lines, finetunes[0].model.gpus, s))
+    slo = np.array([m["step_p99_s"]["dedicated"] for m in doc["models"]])  # each fine-tune's step SLO
+    floor = held_for(step_floor(sk.batched_step_s, lines, slo, finetunes[0].model.gpus, s), int(round(s.step_hold_s / s.window_s)))
+    sized = shared_gpus(sk, finetunes, busy, s, floor=floor)
     pool_gb_s = float(sk.held_bytes.sum() * s.window_s / 1e9)
     doc["gpu_s"][SHARED_KEYS] = float(gpus.sum() * s.window_s)
     doc["gpu_s_sized_for_step"] = float(sized.sum() * s.window_s)
@@ -127,6 +170,9 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     work = float(sk.batched_step_s.sum() * steps)  # the one engine's expert GPU seconds (a shared key's call once per step)
     doc["busy_fraction"][SHARED_KEYS] = work / doc["gpu_s"][SHARED_KEYS] if doc["gpu_s"][SHARED_KEYS] else 0.0
     doc["gpus_p50_p100"][SHARED_KEYS] = [float(np.percentile(gpus, 50)), float(gpus.max())]
+    keys = np.maximum(sk.held_bytes - busy * float(finetunes[0].model.non_expert_bytes), 0.0) / finetunes[0].model.expert_bytes
+    ready = {way: added_gpus(held, keys, finetunes[0].model.expert_move_s) for way, held in
+             (("shared-keys-batched", gpus), ("shared-keys-batched-sized", sized))}
     for i, (ft, line, m) in enumerate(zip(finetunes, lines, doc["models"])):
         own, base_keys, non_expert = (float(x) for x in sk.gb_s[i])
         m["own_experts"] = int(ft.replaced.sum())
@@ -141,8 +187,8 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
         alone = line.compute_s[windows] / (steps * ft.model.gpus)
         m["step_p99_s"][SHARED_KEYS] = stalled_p99(alone, sk.cold_starts[i][windows], steps, ft.model.expert_load_s)
         for way, held in (("shared-keys-batched", gpus), ("shared-keys-batched-sized", sized)):
-            m["step_p99_s"][way] = stalled_p99(sk.batched_step_s[windows] / held[windows], sk.cold_starts[i][windows],
-                                               steps, ft.model.expert_load_s)
+            m["step_p99_s"][way] = scaled_p99(sk.batched_step_s[windows], held[windows], ready[way][windows],
+                                              sk.cold_starts[i][windows], steps, s.step_s, ft.model.expert_load_s)
     for way in ALL_WAYS:  # each fine-tune's GPU-seconds: the pool's in the ratio of its GB·s
         total = sum(m["gb_s"][way] for m in doc["models"])
         for m in doc["models"]:

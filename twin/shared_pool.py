@@ -69,6 +69,12 @@ class PoolModel:
     alpha_s: float  # expert compute per (token, expert) pair on one GPU
     call_s: float  # one expert call's fixed cost (its weights read from GPU memory)
     popularity: np.ndarray
+    expert_peer_s: float | None = None  # one expert copied from a GPU of the pool holding it (None: from host)
+
+    @property
+    def expert_move_s(self) -> float:
+        """One resident expert moved onto another GPU of the pool: a peer copy, else a host load."""
+        return self.expert_load_s if self.expert_peer_s is None else self.expert_peer_s
 
     @property
     def layers(self) -> int:
@@ -108,6 +114,7 @@ class PoolSettings:
     seed: int = 0
     keep_warm: float = 0.0  # share of each layer's experts (the most popular) kept resident while asleep
     family_warm: bool = True  # shared keys: the base's held experts stay while any fine-tune of it is awake
+    step_hold_s: float = 2.0  # shared keys, pool sized for its step: a GPU added for the step stays this long unneeded
 
     @property
     def windows(self) -> int:

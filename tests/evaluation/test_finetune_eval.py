@@ -18,7 +18,7 @@ def test_a_quick_finetunes_run_writes_the_report(tmp_path):
     assert main(argv) == 0
     md = (tmp_path / "finetunes.md").read_text()
     for says in ("--finetunes 1 4 --replaced 0 0.15", "## The bases", "shared-keys GPU-s", "(run/gpu-seconds.png)",
-                 "## The targets", "batched (worst)", "mixtral-8x7b | 15% | 4 | 1 |"):
+                 "## The targets", "batched (worst)", "sized for its step SLO", "mixtral-8x7b | 15% | 4 | 1 |"):
         assert says in md, says
     run = json.loads((out / "run.json").read_text())
     cells = {(c["replaced"], c["finetunes"]): c for c in run["cells"]}
@@ -29,6 +29,7 @@ def test_a_quick_finetunes_run_writes_the_report(tmp_path):
     four = cells[0.15, 4]
     assert four["gpu_s"]["shared-keys"] < four["gpu_s"]["expert-grain"] <= four["gpu_s"]["whole-model"] + 1e-9
     assert sum(m["gb_s"]["shared-keys"] for m in four["models"]) == pytest.approx(four["gb_s_shared_keys"])
+    assert four["gpu_s_sized_for_step"] >= four["gpu_s"]["shared-keys"]  # the step's SLO only adds GPUs
     assert (out / "gpu-seconds.png").stat().st_size > 0 and (out / "finetunes.csv").read_text().count("\n") == 1 + 10
     assert main(["report", str(out)]) == 0 and (out / "report.md").read_text() == md.replace("](run/", "](")
 
@@ -54,6 +55,7 @@ def test_a_finetunes_run_beside_a_shared_pool_run_is_a_section_of_its_report(tmp
     (["--shared-pool", "--finetunes", "4", "--replaced", "1"], "--replaced: shares of a base's experts in [0, 1), got 1"),
     (["--shared-pool", "--replaced", "0.1"], "--replaced: give --finetunes N too"),
     (["--finetunes", "4"], "--finetunes and --replaced are for the shared pool"),
+    (["--shared-pool", "--finetunes", "4", "--step-hold", "-1"], "--step-hold: seconds, 0 or more; got -1"),
 ])
 def test_bad_finetune_flags_are_one_error_line(tmp_path, capsys, flags, says):
     assert main(["eval", "--quick", *flags, "--out", str(tmp_path / "x")]) == 2

@@ -7,10 +7,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from moeless.twin.finetunes import SHARED_KEYS, FineTune, evaluate_finetunes, make_finetune, replaced_counts, step_floor
+from moeless.twin.finetunes import (
+    SHARED_KEYS,
+    FineTune,
+    added_gpus,
+    evaluate_finetunes,
+    held_for,
+    make_finetune,
+    replaced_counts,
+    scaled_p99,
+    step_floor,
+)
 from moeless.twin.shared_keys import EvenSplit, even_shares, shared_keys_pass, wake_seconds
 from moeless.twin.shared_pool import PoolModel, PoolSettings, Requests, evaluate_pool, timelines
 
@@ -228,18 +240,53 @@ def test_a_batched_step_carries_every_busy_finetunes_tokens_and_a_pool_sized_for
         assert m["step_p99_s"]["shared-keys-batched-sized"] <= alone * 1.01
 
 
-def test_the_step_floor_is_g_for_one_finetune_and_grows_with_the_batched_work():
+def test_the_step_floor_is_at_most_g_for_one_finetune_and_grows_with_the_batched_work():
+    """One fine-tune's SLO is its dedicated p99 step: its own steps need at most its G GPUs (exactly G
+    in its slowest windows), twice the work up to twice the GPUs."""
     ft = _finetunes(_base(gpus=2), 1, 0.1)
     s = PoolSettings(**{**SETTINGS.__dict__, "gpu_bytes": 64 * GB})
     lines = timelines([ft[0].model], [_requests(0.05, 900, 3)], s)
     sk = shared_keys_pass([ft[0].model], ft[0].replaced[None], lines, s)
-    floor = step_floor(sk, lines, 2, s)
-    assert set(np.unique(floor[lines[0].busy])) == {2.0} and not floor[~lines[0].busy].any()
-    doubled = replace(sk, batched_step_s=2 * sk.batched_step_s)  # twice the work in every step: twice the GPUs
-    assert set(np.unique(step_floor(doubled, lines, 2, s)[lines[0].busy])) == {4.0}
+    slo = np.array([evaluate_finetunes(ft, [_requests(0.05, 900, 3)], s)["models"][0]["step_p99_s"]["dedicated"]])
+    floor = step_floor(sk.batched_step_s, lines, slo, 2, s)
+    busy = lines[0].busy
+    assert floor[busy].max() == 2.0 and floor[busy].min() >= 1.0 and not floor[~busy].any()
+    assert step_floor(2 * sk.batched_step_s, lines, slo, 2, s)[busy].max() == 4.0
+
+
+def test_the_step_floor_meets_every_busy_finetunes_slo_or_its_step_alone():
+    """Golden, G = 1, one step a window: batched steps of 3, 3, 3, 2 and 0 GPU-seconds; fine-tune 0 (SLO
+    2 s, alone 1 s a step) busy in windows 0-1 and 3, fine-tune 1 (SLO 1 s, alone 1.5 s in window 2) in
+    windows 1-2, fine-tune 2 (no SLO: never stepped outside a wake-up; alone 2 s) in window 3."""
+    busy = ([1, 1, 0, 1, 0], [0, 1, 1, 0, 0], [0, 0, 0, 1, 0])
+    alone = ([1, 1, 0, 1, 0], [0, 1, 1.5, 0, 0], [0, 0, 0, 2, 0])
+    lines = [SimpleNamespace(busy=np.array(b, bool), compute_s=np.array(a, float)) for b, a in zip(busy, alone)]
+    floor = step_floor(np.array([3.0, 3.0, 3.0, 2.0, 0.0]), lines, np.array([2.0, 1.0, 0.0]), 1,
+                       PoolSettings(window_s=1.0, step_s=1.0))
+    assert floor.tolist() == [2.0, 3.0, 2.0, 1.0, 0.0]
 
 
 def test_finetunes_of_different_bases_are_refused():
     with pytest.raises(ValueError, match="share its geometry"):
         evaluate_finetunes(_finetunes(_base(), 1, 0.1) + _finetunes(_base(experts=16), 1, 0.1),
                            [_requests(0.01, 900, 0)] * 2, SETTINGS)
+
+
+def test_gpus_added_for_a_step_load_their_share_before_its_steps_spread_over_them():
+    """Golden: 1, 3, 3, 2 GPUs holding 6 keys of 0.1 s each; the window growing to 3 GPUs loads 2 keys
+    a GPU (0.2 s: 2 of its 10 steps of 0.1 s run on the 1 GPU before), none other. Steps of 6 GPU
+    seconds take 6 s on 1 GPU, 2 s on 3: over that window and the next (20 steps) the p99 is 6 s; a load
+    of 0.05 s slows 1 step; a cold start stalls 1 step by its 0.5 s."""
+    ready = added_gpus(np.array([1.0, 3.0, 3.0, 2.0]), np.full(4, 6.0), 0.1)
+    assert ready.tolist() == [[1.0, 0.0], [1.0, pytest.approx(0.2)], [3.0, 0.0], [2.0, 0.0]]
+    p99 = scaled_p99(np.array([6.0, 6.0]), np.array([3.0, 3.0]), ready[1:3], np.zeros(2), 10, 0.1, 0.5)
+    assert p99 == pytest.approx(6.0)
+    assert scaled_p99(np.array([6.0]), np.array([3.0]), np.array([[1.0, 0.05]]), np.zeros(1), 10, 0.1, 0.5) == 6.0
+    assert scaled_p99(np.array([6.0]), np.array([3.0]), np.array([[3.0, 0.0]]), np.array([1]), 10, 0.1, 0.5) == 2.5
+    base = _base()  # a move copies from a peer GPU where the pool has the link's time, else loads from host
+    assert base.expert_move_s == base.expert_load_s and replace(base, expert_peer_s=1e-3).expert_move_s == 1e-3
+
+
+def test_a_gpu_added_for_the_step_is_held_its_delay_after_the_last_window_needing_it():
+    assert held_for(np.array([1.0, 3.0, 1.0, 1.0, 2.0, 0.0, 0.0]), 2).tolist() == [1.0, 3.0, 3.0, 3.0, 2.0, 2.0, 2.0]
+    assert held_for(np.array([1.0, 3.0, 1.0]), 0).tolist() == [1.0, 3.0, 1.0]
