@@ -98,6 +98,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     sp.add_argument("--step-hold", type=float, metavar="S",
                     help="with --finetunes: seconds a GPU added to keep the one engine's batched step within its SLO "
                          "stays after the last second that needed it (default 2)")
+    sp.add_argument("--step-lag", type=float, metavar="S",
+                    help="with --finetunes: seconds late that GPU's scaler sees the step's need (default 0: a scaler in "
+                         "the engine's step loop; 1: one that reads each second's figures after it)")
     sp.add_argument("--no-family-warm", dest="family_warm", action="store_false",
                     help="with --finetunes: no family warmth (the expert hosts' --no-family-warm): the base's experts "
                          "are neither loaded where a fine-tune holds its own nor kept past their keep-alive while a "
@@ -259,12 +262,14 @@ def _shared_pool_config(args: argparse.Namespace):
         raise DeploymentError(f"--{(bad[0] if bad else 'step_ms').removesuffix('_s').replace('_', '-')} must be positive")
     if not 0 <= args.keep_warm <= 1:
         raise DeploymentError(f"--keep-warm: a share of each layer's experts, 0..1; got {args.keep_warm:g}")
-    if args.step_hold is not None and not args.step_hold >= 0:
-        raise DeploymentError(f"--step-hold: seconds, 0 or more; got {args.step_hold:g}")
+    for flag, value in (("--step-hold", args.step_hold), ("--step-lag", args.step_lag)):
+        if value is not None and not value >= 0:
+            raise DeploymentError(f"{flag}: seconds, 0 or more; got {value:g}")
     settings = PoolSettings(**{k: (v if v is not None else getattr(settings, k)) for k, v in picked.items()},
                             step_s=args.step_ms / 1e3, seed=args.seed, keep_warm=args.keep_warm,
                             family_warm=args.family_warm,
-                            step_hold_s=settings.step_hold_s if args.step_hold is None else args.step_hold)
+                            step_hold_s=settings.step_hold_s if args.step_hold is None else args.step_hold,
+                            step_lag_s=settings.step_lag_s if args.step_lag is None else args.step_lag)
     gpus = args.gpu or [base.gpu]
     if len(gpus) != 1:
         raise DeploymentError(f"--gpu: the shared pool takes one GPU type, got {gpus}")

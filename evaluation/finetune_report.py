@@ -157,6 +157,9 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
              f"an expert evicted after {s['keep_alive_s']:g} s without a token"
              + ("; with shared keys the base stays whole while a fine-tune calls (the hosts' family warmth, "
                 "expert_fn/host/model_calls.py)" if s.get("family_warm", False) else "")
+             + (f"; the pool sized for its step's SLO keeps a GPU added for it {s['step_hold_s']:g} s, its scaler "
+                + (f"{s['step_lag_s']:g} s late" if s.get("step_lag_s") else "in the engine's step loop")
+                if "step_hold_s" in s else "")
              + ". Fine-tune i takes workload i mod "
              f"{len(run['workloads'])}: " + "; ".join(f"{j}: {w}" for j, w in enumerate(run["workloads"])) + ".", "",
              f"{h}# The bases", "",

@@ -62,10 +62,11 @@ class FineTuneConfig:
 
     def command(self, out: str) -> str:
         """The `moeless eval` command line that replays this run."""
-        hold = self.pool.settings.step_hold_s
+        s, default = self.pool.settings, PoolSettings()
+        knobs = [(flag, value) for flag, value, usual in (("--step-hold", s.step_hold_s, default.step_hold_s),
+                                                          ("--step-lag", s.step_lag_s, default.step_lag_s)) if value != usual]
         return self.pool.command(out, ("--finetunes", *map(str, self.finetunes), "--replaced",
-                                       *(f"{x:g}" for x in self.replaced),
-                                       *(["--step-hold", f"{hold:g}"] if hold != PoolSettings.step_hold_s else [])))
+                                       *(f"{x:g}" for x in self.replaced), *(a for f, v in knobs for a in (f, f"{v:g}"))))
 
 
 def evaluate_finetune_pools(config: FineTuneConfig, out: str | Path, progress: bool = True) -> dict:

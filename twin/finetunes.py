@@ -25,7 +25,8 @@ the same pool sized for that step too, by a step SLO per fine-tune (step_floor: 
 the GPUs that keep the batched step within the SLO of every fine-tune busy in it, or its own step
 alone where that is longer; the SLO here is the fine-tune's p99 step on its dedicated pool, what it
 had alone, so the pool meets that p99, not each window's step; held_for: an added GPU stays
-step_hold_s after the last window that needed it; `gpu_s_sized_for_step`, p99
+step_hold_s after the last window that needed it; seen_late: a scaler step_lag_s late, where the
+default 0 is one inside the engine's step loop; `gpu_s_sized_for_step`, p99
 "shared-keys-batched-sized"). A window's added GPUs come with its tokens, as the bytes' GPUs do here,
 the step's work spread evenly over them once they have copied their share of the experts from the
 GPUs holding them (scaled_p99: the steps until then run on the GPUs before); the whole-model
@@ -104,6 +105,11 @@ def step_floor(batched_step_s: np.ndarray, lines: list, slo_s: np.ndarray, gpus:
     return np.where(np.isfinite(limit), np.ceil(need * (1 - 1e-9) - 1e-9), 0.0)  # need = G exactly: G, not G + 1
 
 
+def seen_late(floor: np.ndarray, windows: int) -> np.ndarray:
+    """floor [W] GPUs as a scaler that sees each window's need `windows` windows later holds them."""
+    return np.concatenate([np.zeros(min(windows, len(floor))), floor[:len(floor) - windows]]) if windows else floor
+
+
 def held_for(floor: np.ndarray, windows: int) -> np.ndarray:
     """floor [W] GPUs, each kept `windows` more windows after the last that needed it (a scale-down
     delay: every scale-up copies experts onto the added GPUs, which the steps wait for)."""
@@ -158,7 +164,8 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     busy = np.any([line.busy for line in lines], axis=0)
     gpus = shared_gpus(sk, finetunes, busy, s)
     slo = np.array([m["step_p99_s"]["dedicated"] for m in doc["models"]])  # each fine-tune's step SLO
-    floor = held_for(step_floor(sk.batched_step_s, lines, slo, finetunes[0].model.gpus, s), int(round(s.step_hold_s / s.window_s)))
+    need = step_floor(sk.batched_step_s, lines, slo, finetunes[0].model.gpus, s)
+    floor = held_for(seen_late(need, int(round(s.step_lag_s / s.window_s))), int(round(s.step_hold_s / s.window_s)))
     sized = shared_gpus(sk, finetunes, busy, s, floor=floor)
     pool_gb_s = float(sk.held_bytes.sum() * s.window_s / 1e9)
     doc["gpu_s"][SHARED_KEYS] = float(gpus.sum() * s.window_s)

@@ -115,6 +115,7 @@ class PoolSettings:
     keep_warm: float = 0.0  # share of each layer's experts (the most popular) kept resident while asleep
     family_warm: bool = True  # shared keys: the base's held experts stay while any fine-tune of it is awake
     step_hold_s: float = 2.0  # shared keys, pool sized for its step: a GPU added for the step stays this long unneeded
+    step_lag_s: float = 0.0  # ... and its scaler sees a window's need this late (0: a scaler in the engine's step loop)
 
     @property
     def windows(self) -> int:

@@ -14,10 +14,10 @@ from moeless.cli import main
 def test_a_quick_finetunes_run_writes_the_report(tmp_path):
     out = tmp_path / "run"
     argv = ["eval", "--shared-pool", "--quick", "--finetunes", "1", "4", "--replaced", "0", "0.15", "--geometry",
-            "mixtral-8x7b", "--levels", "1", "--out", str(out), "--markdown", str(tmp_path / "finetunes.md")]
+            "mixtral-8x7b", "--levels", "1", "--step-lag", "1", "--out", str(out), "--markdown", str(tmp_path / "finetunes.md")]
     assert main(argv) == 0
     md = (tmp_path / "finetunes.md").read_text()
-    for says in ("--finetunes 1 4 --replaced 0 0.15", "## The bases", "shared-keys GPU-s", "(run/gpu-seconds.png)",
+    for says in ("--finetunes 1 4 --replaced 0 0.15 --step-lag 1 --out", "## The bases", "shared-keys GPU-s", "(run/gpu-seconds.png)",
                  "## The targets", "batched (worst)", "sized for its step SLO", "mixtral-8x7b | 15% | 4 | 1 |"):
         assert says in md, says
     run = json.loads((out / "run.json").read_text())
@@ -56,6 +56,7 @@ def test_a_finetunes_run_beside_a_shared_pool_run_is_a_section_of_its_report(tmp
     (["--shared-pool", "--replaced", "0.1"], "--replaced: give --finetunes N too"),
     (["--finetunes", "4"], "--finetunes and --replaced are for the shared pool"),
     (["--shared-pool", "--finetunes", "4", "--step-hold", "-1"], "--step-hold: seconds, 0 or more; got -1"),
+    (["--shared-pool", "--finetunes", "4", "--step-lag", "-0.5"], "--step-lag: seconds, 0 or more; got -0.5"),
 ])
 def test_bad_finetune_flags_are_one_error_line(tmp_path, capsys, flags, says):
     assert main(["eval", "--quick", *flags, "--out", str(tmp_path / "x")]) == 2

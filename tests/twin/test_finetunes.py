@@ -21,6 +21,7 @@ from moeless.twin.finetunes import (
     make_finetune,
     replaced_counts,
     scaled_p99,
+    seen_late,
     step_floor,
 )
 from moeless.twin.shared_keys import EvenSplit, even_shares, shared_keys_pass, wake_seconds
@@ -290,3 +291,8 @@ def test_gpus_added_for_a_step_load_their_share_before_its_steps_spread_over_the
 def test_a_gpu_added_for_the_step_is_held_its_delay_after_the_last_window_needing_it():
     assert held_for(np.array([1.0, 3.0, 1.0, 1.0, 2.0, 0.0, 0.0]), 2).tolist() == [1.0, 3.0, 3.0, 3.0, 2.0, 2.0, 2.0]
     assert held_for(np.array([1.0, 3.0, 1.0]), 0).tolist() == [1.0, 3.0, 1.0]
+
+
+def test_a_scaler_a_window_late_holds_each_windows_need_in_the_next():
+    assert seen_late(np.array([1.0, 3.0, 2.0]), 1).tolist() == [0.0, 1.0, 3.0]
+    assert seen_late(np.array([1.0, 3.0]), 0).tolist() == [1.0, 3.0] and seen_late(np.array([1.0]), 2).tolist() == [0.0]
