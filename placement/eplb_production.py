@@ -22,6 +22,11 @@ What they do, and so what this planner does:
    the memory both layouts hold meanwhile: twin.py), and the old layout's replicas it dropped are
    let go then (`Placement.release`, as moeless's moved homes: evicted, not held for keep-alive).
 
+A planning loop that restarts while a rebalanced layout is resident takes that layout up again
+(`adopt`: the hosts' resident replicas, where every expert is held and no GPU holds more than its
+share of the layer's replicas) instead of going back to the trivial start; its statistics
+begin anew, the next rebalance `first` iterations on.
+
 The twin replays it with the "previous" forecast kind, whose entry at iteration i is iteration
 i - 1's actual loads (what the gates reported).
 """
@@ -35,7 +40,8 @@ import numpy as np
 
 from moeless.placement.cluster import Cluster
 from moeless.placement.eplb import rebalance_experts
-from moeless.placement.types import Placement, PlacementError
+from moeless.placement.moeless_planners import PlannerState
+from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
 def production_replicas(num_experts: int, redundant: int, num_gpus: int) -> int:
     """Replicas per layer: E + N rounded up to a multiple of the GPUs."""
@@ -49,7 +55,20 @@ def production_eplb() -> Callable:
     config.eplb_redundant copies per layer (None: E / 8), rebalanced after eplb_first_rebalance
     iterations and then every eplb_rebalance_every on the loads summed since the last rebalance
     (module docstring)."""
-    state: dict = {"calls": 0, "window": None, "plan": None, "next": None, "left": set(), "out": None}
+    return production_eplb_with_state()[0]
+
+
+def production_eplb_with_state() -> tuple[Callable, PlannerState]:
+    """production_eplb's plan function and its state (adopt: what the hosts hold [L, E, G] at a
+    restarted loop's start, taken up as the layout where it is one of this planner's)."""
+    state: dict = {"calls": 0, "window": None, "plan": None, "next": None, "left": set(), "out": None,
+                   "held": None, "adopted": False}
+
+    def adopt(held: np.ndarray) -> None:
+        state["held"] = np.asarray(held, dtype=bool)
+
+    def describe() -> list[str]:
+        return ["production EPLB took up the layout resident at its start"] if state["adopted"] else []
 
     def plan(forecast: np.ndarray, cluster: Cluster, previous: Placement | None, config) -> Placement:
         num_layers, num_experts = forecast.shape
@@ -60,7 +79,12 @@ def production_eplb() -> Callable:
                              f"{config.eplb_first_rebalance}")
         state["window"] = forecast.copy() if state["window"] is None else state["window"] + forecast
         if state["plan"] is None:
-            state["plan"] = _fits(trivial_layout(num_layers, num_experts, replicas, cluster.num_gpus), replicas, cluster)
+            held, state["held"] = state["held"], None  # used once, at the first plan
+            resident = held_layout(held, replicas, cluster.num_gpus) if held is not None and held.shape == (
+                num_layers, num_experts, cluster.num_gpus) else None
+            state["adopted"] = resident is not None
+            start = resident if resident is not None else trivial_layout(num_layers, num_experts, replicas, cluster.num_gpus)
+            state["plan"] = _fits(start, replicas, cluster)
             state["next"] = config.eplb_first_rebalance
         if state["calls"] == state["next"]:
             old, state["plan"] = state["plan"], _eplb(state["window"], replicas, cluster)
@@ -78,7 +102,21 @@ def production_eplb() -> Callable:
             state["out"] = replace(state["plan"], release=np.array(sorted(left), np.int64).reshape(-1, 3))
         return state["out"]
 
-    return plan
+    return plan, PlannerState(learn=lambda actual: None, adopt=adopt, describe=describe)
+
+
+def held_layout(held: np.ndarray, replicas: int, num_gpus: int) -> Placement | None:
+    """The layout of held [L, E, G] bool (a restarted loop's resident replicas) where it can be one
+    this planner made: every expert held and no GPU holding more than replicas / G of a layer's;
+    else None. EPLB may give one GPU two of an expert's slots, which its host holds as one replica,
+    so the layout is the replicas held, tokens split evenly over each expert's."""
+    if replicas % num_gpus or (held.sum(axis=1) > replicas // num_gpus).any() or not held.any(axis=2).all():
+        return None
+    layers = []
+    for layer in held:
+        expert, gpu = np.nonzero(layer)
+        layers.append(LayerPlacement.even(expert, gpu, held.shape[1]))
+    return Placement(tuple(layers), held.shape[1], num_gpus)
 
 
 def trivial_layout(num_layers: int, num_experts: int, replicas: int, num_gpus: int) -> Placement:

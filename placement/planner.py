@@ -31,7 +31,7 @@ from moeless.placement.oracle import oracle_load
 from moeless.placement.placer import place_jsq_warm, place_round_robin
 from moeless.placement.planner_config import PlannerConfig
 from moeless.placement.eplb_planners import check_memory, plan_eplb, plan_eplb_window
-from moeless.placement.eplb_production import production_eplb
+from moeless.placement.eplb_production import production_eplb, production_eplb_with_state
 from moeless.placement.fill_placer import place_fill
 from moeless.placement.full_replication import plan_full_replication
 from moeless.placement.layer_plans import plan_layers
@@ -68,7 +68,8 @@ class Planner:
 
     def adopt(self, resident: np.ndarray) -> None:
         """What the hosts hold, for a planner made while replicas are resident (a restarted loop):
-        resident [L, E, G] bool, loaded replicas on live hosts. moeless takes its homes from it; the others ignore it."""
+        resident [L, E, G] bool, loaded replicas on live hosts. moeless takes its homes from it and
+        production EPLB its layout; the others ignore it."""
         if self.state is not None:
             self.state.adopt(np.asarray(resident, dtype=bool))
 
@@ -217,7 +218,9 @@ SAMPLE_PLANNERS = frozenset({"moeless-sets"})
 
 
 # Planners with state: a fresh plan function per get_planner call.
-STATEFUL_PLANNERS: dict[str, Callable[[], PlanFn]] = {"eplb-window": plan_eplb_window, "eplb-production": production_eplb}
+# A factory returns the plan function, or (plan function, PlannerState) where its state learns or adopts.
+STATEFUL_PLANNERS: dict[str, Callable[[], "PlanFn | tuple[PlanFn, PlannerState]"]] = {
+    "eplb-window": plan_eplb_window, "eplb-production": production_eplb_with_state}
 
 
 def initial_placement(planner: Planner, cluster: Cluster, num_layers: int, num_experts: int) -> Placement:
@@ -234,7 +237,9 @@ def get_planner(spec: str, config: PlannerConfig | None = None) -> Planner:
     """A planner by name (a key of PLANNERS or STATEFUL_PLANNERS) or "module:function" naming a PlanFn."""
     config = config or PlannerConfig()
     if spec in STATEFUL_PLANNERS:
-        return Planner(spec, STATEFUL_PLANNERS[spec](), config)
+        made = STATEFUL_PLANNERS[spec]()
+        plan_fn, state = made if isinstance(made, tuple) else (made, None)
+        return Planner(spec, plan_fn, config, state=state)
     if spec in PLANNERS:
         fn = PLANNERS[spec]
         if isinstance(fn, Fresh):

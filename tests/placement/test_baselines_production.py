@@ -8,6 +8,7 @@ import pytest
 from moeless.placement.cluster import Cluster
 from moeless.placement.eplb_production import production_eplb, production_replicas, trivial_layout
 from moeless.placement.full_replication import plan_full_replication
+from moeless.placement.planner import get_planner
 from moeless.placement.planner_config import PlannerConfig
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
@@ -64,6 +65,39 @@ def test_it_starts_from_sglang_s_trivial_layout_static_ep_s_blocks_with_the_copi
     static = Placement.static(3, 8, 4)
     assert all(a.expert.tolist() == b.expert.tolist() and a.gpu.tolist() == b.gpu.tolist()
                for a, b in zip(first.layers, static.layers))
+
+
+def test_a_restarted_loop_takes_up_the_rebalanced_layout_resident_on_the_hosts():
+    """A loop restarted after a rebalance (E = 4 on 2 GPUs, N = 0: experts 0 and 2 on GPU 0, 1 and 3
+    on GPU 1) starts from what the hosts hold, not the trivial layout, and says so; a resident set
+    that is not one of its layouts (a GPU with 3 of the layer's 4, or an expert missing) is not. With
+    N = 2 (6 slots, 3 a GPU) a GPU that had two slots of expert 0 holds it once: taken up as held."""
+    config = PlannerConfig(eplb_redundant=0, eplb_first_rebalance=5)
+    cluster, hot = Cluster.uniform(2, 8, 1), np.ones((1, 4))
+    held = np.zeros((1, 4, 2), bool)
+    held[0, [0, 2], 0] = held[0, [1, 3], 1] = True
+    planner = get_planner("eplb-production", config)
+    planner.adopt(held)
+    layer = planner(hot, cluster).layers[0]
+    assert sorted(zip(layer.gpu.tolist(), layer.expert.tolist())) == [(0, 0), (0, 2), (1, 1), (1, 3)]
+    assert planner.describe() == ["production EPLB took up the layout resident at its start"]
+    lopsided = held.copy()
+    lopsided[0, 1, 0] = True  # GPU 0 holds 3
+    missing = held.copy()
+    missing[0, 3, 1] = False
+    for bad in (lopsided, missing):
+        other = get_planner("eplb-production", config)
+        other.adopt(bad)
+        first = other(hot, cluster).layers[0]
+        assert sorted(zip(first.gpu.tolist(), first.expert.tolist())) == [(0, 0), (0, 1), (1, 2), (1, 3)]
+        assert other.describe() == []
+    doubled = held.copy()
+    doubled[0, 1, 0] = True  # GPU 0: experts 0 (two slots, one replica), 1 and 2; GPU 1: 1 and 3
+    redundant = get_planner("eplb-production", PlannerConfig(eplb_redundant=2, eplb_first_rebalance=5))
+    redundant.adopt(doubled)
+    layer = redundant(hot, cluster).layers[0]
+    assert sorted(zip(layer.gpu.tolist(), layer.expert.tolist())) == [(0, 0), (0, 1), (0, 2), (1, 1), (1, 3)]
+    assert layer.logcnt(4).tolist() == [1, 2, 1, 1] and redundant.describe() != []
 
 
 def test_a_layout_that_does_not_fit_is_refused_by_name():

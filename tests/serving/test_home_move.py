@@ -126,21 +126,23 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
     finally:  # the loop runs on while old homes are released (moeless evicts them from it)
         loop.stop()
     try:
-        if planner == "moeless":
-            _a_restarted_loop_keeps_the_moved_homes(settings, source, clients, published, sent, moved, model, g)
+        still = {"moeless": ({"home_moves_first": 1000}, "where the hosts held them"),  # no move of its own meanwhile
+                 "eplb-production": ({**extra, "eplb_first_rebalance": 1000}, "took up the layout resident")}[planner]
+        _a_restarted_loop_keeps_the_moved_homes(settings, source, clients, published, sent, moved, model, g, *still)
     finally:
         for c in clients:
             c.close()
 
 
-def _a_restarted_loop_keeps_the_moved_homes(settings, source, clients, published, sent, moved, model, g):
-    """The loop made again over the same hosts (a restarted controller): it adopts the homes they
-    hold, so it loads none of the old homes back and routes each moved expert where it was moved."""
+def _a_restarted_loop_keeps_the_moved_homes(settings, source, clients, published, sent, moved, model, g, extra, says):
+    """The loop made again over the same hosts (a restarted controller): it adopts the homes (moeless)
+    or the layout (production EPLB) they hold, so it loads none of the old homes back and routes each
+    moved expert where it was moved; its planner says so (`says` in its first line)."""
     sent.clear()
     old = {r for _, r in moved if r not in _replicas(published[-1][1])}
     assert old and not old & _held(clients)
     count = len(published)
-    settings = dataclasses.replace(settings, planner_extra={"home_moves_first": 1000})  # no move of its own meanwhile
+    settings = dataclasses.replace(settings, planner_extra=extra)
     loop = actor.PlanLoop.__ray_metadata__.modified_class(settings)
     live = LiveExecutor(RemoteExecutor(clients, source), settings.num_layers, settings.num_experts, replica="test",
                         sink=loop.report)
@@ -152,6 +154,6 @@ def _a_restarted_loop_keeps_the_moved_homes(settings, source, clients, published
         assert len(published) > count and loop.state()["plans"] >= 5 and loop.state()["errors"] == 0
         assert not set(sent) & old, f"the restarted loop loaded old homes back: {sorted(set(sent) & old)}"
         assert not old & _replicas(published[-1][1]) and not old & _held(clients)
-        assert loop._planner.describe()[0].startswith("homes: ") and "where the hosts held them" in loop._planner.describe()[0]
+        assert says in loop._planner.describe()[0], loop._planner.describe()
     finally:
         loop.stop()
