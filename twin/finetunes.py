@@ -100,8 +100,9 @@ def step_floor(batched_step_s: np.ndarray, lines: list, slo_s: np.ndarray, gpus:
     steps = s.window_s / s.step_s
     busy = np.stack([line.busy for line in lines])
     alone = np.stack([line.compute_s for line in lines]) / (steps * gpus)
-    limit = np.where(busy, np.maximum(slo_s[:, None], alone), np.inf).min(axis=0)
-    need = batched_step_s / np.where((limit > 0) & np.isfinite(limit), limit, 1.0)
+    each = np.maximum(slo_s[:, None], alone)
+    limit = np.where(busy & (each > 0), each, np.inf).min(axis=0)  # a fine-tune with neither bounds nothing
+    need = batched_step_s / np.where(np.isfinite(limit), limit, 1.0)
     return np.where(np.isfinite(limit), np.ceil(need * (1 - 1e-9) - 1e-9), 0.0)  # need = G exactly: G, not G + 1
 
 
@@ -177,7 +178,8 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     work = float(sk.batched_step_s.sum() * steps)  # the one engine's expert GPU seconds (a shared key's call once per step)
     doc["busy_fraction"][SHARED_KEYS] = work / doc["gpu_s"][SHARED_KEYS] if doc["gpu_s"][SHARED_KEYS] else 0.0
     doc["gpus_p50_p100"][SHARED_KEYS] = [float(np.percentile(gpus, 50)), float(gpus.max())]
-    keys = np.maximum(sk.held_bytes - busy * float(finetunes[0].model.non_expert_bytes), 0.0) / finetunes[0].model.expert_bytes
+    awake = np.any([line.awake for line in lines], axis=0)  # the non-expert weights held (shared_keys_pass)
+    keys = np.maximum(sk.held_bytes - awake * float(finetunes[0].model.non_expert_bytes), 0.0) / finetunes[0].model.expert_bytes
     ready = {way: added_gpus(held, keys, finetunes[0].model.expert_move_s) for way, held in
              (("shared-keys-batched", gpus), ("shared-keys-batched-sized", sized))}
     for i, (ft, line, m) in enumerate(zip(finetunes, lines, doc["models"])):
