@@ -100,7 +100,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                          "stays after the last second that needed it (default 2)")
     sp.add_argument("--step-lag", type=float, metavar="S",
                     help="with --finetunes: seconds late that GPU's scaler sees the step's need (default 0: a scaler in "
-                         "the engine's step loop; 1: one that reads each second's figures after it)")
+                         "the engine's step loop; under a window, e.g. 0.02: the GPUs it adds take their part that much "
+                         "later; 1: one that reads each second's figures after it)")
     sp.add_argument("--no-family-warm", dest="family_warm", action="store_false",
                     help="with --finetunes: no family warmth (the expert hosts' --no-family-warm): the base's experts "
                          "are neither loaded where a fine-tune holds its own nor kept past their keep-alive while a "

@@ -25,9 +25,9 @@ the same pool sized for that step too, by a step SLO per fine-tune (step_floor: 
 the GPUs that keep the batched step within the SLO of every fine-tune busy in it, or its own step
 alone where that is longer; the SLO here is the fine-tune's p99 step on its dedicated pool, what it
 had alone, so the pool meets that p99, not each window's step; held_for: an added GPU stays
-step_hold_s after the last window that needed it; seen_late: a scaler step_lag_s late, where the
-default 0 is one inside the engine's step loop; `gpu_s_sized_for_step`, p99
-"shared-keys-batched-sized"). A window's added GPUs come with its tokens, as the bytes' GPUs do here,
+step_hold_s after the last window that needed it; seen_late: a scaler step_lag_s late, whole windows
+later, the rest within the window (added_gpus), where the default 0 is one inside the engine's step
+loop; `gpu_s_sized_for_step`, p99 "shared-keys-batched-sized"). A window's added GPUs come with its tokens, as the bytes' GPUs do here,
 the step's work spread evenly over them once they have copied their share of the experts from the
 GPUs holding them (scaled_p99: the steps until then run on the GPUs before); the whole-model
 pool is not sized for compute. A fine-tune's GPU-seconds in a shared pool are the pool's in the ratio
@@ -125,22 +125,26 @@ def scaled_p99(step_s: np.ndarray, held: np.ndarray, ready: np.ndarray, cold: np
     """The p99 step time of windows of `steps` steps (each step_len_s long) taking step_s [n] GPU seconds
     spread over held [n] GPUs, where ready [n, 2] (added_gpus: the GPUs before, the seconds the added
     ones load) keeps a window's first steps on the GPUs of the window before, and each of its cold [n]
-    cold starts stalls a step of its own by load_s (twin/shared_pool.stalled_p99)."""
+    cold starts stalls a step of its own by load_s (twin/shared_pool.stalled_p99), the window's other
+    steps first, so that a later scale-up never shortens the p99."""
     slow = np.minimum(np.ceil(ready[:, 1] / step_len_s - 1e-9), steps)
-    stalled = np.minimum(cold, steps - slow)
+    stalled = np.minimum(cold, steps - slow)  # the cold starts stall the window's other steps first,
+    stalled_slow = np.minimum(cold - stalled, slow)  # then those on the GPUs before
     before = np.maximum(ready[:, 0], 1.0)
-    return weighted_p99(np.concatenate([step_s / held, step_s / before, step_s / held + load_s]),
-                        np.concatenate([steps - slow - stalled, slow, stalled]))
+    return weighted_p99(np.concatenate([step_s / held, step_s / held + load_s, step_s / before, step_s / before + load_s]),
+                        np.concatenate([steps - slow - stalled, stalled, slow - stalled_slow, stalled_slow]))
 
 
-def added_gpus(held: np.ndarray, keys: np.ndarray, move_s: float) -> np.ndarray:
+def added_gpus(held: np.ndarray, keys: np.ndarray, move_s: float, late_s: float = 0.0) -> np.ndarray:
     """[W, 2]: for each window where the pool holds more GPUs (held [W]) than in the window before and
-    had some then, those GPUs and the seconds the added ones take to take over their even share of the
-    keys [W] held (keys / held each, copied from the GPUs that hold them, move_s an expert:
-    PoolModel.expert_move_s); elsewhere (held, 0)."""
+    had some then, those GPUs and the seconds until the added ones take their part: late_s (a scaler
+    that sees the need that far into the window) plus their even share of the keys [W] held (keys /
+    held each, copied from the GPUs that hold them, move_s an expert: PoolModel.expert_move_s);
+    elsewhere (held, 0)."""
     prev = np.concatenate([[0.0], held[:-1]])
     grows = (prev > 0) & (held > prev)
-    return np.stack([np.where(grows, prev, held), np.where(grows, keys / np.maximum(held, 1.0) * move_s, 0.0)], axis=1)
+    copy_s = late_s + keys / np.maximum(held, 1.0) * move_s
+    return np.stack([np.where(grows, prev, held), np.where(grows, copy_s, 0.0)], axis=1)
 
 
 def shared_gpus(sk: SharedKeys, finetunes: list[FineTune], busy: np.ndarray, s: PoolSettings,
@@ -166,7 +170,8 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     gpus = shared_gpus(sk, finetunes, busy, s)
     slo = np.array([m["step_p99_s"]["dedicated"] for m in doc["models"]])  # each fine-tune's step SLO
     need = step_floor(sk.batched_step_s, lines, slo, finetunes[0].model.gpus, s)
-    floor = held_for(seen_late(need, int(round(s.step_lag_s / s.window_s))), int(round(s.step_hold_s / s.window_s)))
+    lag_windows = int(s.step_lag_s / s.window_s + 1e-9)  # a lag within a window delays its added GPUs (added_gpus)
+    floor = held_for(seen_late(need, lag_windows), int(round(s.step_hold_s / s.window_s)))
     sized = shared_gpus(sk, finetunes, busy, s, floor=floor)
     pool_gb_s = float(sk.held_bytes.sum() * s.window_s / 1e9)
     doc["gpu_s"][SHARED_KEYS] = float(gpus.sum() * s.window_s)
@@ -180,8 +185,9 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     doc["gpus_p50_p100"][SHARED_KEYS] = [float(np.percentile(gpus, 50)), float(gpus.max())]
     awake = np.any([line.awake for line in lines], axis=0)  # the non-expert weights held (shared_keys_pass)
     keys = np.maximum(sk.held_bytes - awake * float(finetunes[0].model.non_expert_bytes), 0.0) / finetunes[0].model.expert_bytes
-    ready = {way: added_gpus(held, keys, finetunes[0].model.expert_move_s) for way, held in
-             (("shared-keys-batched", gpus), ("shared-keys-batched-sized", sized))}
+    late_s = s.step_lag_s - lag_windows * s.window_s
+    ready = {way: added_gpus(held, keys, finetunes[0].model.expert_move_s, late) for way, held, late in
+             (("shared-keys-batched", gpus, 0.0), ("shared-keys-batched-sized", sized, late_s))}
     for i, (ft, line, m) in enumerate(zip(finetunes, lines, doc["models"])):
         own, base_keys, non_expert = (float(x) for x in sk.gb_s[i])
         m["own_experts"] = int(ft.replaced.sum())

@@ -293,6 +293,24 @@ def test_a_gpu_added_for_the_step_is_held_its_delay_after_the_last_window_needin
     assert held_for(np.array([1.0, 3.0, 1.0]), 0).tolist() == [1.0, 3.0, 1.0]
 
 
+def test_a_scaler_late_within_a_window_keeps_its_gpus_but_runs_more_of_its_steps_on_those_before():
+    """Golden: 0.15 s late, the window growing to 3 GPUs waits 0.15 s + its 0.2 s of copies (4 of its
+    10 steps of 0.1 s on the 1 GPU before, against 2 in time). In the twin: a lag under one window holds
+    the same GPUs as none and its batched p99 is no shorter; a lag of a whole window holds them a window later."""
+    ready = added_gpus(np.array([1.0, 3.0, 3.0]), np.full(3, 6.0), 0.1, late_s=0.15)
+    assert ready.tolist() == [[1.0, 0.0], [1.0, pytest.approx(0.35)], [3.0, 0.0]]
+    fts = _finetunes(_base(), 2, 0.05)
+    both = _requests(0.05, 900, 7)
+    docs = {lag: evaluate_finetunes(fts, [both, both], PoolSettings(**{**SETTINGS.__dict__, "gpu_bytes": 64 * GB,
+                                                                       "step_lag_s": lag}))
+            for lag in (0.0, SETTINGS.window_s / 2, SETTINGS.window_s)}
+    early, within, late = docs.values()
+    assert within["gpu_s_sized_for_step"] == early["gpu_s_sized_for_step"] != late["gpu_s_sized_for_step"]
+    for a, b in zip(early["models"], within["models"]):
+        assert b["step_p99_s"]["shared-keys-batched-sized"] >= a["step_p99_s"]["shared-keys-batched-sized"]
+        assert b["step_p99_s"]["shared-keys-batched"] == a["step_p99_s"]["shared-keys-batched"]
+
+
 def test_a_scaler_a_window_late_holds_each_windows_need_in_the_next():
     assert seen_late(np.array([1.0, 3.0, 2.0]), 1).tolist() == [0.0, 1.0, 3.0]
     assert seen_late(np.array([1.0, 3.0]), 0).tolist() == [1.0, 3.0] and seen_late(np.array([1.0]), 2).tolist() == [0.0]
