@@ -12,7 +12,7 @@ from statistics import median
 from moeless.evaluation.finetune_run import FORMAT
 from moeless.evaluation.plots import _figure as figure, _save
 from moeless.evaluation.report import NOTES_FILE, load_run, rows_csv, write_markdown, write_text
-from moeless.twin.finetunes import ALL_WAYS, SHARED_KEYS
+from moeless.twin.finetunes import ALL_WAYS, GATED, SHARED_KEYS, SIZED
 
 TARGET_P99 = 1.1  # each fine-tune's p99 MoE time per step outside wake-ups / its dedicated pool's (as the shared pool's)
 TARGET_RATIO = 0.3  # shared-keys GPU-seconds / the whole-model pool's, 16 fine-tunes at 1 request a minute
@@ -60,7 +60,8 @@ def rows(run: dict) -> list[dict]:
                         "cold_starts_expert_grain": m["cold_starts_outside_wakes"],
                         "cold_starts_shared_keys": m["cold_starts_outside_wakes_shared_keys"],
                         **{f"step_p99_s_{w}": m["step_p99_s"][w] for w in ("dedicated", SHARED_KEYS, "shared-keys-batched",
-                                                                            "shared-keys-batched-sized")}})
+                                                                            SIZED, GATED)},
+                        "scale_up_waited": m["scale_up_waits"]["waited"], "scale_up_wait_p99_s": m["scale_up_waits"]["p99"]})
     return out
 
 
@@ -85,7 +86,9 @@ def acceptance(run: dict) -> list[dict]:
         alone = _worst(_ratio(m, SHARED_KEYS) for m in c["models"])
         batched = _worst(_ratio(m, "shared-keys-batched") for m in c["models"])
         sized = c["gpu_s_sized_for_step"] / gpu["whole-model"] if gpu["whole-model"] else None
-        sized_p99 = _worst(_ratio(m, "shared-keys-batched-sized") for m in c["models"])
+        sized_p99 = _worst(_ratio(m, SIZED) for m in c["models"])
+        gated_p99 = _worst(_ratio(m, GATED) for m in c["models"])
+        waits = [m["scale_up_waits"]["p99"] / m["whole_load_s"] for m in c["models"] if m["scale_up_waits"]["count"]]
         wake = _worst(m["wake_s"]["shared-keys-base-warm"]["p99"] / m["whole_load_s"]
                       for m in c["models"] if m["wake_s"]["shared-keys-base-warm"]["count"])
         out.append({"base": c["base"], "replaced": c["replaced"], "finetunes": c["finetunes"],
@@ -97,6 +100,10 @@ def acceptance(run: dict) -> list[dict]:
                     "p99_batched_worst": batched, "p99_batched_met": None if batched is None else batched <= TARGET_P99,
                     "sized_gpu_s_ratio_to_whole_model": sized, "sized_p99_batched_worst": sized_p99,
                     "sized_met": None if sized is None or sized_p99 is None else sized <= TARGET_RATIO and sized_p99 <= TARGET_P99,
+                    "gated_p99_batched_worst": gated_p99,
+                    "gated_met": None if sized is None or gated_p99 is None else sized <= TARGET_RATIO and gated_p99 <= TARGET_P99,
+                    "gated_waited_worst": max(m["scale_up_waits"]["waited"] for m in c["models"]),
+                    "gated_wait_p99_of_whole_wake_worst": max(waits) if waits else None,
                     "wake_base_warm_worst": wake, "wake_met": None if wake is None else wake < TARGET_WAKE})
     return out
 
@@ -187,10 +194,10 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
               "wake-ups of the fine-tune whose batched ratio is the worst: dedicated / shared keys alone (its own tokens, "
               "its cold starts: the house figure of docs/shared-pool.md) / batched (every busy fine-tune's tokens in the "
               "engine's step) / batched on a pool sized for that step (each busy fine-tune's step SLO: its dedicated "
-              "p99 step; twin/finetunes.step_floor).", "",
+              "p99 step; twin/finetunes.step_floor) / the same with newcomers waiting for a scale-up (gated).", "",
               "| base | replaced | fine-tunes | requests/min | GB·s whole-model | GB·s shared keys | of which own / base / "
               "non-expert (medians) | shared keys / whole-model | wake p99 s: whole-model / base warm (wake-ups with the "
-              "base warm / all) | p99 MoE ms per step: dedicated / alone / batched / batched, sized |",
+              "base warm / all) | p99 MoE ms per step: dedicated / alone / batched / batched, sized / same, gated |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in run["cells"]:
         ms = c["models"]
@@ -201,7 +208,7 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
             f" ({sum(m['wake_s']['shared-keys-base-warm']['count'] for m in ms)} / {sum(m['wake_ups'] for m in ms)})"
         worst = max(ms, key=lambda m: _ratio(m, "shared-keys-batched") or 0.0)
         p99 = " / ".join(f"{worst['step_p99_s'][w] * 1e3:.2f}" for w in ("dedicated", SHARED_KEYS, "shared-keys-batched",
-                                                                          "shared-keys-batched-sized"))
+                                                                          SIZED, GATED))
         lines.append(f"| {c['base']} | {c['replaced']:.0%} | {c['finetunes']} | {c['requests_per_minute']:g} | "
                      f"{_spread([m['gb_s']['whole-model'] for m in ms])} | {_spread([m['gb_s'][SHARED_KEYS] for m in ms])} | "
                      f"{parts} | {_spread(ratios, '{:.3f}') if ratios else '–'} | {wakes} | {p99} |")
@@ -210,7 +217,9 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
               f"| base | replaced | fine-tunes | requests/min | shared keys / whole-model GPU-s <= {TARGET_RATIO} | "
               f"p99 per step <= {TARGET_P99}x dedicated, alone (worst) | batched (worst) | base-warm wake < "
               f"{TARGET_WAKE:.0%} of a whole-model wake (worst p99) | the one engine on a pool sized for its step "
-              "SLO: both (GPU-s ratio, batched p99 worst) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "SLO: both (GPU-s ratio, batched p99 worst) | same, newcomers waiting for a scale-up: both (batched p99 "
+              "worst; requests waiting, their p99 wait / a whole-model wake, worst) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for k in checks:
         b = "**" if k["must_show"] else ""
         lines.append(f"| {b}{k['base']}{b} | {k['replaced']:.0%} | {b}{k['finetunes']}{b} | {b}{k['requests_per_minute']:g}{b} | "
@@ -219,7 +228,9 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
                      f"({_x(k['p99_batched_worst'])}) | {_yes(k['wake_met'])} "
                      + ("(–)" if k["wake_base_warm_worst"] is None else f"({k['wake_base_warm_worst']:.1%})")
                      + f" | {_yes(k['sized_met'])} ({_x(k['sized_gpu_s_ratio_to_whole_model'], 3)}, "
-                     f"{_x(k['sized_p99_batched_worst'])}) |")
+                     f"{_x(k['sized_p99_batched_worst'])}) | {_yes(k['gated_met'])} ({_x(k['gated_p99_batched_worst'])}; "
+                     f"{k['gated_waited_worst']:.1%}, " + ("–" if k["gated_wait_p99_of_whole_wake_worst"] is None
+                                                          else f"{k['gated_wait_p99_of_whole_wake_worst']:.0%}") + ") |")
     notes = run_dir / NOTES_FILE
     if notes.is_file():
         lines += ["", f"{h}# Notes", "", notes.read_text().strip()]

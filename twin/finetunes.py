@@ -27,11 +27,18 @@ alone where that is longer; the SLO here is the fine-tune's p99 step on its dedi
 had alone, so the pool meets that p99, not each window's step; held_for: an added GPU stays
 step_hold_s after the last window that needed it; seen_late: a scaler step_lag_s late, whole windows
 later, the rest within the window (added_gpus), where the default 0 is one inside the engine's step
-loop; `gpu_s_sized_for_step`, p99 "shared-keys-batched-sized"). A window's added GPUs come with its tokens, as the bytes' GPUs do here,
-the step's work spread evenly over them once they have copied their share of the experts from the
-GPUs holding them (scaled_p99: the steps until then run on the GPUs before); the whole-model
-pool is not sized for compute. A fine-tune's GPU-seconds in a shared pool are the pool's in the ratio
-of its GB·s to the pool's.
+loop; `gpu_s_sized_for_step`, p99 "shared-keys-batched-sized"). A window's added GPUs come with its
+tokens, as the bytes' GPUs do here, the step's work spread evenly over them once they have copied
+their share of the experts from the GPUs holding them (scaled_p99: the steps until then run on the
+GPUs before). Or the engine holds a request that arrives while a scale-up is under way out of its batch until the
+added GPUs take their part (gated admission, p99 "shared-keys-batched-gated", the sized pool's GPUs):
+the steps until then carry the incumbents' part of the batch, the lesser of the window before's step
+(what the GPUs before were sized for) and the window's own (a fine-tune not busy the window before has
+no step before its wait: newcomer_windows), and the newcomers' waits are the price (admission_waits;
+per fine-tune `scale_up_waits`: the share of its requests that wait and their p99; a scaler whole
+windows late gates nothing in the windows before it starts). The whole-model pool is not sized for
+compute. A fine-tune's GPU-seconds in a shared pool are the pool's in the ratio of its GB·s to the
+pool's.
 
 Tiny example (the tests): with 0% replaced a fine-tune holds no key of its own, and with one
 fine-tune the shared-keys pool is the expert-grain pool of that one model, figure for figure.
@@ -59,6 +66,8 @@ from moeless.twin.shared_keys import SharedKeys, shared_keys_pass
 
 SHARED_KEYS = "shared-keys"
 ALL_WAYS = (*WAYS, SHARED_KEYS)
+SIZED = "shared-keys-batched-sized"
+GATED = "shared-keys-batched-gated"  # on the sized pool, newcomers waiting for a scale-up under way
 
 
 @dataclass(frozen=True)
@@ -121,18 +130,40 @@ def held_for(floor: np.ndarray, windows: int) -> np.ndarray:
 
 
 def scaled_p99(step_s: np.ndarray, held: np.ndarray, ready: np.ndarray, cold: np.ndarray, steps: float,
-               step_len_s: float, load_s: float) -> float:
-    """The p99 step time of windows of `steps` steps (each step_len_s long) taking step_s [n] GPU seconds
-    spread over held [n] GPUs, where ready [n, 2] (added_gpus: the GPUs before, the seconds the added
-    ones load) keeps a window's first steps on the GPUs of the window before, and each of its cold [n]
-    cold starts stalls a step of its own by load_s (twin/shared_pool.stalled_p99), the window's other
-    steps first, so that a later scale-up never shortens the p99."""
+               step_len_s: float, load_s: float, slow_step_s: np.ndarray | None = None) -> float:
+    """The p99 step time of windows of `steps` steps (one count, or [n]; each step_len_s long) taking
+    step_s [n] GPU seconds spread over held [n] GPUs, where ready [n, 2] (added_gpus: the GPUs before,
+    the seconds the added ones load) keeps a window's first steps on the GPUs of the window before, carrying slow_step_s [n]
+    GPU seconds (default step_s: every busy fine-tune's tokens; gated admission: the window before's
+    step, its newcomers waiting for the scale-up), and each of its cold [n] cold starts stalls a step of
+    its own by load_s (twin/shared_pool.stalled_p99), the window's other steps first, so that a later
+    scale-up never shortens the p99."""
+    slow_step_s = step_s if slow_step_s is None else slow_step_s
     slow = np.minimum(np.ceil(ready[:, 1] / step_len_s - 1e-9), steps)
     stalled = np.minimum(cold, steps - slow)  # the cold starts stall the window's other steps first,
     stalled_slow = np.minimum(cold - stalled, slow)  # then those on the GPUs before
     before = np.maximum(ready[:, 0], 1.0)
-    return weighted_p99(np.concatenate([step_s / held, step_s / held + load_s, step_s / before, step_s / before + load_s]),
+    return weighted_p99(np.concatenate([step_s / held, step_s / held + load_s, slow_step_s / before,
+                                        slow_step_s / before + load_s]),
                         np.concatenate([steps - slow - stalled, stalled, slow - stalled_slow, stalled_slow]))
+
+
+def newcomer_windows(ready: np.ndarray, busy: np.ndarray, steps: float, step_len_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """One fine-tune's gated windows (busy [W], ready [W, 2]: added_gpus): where the pool grows and it was
+    not busy the window before, it is a newcomer that waits for the added GPUs, so none of its steps runs
+    on the GPUs before and it has only the window's steps after the wait: (ready [W, 2], steps [W])."""
+    new = ~np.concatenate([[False], busy[:-1]]) & (ready[:, 1] > 0)
+    waited = np.minimum(np.ceil(ready[:, 1] / step_len_s - 1e-9), steps)
+    return np.where(new[:, None], ready * [1.0, 0.0], ready), np.where(new, steps - waited, steps)
+
+
+def admission_waits(arrival: np.ndarray, ready: np.ndarray, window_s: float) -> np.ndarray:
+    """[N] seconds each request (arrival [N] s) waits to join the engine's batch when newcomers wait for
+    the scale-up under way (ready [W, 2]: added_gpus): a request arriving in a window whose added GPUs
+    take ready[w, 1] s waits that long, as if its arrival had started the scale-up (a bound from
+    above: one arriving later in the window waits less); elsewhere 0."""
+    w = np.minimum((arrival / window_s).astype(np.int64), len(ready) - 1)
+    return ready[w, 1]
 
 
 def added_gpus(held: np.ndarray, keys: np.ndarray, move_s: float, late_s: float = 0.0) -> np.ndarray:
@@ -187,7 +218,10 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     keys = np.maximum(sk.held_bytes - awake * float(finetunes[0].model.non_expert_bytes), 0.0) / finetunes[0].model.expert_bytes
     late_s = s.step_lag_s - lag_windows * s.window_s
     ready = {way: added_gpus(held, keys, finetunes[0].model.expert_move_s, late) for way, held, late in
-             (("shared-keys-batched", gpus, 0.0), ("shared-keys-batched-sized", sized, late_s))}
+             (("shared-keys-batched", gpus, 0.0), (SIZED, sized, late_s))}
+    # gated: the steps on the GPUs before carry the incumbents' part, at most the window's own step (they
+    # are some of its fine-tunes) and about the window before's (their running requests)
+    before_step = np.minimum(np.concatenate([[0.0], sk.batched_step_s[:-1]]), sk.batched_step_s)
     for i, (ft, line, m) in enumerate(zip(finetunes, lines, doc["models"])):
         own, base_keys, non_expert = (float(x) for x in sk.gb_s[i])
         m["own_experts"] = int(ft.replaced.sum())
@@ -204,6 +238,12 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
         for way, held in (("shared-keys-batched", gpus), ("shared-keys-batched-sized", sized)):
             m["step_p99_s"][way] = scaled_p99(sk.batched_step_s[windows], held[windows], ready[way][windows],
                                               sk.cold_starts[i][windows], steps, s.step_s, ft.model.expert_load_s)
+        gated, its_steps = newcomer_windows(ready[SIZED], line.busy, steps, s.step_s)
+        m["step_p99_s"][GATED] = scaled_p99(sk.batched_step_s[windows], sized[windows], gated[windows],
+                                            sk.cold_starts[i][windows], its_steps[windows], s.step_s,
+                                            ft.model.expert_load_s, slow_step_s=before_step[windows])
+        waits = admission_waits(requests[i].arrival, ready[SIZED], s.window_s)
+        m["scale_up_waits"] = {"waited": float((waits > 0).mean()) if len(waits) else 0.0, **stats(waits[waits > 0])}
     for way in ALL_WAYS:  # each fine-tune's GPU-seconds: the pool's in the ratio of its GB·s
         total = sum(m["gb_s"][way] for m in doc["models"])
         for m in doc["models"]:

@@ -18,7 +18,8 @@ def test_a_quick_finetunes_run_writes_the_report(tmp_path):
     assert main(argv) == 0
     md = (tmp_path / "finetunes.md").read_text()
     for says in ("--finetunes 1 4 --replaced 0 0.15 --step-lag 1 --out", "## The bases", "shared-keys GPU-s", "(run/gpu-seconds.png)",
-                 "## The targets", "batched (worst)", "sized for its step SLO", "mixtral-8x7b | 15% | 4 | 1 |"):
+                 "## The targets", "batched (worst)", "sized for its step SLO", "newcomers waiting for a scale-up",
+                 "mixtral-8x7b | 15% | 4 | 1 |"):
         assert says in md, says
     run = json.loads((out / "run.json").read_text())
     cells = {(c["replaced"], c["finetunes"]): c for c in run["cells"]}
@@ -30,6 +31,8 @@ def test_a_quick_finetunes_run_writes_the_report(tmp_path):
     assert four["gpu_s"]["shared-keys"] < four["gpu_s"]["expert-grain"] <= four["gpu_s"]["whole-model"] + 1e-9
     assert sum(m["gb_s"]["shared-keys"] for m in four["models"]) == pytest.approx(four["gb_s_shared_keys"])
     assert four["gpu_s_sized_for_step"] >= four["gpu_s"]["shared-keys"]  # the step's SLO only adds GPUs
+    assert all(m["step_p99_s"]["shared-keys-batched-gated"] <= m["step_p99_s"]["shared-keys-batched-sized"]
+               for m in four["models"])
     assert (out / "gpu-seconds.png").stat().st_size > 0 and (out / "finetunes.csv").read_text().count("\n") == 1 + 10
     assert main(["report", str(out)]) == 0 and (out / "report.md").read_text() == md.replace("](run/", "](")
 

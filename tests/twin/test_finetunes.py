@@ -7,52 +7,26 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
+from finetune_fakes import GB, SETTINGS, base_model, finetunes_of, poisson_requests
 from moeless.twin.finetunes import (
     SHARED_KEYS,
     FineTune,
-    added_gpus,
     evaluate_finetunes,
-    held_for,
     make_finetune,
     replaced_counts,
-    scaled_p99,
-    seen_late,
-    step_floor,
 )
-from moeless.twin.shared_keys import EvenSplit, even_shares, shared_keys_pass, wake_seconds
-from moeless.twin.shared_pool import PoolModel, PoolSettings, Requests, evaluate_pool, timelines
-
-GB = 10**9
-
-
-def _base(layers: int = 4, experts: int = 8, gpus: int = 2, top_k: int = 2, seed: int = 0) -> PoolModel:
-    popularity = np.random.default_rng(seed).dirichlet(np.ones(experts), size=layers)
-    return PoolModel("base", top_k, GB // 4, GB, gpus, 0.01, 0.1, 1e-5, 1e-4, popularity)
-
-
-def _requests(rate_per_s: float, horizon: float, seed: int) -> Requests:
-    rng = np.random.default_rng(seed)
-    arrival = np.sort(rng.uniform(0, horizon, rng.poisson(rate_per_s * horizon)))
-    return Requests(arrival, rng.integers(20, 400, len(arrival)).astype(float), rng.integers(5, 200, len(arrival)).astype(float))
-
-
-def _finetunes(base: PoolModel, count: int, share: float) -> list[FineTune]:
-    return [make_finetune(base, f"ft{i}", base.popularity, share, np.random.default_rng([0, i])) for i in range(count)]
-
-
-SETTINGS = PoolSettings(horizon_s=900, window_s=1, step_s=0.05, idle_delay_s=40, keep_alive_s=20, gpu_bytes=5 * GB, seed=2)
+from moeless.twin.shared_keys import EvenSplit, even_shares, wake_seconds
+from moeless.twin.shared_pool import PoolSettings, Requests, evaluate_pool
 
 
 def test_a_finetune_replaces_its_share_per_layer_the_experts_its_task_routes_to_most():
     assert replaced_counts(32, 8, 0.05).tolist().count(1) == 13 and replaced_counts(32, 8, 0.05).max() == 1
     assert replaced_counts(26, 64, 0.15).sum() == 250 and set(replaced_counts(26, 64, 0.15)) == {9, 10}
-    base = _base(layers=3, experts=16)
-    a, b = _finetunes(base, 2, 0.25)
+    base = base_model(layers=3, experts=16)
+    a, b = finetunes_of(base, 2, 0.25)
     for ft in (a, b):
         assert ft.replaced.sum(axis=1).tolist() == [4, 4, 4]
         assert np.allclose(np.sort(ft.model.popularity, axis=1), np.sort(base.popularity, axis=1))  # the same skew
@@ -67,8 +41,8 @@ def test_a_finetune_replaces_its_share_per_layer_the_experts_its_task_routes_to_
 def test_one_finetune_is_the_shared_pools_own_comparison():
     """N = 1: the three ways are evaluate_pool's for that one model, and shared keys its expert grain
     without family warmth (which also holds the base's experts it replaced, with nobody to use them)."""
-    ft = _finetunes(_base(), 1, 0.15)
-    requests = [_requests(0.02, 900, 1)]
+    ft = finetunes_of(base_model(), 1, 0.15)
+    requests = [poisson_requests(0.02, 900, 1)]
     doc = evaluate_finetunes(ft, requests, replace(SETTINGS, family_warm=False))
     alone = evaluate_pool([ft[0].model], requests, SETTINGS)
     for way in ("dedicated", "whole-model", "expert-grain"):
@@ -85,8 +59,8 @@ def test_one_finetune_is_the_shared_pools_own_comparison():
 @pytest.mark.parametrize("keep_warm", [0.0, 0.25])
 def test_the_gb_s_split_adds_up_to_the_pools(keep_warm):
     settings = PoolSettings(**{**SETTINGS.__dict__, "keep_warm": keep_warm})
-    fts = _finetunes(_base(), 4, 0.15)
-    doc = evaluate_finetunes(fts, [_requests(r, 900, i) for i, r in enumerate((0.005, 0.02, 0.05, 0.2))], settings)
+    fts = finetunes_of(base_model(), 4, 0.15)
+    doc = evaluate_finetunes(fts, [poisson_requests(r, 900, i) for i, r in enumerate((0.005, 0.02, 0.05, 0.2))], settings)
     per_model = [m["gb_s"][SHARED_KEYS] for m in doc["models"]]
     assert sum(per_model) == pytest.approx(doc["gb_s_shared_keys"], rel=1e-9) and min(per_model) > 0
     for m in doc["models"]:
@@ -142,8 +116,8 @@ def test_the_split_adds_up_to_the_held_gb_s_and_is_even():
 def test_shared_keys_hold_each_shared_expert_once():
     """Every fine-tune awake all along, every expert routed: the pool holds each base expert once and each
     fine-tune's own ones, where the expert grain holds every fine-tune's whole set."""
-    base = _base(layers=3, experts=8, gpus=1)
-    fts = _finetunes(base, 3, 0.25)
+    base = base_model(layers=3, experts=8, gpus=1)
+    fts = finetunes_of(base, 3, 0.25)
     steady = Requests(np.arange(0.0, 300.0, 1.0), np.full(300, 2000.0), np.full(300, 20.0))
     s = PoolSettings(horizon_s=300, window_s=1, step_s=0.05, idle_delay_s=60, keep_alive_s=400, gpu_bytes=64 * GB)
     doc = evaluate_finetunes(fts, [steady] * 3, s)
@@ -163,8 +137,8 @@ def test_family_warmth_holds_the_base_s_experts_a_sleeping_fine_tune_uses(family
     """Fine-tunes 0 and 1 awake all along, 2 never called: the base's experts both awake ones replaced
     are used by 2 alone. With family warmth they are held (loaded where 0 or 1 holds its own: the base
     whole for 2's wake), without it not; 2's own experts never are."""
-    base = _base(layers=3, experts=8, gpus=1)
-    fts = _finetunes(base, 3, 0.25)
+    base = base_model(layers=3, experts=8, gpus=1)
+    fts = finetunes_of(base, 3, 0.25)
     steady = Requests(np.arange(0.0, 300.0, 1.0), np.full(300, 2000.0), np.full(300, 20.0))
     none = Requests(np.zeros(0), np.zeros(0), np.zeros(0))
     s = PoolSettings(horizon_s=300, window_s=1, step_s=0.05, idle_delay_s=60, keep_alive_s=400, gpu_bytes=64 * GB,
@@ -182,10 +156,10 @@ def test_family_warmth_holds_the_base_s_experts_a_sleeping_fine_tune_uses(family
 
 
 def test_a_finetune_that_replaced_nothing_pays_what_its_base_pays():
-    base = _base()
+    base = base_model()
     same = FineTune(base, np.zeros(base.popularity.shape, bool))
     assert not make_finetune(base, "zero", base.popularity, 0.0, np.random.default_rng(0)).replaced.any()
-    requests = _requests(0.03, 900, 4)
+    requests = poisson_requests(0.03, 900, 4)
     doc = evaluate_finetunes([same, same], [requests, requests], SETTINGS)
     a, b = doc["models"]
     assert a["own_experts"] == 0 and a["gb_s_shared_keys_parts"]["own"] == 0.0
@@ -212,9 +186,9 @@ def test_a_finetune_whose_base_is_warm_loads_its_own_experts_at_once_over_the_po
     a long prompt: its wake-up loads its own experts (one a layer, where the base's are held) at once,
     spread over the pool's GPUs (G = 2, or the 4 its bytes take on GPUs of 3 GB), and no non-expert
     weights. Layer by layer, G at a time, it would take 4 loads either way."""
-    base = _base(layers=4, experts=8, gpus=2)
+    base = base_model(layers=4, experts=8, gpus=2)
     a = FineTune(base, np.zeros(base.popularity.shape, bool))
-    b = _finetunes(base, 1, 0.125)[0]  # one own expert per layer
+    b = finetunes_of(base, 1, 0.125)[0]  # one own expert per layer
     keep = Requests(np.arange(0.0, 300.0, 1.0), np.full(300, 2000.0), np.full(300, 10.0))
     late = Requests(np.array([100.0]), np.array([4000.0]), np.array([10.0]))
     for gpu_gb, loads in ((64, 2), (3, 1)):
@@ -227,90 +201,7 @@ def test_a_finetune_whose_base_is_warm_loads_its_own_experts_at_once_over_the_po
         assert woken["wake_s"]["expert-grain"]["p50"] > base.non_expert_load_s  # alone, it loads the non-expert weights
 
 
-def test_a_batched_step_carries_every_busy_finetunes_tokens_and_a_pool_sized_for_it_holds_more_gpus():
-    """Two fine-tunes with the same requests: the one engine's step carries both's tokens. By bytes the
-    pool holds G GPUs of 64 GB while they compute (everything fits), and the step takes both's work on
-    them; sized for the step it holds more in those windows, and neither's step is longer than alone."""
-    fts = _finetunes(_base(), 2, 0.05)
-    both = _requests(0.05, 900, 7)
-    doc = evaluate_finetunes(fts, [both, both], PoolSettings(**{**SETTINGS.__dict__, "gpu_bytes": 64 * GB}))
-    assert doc["gpu_s_sized_for_step"] > doc["gpu_s"][SHARED_KEYS]
-    alone = max(m["step_p99_s"][SHARED_KEYS] for m in doc["models"])
-    for m in doc["models"]:
-        assert m["step_p99_s"]["shared-keys-batched"] > m["step_p99_s"][SHARED_KEYS] >= m["step_p99_s"]["dedicated"]
-        assert m["step_p99_s"]["shared-keys-batched-sized"] <= alone * 1.01
-
-
-def test_the_step_floor_is_at_most_g_for_one_finetune_and_grows_with_the_batched_work():
-    """One fine-tune's SLO is its dedicated p99 step: its own steps need at most its G GPUs (exactly G
-    in its slowest windows), twice the work up to twice the GPUs."""
-    ft = _finetunes(_base(gpus=2), 1, 0.1)
-    s = PoolSettings(**{**SETTINGS.__dict__, "gpu_bytes": 64 * GB})
-    lines = timelines([ft[0].model], [_requests(0.05, 900, 3)], s)
-    sk = shared_keys_pass([ft[0].model], ft[0].replaced[None], lines, s)
-    slo = np.array([evaluate_finetunes(ft, [_requests(0.05, 900, 3)], s)["models"][0]["step_p99_s"]["dedicated"]])
-    floor = step_floor(sk.batched_step_s, lines, slo, 2, s)
-    busy = lines[0].busy
-    assert floor[busy].max() == 2.0 and floor[busy].min() >= 1.0 and not floor[~busy].any()
-    assert step_floor(2 * sk.batched_step_s, lines, slo, 2, s)[busy].max() == 4.0
-
-
-def test_the_step_floor_meets_every_busy_finetunes_slo_or_its_step_alone():
-    """Golden, G = 1, one step a window: batched steps of 3, 3, 3, 2 and 0 GPU-seconds; fine-tune 0 (SLO
-    2 s, alone 1 s a step) busy in windows 0-1 and 3, fine-tune 1 (SLO 1 s, alone 1.5 s in window 2) in
-    windows 1-2, fine-tune 2 (no SLO: never stepped outside a wake-up; alone 2 s) in window 3."""
-    busy = ([1, 1, 0, 1, 0], [0, 1, 1, 0, 0], [0, 0, 0, 1, 0])
-    alone = ([1, 1, 0, 1, 0], [0, 1, 1.5, 0, 0], [0, 0, 0, 2, 0])
-    lines = [SimpleNamespace(busy=np.array(b, bool), compute_s=np.array(a, float)) for b, a in zip(busy, alone)]
-    floor = step_floor(np.array([3.0, 3.0, 3.0, 2.0, 0.0]), lines, np.array([2.0, 1.0, 0.0]), 1,
-                       PoolSettings(window_s=1.0, step_s=1.0))
-    assert floor.tolist() == [2.0, 3.0, 2.0, 1.0, 0.0]
-
-
 def test_finetunes_of_different_bases_are_refused():
     with pytest.raises(ValueError, match="share its geometry"):
-        evaluate_finetunes(_finetunes(_base(), 1, 0.1) + _finetunes(_base(experts=16), 1, 0.1),
-                           [_requests(0.01, 900, 0)] * 2, SETTINGS)
-
-
-def test_gpus_added_for_a_step_load_their_share_before_its_steps_spread_over_them():
-    """Golden: 1, 3, 3, 2 GPUs holding 6 keys of 0.1 s each; the window growing to 3 GPUs loads 2 keys
-    a GPU (0.2 s: 2 of its 10 steps of 0.1 s run on the 1 GPU before), none other. Steps of 6 GPU
-    seconds take 6 s on 1 GPU, 2 s on 3: over that window and the next (20 steps) the p99 is 6 s; a load
-    of 0.05 s slows 1 step; a cold start stalls 1 step by its 0.5 s."""
-    ready = added_gpus(np.array([1.0, 3.0, 3.0, 2.0]), np.full(4, 6.0), 0.1)
-    assert ready.tolist() == [[1.0, 0.0], [1.0, pytest.approx(0.2)], [3.0, 0.0], [2.0, 0.0]]
-    p99 = scaled_p99(np.array([6.0, 6.0]), np.array([3.0, 3.0]), ready[1:3], np.zeros(2), 10, 0.1, 0.5)
-    assert p99 == pytest.approx(6.0)
-    assert scaled_p99(np.array([6.0]), np.array([3.0]), np.array([[1.0, 0.05]]), np.zeros(1), 10, 0.1, 0.5) == 6.0
-    assert scaled_p99(np.array([6.0]), np.array([3.0]), np.array([[3.0, 0.0]]), np.array([1]), 10, 0.1, 0.5) == 2.5
-    base = _base()  # a move copies from a peer GPU where the pool has the link's time, else loads from host
-    assert base.expert_move_s == base.expert_load_s and replace(base, expert_peer_s=1e-3).expert_move_s == 1e-3
-
-
-def test_a_gpu_added_for_the_step_is_held_its_delay_after_the_last_window_needing_it():
-    assert held_for(np.array([1.0, 3.0, 1.0, 1.0, 2.0, 0.0, 0.0]), 2).tolist() == [1.0, 3.0, 3.0, 3.0, 2.0, 2.0, 2.0]
-    assert held_for(np.array([1.0, 3.0, 1.0]), 0).tolist() == [1.0, 3.0, 1.0]
-
-
-def test_a_scaler_late_within_a_window_keeps_its_gpus_but_runs_more_of_its_steps_on_those_before():
-    """Golden: 0.15 s late, the window growing to 3 GPUs waits 0.15 s + its 0.2 s of copies (4 of its
-    10 steps of 0.1 s on the 1 GPU before, against 2 in time). In the twin: a lag under one window holds
-    the same GPUs as none and its batched p99 is no shorter; a lag of a whole window holds them a window later."""
-    ready = added_gpus(np.array([1.0, 3.0, 3.0]), np.full(3, 6.0), 0.1, late_s=0.15)
-    assert ready.tolist() == [[1.0, 0.0], [1.0, pytest.approx(0.35)], [3.0, 0.0]]
-    fts = _finetunes(_base(), 2, 0.05)
-    both = _requests(0.05, 900, 7)
-    docs = {lag: evaluate_finetunes(fts, [both, both], PoolSettings(**{**SETTINGS.__dict__, "gpu_bytes": 64 * GB,
-                                                                       "step_lag_s": lag}))
-            for lag in (0.0, SETTINGS.window_s / 2, SETTINGS.window_s)}
-    early, within, late = docs.values()
-    assert within["gpu_s_sized_for_step"] == early["gpu_s_sized_for_step"] != late["gpu_s_sized_for_step"]
-    for a, b in zip(early["models"], within["models"]):
-        assert b["step_p99_s"]["shared-keys-batched-sized"] >= a["step_p99_s"]["shared-keys-batched-sized"]
-        assert b["step_p99_s"]["shared-keys-batched"] == a["step_p99_s"]["shared-keys-batched"]
-
-
-def test_a_scaler_a_window_late_holds_each_windows_need_in_the_next():
-    assert seen_late(np.array([1.0, 3.0, 2.0]), 1).tolist() == [0.0, 1.0, 3.0]
-    assert seen_late(np.array([1.0, 3.0]), 0).tolist() == [1.0, 3.0] and seen_late(np.array([1.0]), 2).tolist() == [0.0]
+        evaluate_finetunes(finetunes_of(base_model(), 1, 0.1) + finetunes_of(base_model(experts=16), 1, 0.1),
+                           [poisson_requests(0.01, 900, 0)] * 2, SETTINGS)
