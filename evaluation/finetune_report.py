@@ -180,15 +180,17 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
     lines += ["", f"{h}# GPU-seconds of the pool", "", f"![GPU-seconds]({link}/gpu-seconds.png)", "",
               "| base | replaced | fine-tunes | requests/min each | " + " | ".join(f"{w} GPU-s" for w in ALL_WAYS)
               + " | shared keys / whole-model | same, non-expert weights per fine-tune | same, sized for its batched "
-              "step's SLO | busy share (shared keys) |",
-              "| --- | --- | --- | --- | " + " | ".join("---" for _ in ALL_WAYS) + " | --- | --- | --- | --- |"]
+              "step's SLO | shared keys / whole models on GPUs of their own | busy share (shared keys) |",
+              "| --- | --- | --- | --- | " + " | ".join("---" for _ in ALL_WAYS) + " | --- | --- | --- | --- | --- |"]
     for c in run["cells"]:
         whole = c["gpu_s"]["whole-model"]
         lines.append(f"| {c['base']} | {c['replaced']:.0%} | {c['finetunes']} | {c['requests_per_minute']:g} | "
                      + " | ".join(f"{c['gpu_s'][w]:.0f}" for w in ALL_WAYS)
                      + f" | {_x(c['gpu_s'][SHARED_KEYS] / whole if whole else None, 3)} | "
                      f"{_x(c['gpu_s_own_non_expert'] / whole if whole else None, 3)} | "
-                     f"{_x(c['gpu_s_sized_for_step'] / whole if whole else None, 3)} | {c['busy_fraction'][SHARED_KEYS]:.2%} |")
+                     f"{_x(c['gpu_s_sized_for_step'] / whole if whole else None, 3)} | "
+                     f"{_x(c['gpu_s'][SHARED_KEYS] / own if (own := c['gpu_s_whole_model_own_gpus']) else None, 3)} | "
+                     f"{c['busy_fraction'][SHARED_KEYS]:.2%} |")
     lines += ["", f"{h}# Per fine-tune", "",
               "GB·s per fine-tune as median (min-max) over the cell's fine-tunes; the p99 MoE time per step outside "
               "wake-ups of the fine-tune whose batched ratio is the worst: dedicated / shared keys alone (its own tokens, "

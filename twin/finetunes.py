@@ -37,8 +37,9 @@ the steps until then carry the incumbents' part of the batch, the lesser of the 
 no step before its wait: newcomer_windows), and the newcomers' waits are the price (admission_waits;
 per fine-tune `scale_up_waits`: the share of its requests that wait and their p99; a scaler whole
 windows late gates nothing in the windows before it starts). The whole-model pool is not sized for
-compute. A fine-tune's GPU-seconds in a shared pool are the pool's in the ratio of its GB·s to the
-pool's.
+compute; beside it, `gpu_s_whole_model_own_gpus`: each awake whole model on GPUs of its own (its
+bytes in whole GPUs, at least G), no two sharing a GPU's compute. A fine-tune's GPU-seconds in a
+shared pool are the pool's in the ratio of its GB·s to the pool's.
 
 Tiny example (the tests): with 0% replaced a fine-tune holds no key of its own, and with one
 fine-tune the shared-keys pool is the expert-grain pool of that one model, figure for figure.
@@ -208,6 +209,9 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     doc["gpu_s"][SHARED_KEYS] = float(gpus.sum() * s.window_s)
     doc["gpu_s_sized_for_step"] = float(sized.sum() * s.window_s)
     doc["gpu_s_own_non_expert"] = float(shared_gpus(sk, finetunes, busy, s, extra=True).sum() * s.window_s)
+    base = finetunes[0].model  # the whole-model pool with each awake model on GPUs of its own (paying its compute)
+    per_model = max(np.ceil(base.weight_bytes / s.gpu_bytes - 1e-9), base.gpus)
+    doc["gpu_s_whole_model_own_gpus"] = float(sum(line.awake.sum() for line in lines) * per_model * s.window_s)
     doc["gb_s_shared_keys"] = pool_gb_s
     doc["gpu_s_ratio_to_dedicated"] = {way: v / doc["gpu_s"]["dedicated"] for way, v in doc["gpu_s"].items()}
     steps = s.window_s / s.step_s

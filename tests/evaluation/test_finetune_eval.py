@@ -31,6 +31,7 @@ def test_a_quick_finetunes_run_writes_the_report(tmp_path):
     assert four["gpu_s"]["shared-keys"] < four["gpu_s"]["expert-grain"] <= four["gpu_s"]["whole-model"] + 1e-9
     assert sum(m["gb_s"]["shared-keys"] for m in four["models"]) == pytest.approx(four["gb_s_shared_keys"])
     assert four["gpu_s_sized_for_step"] >= four["gpu_s"]["shared-keys"]  # the step's SLO only adds GPUs
+    assert four["gpu_s_whole_model_own_gpus"] >= four["gpu_s"]["whole-model"]  # no two models on one GPU: more GPUs
     assert all(m["step_p99_s"]["shared-keys-batched-gated"] <= m["step_p99_s"]["shared-keys-batched-sized"]
                for m in four["models"])
     assert (out / "gpu-seconds.png").stat().st_size > 0 and (out / "finetunes.csv").read_text().count("\n") == 1 + 10

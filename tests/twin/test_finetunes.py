@@ -50,10 +50,22 @@ def test_one_finetune_is_the_shared_pools_own_comparison():
         assert doc["models"][0]["gb_s"][way] == alone["models"][0]["gb_s"][way]
     m, grain = doc["models"][0], alone["models"][0]
     assert doc["gpu_s"][SHARED_KEYS] == doc["gpu_s"]["expert-grain"]
+    assert doc["gpu_s_whole_model_own_gpus"] == doc["gpu_s"]["whole-model"]  # one model: its own GPUs either way
     assert m["gb_s"][SHARED_KEYS] == pytest.approx(grain["gb_s"]["expert-grain"], rel=1e-12)
     assert m["wake_s"][SHARED_KEYS] == grain["wake_s"]["expert-grain"] and m["wake_ups"] > 1
     assert m["cold_starts_outside_wakes_shared_keys"] == grain["cold_starts_outside_wakes"] > 0
     assert m["step_p99_s"][SHARED_KEYS] == m["step_p99_s"]["shared-keys-batched"] == grain["step_p99_s"]["expert-grain"]
+
+
+def test_whole_models_on_gpus_of_their_own_pay_for_the_gpus_packing_shares():
+    """Two 9 GB fine-tunes on GPUs of 64 GB: packed, both awake fit one GPU (G = 2 while one computes);
+    each on its own G, the same windows take 2 GPUs each."""
+    fts = finetunes_of(base_model(), 2, 0.05)
+    both = poisson_requests(0.05, 900, 7)
+    doc = evaluate_finetunes(fts, [both, both], PoolSettings(**{**SETTINGS.__dict__, "gpu_bytes": 64 * GB}))
+    assert doc["gpu_s_whole_model_own_gpus"] > doc["gpu_s"]["whole-model"]
+    awake_s = sum((1 - m["idle_fraction"]) * SETTINGS.horizon_s for m in doc["models"])
+    assert doc["gpu_s_whole_model_own_gpus"] == pytest.approx(awake_s * 2)
 
 
 @pytest.mark.parametrize("keep_warm", [0.0, 0.25])
