@@ -30,8 +30,8 @@ later, the rest within the window (added_gpus), where the default 0 is one insid
 loop; `gpu_s_sized_for_step`, p99 "shared-keys-batched-sized"). A window's added GPUs come with its
 tokens, as the bytes' GPUs do here, the step's work spread evenly over them once they have copied
 their share of the experts from the GPUs holding them (scaled_p99: the steps until then run on the
-GPUs before). Or the engine holds a request that arrives while a scale-up is under way out of its batch until the
-added GPUs take their part (gated admission, p99 "shared-keys-batched-gated", the sized pool's GPUs):
+GPUs before). Or the engine holds a request that arrives while a scale-up is under way out of its
+batch until the added GPUs take their part (gated admission, p99 "shared-keys-batched-gated", the sized pool's GPUs):
 the steps until then carry the incumbents' part of the batch, the lesser of the window before's step
 (what the GPUs before were sized for) and the window's own (a fine-tune not busy the window before has
 no step before its wait: newcomer_windows), and the newcomers' waits are the price (admission_waits;
@@ -130,17 +130,22 @@ def held_for(floor: np.ndarray, windows: int) -> np.ndarray:
     return out
 
 
+def steps_before(ready: np.ndarray, steps, step_len_s: float) -> np.ndarray:
+    """[n] steps of each window (of `steps`) that start before its added GPUs take their part (ready [n, 2])."""
+    return np.minimum(np.ceil(ready[:, 1] / step_len_s - 1e-9), steps)
+
+
 def scaled_p99(step_s: np.ndarray, held: np.ndarray, ready: np.ndarray, cold: np.ndarray, steps: float,
                step_len_s: float, load_s: float, slow_step_s: np.ndarray | None = None) -> float:
     """The p99 step time of windows of `steps` steps (one count, or [n]; each step_len_s long) taking
     step_s [n] GPU seconds spread over held [n] GPUs, where ready [n, 2] (added_gpus: the GPUs before,
-    the seconds the added ones load) keeps a window's first steps on the GPUs of the window before, carrying slow_step_s [n]
-    GPU seconds (default step_s: every busy fine-tune's tokens; gated admission: the window before's
-    step, its newcomers waiting for the scale-up), and each of its cold [n] cold starts stalls a step of
-    its own by load_s (twin/shared_pool.stalled_p99), the window's other steps first, so that a later
-    scale-up never shortens the p99."""
+    the seconds the added ones load) keeps a window's first steps on the GPUs of the window before,
+    carrying slow_step_s [n] GPU seconds (default step_s: every busy fine-tune's tokens; gated
+    admission: the incumbents' part, its newcomers waiting for the scale-up), and each of its cold [n]
+    cold starts stalls a step of its own by load_s (twin/shared_pool.stalled_p99), the window's other
+    steps first, so that a later scale-up never shortens the p99."""
     slow_step_s = step_s if slow_step_s is None else slow_step_s
-    slow = np.minimum(np.ceil(ready[:, 1] / step_len_s - 1e-9), steps)
+    slow = steps_before(ready, steps, step_len_s)
     stalled = np.minimum(cold, steps - slow)  # the cold starts stall the window's other steps first,
     stalled_slow = np.minimum(cold - stalled, slow)  # then those on the GPUs before
     before = np.maximum(ready[:, 0], 1.0)
@@ -154,17 +159,16 @@ def newcomer_windows(ready: np.ndarray, busy: np.ndarray, steps: float, step_len
     not busy the window before, it is a newcomer that waits for the added GPUs, so none of its steps runs
     on the GPUs before and it has only the window's steps after the wait: (ready [W, 2], steps [W])."""
     new = ~np.concatenate([[False], busy[:-1]]) & (ready[:, 1] > 0)
-    waited = np.minimum(np.ceil(ready[:, 1] / step_len_s - 1e-9), steps)
-    return np.where(new[:, None], ready * [1.0, 0.0], ready), np.where(new, steps - waited, steps)
+    after = np.where(new, steps - steps_before(ready, steps, step_len_s), steps)
+    return np.where(new[:, None], ready * [1.0, 0.0], ready), after
 
 
 def admission_waits(arrival: np.ndarray, ready: np.ndarray, window_s: float) -> np.ndarray:
-    """[N] seconds each request (arrival [N] s) waits to join the engine's batch when newcomers wait for
-    the scale-up under way (ready [W, 2]: added_gpus): a request arriving in a window whose added GPUs
-    take ready[w, 1] s waits that long, as if its arrival had started the scale-up (a bound from
-    above: one arriving later in the window waits less); elsewhere 0."""
-    w = np.minimum((arrival / window_s).astype(np.int64), len(ready) - 1)
-    return ready[w, 1]
+    """[N] seconds each request (arrival [N] s, within the W windows) waits to join the engine's batch when
+    newcomers wait for the scale-up under way (ready [W, 2]: added_gpus): a request arriving in a window
+    whose added GPUs take ready[w, 1] s waits that long, as if its arrival had started the scale-up (a
+    bound from above: one arriving later in the window waits less); elsewhere 0."""
+    return ready[(arrival / window_s).astype(np.int64), 1]
 
 
 def added_gpus(held: np.ndarray, keys: np.ndarray, move_s: float, late_s: float = 0.0) -> np.ndarray:
@@ -196,12 +200,13 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     if len(shapes) != 1 or len({(m.expert_bytes, m.non_expert_bytes, m.gpus, m.top_k) for m in models}) != 1:
         raise ValueError("fine-tunes of one base share its geometry: layers, experts, bytes, GPUs and k")
     lines = timelines(models, requests, s)
+    base = models[0]
     doc = evaluate_pool(models, requests, s, lines)
     sk = shared_keys_pass(models, np.stack([ft.replaced for ft in finetunes]), lines, s)
     busy = np.any([line.busy for line in lines], axis=0)
     gpus = shared_gpus(sk, finetunes, busy, s)
     slo = np.array([m["step_p99_s"]["dedicated"] for m in doc["models"]])  # each fine-tune's step SLO
-    need = step_floor(sk.batched_step_s, lines, slo, finetunes[0].model.gpus, s)
+    need = step_floor(sk.batched_step_s, lines, slo, base.gpus, s)
     lag_windows = int(s.step_lag_s / s.window_s + 1e-9)  # a lag within a window delays its added GPUs (added_gpus)
     floor = held_for(seen_late(need, lag_windows), int(round(s.step_hold_s / s.window_s)))
     sized = shared_gpus(sk, finetunes, busy, s, floor=floor)
@@ -209,7 +214,7 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     doc["gpu_s"][SHARED_KEYS] = float(gpus.sum() * s.window_s)
     doc["gpu_s_sized_for_step"] = float(sized.sum() * s.window_s)
     doc["gpu_s_own_non_expert"] = float(shared_gpus(sk, finetunes, busy, s, extra=True).sum() * s.window_s)
-    base = finetunes[0].model  # the whole-model pool with each awake model on GPUs of its own (paying its compute)
+    # the whole-model pool with each awake model on GPUs of its own (paying for its compute)
     per_model = max(np.ceil(base.weight_bytes / s.gpu_bytes - 1e-9), base.gpus)
     doc["gpu_s_whole_model_own_gpus"] = float(sum(line.awake.sum() for line in lines) * per_model * s.window_s)
     doc["gb_s_shared_keys"] = pool_gb_s
@@ -219,9 +224,9 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     doc["busy_fraction"][SHARED_KEYS] = work / doc["gpu_s"][SHARED_KEYS] if doc["gpu_s"][SHARED_KEYS] else 0.0
     doc["gpus_p50_p100"][SHARED_KEYS] = [float(np.percentile(gpus, 50)), float(gpus.max())]
     awake = np.any([line.awake for line in lines], axis=0)  # the non-expert weights held (shared_keys_pass)
-    keys = np.maximum(sk.held_bytes - awake * float(finetunes[0].model.non_expert_bytes), 0.0) / finetunes[0].model.expert_bytes
+    keys = np.maximum(sk.held_bytes - awake * float(base.non_expert_bytes), 0.0) / base.expert_bytes
     late_s = s.step_lag_s - lag_windows * s.window_s
-    ready = {way: added_gpus(held, keys, finetunes[0].model.expert_move_s, late) for way, held, late in
+    ready = {way: added_gpus(held, keys, base.expert_move_s, late) for way, held, late in
              (("shared-keys-batched", gpus, 0.0), (SIZED, sized, late_s))}
     # gated: the steps on the GPUs before carry the incumbents' part, at most the window's own step (they
     # are some of its fine-tunes) and about the window before's (their running requests)
@@ -239,14 +244,15 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
         windows = steady_windows(line)
         alone = line.compute_s[windows] / (steps * ft.model.gpus)
         m["step_p99_s"][SHARED_KEYS] = stalled_p99(alone, sk.cold_starts[i][windows], steps, ft.model.expert_load_s)
-        for way, held in (("shared-keys-batched", gpus), ("shared-keys-batched-sized", sized)):
+        for way, held in (("shared-keys-batched", gpus), (SIZED, sized)):
             m["step_p99_s"][way] = scaled_p99(sk.batched_step_s[windows], held[windows], ready[way][windows],
                                               sk.cold_starts[i][windows], steps, s.step_s, ft.model.expert_load_s)
         gated, its_steps = newcomer_windows(ready[SIZED], line.busy, steps, s.step_s)
         m["step_p99_s"][GATED] = scaled_p99(sk.batched_step_s[windows], sized[windows], gated[windows],
                                             sk.cold_starts[i][windows], its_steps[windows], s.step_s,
                                             ft.model.expert_load_s, slow_step_s=before_step[windows])
-        waits = admission_waits(requests[i].arrival, ready[SIZED], s.window_s)
+        arrival = requests[i].arrival
+        waits = admission_waits(arrival[arrival < s.horizon_s], ready[SIZED], s.window_s)  # the requests counted
         m["scale_up_waits"] = {"waited": float((waits > 0).mean()) if len(waits) else 0.0, **stats(waits[waits > 0])}
     for way in ALL_WAYS:  # each fine-tune's GPU-seconds: the pool's in the ratio of its GB·s
         total = sum(m["gb_s"][way] for m in doc["models"])
