@@ -1,5 +1,5 @@
 """`moeless eval --shared-pool`: several models on one pool of GPUs, three ways, at several load levels
-(twin/shared_pool.py), into RUN_DIR/run.json (format moeless-shared-pool/1); shared_pool_report.py
+(twin/shared_pool.py), into RUN_DIR/run.json (format moeless-shared-pool/2); shared_pool_report.py
 renders it (docs/shared-pool.md).
 
 In numbered steps:
@@ -33,7 +33,7 @@ from moeless.twin.geometry import Geometry, load_geometry
 from moeless.twin.roofline import roofline_profile
 from moeless.twin.shared_pool import PoolModel, PoolSettings, Requests, evaluate_pool
 
-FORMAT = "moeless-shared-pool/1"
+FORMAT = "moeless-shared-pool/2"  # 2: the p99 with the models' calls meeting on the pool's GPUs
 RUN_FILE = "run.json"
 WORKLOADS = (("azure-conv", "sharegpt"), ("azure-code", "humaneval"))  # model i takes workload i mod 2
 MAX_GPUS = 64

@@ -31,10 +31,12 @@ dedicated.
 Per model, the p99 over decode steps outside wake-ups of its MoE time per step (step_time_p99): its
 experts' compute of each busy window spread evenly over its G GPUs and steps; in the expert-grain
 pool each cold start outside a wake-up stalls a step of its window by one expert's load (each its
-own step: the most steps slowed). The same in both other ways, without the stalls.
+own step: the most steps slowed). The same in both other ways, without the stalls. Beside it, each
+shared pool's p99 with the models' calls meeting on its GPUs (shared_gpu_p99, "<way>-shared-gpus"):
+a step no shorter than alone, nor than every busy model's expert work of its window spread evenly over
+the pool's GPUs (calls that meet queue behind one another), with the same stalls.
 
-Not modelled: two models computing on one GPU at once (each pool's busy share is reported
-instead: the share of its GPU-seconds its experts compute, each step's calls and pairs), bin-packing losses
+Not modelled: which GPUs two models' calls meet on (the figure above spreads them evenly), bin-packing losses
 (both shared pools pack bytes perfectly, which favours the whole-model pool), replicas of
 stragglers (moeless holds one replica per hot expert here, as static EP does).
 
@@ -232,6 +234,20 @@ def step_time_p99(model: PoolModel, line: ModelTimeline, s: PoolSettings) -> dic
     return {"dedicated": plain, "whole-model": plain, "expert-grain": grain}
 
 
+def shared_gpu_p99(model: PoolModel, line: ModelTimeline, pool_work_s: np.ndarray, pool_gpus: np.ndarray,
+                   s: PoolSettings, stalls: bool) -> float:
+    """p99 MoE seconds per step outside wake-ups with every model's calls on the pool's GPUs: each
+    steady window's step the longer of the model's own work over its G GPUs and the pool's expert work
+    of the window (pool_work_s [W] GPU seconds, every model's) over pool_gpus [W]; stalls: its cold
+    starts stall steps as in step_time_p99."""
+    windows = steady_windows(line)
+    steps = s.window_s / s.step_s
+    alone = line.compute_s[windows] / (steps * model.gpus)
+    step = np.maximum(alone, pool_work_s[windows] / (steps * np.maximum(pool_gpus[windows], 1.0)))
+    cold = line.cold_starts[windows] if stalls else np.zeros(len(windows))
+    return stalled_p99(step, cold, steps, model.expert_load_s)
+
+
 def stalled_p99(base: np.ndarray, cold: np.ndarray, steps: float, load_s: float) -> float:
     """The p99 step time of windows of `steps` steps each taking `base` [n] seconds, where each of a
     window's `cold` [n] cold starts stalls a step of its own by load_s."""
@@ -300,6 +316,10 @@ def evaluate_pool(models: list[PoolModel], requests: list[Requests], s: PoolSett
             "mean_resident_experts_awake": float(line.resident[line.awake].mean()) if line.awake.any() else 0.0,
             "step_p99_s": step_time_p99(m, line, s),
         })
+    work = np.sum([line.compute_s for line in lines], axis=0)  # the pool's expert GPU seconds per window
+    for m, line, row in zip(models, lines, per_model):
+        for way in WAYS[1:]:
+            row["step_p99_s"][f"{way}-shared-gpus"] = shared_gpu_p99(m, line, work, gpus[way], s, way == "expert-grain")
     gpu_s = {way: float(g.sum() * s.window_s) for way, g in gpus.items()}
     return {"gpu_s": gpu_s, "gpu_s_ratio_to_dedicated": {way: v / gpu_s["dedicated"] for way, v in gpu_s.items()},
             "busy_fraction": {way: compute_s / v if v else 0.0 for way, v in gpu_s.items()},

@@ -16,7 +16,8 @@ def test_a_quick_shared_pool_run_writes_the_report(tmp_path):
     md = (tmp_path / "shared-pool.md").read_text()
     for says in ("moeless eval --shared-pool", "mixtral-8x7b", "phi-3.5-moe", "uniform (every expert alike)",
                  "whole-model GPU-s", "expert-grain GPU-s", "(run/gpu-seconds.png)", "## The targets",
-                 "p99 MoE ms per step outside wake-ups", "p99 per step <= 1.1x dedicated"):
+                 "p99 MoE ms per step outside wake-ups", "p99 per step <= 1.1x dedicated",
+                 "meeting on the pool's GPUs"):
         assert says in md, says
     run = json.loads((out / "run.json").read_text())
     assert [lv["requests_per_minute"] for lv in run["levels"]] == [0.2, 20.0]

@@ -65,6 +65,23 @@ def test_a_busy_pool_is_never_cheaper_than_its_memory_and_never_dearer_than_dedi
         assert m["step_p99_s"]["expert-grain"] >= m["step_p99_s"]["dedicated"] == m["step_p99_s"]["whole-model"] > 0
 
 
+def test_calls_meeting_on_a_shared_pools_gpus_slow_its_steps_never_below_alone():
+    """One model: its calls meet nobody's, so each shared pool's figure is its own. Two models with the
+    same requests on GPUs of 64 GB: both fit one GPU (G = 1), so while both compute each step takes both
+    models' work on it, twice its own, and stalls still add in the expert grain."""
+    s = PoolSettings(horizon_s=300, window_s=1, step_s=0.05, idle_delay_s=30, keep_alive_s=30, gpu_bytes=64 * GB, seed=1)
+    rng = np.random.default_rng(5)
+    arrival = np.sort(rng.uniform(0, 300, 40))
+    requests = Requests(arrival, rng.integers(50, 300, 40).astype(float), rng.integers(20, 200, 40).astype(float))
+    one = evaluate_pool([_model("a", 4, 4)], [requests], s)["models"][0]["step_p99_s"]
+    assert one["whole-model-shared-gpus"] == one["whole-model"] and one["expert-grain-shared-gpus"] == one["expert-grain"]
+    two = evaluate_pool([_model("a", 4, 4), _model("b", 4, 4)], [requests, requests], s)
+    for m in two["models"]:
+        p99 = m["step_p99_s"]
+        assert p99["whole-model-shared-gpus"] == pytest.approx(2 * p99["whole-model"])
+        assert p99["expert-grain-shared-gpus"] >= p99["expert-grain"] and p99["expert-grain-shared-gpus"] >= 2 * p99["dedicated"]
+
+
 def test_p99_step_time_outside_wake_ups_counts_each_cold_start_as_a_stalled_step():
     """3 busy windows of 100 steps on 2 GPUs, window 0 a wake-up (left out): 100 steps of 0.01 s and 100 of
     0.02 s; 3 cold starts of 1 s in window 2 are 1.5% of the steps, so they set the expert-grain p99; one
