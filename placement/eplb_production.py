@@ -107,13 +107,21 @@ def production_eplb_with_state() -> tuple[Callable, PlannerState]:
 
 def held_layout(held: np.ndarray, replicas: int, num_gpus: int) -> Placement | None:
     """The layout of held [L, E, G] bool (a restarted loop's resident replicas) where it can be one
-    this planner made: every expert held and no GPU holding more than replicas / G of a layer's;
-    else None. EPLB may give one GPU two of an expert's slots, which its host holds as one replica,
-    so the layout is the replicas held, tokens split evenly over each expert's."""
-    if replicas % num_gpus or (held.sum(axis=1) > replicas // num_gpus).any() or not held.any(axis=2).all():
+    this planner made: every expert held and no GPU holding more than replicas / G of a layer's, once
+    a GPU over that has dropped its copies of the experts held most elsewhere (replicas an earlier
+    rebalance left that the hosts had not released yet); else None. EPLB may give one GPU two of an
+    expert's slots, which its host holds as one replica, so the layout is the replicas held, tokens
+    split evenly over each expert's."""
+    if replicas % num_gpus or not held.any(axis=2).all():
         return None
-    layers = []
-    for layer in held:
+    slots, layers = replicas // num_gpus, []
+    for layer in held.copy():
+        for gpu in np.flatnonzero(layer.sum(axis=0) > slots):
+            for expert in sorted(np.flatnonzero(layer[:, gpu]), key=lambda e: -layer[e].sum()):
+                if layer[:, gpu].sum() > slots and layer[expert].sum() > 1:
+                    layer[expert, gpu] = False
+            if layer[:, gpu].sum() > slots:
+                return None
         expert, gpu = np.nonzero(layer)
         layers.append(LayerPlacement.even(expert, gpu, held.shape[1]))
     return Placement(tuple(layers), held.shape[1], num_gpus)

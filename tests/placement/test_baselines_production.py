@@ -69,9 +69,11 @@ def test_it_starts_from_sglang_s_trivial_layout_static_ep_s_blocks_with_the_copi
 
 def test_a_restarted_loop_takes_up_the_rebalanced_layout_resident_on_the_hosts():
     """A loop restarted after a rebalance (E = 4 on 2 GPUs, N = 0: experts 0 and 2 on GPU 0, 1 and 3
-    on GPU 1) starts from what the hosts hold, not the trivial layout, and says so; a resident set
-    that is not one of its layouts (a GPU with 3 of the layer's 4, or an expert missing) is not. With
-    N = 2 (6 slots, 3 a GPU) a GPU that had two slots of expert 0 holds it once: taken up as held."""
+    on GPU 1) starts from what the hosts hold, not the trivial layout, and says so. A GPU holding a
+    copy more than its slots (3 of the layer's 4: expert 1, left by a rebalance and not yet released)
+    drops it; a resident set missing an expert, or whose surplus is an expert's only copy, is not
+    taken up. With N = 2 (6 slots, 3 a GPU) a GPU that had two slots of expert 0 holds it once: taken
+    up as held."""
     config = PlannerConfig(eplb_redundant=0, eplb_first_rebalance=5)
     cluster, hot = Cluster.uniform(2, 8, 1), np.ones((1, 4))
     held = np.zeros((1, 4, 2), bool)
@@ -82,10 +84,17 @@ def test_a_restarted_loop_takes_up_the_rebalanced_layout_resident_on_the_hosts()
     assert sorted(zip(layer.gpu.tolist(), layer.expert.tolist())) == [(0, 0), (0, 2), (1, 1), (1, 3)]
     assert planner.describe() == ["production EPLB took up the layout resident at its start"]
     lopsided = held.copy()
-    lopsided[0, 1, 0] = True  # GPU 0 holds 3
+    lopsided[0, 1, 0] = True  # GPU 0 holds 3: expert 1's copy there goes
+    trimmed = get_planner("eplb-production", config)
+    trimmed.adopt(lopsided)
+    layer = trimmed(hot, cluster).layers[0]
+    assert sorted(zip(layer.gpu.tolist(), layer.expert.tolist())) == [(0, 0), (0, 2), (1, 1), (1, 3)]
+    assert trimmed.describe() != []
     missing = held.copy()
     missing[0, 3, 1] = False
-    for bad in (lopsided, missing):
+    crowded = np.zeros((1, 4, 2), bool)
+    crowded[0, [0, 1, 2], 0] = crowded[0, 3, 1] = True  # GPU 0 holds 3, each its only copy
+    for bad in (missing, crowded):
         other = get_planner("eplb-production", config)
         other.adopt(bad)
         first = other(hot, cluster).layers[0]
