@@ -36,6 +36,7 @@ from moeless.serving.executor import RemoteExecutor
 from moeless.serving.ingress import Ingress
 from moeless.serving.live import start_live
 from moeless.serving.live_engine import LiveEngine
+from moeless.serving.step_gate import step_gate_for
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.scheduler import Scheduler, SchedulerLoop
 from moeless.serving.shutdown import DrainWatcher
@@ -93,7 +94,10 @@ class ModelServer:
                                   members=(config.model_name, *config.family) if config.family else ())
         self.scheduler = self.loop = None
         if config.batching == "continuous":
-            self.scheduler = Scheduler(self.engine, config.limits)
+            gate = None if config.step_slo_s is None else \
+                step_gate_for(config.step_slo_s, self.live.profile, spec, self.pool, self.live.loop, self.follower,
+                              hold_s=config.step_hold_s)
+            self.scheduler = Scheduler(self.engine, config.limits, gate=gate)
             self.loop = SchedulerLoop(self.scheduler, threads=config.torch_threads)
         self._batched.set_max_batch_size(config.max_batch)
         self._batched.set_batch_wait_timeout_s(config.batch_wait_s)
@@ -205,7 +209,8 @@ class ModelServer:
         if self.scheduler:
             batching = {**self.scheduler.counts(), "iterations": self.scheduler.stats.iterations,
                         "refused": self.scheduler.stats.refused, "busy_s": self.scheduler.stats.busy_s,
-                        "decode_tokens": self.scheduler.stats.decode_tokens}
+                        "decode_tokens": self.scheduler.stats.decode_tokens,
+                        "step_gate": self.scheduler.gate.figures() if self.scheduler.gate else None}
         return {**self.executor.times.as_dict(), "dead_hosts": sorted(self.executor.dead_hosts),
                 "placement_version": self.source.version, "pool_version": self.pool.version,
                 "local_channels": sum(c.uses_local_channel for c in self.pool.clients().values()),

@@ -66,6 +66,15 @@ def register(commands: argparse._SubParsersAction) -> None:
                        help="how expert calls reach the hosts: auto (shared memory to a host on this machine, else "
                             "TCP, else gRPC), or one of them for every host; nixl: TCP with the rows moved by NIXL "
                             "(GPU memory over NVLink/RDMA; pip install 'moeless[nixl]' on both sides) (default auto)")
+    serve.add_argument("--step-slo-ms", type=_positive_float, default=None, metavar="MS",
+                       help="the step scaler (serving/step_gate.py): price each batch's expert work at admission "
+                            "and hold its newcomers until the placement spans the hosts that run it within MS "
+                            "milliseconds; the loop plans over --step-hosts hosts, the others are warm spares "
+                            "(default: off, every host planned over)")
+    serve.add_argument("--step-hosts", type=_positive, default=1,
+                       help="with --step-slo-ms: the hosts always planned over (default 1)")
+    serve.add_argument("--step-hold", type=_non_negative_float, default=2.0, metavar="S",
+                       help="with --step-slo-ms: seconds a widening outlives the last batch that needed it (default 2)")
     add_knob_flags(serve)
     serve.set_defaults(func=_serve)
 
@@ -135,7 +144,10 @@ def _serve(args: argparse.Namespace) -> int:
                        profile=profile, predictor_file=args.predictor_file, batching=args.batching, limits=limits,
                        max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo, poll_s=args.poll_us / 1e6,
                        knob_file=args.config, transport=args.transport, micro_batches=args.micro_batches,
-                       micro_batch_tokens=args.micro_batch_tokens, device=args.device)
+                       micro_batch_tokens=args.micro_batch_tokens, device=args.device,
+                       step=None if args.step_slo_ms is None else
+                       {"step_slo_s": args.step_slo_ms / 1e3, "step_hosts": args.step_hosts,
+                        "step_hold_s": args.step_hold})
     except (KnobError, ProfileError) as err:
         print(f"moeless serve: {err}", file=sys.stderr)
         return 2

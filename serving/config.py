@@ -71,6 +71,12 @@ class ServeConfig:
     predictor_file: str | None = None
     knob_file: str | None = None  # the knobs' YAML, followed while serving (a k8s pool: its policy instead)
     loop: tuple = ()  # (field, value) pairs of LoopSettings, e.g. (("period_s", 0.1),)
+    # The step scaler (serving/step_gate.py; needs the loop and continuous batching): a step's expert
+    # work priced at admission against step_slo_s; the loop plans over step_hosts ready hosts (the
+    # rest: spares), more for step_hold_s after a batch needed them. None: every ready host, no gate.
+    step_slo_s: float | None = None
+    step_hosts: int = 1
+    step_hold_s: float = 2.0
     # The expert-host pool followed while serving (controller/pool/sources.py: a PoolSource, e.g. the
     # policy's pods on Kubernetes); None: host_addresses, fixed. Read every pool_period_s.
     pool: Any = None
@@ -96,6 +102,11 @@ class ServeConfig:
             raise ValueError(f"family_hosts names {len(self.family_hosts)} fine-tunes, family {len(self.family)}")
         if self.plan_loop and not (self.knobs and self.placement_board):
             raise ValueError("the live loop (plan_loop) needs knobs and a placement_board to publish on")
+        if self.step_slo_s is not None and not (self.plan_loop and self.batching == "continuous"):
+            raise ValueError("the step scaler (step_slo_s) needs the live loop (plan_loop) and continuous batching")
+        if self.step_slo_s is not None and not (self.step_slo_s > 0 and self.step_hosts >= 1 and self.step_hold_s >= 0):
+            raise ValueError(f"the step scaler needs step_slo_s > 0, step_hosts >= 1 and step_hold_s >= 0, got "
+                             f"{self.step_slo_s}, {self.step_hosts}, {self.step_hold_s}")
 
 
 def replica_gpus_for(device: str, replicas: int, visible: int | None = None) -> float:

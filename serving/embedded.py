@@ -56,7 +56,7 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                    limits=None, max_batch: int = 8, drain_s: float = 30.0, demo: bool = False, poll_s: float = 0.0,
                    knob_file: str | None = None, transport: str = "auto", micro_batches: int = 1,
                    micro_batch_tokens: int = 256, demo_question: str = DEMO_QUESTION, demo_tokens: int = 40,
-                   device: str = "cpu") -> str | None:
+                   device: str = "cpu", step: dict | None = None) -> str | None:
     """Run the serving path locally (see the module docstring); returns the demo's answer. Several
     models (a list) share the local expert hosts, each with its own servers and planning loop, each
     answering by its name; the demo asks the first.
@@ -66,7 +66,8 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     transport: how the clients reach the hosts (expert_fn/client/client.py: auto, local, tcp or grpc);
     micro_batches, micro_batch_tokens: ping-pong in continuous batching (ServeConfig); device: where
     the replicas run the non-expert layers ("cpu" or "cuda": a GPU each, or a share where there are
-    fewer; the local expert hosts take GPU 0 where there is one, as `moeless expert-host` does).
+    fewer; the local expert hosts take GPU 0 where there is one, as `moeless expert-host` does);
+    step: the step scaler's ServeConfig fields (step_slo_s, step_hosts, step_hold_s; None: off).
     Raises KnobError for knobs that do not fit the model (before anything starts)."""
     models = [model] if isinstance(model, str) else list(model)
     replica_gpus = replica_gpus_for(device, replicas * len(models))
@@ -122,7 +123,7 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                                        micro_batches=micro_batches, micro_batch_tokens=micro_batch_tokens,
                                        host_model=getattr(remote, "model", None) if remote else
                                        (c.name if several else None), family_hosts=getattr(remote, "family", ()),
-                                       device=device, replica_gpus=replica_gpus)
+                                       device=device, replica_gpus=replica_gpus, **(step or {}))
                            for c, _, k, _ in served if c.name in family]
                 serve.run(build_app(configs), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"

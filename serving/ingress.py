@@ -116,6 +116,7 @@ class Ingress:
                            (self.metrics.split_forwards, "split_forwards"), (self.metrics.baton, "baton_s")):
             gauge.set(sum(s[key] for s in stats))
         self.metrics.set_wake(stats[0]["wake"])
+        self.metrics.set_step_gates([s.get("step_gate") for s in stats])
         self.metrics.set_paths({slot: path for s in stats for slot, path in s["paths"].items()})
         for loop in self.loops.values():
             if loop.name:

@@ -47,6 +47,19 @@ class IngressMetrics:
                            "serving replica's calls to the expert host in this slot take", ["slot", "path"],
                            registry=self.registry)
 
+        self.step_holds = Gauge("moeless_step_gate_holds", "admissions the step scaler held until the placement spanned "
+                                "the hosts their step needs (all replicas)", registry=self.registry)
+        self.step_wait = Gauge("moeless_step_gate_wait_seconds", "the step scaler's holds: the newcomers' admission wait, "
+                               "by quantile (the worst replica's)", ["quantile"], registry=self.registry)
+
+    def set_step_gates(self, gates: list) -> None:
+        """From the replicas' StepGate.figures() (None where a replica has no step scaler)."""
+        gates = [g for g in gates if g]
+        if gates:
+            self.step_holds.set(sum(g["holds"] for g in gates))
+            for q in ("p50", "p99", "max"):
+                self.step_wait.labels(q).set(max(g[f"wait_{q}_s"] for g in gates))
+
     def set_paths(self, paths: dict) -> None:
         """From a replica's stats: slot -> "local" | "tcp" | "nixl" | "grpc"."""
         self.paths.clear()

@@ -32,6 +32,7 @@ class LiveParts:
     executor: Any  # live_executor.LiveExecutor
     sender: Any  # controller/planning/report_sender.ReportSender
     loop: Any  # the PlanLoop actor handle
+    profile: Any  # the CostProfile the loop plans with
 
 
 def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
@@ -47,7 +48,9 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
                             num_experts=spec.num_experts, knobs=knobs, profile=profile, board=config.placement_board,
                             hidden_size=spec.hidden_size, non_expert_bytes=non_expert, replicas=config.num_replicas,
                             knob_source=knob_source_for(config.pool_source, config.knob_file),
-                            host_model=config.host_model, **dict(config.loop))
+                            host_model=config.host_model,
+                            width_floor=config.step_hosts if config.step_slo_s is not None else None,
+                            width_hold_s=config.step_hold_s, **dict(config.loop))
     loop = plan_loop(config.plan_loop, settings)
     # Also surfaces a loop that failed to start; one measuring the profile may first wake a pool at zero.
     waited = max(settings.first_host_wait_s, wake_timeout_s()) if profile is None else 0.0
@@ -62,4 +65,4 @@ def start_live(config, model, remote, runtime=None, profile=None) -> LiveParts:
     sender = ReportSender(loop)
     executor = LiveExecutor(remote, spec.num_layers, spec.num_experts, replica=uuid.uuid4().hex[:12], sink=sender.offer,
                             runtime=runtime, distance=knobs.distance, model=latency)
-    return LiveParts(executor, sender, loop)
+    return LiveParts(executor, sender, loop, profile)

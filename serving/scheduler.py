@@ -4,7 +4,9 @@
 
 1. admit: waiting requests join, first come first served, while the running requests stay
    under `max_running` and the iteration's tokens (each newcomer's prompt + one per running
-   request) under `max_tokens_per_iteration` (`admit`, a pure function);
+   request) under `max_tokens_per_iteration` (`admit`, a pure function); with a step gate
+   (serving/step_gate.py), the newcomers wait out of the batch until the placement spans the
+   hosts their step needs, while the running requests go on;
 2. prefill the newcomers together (one forward, prompts packed without padding): each gets its
    first token;
 3. decode every running request (one forward over KVSlots): each gets its next token;
@@ -101,9 +103,11 @@ class SchedulerStats:
 class Scheduler:
     """Iteration-level scheduler over `engine` (thread-safe submit/cancel; one thread steps)."""
 
-    def __init__(self, engine: Engine, limits: BatchLimits = BatchLimits(), clock: Callable[[], float] = time.monotonic):
+    def __init__(self, engine: Engine, limits: BatchLimits = BatchLimits(), clock: Callable[[], float] = time.monotonic,
+                 gate=None):
         self.engine = engine
         self.limits = limits
+        self.gate = gate  # serving/step_gate.StepGate, or None: admit as the limits allow
         self.clock = clock
         self.stats = SchedulerStats()
         self.slots = KVSlots(len(engine.model.hf.model.layers), limits.max_running)
@@ -166,8 +170,14 @@ class Scheduler:
         with self._lock:
             self._drop_cancelled()
             count = admit([len(r.prompt) for r in self._waiting], len(self._running), self.limits)
-            newcomers = [self._waiting.popleft() for _ in range(count)]
+            tokens = len(self._running) + sum(len(self._waiting[i].prompt) for i in range(count))
+        held = bool(count) and self.gate is not None and not self.gate.admit(tokens, count)  # may ask the loop: unlocked
+        with self._lock:
+            newcomers = [] if held else [self._waiting.popleft() for _ in range(min(count, len(self._waiting)))]
             rows = [self._running[rid] for rid in self.slots.rids]
+            if held and not rows:  # nothing to step while the placement widens: wait a tick, not spin
+                self._work.wait(0.002)
+                return
         batch = len(rows) + len(newcomers)
         # 2. Prefill the newcomers: their first token.
         kv: list = []  # per newcomer: (the cache holding its KV in row 0, where its columns start)

@@ -7,15 +7,15 @@
         --> Load RPCs (prefetch) to the hosts
         --> the loaded replicas of the plan on the placement board --> every serving replica
 
-The hosts are the serving replicas' pool (controller/pool/sources.py), followed the same way: a slot
-with no ready host (scaled in, draining, not started) counts as down, so every pass plans over the
-ready hosts only, and a host that joins is planned for on the next pass. So is a pool whose slots
-grew or shrank (maxHosts changed while serving): the next pass plans over its slots now, and the
-placement it publishes spans them.
+The hosts are the serving replicas' pool (controller/pool/sources.py), followed the same way: a slot with
+no ready host (scaled in, draining, not started) counts as down, so every pass plans over the ready hosts
+only, and a host that joins is planned for on the next pass, as is a pool whose slots grew or shrank
+(maxHosts changed). With a step scaler, the ready hosts past its width are spares, planned around until
+a batch needs them (widen: widenings.py, step_scaler.py).
 
-The decisions are pure functions (controller/planning/rules.py; what it plans for: settings.py);
-this module only does the talking: Status and Load RPCs to the hosts, publishing on the board, a
-heartbeat (/healthz: a loop whose heartbeat is older than stall_s), the figures /metrics reads.
+The decisions are pure functions (controller/planning/rules.py; what it plans for: settings.py); this
+module only talks: Status and Load RPCs to the hosts, publishing on the board, a heartbeat (/healthz: a
+loop whose heartbeat is older than stall_s), the figures /metrics reads.
 """
 
 from __future__ import annotations
@@ -33,12 +33,15 @@ import ray
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.controller.planning.board import publish_placement
 from moeless.controller.planning.cost_fit import OnlineCostFit
+from moeless.controller.planning.host_calls import configure_host, host_status
 from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.names import NAMESPACE
 from moeless.controller.planning.rules import (HostView, LoopTerms, forecast_groups, held_forecasts,
                                                hosts_to_configure, loop_terms, pass_due, plan_groups, planner_config,
                                                restart_knobs_changed, to_publish)
 from moeless.controller.planning.settings import LoopSettings
+from moeless.controller.planning.step_scaler import PlacementWidth
+from moeless.controller.planning.widenings import Widenings
 from moeless.controller.planning.window import (PHASES, Accumulated, Heartbeat, IterationReport, LiveStats,
                                                 ReportWindow, meter_totals)
 from moeless.controller.pool.sources import follow_pool
@@ -84,19 +87,19 @@ class PlanLoop:
         self._planned = False  # the first pass loads the home replicas (the hosts start empty)
         self._held: dict[str, tuple[float, np.ndarray]] = {}  # phase -> (when, its last merged forecast)
         self._planner, self._published, self._releasing = None, None, None  # _releasing: the last plan
-        self._fresh = False  # reports came in since the last planning pass
+        self._version, self._fresh = 0, False  # _published's board version; reports came since the last pass
         self._pending_loads = False  # the last pass sent loads (publish them once loaded)
         self._refreshed = 0.0  # when the hosts were last read
         self._memory = np.zeros(num_hosts)  # each host's last known replica memory
         self.counts = {"passes": 0, "plans": 0, "publishes": 0, "loads_sent": 0, "errors": 0, "reports": 0}
-        self.plan_s = {"last": 0.0, "sum": 0.0}
-        self.last_error = ""
-        self.hosts_live: list[bool] = [True] * num_hosts
+        self.plan_s, self.last_error = {"last": 0.0, "sum": 0.0}, ""
+        self.hosts_live: list[bool] = [True] * num_hosts  # the hosts planned over (ready, within the width)
         self.host_meters: list[dict] = [{} for _ in range(num_hosts)]
         self.resident_replicas = 0
         self._gb_s = Accumulated(num_hosts)
         self._swaps = ThreadPoolExecutor(1, "home-swaps")  # a chance's candidate homes (placement/home_moves.py)
-        self._stop = threading.Event()
+        self.widenings = Widenings(PlacementWidth(settings.width_floor, settings.width_hold_s), self._lock)
+        self._now, self._stop = threading.Event(), threading.Event()  # _now: a pass now (a widening)
         self._thread = threading.Thread(target=self._run, name="plan-loop", daemon=True)
         self._thread.start()
         if settings.knob_source is not None:
@@ -117,6 +120,18 @@ class PlanLoop:
             if self.stateful:
                 self._actuals.append(report.actual)
             self._learn.append(report.actual)
+
+    def widen(self, hosts: int, timeout_s: float = 5.0) -> tuple[int, int]:
+        """A batch needs `hosts` hosts (serving/step_gate.py). Where the placement spans fewer, a pass
+        now over more, answered once its placement is published with nothing left to load (or after
+        timeout_s): (the hosts planned over, at most the ready ones; the board version to follow up to)."""
+        with self._lock:
+            ticket = self.widenings.ask(hosts, time.monotonic())
+            self._fresh = self._fresh or ticket is not None
+        if ticket is not None:
+            self._now.set()
+        version = self.widenings.wait(ticket, timeout_s)
+        return min(self.widenings.hosts(time.monotonic()) or hosts, len(self.pool.clients())), version
 
     def set_knobs(self, knobs: Knobs, generation: int) -> bool:
         """Plan by `knobs` from the next pass on (generation: the source's); False, keeping the running
@@ -146,26 +161,17 @@ class PlanLoop:
                     "restart_pending": list(self.restart_pending), "heartbeat_s": self.heartbeat.last,
                     "heartbeat_age_s": self.heartbeat.age(), "stalled": self.heartbeat.stalled(),
                     "stall_threshold_s": self.s.stall_s, "last_error": self.last_error, **self.counts,
-                    "hosts_live": list(self.hosts_live)}
+                    "hosts_live": list(self.hosts_live), "width": self.widenings.hosts(time.monotonic())}
 
     def metrics(self) -> dict:
         """Everything /metrics shows (see app.py's LoopCollector)."""
         with self._lock:
             return {
                 **self.state(), "stats": self.stats.as_dict(), "plan_s": dict(self.plan_s),
-                "latency_fit": self.fit.as_dict(), "resident_replicas": self.resident_replicas,
-                **meter_totals([m for m in self.host_meters if m]), "expert_gb_s": self._gb_s.total,
+                "latency_fit": self.fit.as_dict(), "resident_replicas": self.resident_replicas, "widenings":
+                self.widenings.as_dict(), **meter_totals([m for m in self.host_meters if m]), "expert_gb_s": self._gb_s.total,
                 "non_expert_gb_s": self.s.profile.non_expert_bytes / 1e9 * self.s.replicas * (time.time() - self.started),
             }
-
-    def forecast(self) -> dict:
-        """What the next pass plans for: the merged forecast [L, E] (None without reports), the
-        merged actual loads and the mean iteration time over the window."""
-        with self._lock:
-            now = time.time()
-            merged = self.window.merged(now, "forecast" if self.s.knobs.predictor == "gate" else "actual")
-            return {"forecast": merged, "actual": self.window.merged(now, "actual"),
-                    "iteration_s": self.window.iteration_s(now), "reports": len(self.window.reports(now))}
 
     def profile(self) -> tuple[CostProfile, float]:
         """(the cost profile the loop plans with, a host call's fixed cost in seconds if measured here)."""
@@ -181,6 +187,7 @@ class PlanLoop:
 
     def stop(self) -> None:
         self._stop.set()
+        self._now.set()
         self._thread.join(timeout=10)
         self._swaps.shutdown(wait=False, cancel_futures=True)
         self.follower.close()
@@ -198,16 +205,21 @@ class PlanLoop:
             terms.planner, terms.stateful, terms.layer_cap, terms.memory_price
 
     def _run(self) -> None:
-        while not self._stop.wait(self.s.period_s):
-            started = time.perf_counter()
+        while True:
+            self._now.wait(self.widenings.period(self.s.period_s))
+            self._now.clear()
+            if self._stop.is_set():
+                break
+            started, ticket = time.perf_counter(), self.widenings.pass_started()
             try:
-                self._pass()
+                pending = self._pass()
             except Exception as err:  # a failed pass is retried next period; the heartbeat says if it persists
                 with self._lock:
                     self.counts["errors"] += 1
                     self.last_error = f"{type(err).__name__}: {err}"
                 log.exception("planning pass failed")
                 continue
+            self.widenings.pass_ended(ticket, pending, self._version, time.monotonic())
             with self._lock:
                 self.counts["passes"] += 1
                 self.plan_s["last"] = time.perf_counter() - started
@@ -215,23 +227,26 @@ class PlanLoop:
                 self.last_error = ""
                 self.heartbeat.beat()
 
-    def _pass(self) -> None:  # the decisions are rules.py's: read the hosts, plan, prefetch, publish
+    def _pass(self) -> bool:  # rules.py decides: read the hosts, plan, prefetch, publish; True: loads pending
         s = self.s
         with self._lock:
             due = pass_due(self._fresh, self._pending_loads, time.monotonic() - self._refreshed, s.idle_s)
             self._fresh = False
         if not due:
-            return
+            return False
         self._refreshed = time.monotonic()
         # 1. What the hosts hold (the truth of what is resident), their meters.
-        statuses = [self._status(i) for i in range(self.pool.slots)]  # an empty slot: None, planned around
+        statuses = [host_status(self.pool, i) for i in range(self.pool.slots)]  # an empty slot: None, planned around
         self._fit_slots(len(statuses))
         for i in hosts_to_configure(statuses, s.knobs.keep_alive_s, s.host_model is not None):
-            self._configure(i, s.knobs.keep_alive_s)
-        view = HostView.from_status(statuses, s.num_layers, s.num_experts)
+            configure_host(self.pool, i, s.knobs.keep_alive_s)
+        with self._lock:  # the step scaler's spares: ready, planned around (the slots past its width)
+            active = self.widenings.width.active_slots([st is not None for st in statuses], time.monotonic())
+        view = HostView.from_status([st if up else None for st, up in zip(statuses, active)], s.num_layers, s.num_experts)
         self._memory = np.where(view.live, view.memory, self._memory)  # a dead host's: as last seen
         with self._lock:
-            joined = self._planned and view.live.tolist() != self.hosts_live  # plan for a host that came or went
+            # plan for a host that came or went, and again until a widening's loads are published
+            joined = self._planned and (view.live.tolist() != self.hosts_live or self.widenings.open())
             self.hosts_live = view.live.tolist()
             self.resident_replicas = int(view.resident.sum())
             for i, status in enumerate(statuses):
@@ -247,7 +262,7 @@ class PlanLoop:
                 self._actuals = []
             learnt, self._learn = self._learn, []
         if not view.live.any():
-            return
+            return False
         # 2. The plan; 3. prefetch what it needs; 4. publish what is loaded.
         off = s.knobs.predictor == "off"
         made = self._planner is None
@@ -267,17 +282,18 @@ class PlanLoop:
             except Exception as err:  # the host went away meanwhile (None: it left the pool): planned around next pass
                 log.warning("%s of (layer %d, expert %d) on host %d failed: %s", act, layer, expert, host, err)
         if decision is None:  # a stateful planner without new iterations, or no traffic: nothing to change
-            return
+            return False
         self._pending_loads = bool(decision.loads)
         with self._lock:
             self.counts["plans"] += len(groups)
             self.counts["loads_sent"] += len(decision.loads)
         publish = to_publish(self._published, decision, off, self.name)
         if publish is not None:
-            publish_placement(publish, s.board)
+            self._version = publish_placement(publish, s.board)
             self._published = publish
             with self._lock:
                 self.counts["publishes"] += 1
+        return self._pending_loads
 
     def _phase_forecasts(self, now: float) -> list[np.ndarray]:
         """Each phase's merged forecast over the window, or its held one (rules.held_forecasts). Call
@@ -315,21 +331,6 @@ class PlanLoop:
         elif not self.stateful:
             self._planner = replace(self._planner, config=config)
         return self._planner
-
-    def _configure(self, i: int, keep_alive_s: float) -> None:
-        try:  # the knobs' keep-alive on a host that runs another (a live change, or a host that restarted)
-            self.pool.client(i).configure(keep_alive_s)
-        except Exception as err:  # gone meanwhile: the next pass tries again
-            log.warning("cannot set host %d's keep-alive to %g s: %s", i, keep_alive_s, err)
-
-    def _status(self, i: int) -> dict | None:
-        client = self.pool.client(i)
-        if client is None:  # no ready host in this slot
-            return None
-        try:
-            return client.status()
-        except Exception:  # unreachable, draining, too slow: planned around for this pass
-            return None
 
 
 def plan_loop(name: str, settings: LoopSettings | None = None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Protocol
 
 import ray
@@ -51,18 +52,32 @@ def publish_placement(placement: Placement, name: str = BOARD_NAME) -> int:
 
 
 class BoardFollower:
-    """Polls the board every `interval_s` and applies newer placements to `source`."""
+    """Polls the board every `interval_s` (every hurry_interval_s while hurried) and applies newer
+    placements to `source`."""
 
-    def __init__(self, source: PlacementSink, interval_s: float = 0.1, name: str = BOARD_NAME):
-        self.source, self.interval_s = source, interval_s
+    def __init__(self, source: PlacementSink, interval_s: float = 0.1, name: str = BOARD_NAME,
+                 hurry_interval_s: float = 0.005):
+        self.source, self.interval_s, self.hurry_interval_s = source, interval_s, hurry_interval_s
         self.board = board(name)
         self.seen = 0
-        self._stop = threading.Event()
+        self._hurried_until = 0.0
+        self._stop, self._poll = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="placement-follower", daemon=True)
         self._thread.start()
 
+    def hurry(self, for_s: float = 1.0) -> None:
+        """Poll now and every hurry_interval_s for `for_s` seconds: a placement is about to be
+        published that a caller waits for (the step scaler's widening, serving/step_gate.py)."""
+        self._hurried_until = time.monotonic() + for_s
+        self._poll.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
+            hurried = time.monotonic() < self._hurried_until
+            self._poll.wait(self.hurry_interval_s if hurried else self.interval_s)
+            self._poll.clear()
+            if self._stop.is_set():
+                break
             update = ray.get(self.board.newer_than.remote(self.seen))
             if update is None:
                 continue
@@ -74,3 +89,4 @@ class BoardFollower:
 
     def close(self) -> None:
         self._stop.set()
+        self._poll.set()

@@ -125,6 +125,11 @@ class LoopCollector(Collector):
                                   value=s["expert_gb_s"])
         yield CounterMetricFamily(f"{PREFIX}_non_expert_gb_seconds", "GB·s of non-expert weights (bytes x serving "
                                   "replicas x seconds)", value=s["non_expert_gb_s"])
+        if s.get("width") is not None:  # the step scaler (controller/planning/step_scaler.py)
+            yield GaugeMetricFamily(f"{PREFIX}_step_width_hosts", "the ready hosts the loop plans over (the step "
+                                    "scaler's width; the others are spares)", value=s["width"])
+            yield CounterMetricFamily(f"{PREFIX}_step_widenings", "widenings the step scaler asked of the loop",
+                                      value=s["widenings"]["asked"])
 
 
 class LoopsCollector(Collector):

@@ -42,3 +42,5 @@ class LoopSettings:
     knob_source: Any = None  # controller/planning/knob_sources.py: knobs followed while running (None: fixed)
     host_model: str | None = None  # the name the hosts serve this model by (None: their only one)
     knob_period_s: float = 1.0
+    width_floor: int | None = None  # the step scaler: hosts always planned over (None: every ready host; step_scaler.py)
+    width_hold_s: float = 2.0  # ... and how long a widening outlives the last batch that needed it

@@ -33,6 +33,9 @@ BENCHES = {
     "finetunes": Bench("moeless.bench.finetunes", "a base and its fine-tunes on the same expert hosts (each expert "
                                                   "held once) vs the base alone: memory, per-model GB·s, throughput, "
                                                   "exactness, in one engine and in one per model"),
+    "step-scaler": Bench("moeless.bench.step_scaler", "the step scaler's lag on a real pool: how long a burst's "
+                                                      "newcomers wait for the placement to widen onto spare hosts, "
+                                                      "against a whole model's expert load"),
     "live": Bench("moeless.bench.live", "the running system with its planning loop vs static EP and EPLB: replayed "
                                         "trace arrivals over HTTP"),
     "transport": Bench("moeless.bench.transport", "one expert call over shared memory, the TCP channel, gRPC and "

@@ -1,0 +1,134 @@
+"""Admission under a step SLO: the step scaler's serving half (its rules: controller/planning/step_scaler.py).
+
+Before the scheduler admits newcomers (serving/scheduler.py), the gate prices the batch they would
+form with the running requests (step_expert_s over the loop's cost profile) and asks for the fewest
+hosts that run it within the step SLO (hosts_for_step). Where the loop plans over fewer, it asks
+the loop to widen (PlanLoop.widen: an immediate pass over that many ready hosts, the spares among
+them loaded, answered once that placement is published with nothing left to load) and holds the
+newcomers out -- the running requests keep stepping on the placement they have -- until this
+replica runs that placement (its board version; the BoardFollower hurried meanwhile), or
+max_wait_s has passed (then they go in: a late scaler costs longer steps, never a hang). While
+batches need the width, the gate asks again every hold_s / 4, so the loop holds it (PlacementWidth).
+
+The twin prices the same rule (twin/finetunes.py, "shared-keys-batched-gated"); each hold's length
+is the newcomers' admission wait, the scaler's lag as serving has it (`stats`, /metrics,
+`moeless bench step-scaler`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from moeless.controller.planning.step_scaler import hosts_for_step, step_expert_s
+
+log = logging.getLogger(__name__)
+RECENT = 256  # holds the percentiles are over (a long-running replica keeps no more)
+
+
+@dataclass
+class GateStats:
+    """holds: admissions held; timeouts: holds ended by max_wait_s; widenings: asks to the loop;
+    held_requests: newcomers the holds kept out; waits_s: the last RECENT holds' lengths (seconds), in order."""
+
+    holds: int = 0
+    timeouts: int = 0
+    widenings: int = 0
+    held_requests: int = 0
+    waits_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+
+    def as_dict(self) -> dict:
+        """The counts, the recent holds and their p50 / p99 / max."""
+        waits = np.asarray(self.waits_s)
+        pct = {f"wait_p{q}_s": float(np.percentile(waits, q)) if len(waits) else 0.0 for q in (50, 99)}
+        return {"holds": self.holds, "timeouts": self.timeouts, "widenings": self.widenings,
+                "held_requests": self.held_requests, "wait_max_s": float(waits.max(initial=0.0)), **pct,
+                "waits_s": waits.tolist()}
+
+
+class StepGate:
+    """The gate (see the module docstring). price(tokens) -> expert host-seconds of a step;
+    ready() -> ready hosts in the pool; widen(hosts) -> a Future of the loop's answer (the hosts it
+    plans over, the board version to follow up to); seen() -> the board version this replica runs;
+    hurry(seconds): follow the board closely meanwhile."""
+
+    def __init__(self, price: Callable[[int], float], slo_s: float, ready: Callable[[], int],
+                 widen: Callable[[int], Future], seen: Callable[[], int], *,
+                 hurry: Callable[[float], None] | None = None, hold_s: float = 2.0, max_wait_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if not slo_s > 0 or not max_wait_s >= 0:
+            raise ValueError(f"a step gate needs a step SLO > 0 s and a max wait >= 0 s, got {slo_s}, {max_wait_s}")
+        self.price, self.slo_s, self.ready, self.widen, self.seen = price, slo_s, ready, widen, seen
+        self.hurry = hurry or (lambda for_s: None)
+        # the loop holds a width hold_s after its last need: asked again every renew_s while needed
+        self.hold_s, self.renew_s, self.max_wait_s, self.clock = hold_s, hold_s / 4, max_wait_s, clock
+        self.stats = GateStats()
+        self.granted, self.version, self.renewed = 1, 0, -float("inf")  # the loop's last answer, when asked
+        self.asking: tuple[int, Future] | None = None  # (hosts, the answer to come)
+        self.held_since: float | None = None
+        self._lock = threading.Lock()  # stats are read by /metrics
+
+    def admit(self, tokens: int, newcomers: int) -> bool:
+        """Whether `newcomers` may join a step of `tokens` tokens in all (their prompts and one per
+        running request) now; False: hold them out of this step."""
+        now = self.clock()
+        need = hosts_for_step(self.price(tokens), self.slo_s, self.ready())
+        if self.asking is None and now - self.renewed >= self.hold_s:
+            self.granted = 1  # not asked for hold_s: the loop has narrowed since
+        if self.asking is None and need > 1 and (need > self.granted or now - self.renewed >= self.renew_s):
+            self.asking, self.renewed = (need, self.widen(need)), now  # renewed while needed: the loop holds it
+            with self._lock:
+                self.stats.widenings += 1
+        if self.asking is not None and self.asking[1].done():
+            self.granted, self.version = self._answer(self.asking[1])
+            self.asking = None
+        waiting = self.asking is not None and self.asking[0] > self.granted
+        if not waiting and self.seen() >= self.version:
+            self._end(now, newcomers, timed_out=False)
+            return True
+        if self.held_since is None:
+            self.held_since = now
+            self.hurry(self.max_wait_s)
+        if now - self.held_since >= self.max_wait_s:
+            self._end(now, newcomers, timed_out=True)
+            return True
+        return False
+
+    def _answer(self, answer: Future) -> tuple[int, int]:
+        try:
+            hosts, version = answer.result()
+            return int(hosts), int(version)
+        except Exception as err:  # the loop is gone or failing: serve on what the placement is
+            log.warning("the planning loop did not answer a widening: %s", err)
+            return self.granted, self.version
+
+    def _end(self, now: float, newcomers: int, timed_out: bool) -> None:
+        if self.held_since is None:
+            return
+        with self._lock:
+            self.stats.holds += 1
+            self.stats.timeouts += timed_out
+            self.stats.waits_s.append(now - self.held_since)
+            self.stats.held_requests += newcomers
+        self.held_since = None
+
+    def figures(self) -> dict:
+        """The stats (GateStats.as_dict), the hosts the loop last granted, the SLO."""
+        with self._lock:
+            return {**self.stats.as_dict(), "granted": self.granted, "slo_s": self.slo_s}
+
+
+def step_gate_for(slo_s: float, profile, spec, pool, loop, follower, **options) -> StepGate:
+    """The gate of a serving replica on the live loop: priced by the loop's cost profile over the
+    model's shape, ready hosts from its pool, widened by `loop`, the widened placement read by its
+    BoardFollower (hurried while a hold waits)."""
+    return StepGate(lambda tokens: step_expert_s(tokens, profile, spec.num_layers, spec.top_k, spec.num_experts),
+                    slo_s, lambda: len(pool.clients()), lambda hosts: loop.widen.remote(hosts).future(),
+                    lambda: follower.seen, hurry=follower.hurry, **options)

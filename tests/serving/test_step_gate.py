@@ -1,0 +1,152 @@
+"""The step scaler's admission gate (serving/step_gate.py) on a fake clock and a fake loop, and the
+scheduler holding newcomers behind it while the running requests go on (tiny model, in-process
+experts: the answers stay the sequential ones)."""
+
+from concurrent.futures import Future
+
+import torch
+
+from moeless.model.tiny import tiny_model
+from moeless.serving.api import GenerationRequest
+from moeless.serving.engine import Engine
+from moeless.serving.scheduler import BatchLimits, Scheduler
+from moeless.serving.step_gate import StepGate
+
+
+class FakeLoop:
+    """widen(hosts) -> a Future answered by `answer(hosts, version)`; the board version the replica runs."""
+
+    def __init__(self):
+        self.asked, self.pending, self.seen = [], [], 0
+
+    def widen(self, hosts):
+        future = Future()
+        self.asked.append(hosts)
+        self.pending.append(future)
+        return future
+
+    def answer(self, hosts, version):
+        self.pending.pop(0).set_result((hosts, version))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def gate_for(loop, clock, ready=3, hurried=None, **options):
+    # 1 ms of expert work per token: 10 tokens a host within the 10 ms SLO
+    return StepGate(lambda tokens: tokens * 1e-3, 10e-3, lambda: ready, loop.widen, lambda: loop.seen,
+                    hurry=(hurried.append if hurried is not None else None), clock=clock, **options)
+
+
+def test_a_step_that_fits_one_host_is_admitted_without_asking_the_loop():
+    loop, clock = FakeLoop(), Clock()
+    gate = gate_for(loop, clock)
+    assert gate.admit(10, 2) and loop.asked == []
+    assert gate.figures()["holds"] == 0
+
+
+def test_newcomers_wait_for_the_widened_placement_then_go_in():
+    loop, clock, hurried = FakeLoop(), Clock(), []
+    gate = gate_for(loop, clock, hurried=hurried)
+    assert not gate.admit(25, 3)  # 25 ms of work: 3 hosts
+    assert loop.asked == [3] and hurried == [2.0]  # the board followed closely meanwhile
+    clock.now = 0.01
+    assert not gate.admit(25, 3)  # not answered yet
+    loop.answer(3, version=7)
+    clock.now = 0.02
+    assert not gate.admit(25, 3)  # answered; this replica does not run version 7 yet
+    loop.seen, clock.now = 7, 0.03
+    assert gate.admit(25, 3)
+    figures = gate.figures()
+    assert figures["holds"] == 1 and figures["held_requests"] == 3 and figures["timeouts"] == 0
+    assert figures["waits_s"] == [0.03] and figures["granted"] == 3 and len(loop.asked) == 1
+
+
+def test_a_need_the_loop_already_holds_is_renewed_without_holding_anyone():
+    loop, clock = FakeLoop(), Clock()
+    gate = gate_for(loop, clock, hold_s=2.0)
+    gate.admit(25, 3)
+    loop.answer(3, version=1)
+    loop.seen = 1
+    assert gate.admit(25, 3)
+    clock.now = 0.6  # past hold_s / 4: asked again, so the loop keeps the width
+    assert gate.admit(22, 1) and loop.asked == [3, 3]
+    loop.answer(3, version=1)
+    clock.now = 0.7
+    assert gate.admit(22, 1) and gate.figures()["holds"] == 1
+
+
+def test_after_the_hold_a_need_waits_again_for_the_loop_to_widen():
+    loop, clock = FakeLoop(), Clock()
+    gate = gate_for(loop, clock, hold_s=2.0)
+    gate.admit(25, 3)
+    loop.answer(3, version=1)
+    loop.seen = 1
+    gate.admit(25, 3)
+    clock.now = 10.0  # the loop has narrowed to its floor since: the next burst is held again
+    assert not gate.admit(25, 3) and loop.asked == [3, 3]
+    clock.now = 10.01
+    assert not gate.admit(25, 3)  # until the loop answers (what it granted before is no answer)
+    loop.answer(3, version=2)
+    loop.seen, clock.now = 2, 10.05
+    assert gate.admit(25, 3) and gate.figures()["holds"] == 2
+
+
+def test_a_loop_that_never_answers_costs_at_most_the_max_wait():
+    loop, clock = FakeLoop(), Clock()
+    gate = gate_for(loop, clock, max_wait_s=0.5)
+    assert not gate.admit(25, 2)
+    clock.now = 0.49
+    assert not gate.admit(25, 2)
+    clock.now = 0.5
+    assert gate.admit(25, 2)
+    assert gate.figures()["timeouts"] == 1 and gate.figures()["wait_max_s"] == 0.5
+
+
+def test_a_failed_answer_keeps_serving_on_what_was_granted():
+    loop, clock = FakeLoop(), Clock()
+    gate = gate_for(loop, clock)
+    gate.admit(25, 1)
+    loop.pending.pop(0).set_exception(RuntimeError("the loop actor died"))
+    clock.now = 0.01
+    assert gate.admit(25, 1)  # granted stays 1, version 0: nothing to wait for
+
+
+def test_the_scheduler_holds_newcomers_while_running_requests_step_and_answers_stay_exact():
+    torch.set_num_threads(1)
+    model = tiny_model("mixtral", 0)
+    loop, clock = FakeLoop(), Clock()
+    gate = StepGate(lambda tokens: tokens * 1e-3, 20e-3, lambda: 3, loop.widen, lambda: loop.seen, clock=clock)
+    scheduler = Scheduler(Engine(model), BatchLimits(max_running=8), gate=gate)
+    texts = {}
+
+    def submit(prompt, n):
+        events = []
+        scheduler.submit(GenerationRequest("m", n, False, prompt=prompt), events.extend)
+        texts[prompt] = (events, n)
+
+    submit("hi", 12)  # 2 tokens: one host
+    scheduler.step()
+    assert scheduler.counts() == {"running": 1, "waiting": 0}
+    for prompt in ("a burst of one", "and another one"):
+        submit(prompt, 3)  # 1 + 14 + 15 tokens: 30 ms, 2 hosts
+    decoded = scheduler.stats.decode_tokens
+    scheduler.step()
+    scheduler.step()
+    assert loop.asked == [2] and scheduler.counts() == {"running": 1, "waiting": 2}  # held out of the batch
+    assert scheduler.stats.decode_tokens == decoded + 2  # the running request went on
+    loop.answer(2, version=1)
+    loop.seen = 1
+    clock.now = 0.05
+    for _ in range(20):
+        scheduler.step()
+    for prompt, (events, n) in texts.items():
+        ids = torch.tensor([[ord(c) for c in prompt]])
+        expected = "".join(chr(t) for t in model.generate(ids, n)[0, ids.shape[1]:].tolist())
+        assert "".join(e.get("text", "") for e in events) == expected and events[-1]["finish"] == "length"
+    assert gate.figures()["holds"] == 1 and gate.figures()["waits_s"] == [0.05]
