@@ -197,9 +197,11 @@ def config_from_args(args: Mapping[str, Any]):
     such as "k8s://NS/POLICY:PORT?slots=N" (default: $MOELESS_EXPERT_HOSTS; controller/pool/sources.py),
     "replicas": serving replicas (default 1), "transport": auto | local | tcp | nixl | grpc (default auto),
     "micro_batches" (default 1), "micro_batch_tokens" (default 256): ping-pong, "device": cpu | cuda
-    (default cpu; cuda: one GPU per replica)}; the loop runs as in `moeless serve`. Raises KnobError for
-    a bad value (the message names it)."""
-    known = ("config", "model", "hosts", "replicas", "transport", "micro_batches", "micro_batch_tokens", "device")
+    (default cpu; cuda: one GPU per replica), "step_slo_ms", "step_hosts", "step_hold_s": the step
+    scaler (`moeless serve --step-slo-ms`; default off)}; the loop runs as in `moeless serve`. Raises
+    KnobError for a bad value (the message names it)."""
+    known = ("config", "model", "hosts", "replicas", "transport", "micro_batches", "micro_batch_tokens", "device",
+             "step_slo_ms", "step_hosts", "step_hold_s")
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise KnobError(f"application args: unknown key {unknown[0]!r}; known: {', '.join(known)}")
@@ -216,6 +218,7 @@ def config_from_args(args: Mapping[str, Any]):
     device = str(args.get("device", "cpu"))
     if device not in DEVICES:
         raise KnobError(f"application args: device {device!r}; use one of {', '.join(DEVICES)}")
+    step = _step_scaler_args(args)
     knobs = Knobs.from_yaml(args["config"]) if args.get("config") else Knobs()
     hosts = args.get("hosts") or os.environ.get(HOSTS_ENV)
     if not hosts:
@@ -227,4 +230,19 @@ def config_from_args(args: Mapping[str, Any]):
                        num_replicas=int(args.get("replicas", 1)), placement_board=BOARD_NAME, knobs=knobs,
                        plan_loop=LOOP_NAME, knob_file=args.get("config") or None, transport=transport,
                        host_model=getattr(source, "model", None), device=device,
-                       replica_gpus=1.0 if device == "cuda" else 0.0, **split)
+                       replica_gpus=1.0 if device == "cuda" else 0.0, **split, **step)
+
+
+def _step_scaler_args(args: Mapping[str, Any]) -> dict:
+    """The step scaler's ServeConfig fields from the app's args ({} where step_slo_ms is absent)."""
+    if args.get("step_slo_ms") is None:
+        return {}
+    values = {"step_slo_ms": args["step_slo_ms"], "step_hosts": args.get("step_hosts", 1),
+              "step_hold_s": args.get("step_hold_s", 2.0)}
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values())
+    if not numbers or values["step_slo_ms"] <= 0 or values["step_hosts"] < 1 or values["step_hold_s"] < 0 \
+            or values["step_hosts"] != int(values["step_hosts"]):
+        raise KnobError(f"application args: the step scaler needs step_slo_ms > 0, a whole step_hosts >= 1 and "
+                        f"step_hold_s >= 0, got {values}")
+    return {"step_slo_s": values["step_slo_ms"] / 1e3, "step_hosts": int(values["step_hosts"]),
+            "step_hold_s": float(values["step_hold_s"])}

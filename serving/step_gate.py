@@ -79,16 +79,16 @@ class StepGate:
         """Whether `newcomers` may join a step of `tokens` tokens in all (their prompts and one per
         running request) now; False: hold them out of this step."""
         now = self.clock()
-        need = hosts_for_step(self.price(tokens), self.slo_s, self.ready())
+        if self.asking is not None and self.asking[1].done():
+            self.granted, self.version = self._answer(*self.asking)
+            self.asking = None
         if self.asking is None and now - self.renewed >= self.hold_s:
             self.granted = 1  # not asked for hold_s: the loop has narrowed since
+        need = hosts_for_step(self.price(tokens), self.slo_s, self.ready())
         if self.asking is None and need > 1 and (need > self.granted or now - self.renewed >= self.renew_s):
             self.asking, self.renewed = (need, self.widen(need)), now  # renewed while needed: the loop holds it
             with self._lock:
                 self.stats.widenings += 1
-        if self.asking is not None and self.asking[1].done():
-            self.granted, self.version = self._answer(self.asking[1])
-            self.asking = None
         waiting = self.asking is not None and self.asking[0] > self.granted
         if not waiting and self.seen() >= self.version:
             self._end(now, newcomers, timed_out=False)
@@ -101,13 +101,13 @@ class StepGate:
             return True
         return False
 
-    def _answer(self, answer: Future) -> tuple[int, int]:
+    def _answer(self, asked: int, answer: Future) -> tuple[int, int]:
         try:
             hosts, version = answer.result()
             return int(hosts), int(version)
-        except Exception as err:  # the loop is gone or failing: serve on what the placement is
-            log.warning("the planning loop did not answer a widening: %s", err)
-            return self.granted, self.version
+        except Exception as err:  # the loop is gone or failing: serve on the placement there is, ask again later
+            log.warning("the planning loop did not answer a widening to %d hosts: %s", asked, err)
+            return asked, self.version
 
     def _end(self, now: float, newcomers: int, timed_out: bool) -> None:
         if self.held_since is None:

@@ -33,7 +33,7 @@ import ray
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.controller.planning.board import publish_placement
 from moeless.controller.planning.cost_fit import OnlineCostFit
-from moeless.controller.planning.host_calls import configure_host, host_status
+from moeless.controller.planning.host_calls import configure_host, host_status, send_actions
 from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.names import NAMESPACE
 from moeless.controller.planning.rules import (HostView, LoopTerms, forecast_groups, held_forecasts,
@@ -275,12 +275,7 @@ class PlanLoop:
         routed = self._published.replicas() if self._published else None
         free = self._releasing.releasable(view.resident & view.live[None, None, :]) if self._releasing else []
         gone = [(*r, "evict") for r in free if routed is not None and r not in routed]
-        for layer, expert, host, act in [*gone, *((*r, "load") for r in (decision.loads if decision else []))]:
-            try:
-                client = self.pool.client(host)
-                client.evict(layer, expert) if act == "evict" else client.load(layer, expert, wait=False)
-            except Exception as err:  # the host went away meanwhile (None: it left the pool): planned around next pass
-                log.warning("%s of (layer %d, expert %d) on host %d failed: %s", act, layer, expert, host, err)
+        send_actions(self.pool, [*gone, *((*r, "load") for r in (decision.loads if decision else []))])
         if decision is None:  # a stateful planner without new iterations, or no traffic: nothing to change
             return False
         self._pending_loads = bool(decision.loads)

@@ -1,10 +1,12 @@
-"""The planning loop's calls to one host of its pool, each failure planned around (the host went
+"""The planning loop's calls to the hosts of its pool, each failure planned around (the host went
 away, is draining or too slow: the next pass tries again)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -26,3 +28,28 @@ def configure_host(pool: Any, slot: int, keep_alive_s: float) -> None:
         pool.client(slot).configure(keep_alive_s)
     except Exception as err:  # gone meanwhile: the next pass tries again
         log.warning("cannot set host %d's keep-alive to %g s: %s", slot, keep_alive_s, err)
+
+
+def send_actions(pool: Any, actions: Sequence[tuple[int, int, int, str]]) -> None:
+    """(layer, expert, host, "evict" | "load") each, loads not waited for: every host's in its own
+    thread (a widening loads a spare's whole share: its Load RPCs one after another, the hosts side by
+    side), each host's in the order given (its evictions before its loads)."""
+    by_host: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
+    for layer, expert, host, act in actions:
+        by_host[host].append((layer, expert, act))
+    if len(by_host) <= 1:
+        for host, calls in by_host.items():
+            _send(pool, host, calls)
+        return
+    with ThreadPoolExecutor(len(by_host), thread_name_prefix="host-actions") as threads:
+        for host, calls in by_host.items():
+            threads.submit(_send, pool, host, calls)
+
+
+def _send(pool: Any, host: int, calls: list[tuple[int, int, str]]) -> None:
+    for layer, expert, act in calls:
+        try:
+            client = pool.client(host)
+            client.evict(layer, expert) if act == "evict" else client.load(layer, expert, wait=False)
+        except Exception as err:  # the host went away meanwhile (None: it left the pool): planned around next pass
+            log.warning("%s of (layer %d, expert %d) on host %d failed: %s", act, layer, expert, host, err)

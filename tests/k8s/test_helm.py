@@ -149,28 +149,6 @@ def test_serving_transport_reaches_the_command_and_the_ray_args_and_a_bad_one_is
     assert bad.returncode != 0 and 'serving.transport: "rdma" is not one of auto, local, tcp, nixl, grpc' in bad.stderr
 
 
-def test_serving_micro_batches_reach_the_command_and_the_ray_args_and_a_bad_one_is_refused(helm):
-    from moeless.serving.config import config_from_args
-
-    def flags(docs):
-        serving = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "t-moeless-serving")
-        command = serving["spec"]["template"]["spec"]["containers"][0]["command"]
-        return {flag: command[command.index(flag) + 1] for flag in ("--micro-batches", "--micro-batch-tokens")}
-
-    assert flags(render(helm)) == {"--micro-batches": "1", "--micro-batch-tokens": "256"}  # off by default
-    assert flags(render(helm, "serving.microBatches=2", "serving.microBatchTokens=64")) == \
-        {"--micro-batches": "2", "--micro-batch-tokens": "64"}
-    ray = next(d for d in render(helm, "serving.kuberay=true", "serving.microBatches=2") if d["kind"] == "RayService")
-    args = yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"][0]["args"]
-    assert (args["micro_batches"], args["micro_batch_tokens"]) == (2, 256)
-    served = config_from_args({key: value for key, value in args.items() if key != "config"})  # what the app reads
-    assert (served.micro_batches, served.micro_batch_tokens) == (2, 256)
-    for value, shown in (("serving.microBatches=0", "serving.microBatches: 0"),
-                         ("serving.microBatchTokens=1.5", "serving.microBatchTokens: 1.5")):
-        bad = helm_run(helm, "template", "t", str(CHART), "--set", value, check=False)
-        assert bad.returncode != 0 and f"{shown} is not a whole number >= 1" in bad.stderr
-
-
 def serving_pod(docs: list[dict], name: str = "t-moeless-serving") -> dict:
     return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)["spec"]["template"]["spec"]
 

@@ -97,6 +97,18 @@ def test_after_the_hold_a_need_waits_again_for_the_loop_to_widen():
     assert gate.admit(25, 3) and gate.figures()["holds"] == 2
 
 
+def test_an_answer_collected_after_the_hold_is_no_grant():
+    loop, clock = FakeLoop(), Clock()
+    gate = gate_for(loop, clock, hold_s=2.0)
+    gate.admit(25, 3)
+    loop.answer(3, version=1)
+    loop.seen, clock.now = 1, 0.6
+    assert gate.admit(25, 1) and loop.asked == [3, 3]  # a renewal, answered but not read before the burst ends
+    loop.answer(3, version=1)
+    clock.now = 10.0  # the loop narrowed long since: that answer grants nothing now
+    assert not gate.admit(25, 2) and loop.asked == [3, 3, 3]
+
+
 def test_a_loop_that_never_answers_costs_at_most_the_max_wait():
     loop, clock = FakeLoop(), Clock()
     gate = gate_for(loop, clock, max_wait_s=0.5)
@@ -114,7 +126,9 @@ def test_a_failed_answer_keeps_serving_on_what_was_granted():
     gate.admit(25, 1)
     loop.pending.pop(0).set_exception(RuntimeError("the loop actor died"))
     clock.now = 0.01
-    assert gate.admit(25, 1)  # granted stays 1, version 0: nothing to wait for
+    assert gate.admit(25, 1) and loop.asked == [3]  # served on the placement there is, nothing to wait for
+    clock.now = 0.6
+    assert gate.admit(25, 1) and loop.asked == [3, 3]  # asked again a renewal later, not at every step
 
 
 def test_the_scheduler_holds_newcomers_while_running_requests_step_and_answers_stay_exact():
