@@ -36,10 +36,10 @@ from moeless.serving.executor import RemoteExecutor
 from moeless.serving.ingress import Ingress
 from moeless.serving.live import start_live
 from moeless.serving.live_engine import LiveEngine
-from moeless.serving.step_gate import step_gate_for
 from moeless.serving.placement_source import PlacementSource
 from moeless.serving.scheduler import Scheduler, SchedulerLoop
 from moeless.serving.shutdown import DrainWatcher
+from moeless.serving.step_gate import step_gate_for
 
 INGRESS_SPARE = 16  # ingress requests beyond the servers' capacity: health and metrics probes
 

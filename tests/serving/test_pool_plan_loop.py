@@ -6,7 +6,6 @@ The loop's class runs in this process (no Ray actor: with predictor "off" it pub
 over real expert-host processes and a pool file, as `moeless serve`'s supervisor writes it.
 """
 
-import time
 from pathlib import Path
 
 from moeless.expert_fn.client.client import ExpertHostClient
@@ -18,27 +17,15 @@ from moeless.controller.planning.knob_sources import FileKnobs
 from moeless.controller.pool.sources import FileSource, write_members
 from moeless.placement.profile import CostProfile
 
+from host_waits import resident, wait_until
+
 PROFILE = CostProfile(alpha=2e-5, beta=1e-8, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
                       expert_bytes=9216, non_expert_bytes=100_000, relevel_s=1e-5, source="test")
-
-
-def _wait(check, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _keep_alive(address):
     with ExpertHostClient(address, timeout_s=10) as client:
         return client.status()["keep_alive_s"]
-
-
-def _resident(address):
-    with ExpertHostClient(address, timeout_s=10) as client:
-        return sum(r["state"] in ("warm", "idle", "loading") for r in client.status()["replicas"])
 
 
 def test_the_loop_plans_over_ready_hosts_and_follows_hosts_joining_and_leaving(tiny_store, hosts, tmp_path):
@@ -51,12 +38,12 @@ def test_the_loop_plans_over_ready_hosts_and_follows_hosts_joining_and_leaving(t
                             profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05)
     loop = PlanLoop.__ray_metadata__.modified_class(settings)  # the actor's class, in this process
     try:
-        _wait(lambda: loop.state()["passes"] >= 2, "the first passes")
-        assert loop.state()["hosts_live"] == [True, True, False] and _resident(c) == 0
+        wait_until(lambda: loop.state()["passes"] >= 2, "the first passes")
+        assert loop.state()["hosts_live"] == [True, True, False] and resident(c) == 0
         write_members(path, 3, [Member(0, a), Member(1, b), Member(2, c)])  # scale-out
-        _wait(lambda: loop.state()["hosts_live"] == [True, True, True], "host 2 planned for")
+        wait_until(lambda: loop.state()["hosts_live"] == [True, True, True], "host 2 planned for")
         write_members(path, 3, [Member(0, a), Member(1, b, ready=False), Member(2, c)])  # host 1 draining
-        _wait(lambda: loop.state()["hosts_live"] == [True, False, True], "host 1 planned around")
+        wait_until(lambda: loop.state()["hosts_live"] == [True, False, True], "host 1 planned around")
         assert loop.state()["errors"] == 0
     finally:
         loop.stop()
@@ -74,17 +61,17 @@ def test_a_pool_that_grows_its_slots_while_serving_is_planned_over_them_and_shri
                             profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05)
     loop = PlanLoop.__ray_metadata__.modified_class(settings)
     try:
-        _wait(lambda: loop.state()["passes"] >= 2, "the first passes")
+        wait_until(lambda: loop.state()["passes"] >= 2, "the first passes")
         with ExpertHostClient(c, timeout_s=10) as client:
             for r in client.status()["replicas"]:  # what earlier tests left on host 2
                 client.evict(r["layer"], r["expert"])
         assert loop.state()["hosts_live"] == [True, True]
         write_members(path, 3, [Member(0, a), Member(1, b), Member(2, c)])  # maxHosts 2 -> 3
-        _wait(lambda: loop.state()["hosts_live"] == [True, True, True], "the third slot planned for")
-        _wait(lambda: _resident(c) > 0, "host 2's home replicas loaded")
+        wait_until(lambda: loop.state()["hosts_live"] == [True, True, True], "the third slot planned for")
+        wait_until(lambda: resident(c) > 0, "host 2's home replicas loaded")
         assert loop.metrics()["expert_gb_s"] >= 0 and len(loop.host_meters) == 3
         write_members(path, 2, [Member(0, a), Member(1, b), Member(2, c)])  # and back
-        _wait(lambda: loop.state()["hosts_live"] == [True, True], "back to two slots")
+        wait_until(lambda: loop.state()["hosts_live"] == [True, True], "back to two slots")
         assert loop.state()["errors"] == 0
     finally:
         loop.stop()
@@ -100,11 +87,11 @@ def test_a_loop_started_on_a_pool_at_zero_runs_and_plans_once_a_host_appears(tin
                             profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05)
     loop = PlanLoop.__ray_metadata__.modified_class(settings)  # with a profile it needs no host to start
     try:
-        _wait(lambda: loop.state()["passes"] >= 3, "passes at zero")
+        wait_until(lambda: loop.state()["passes"] >= 3, "passes at zero")
         state = loop.state()
         assert state["hosts_live"] == [False] * 3 and state["loads_sent"] == 0 and not state["stalled"]
         write_members(path, 3, [Member(0, a)])  # woken
-        _wait(lambda: loop.state()["hosts_live"] == [True, False, False] and loop.state()["loads_sent"] > 0,
+        wait_until(lambda: loop.state()["hosts_live"] == [True, False, False] and loop.state()["loads_sent"] > 0,
               "host 0 planned for")
         assert loop.state()["errors"] == 0
     finally:
@@ -124,33 +111,33 @@ def test_a_knobs_file_changed_while_the_loop_runs_is_applied_and_a_bad_one_refus
                             knob_source=FileKnobs(str(knobs)), knob_period_s=0.05)
     loop = PlanLoop.__ray_metadata__.modified_class(settings)
     try:
-        _wait(lambda: loop.state()["generation"] == 1, "the file as started")
+        wait_until(lambda: loop.state()["generation"] == 1, "the file as started")
         neutral = loop.state()["memory_price"]
         knobs.write_text("predictor: \"off\"\ndistance: 1\nmemoryPrice: 0.25\nscaler: false\n")  # an ablation, live
-        _wait(lambda: loop.state()["generation"] == 2, "the change applied")
+        wait_until(lambda: loop.state()["generation"] == 2, "the change applied")
         state = loop.state()
         assert state["memory_price"] == 0.25 != neutral and state["planner"] == "moeless-no-scaler"
         assert state["knob_error"] == "" and state["restart_pending"] == []
         knobs.write_text("predictor: \"off\"\ndistance: 1\nplanner: static\nscaler: false\n")  # static has no scaler
-        _wait(lambda: loop.state()["knob_error"], "the refusal")
+        wait_until(lambda: loop.state()["knob_error"], "the refusal")
         state = loop.state()
         assert "generation 3 refused" in state["knob_error"] and "scaler/placer" in state["knob_error"]
         assert state["generation"] == 2 and state["planner"] == "moeless-no-scaler"  # the running knobs stay
         knobs.write_text("predictor: gate\ndistance: 1\n")  # built into the replicas' forward: a restart applies it
-        _wait(lambda: loop.state()["generation"] == 4, "the next change")
+        wait_until(lambda: loop.state()["generation"] == 4, "the next change")
         state = loop.state()
         assert state["restart_pending"] == ["predictor"] and state["predictor"] == "off" and state["planner"] == "moeless"
         # The default distance reaches past this tiny model's layers: shortened, as at start-up, not refused.
         assert Knobs().distance >= model.spec.num_layers
         knobs.write_text("predictor: \"off\"\nkeepAliveSeconds: 30\n")
-        _wait(lambda: loop.state()["generation"] == 5, "a change that keeps the default distance")
+        wait_until(lambda: loop.state()["generation"] == 5, "a change that keeps the default distance")
         assert loop.state()["restart_pending"] == [] and loop.state()["knob_error"] == ""
         # The keep-alive reaches the hosts live (Configure), each of them, without a restart.
         pids = [hosts.pid(i) for i in range(len(hosts))]
-        _wait(lambda: all(_keep_alive(a) == 30.0 for a in hosts.addresses), "the hosts' keep-alive set live")
+        wait_until(lambda: all(_keep_alive(a) == 30.0 for a in hosts.addresses), "the hosts' keep-alive set live")
         assert [hosts.pid(i) for i in range(len(hosts))] == pids
         knobs.write_text("planner: [not, a, name")
-        _wait(lambda: "not YAML" in loop.state()["knob_error"], "a file that is not YAML")
+        wait_until(lambda: "not YAML" in loop.state()["knob_error"], "a file that is not YAML")
         assert loop.state()["errors"] == 0 and loop.state()["generation"] == 5
     finally:
         loop.stop()

@@ -6,8 +6,6 @@ width falls back to one host after the hold; /metrics shows the width and the ho
 side alone (PlanLoop in this process over the real hosts): a widening is answered once the spares
 hold what the plan gave them."""
 
-import time
-
 import httpx
 import ray
 
@@ -22,26 +20,14 @@ from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.placement.profile import CostProfile
 from moeless.serving.loadgen import replay
 
+from host_waits import resident, wait_until
+
 MODEL, LOOP, BOARD = "tiny-mixtral", "test-step-loop", "test-step-board"
 PROFILE = CostProfile(alpha=2e-5, beta=1e-8, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
                       expert_bytes=9216, non_expert_bytes=100_000, relevel_s=1e-5, source="test: compute-bound")
 HOLD_S = 1.0
 PROMPTS = ["Once upon a time a small model routed its tokens", "to experts far away and waited for them to come",
            "back with answers, as every MoE layer does."]
-
-
-def _wait(check, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _resident(address):
-    with ExpertHostClient(address, timeout_s=10) as client:
-        return sum(r["state"] in ("warm", "idle", "loading") for r in client.status()["replicas"])
 
 
 def test_a_widening_is_answered_once_the_spares_hold_their_part(tiny_store, hosts):
@@ -56,15 +42,16 @@ def test_a_widening_is_answered_once_the_spares_hold_their_part(tiny_store, host
                 client.evict(r["layer"], r["expert"])
     loop = PlanLoop.__ray_metadata__.modified_class(settings)  # the actor's class, in this process
     try:
-        _wait(lambda: loop.state()["passes"] >= 2, "the first passes")
+        wait_until(lambda: loop.state()["passes"] >= 2, "the first passes", timeout=30.0)
         a, b, c = hosts.addresses
         assert loop.state()["hosts_live"] == [True, False, False] and loop.state()["width"] == 1
-        assert _resident(a) > 0 and _resident(b) == _resident(c) == 0  # spares: ready, empty
+        assert resident(a) > 0 and resident(b) == resident(c) == 0  # spares: ready, empty
         assert loop.widen(3) == (3, 0)  # predictor off: the homes move, nothing is published
-        assert loop.state()["hosts_live"] == [True, True, True] and _resident(b) > 0 and _resident(c) > 0
+        assert loop.state()["hosts_live"] == [True, True, True] and resident(b) > 0 and resident(c) > 0
         assert loop.widenings.as_dict()["settled"] == 1
         assert loop.widen(2) == (3, 0) and loop.widenings.as_dict()["asked"] == 1  # held already: no pass
-        _wait(lambda: loop.state()["hosts_live"] == [True, False, False], "the width back at one host after the hold")
+        wait_until(lambda: loop.state()["hosts_live"] == [True, False, False], "the width back at one host after the hold",
+                   timeout=30.0)
         assert loop.state()["width"] == 1 and loop.state()["errors"] == 0
     finally:
         loop.stop()
@@ -82,7 +69,8 @@ def test_a_request_needing_the_spares_waits_for_them_and_answers_exactly(tiny_st
                     step_slo_s=slo_s, step_hosts=1, step_hold_s=HOLD_S)
         loop = ray.get_actor(LOOP, namespace=NAMESPACE)
         try:
-            _wait(lambda: ray.get(loop.state.remote())["hosts_live"] == [True, False, False], "one host planned over")
+            wait_until(lambda: ray.get(loop.state.remote())["hosts_live"] == [True, False, False], "one host planned over",
+                       timeout=30.0)
             url = ray_serve
             outcomes = replay(url, MODEL, PROMPTS, [0.0, 0.05, 0.1], 6, timeout_s=120)
             assert [o.text for o in outcomes] == [reference_text(model, p, 6) for p in PROMPTS]
@@ -90,11 +78,12 @@ def test_a_request_needing_the_spares_waits_for_them_and_answers_exactly(tiny_st
             assert gate["holds"] >= 1 and gate["timeouts"] == 0 and gate["granted"] == 3
             widenings = ray.get(loop.metrics.remote())["widenings"]
             assert widenings["settled"] >= 1 and len(widenings["settle_s"]) >= 1
-            assert all(_resident(a) > 0 for a in group.addresses)  # the spares took their part
+            assert all(resident(a) > 0 for a in group.addresses)  # the spares took their part
             metrics = httpx.get(f"{url}/metrics", timeout=30).text
             assert 'moeless_step_width_hosts{model="tiny-mixtral"}' in metrics or "moeless_step_width_hosts " in metrics
             assert "moeless_step_gate_holds" in metrics and 'moeless_step_gate_wait_seconds{quantile="p99"}' in metrics
-            _wait(lambda: ray.get(loop.state.remote())["width"] == 1, "the width back at one host after the hold")
+            wait_until(lambda: ray.get(loop.state.remote())["width"] == 1, "the width back at one host after the hold",
+                       timeout=30.0)
             again = replay(url, MODEL, PROMPTS[:1], [0.0], 6, timeout_s=120)  # a narrow loop again: held again
             assert again[0].text == outcomes[0].text and _stats()["step_gate"]["holds"] > gate["holds"]
         finally:
