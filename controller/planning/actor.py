@@ -168,8 +168,9 @@ class PlanLoop:
         with self._lock:
             return {
                 **self.state(), "stats": self.stats.as_dict(), "plan_s": dict(self.plan_s),
-                "latency_fit": self.fit.as_dict(), "resident_replicas": self.resident_replicas, "widenings":
-                self.widenings.as_dict(), **meter_totals([m for m in self.host_meters if m]), "expert_gb_s": self._gb_s.total,
+                "latency_fit": self.fit.as_dict(), "resident_replicas": self.resident_replicas,
+                "widenings": self.widenings.as_dict(), **meter_totals([m for m in self.host_meters if m]),
+                "expert_gb_s": self._gb_s.total,
                 "non_expert_gb_s": self.s.profile.non_expert_bytes / 1e9 * self.s.replicas * (time.time() - self.started),
             }
 
@@ -212,14 +213,16 @@ class PlanLoop:
                 break
             started, ticket = time.perf_counter(), self.widenings.pass_started()
             try:
-                pending = self._pass()
+                pending, failed = self._pass(), False
             except Exception as err:  # a failed pass is retried next period; the heartbeat says if it persists
                 with self._lock:
                     self.counts["errors"] += 1
                     self.last_error = f"{type(err).__name__}: {err}"
                 log.exception("planning pass failed")
-                continue
+                pending, failed = False, True  # a widening waiting on it: answered with what is published
             self.widenings.pass_ended(ticket, pending, self._version, time.monotonic())
+            if failed:
+                continue
             with self._lock:
                 self.counts["passes"] += 1
                 self.plan_s["last"] = time.perf_counter() - started

@@ -180,7 +180,7 @@ def _whole_model_load_s(client, num_layers: int, num_experts: int) -> float:
 def _wait_narrow(loop, first, experts: int, hold_s: float, timeout_s: float = 120.0) -> None:
     """Until the loop plans over one host again (the last widening's hold past), that host holds every
     expert (the narrowing pass's loads) and the placement over it is published and followed."""
-    import ray
+    import ray  # heavy: kept off --help's start-up path, as in run_step_scaler_bench
 
     deadline = time.monotonic() + timeout_s
     time.sleep(hold_s)

@@ -8,6 +8,7 @@ hold what the plan gave them."""
 
 import httpx
 import ray
+from ray import serve
 
 from moeless.controller.knobs import Knobs
 from moeless.controller.planning.actor import PlanLoop
@@ -92,6 +93,4 @@ def test_a_request_needing_the_spares_waits_for_them_and_answers_exactly(tiny_st
 
 
 def _stats():
-    from ray import serve
-
     return serve.get_deployment_handle("ModelServer", "moeless").stats.remote().result()
