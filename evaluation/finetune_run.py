@@ -1,6 +1,6 @@
 """`moeless eval --shared-pool --finetunes N ... --replaced SHARE ...`: N fine-tunes of a base on one
 pool four ways (twin/finetunes.py), for every base, replaced share, fine-tune count and load level,
-into RUN_DIR/run.json (format moeless-shared-pool-finetunes/2); finetune_report.py renders it
+into RUN_DIR/run.json (format moeless-shared-pool-finetunes/3); finetune_report.py renders it
 (docs/shared-pool.md, "Many fine-tunes of one base").
 
 In numbered steps:
@@ -40,7 +40,7 @@ from moeless.twin.finetunes import evaluate_finetunes, make_finetune, replaced_c
 from moeless.twin.geometry import load_geometry
 from moeless.twin.shared_pool import PoolSettings
 
-FORMAT = "moeless-shared-pool-finetunes/2"  # 2: gated admission, scale-up waits
+FORMAT = "moeless-shared-pool-finetunes/3"  # 2: gated admission, scale-up waits; 3: base-warm wakes gated
 BASES = ("mixtral-8x7b", "deepseek-v2-lite")
 MAX_FINETUNES = 64
 

@@ -35,7 +35,8 @@ batch until the added GPUs take their part (gated admission, p99 "shared-keys-ba
 the steps until then carry the incumbents' part of the batch, the lesser of the window before's step
 (what the GPUs before were sized for) and the window's own (a fine-tune not busy the window before has
 no step before its wait: newcomer_windows), and the newcomers' waits are the price (admission_waits;
-per fine-tune `scale_up_waits`: the share of its requests that wait and their p99; a scaler whole
+per fine-tune `scale_up_waits`: the share of its requests that wait and their p99, and its base-warm
+wake-ups when a newcomer's wait falls on them (gated_wakes: wake "shared-keys-base-warm-gated"); a scaler whole
 windows late gates nothing in the windows before it starts). The whole-model pool is not sized for
 compute; beside it, `gpu_s_whole_model_own_gpus`: each awake whole model on GPUs of its own (its
 bytes in whole GPUs, at least G), no two sharing a GPU's compute. A fine-tune's GPU-seconds in a
@@ -171,6 +172,13 @@ def admission_waits(arrival: np.ndarray, ready: np.ndarray, window_s: float) -> 
     return ready[(arrival / window_s).astype(np.int64), 1]
 
 
+def gated_wakes(wakes: np.ndarray, ready: np.ndarray) -> np.ndarray:
+    """[n] seconds each wake-up (wakes [n, 3]: window, seconds, base warm; twin/shared_keys) takes to its
+    first token when newcomers wait for the scale-up under way (ready [W, 2]: added_gpus): its own loads
+    and that wait run side by side, so the longer of the two."""
+    return np.maximum(wakes[:, 1], ready[wakes[:, 0].astype(np.int64), 1]) if len(wakes) else np.zeros(0)
+
+
 def added_gpus(held: np.ndarray, keys: np.ndarray, move_s: float, late_s: float = 0.0) -> np.ndarray:
     """[W, 2]: for each window where the pool holds more GPUs (held [W]) than in the window before and
     had some then, those GPUs and the seconds until the added ones take their part: late_s (a scaler
@@ -239,6 +247,7 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
         wakes = sk.wakes[i]
         m["wake_s"][SHARED_KEYS] = stats(wakes[:, 1])
         m["wake_s"]["shared-keys-base-warm"] = stats(wakes[wakes[:, 2] > 0, 1])
+        m["wake_s"]["shared-keys-base-warm-gated"] = stats(gated_wakes(wakes[wakes[:, 2] > 0], ready[SIZED]))
         m["whole_load_s"] = ft.model.whole_load_s
         m["cold_starts_outside_wakes_shared_keys"] = int(sk.cold_starts[i].sum())
         windows = steady_windows(line)

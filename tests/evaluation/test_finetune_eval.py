@@ -19,6 +19,7 @@ def test_a_quick_finetunes_run_writes_the_report(tmp_path):
     md = (tmp_path / "finetunes.md").read_text()
     for says in ("--finetunes 1 4 --replaced 0 0.15 --step-lag 1 --out", "## The bases", "shared-keys GPU-s", "(run/gpu-seconds.png)",
                  "## The targets", "batched (worst)", "sized for its step SLO", "newcomers waiting for a scale-up",
+                 "base-warm wake with that wait",
                  "mixtral-8x7b | 15% | 4 | 1 |"):
         assert says in md, says
     run = json.loads((out / "run.json").read_text())

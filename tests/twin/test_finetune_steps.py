@@ -18,6 +18,7 @@ from moeless.twin.finetunes import (
     added_gpus,
     admission_waits,
     evaluate_finetunes,
+    gated_wakes,
     held_for,
     newcomer_windows,
     scaled_p99,
@@ -112,6 +113,15 @@ def test_gated_admission_is_never_slower_per_step_and_prices_its_waits():
         waits = m["scale_up_waits"]
         assert 0 < waits["waited"] < 1 and waits["count"] == round(waits["waited"] * len(both.arrival))
         assert 0 < waits["p50"] <= waits["p99"]
+        warm, gated = m["wake_s"]["shared-keys-base-warm"], m["wake_s"]["shared-keys-base-warm-gated"]
+        assert gated["count"] == warm["count"] and (gated["p99"] or 0) >= (warm["p99"] or 0)  # a wait never shortens a wake
+
+
+def test_a_wake_up_in_a_growing_window_takes_the_longer_of_its_loads_and_the_scale_up():
+    ready = np.array([[1.0, 0.0], [1.0, 0.3], [2.0, 0.0]])  # window 1 grows: its added GPUs ready after 0.3 s
+    wakes = np.array([[0, 0.1, 1.0], [1, 0.1, 1.0], [1, 0.5, 1.0], [2, 0.2, 1.0]])  # window, seconds, base warm
+    assert gated_wakes(wakes, ready).tolist() == [0.1, 0.3, 0.5, 0.2]
+    assert gated_wakes(np.zeros((0, 3)), ready).tolist() == []
 
 
 def test_a_gpu_added_for_the_step_is_held_its_delay_after_the_last_window_needing_it():
