@@ -1,4 +1,4 @@
-"""Waiting on real expert hosts in tests: a condition polled until it holds, what a host holds."""
+"""Real expert hosts in tests: a condition polled until it holds, what a host holds, emptying one."""
 
 from __future__ import annotations
 
@@ -22,3 +22,10 @@ def resident(address: str) -> int:
     """Replicas the host at `address` holds or is loading."""
     with ExpertHostClient(address, timeout_s=10) as client:
         return sum(r["state"] in ("warm", "idle", "loading") for r in client.status()["replicas"])
+
+
+def empty(address: str) -> None:
+    """Evict every replica the host at `address` holds (what earlier tests of a module left there)."""
+    with ExpertHostClient(address, timeout_s=10) as client:
+        for r in client.status()["replicas"]:
+            client.evict(r["layer"], r["expert"])

@@ -43,6 +43,15 @@ def gate_for(loop, clock, ready=3, hurried=None, **options):
                     hurry=(hurried.append if hurried is not None else None), clock=clock, **options)
 
 
+def widened_gate(loop, clock, **options):
+    """A gate the loop has widened to 3 hosts at board version 1, which this replica runs; clock at 0."""
+    gate = gate_for(loop, clock, **options)
+    gate.admit(25, 3)
+    loop.answer(3, version=1)
+    loop.seen = 1
+    return gate
+
+
 def test_a_step_that_fits_one_host_is_admitted_without_asking_the_loop():
     loop, clock = FakeLoop(), Clock()
     gate = gate_for(loop, clock)
@@ -69,10 +78,7 @@ def test_newcomers_wait_for_the_widened_placement_then_go_in():
 
 def test_a_need_the_loop_already_holds_is_renewed_without_holding_anyone():
     loop, clock = FakeLoop(), Clock()
-    gate = gate_for(loop, clock, hold_s=2.0)
-    gate.admit(25, 3)
-    loop.answer(3, version=1)
-    loop.seen = 1
+    gate = widened_gate(loop, clock, hold_s=2.0)
     assert gate.admit(25, 3)
     clock.now = 0.6  # past hold_s / 4: asked again, so the loop keeps the width
     assert gate.admit(22, 1) and loop.asked == [3, 3]
@@ -83,10 +89,7 @@ def test_a_need_the_loop_already_holds_is_renewed_without_holding_anyone():
 
 def test_after_the_hold_a_need_waits_again_for_the_loop_to_widen():
     loop, clock = FakeLoop(), Clock()
-    gate = gate_for(loop, clock, hold_s=2.0)
-    gate.admit(25, 3)
-    loop.answer(3, version=1)
-    loop.seen = 1
+    gate = widened_gate(loop, clock, hold_s=2.0)
     gate.admit(25, 3)
     clock.now = 10.0  # the loop has narrowed to its floor since: the next burst is held again
     assert not gate.admit(25, 3) and loop.asked == [3, 3]
@@ -99,10 +102,8 @@ def test_after_the_hold_a_need_waits_again_for_the_loop_to_widen():
 
 def test_an_answer_collected_after_the_hold_is_no_grant():
     loop, clock = FakeLoop(), Clock()
-    gate = gate_for(loop, clock, hold_s=2.0)
-    gate.admit(25, 3)
-    loop.answer(3, version=1)
-    loop.seen, clock.now = 1, 0.6
+    gate = widened_gate(loop, clock, hold_s=2.0)
+    clock.now = 0.6
     assert gate.admit(25, 1) and loop.asked == [3, 3]  # a renewal, answered but not read before the burst ends
     loop.answer(3, version=1)
     clock.now = 10.0  # the loop narrowed long since: that answer grants nothing now

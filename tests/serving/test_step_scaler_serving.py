@@ -16,12 +16,11 @@ from moeless.controller.planning.names import NAMESPACE
 from moeless.controller.planning.settings import LoopSettings
 from moeless.controller.planning.step_scaler import step_expert_s
 from moeless.controller.pool.sources import StaticSource
-from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.placement.profile import CostProfile
 from moeless.serving.loadgen import replay
 
-from host_waits import resident, wait_until
+from host_waits import empty, resident, wait_until
 
 MODEL, LOOP, BOARD = "tiny-mixtral", "test-step-loop", "test-step-board"
 PROFILE = CostProfile(alpha=2e-5, beta=1e-8, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
@@ -38,9 +37,7 @@ def test_a_widening_is_answered_once_the_spares_hold_their_part(tiny_store, host
                             profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05,
                             width_floor=1, width_hold_s=HOLD_S)
     for address in hosts.addresses:  # the module's hosts may hold another test's replicas
-        with ExpertHostClient(address, timeout_s=10) as client:
-            for r in client.status()["replicas"]:
-                client.evict(r["layer"], r["expert"])
+        empty(address)
     loop = PlanLoop.__ray_metadata__.modified_class(settings)  # the actor's class, in this process
     try:
         wait_until(lambda: loop.state()["passes"] >= 2, "the first passes", timeout=30.0)
