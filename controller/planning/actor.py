@@ -33,7 +33,7 @@ import ray
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.controller.planning.board import publish_placement
 from moeless.controller.planning.cost_fit import OnlineCostFit
-from moeless.controller.planning.host_calls import configure_host, host_status, send_actions
+from moeless.controller.planning.host_calls import configure_host, host_statuses, send_actions
 from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.names import NAMESPACE
 from moeless.controller.planning.rules import (HostView, LoopTerms, forecast_groups, held_forecasts,
@@ -94,6 +94,7 @@ class PlanLoop:
         self.counts = {"passes": 0, "plans": 0, "publishes": 0, "loads_sent": 0, "errors": 0, "reports": 0}
         self.plan_s, self.last_error = {"last": 0.0, "sum": 0.0}, ""
         self.hosts_live: list[bool] = [True] * num_hosts  # the hosts planned over (ready, within the width)
+        self._seen: tuple[list[bool], np.ndarray] = ([], np.zeros(0))  # the last pass's ready slots, all resident
         self.host_meters: list[dict] = [{} for _ in range(num_hosts)]
         self.resident_replicas = 0
         self._gb_s = Accumulated(num_hosts)
@@ -128,8 +129,9 @@ class PlanLoop:
         with self._lock:
             ticket = self.widenings.ask(hosts, time.monotonic())
             self._fresh = self._fresh or ticket is not None
-        if ticket is not None:
-            self._now.set()
+            # the spares as the last pass read them (one evicted since loads on its first call)
+            if ticket is not None and not self.widenings.answer_warm(ticket, *self._seen, self._publish, time.monotonic()):
+                self._now.set()
         version = self.widenings.wait(ticket, timeout_s)
         return min(self.widenings.hosts(time.monotonic()) or hosts, len(self.pool.clients())), version
 
@@ -237,20 +239,21 @@ class PlanLoop:
             self._fresh = False
         if not due:
             return False
-        self._refreshed = time.monotonic()
+        self._refreshed, warm_before = time.monotonic(), self.widenings.warm_publishes
         # 1. What the hosts hold (the truth of what is resident), their meters.
-        statuses = [host_status(self.pool, i) for i in range(self.pool.slots)]  # an empty slot: None, planned around
+        statuses = host_statuses(self.pool)  # an empty slot: None, planned around
         self._fit_slots(len(statuses))
         for i in hosts_to_configure(statuses, s.knobs.keep_alive_s, s.host_model is not None):
             configure_host(self.pool, i, s.knobs.keep_alive_s)
         with self._lock:  # the step scaler's spares: ready, planned around (the slots past its width)
             active = self.widenings.width.active_slots([st is not None for st in statuses], time.monotonic())
         view = HostView.from_status([st if up else None for st, up in zip(statuses, active)], s.num_layers, s.num_experts)
+        seen = HostView.from_status(statuses, s.num_layers, s.num_experts).resident  # the spares' too (Widenings.answer_warm)
         self._memory = np.where(view.live, view.memory, self._memory)  # a dead host's: as last seen
         with self._lock:
             # plan for a host that came or went, and again until a widening's loads are published
             joined = self._planned and (view.live.tolist() != self.hosts_live or self.widenings.open())
-            self.hosts_live = view.live.tolist()
+            self.hosts_live, self._seen = view.live.tolist(), ([st is not None for st in statuses], seen)
             self.resident_replicas = int(view.resident.sum())
             for i, status in enumerate(statuses):
                 if status is not None:
@@ -287,11 +290,17 @@ class PlanLoop:
             self.counts["loads_sent"] += len(decision.loads)
         publish = to_publish(self._published, decision, off, self.name)
         if publish is not None:
-            self._version = publish_placement(publish, s.board)
-            self._published = publish
-            with self._lock:
-                self.counts["publishes"] += 1
+            self._publish(publish, view.live, warm_before)
         return self._pending_loads
+
+    def _publish(self, placement, live, warm_before: int | None = None) -> int:
+        with self._lock:  # one publisher at a time: a pass, or widen answering warm
+            if placement is self._published or warm_before is not None and self.widenings.warm_publishes > warm_before:
+                return self._version  # a widening published over other hosts since this pass read them
+            self._version, self._published = publish_placement(placement, self.s.board), placement
+            self.widenings.published(live, placement)
+            self.counts["publishes"] += 1
+            return self._version
 
     def _phase_forecasts(self, now: float) -> list[np.ndarray]:
         """Each phase's merged forecast over the window, or its held one (rules.held_forecasts). Call

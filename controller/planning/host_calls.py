@@ -22,6 +22,16 @@ def host_status(pool: Any, slot: int) -> dict | None:
         return None
 
 
+def host_statuses(pool: Any) -> list[dict | None]:
+    """Every slot's host_status, the hosts asked side by side (a pass's reads cost the slowest host's,
+    not their sum)."""
+    slots = pool.slots
+    if slots <= 1:
+        return [host_status(pool, i) for i in range(slots)]
+    with ThreadPoolExecutor(slots, thread_name_prefix="host-status") as threads:
+        return list(threads.map(lambda slot: host_status(pool, slot), range(slots)))
+
+
 def configure_host(pool: Any, slot: int, keep_alive_s: float) -> None:
     """The knobs' keep-alive on a host that runs another (a live change, or a host that restarted)."""
     try:

@@ -130,6 +130,9 @@ class LoopCollector(Collector):
                                     "scaler's width; the others are spares)", value=s["width"])
             yield CounterMetricFamily(f"{PREFIX}_step_widenings", "widenings the step scaler asked of the loop",
                                       value=s["widenings"]["asked"])
+            yield CounterMetricFamily(f"{PREFIX}_step_widenings_warm", "widenings answered at once, republishing "
+                                      "a placement the spares still held (no planning pass)",
+                                      value=s["widenings"].get("warm", 0))
 
 
 class LoopsCollector(Collector):

@@ -77,9 +77,13 @@ class PlacementWidth:
     def active_slots(self, ready: Sequence[bool], now: float) -> list[bool]:
         """[slots] which to plan over: the first hosts(now) ready slots, in slot order (the same
         hosts each time, so a widening reuses the spares' warm replicas); every ready one without a floor."""
-        width = self.hosts(now)
-        out, taken = [], 0
-        for up in ready:
-            out.append(bool(up) and (width is None or taken < width))
-            taken += bool(up)
-        return out
+        return first_ready(ready, self.hosts(now))
+
+
+def first_ready(ready: Sequence[bool], hosts: int | None) -> list[bool]:
+    """[slots] the first `hosts` ready slots (None: every ready one), in slot order."""
+    out, taken = [], 0
+    for up in ready:
+        out.append(bool(up) and (hosts is None or taken < hosts))
+        taken += bool(up)
+    return out

@@ -141,6 +141,7 @@ def run_step_scaler_bench(model: str = "default", *, hosts: int = 3, burst: int 
             "hosts": hosts, "burst": burst, "rounds": rounds, "hold_s": hold_s, "max_tokens": max_tokens,
             "prompt_tokens": prompt_tokens, "step_slo_s": slo_s, "gate": gate, "kinds": kinds, "rounds_detail": rows,
             "loop_pass_s": metrics["plan_s"]["sum"] / max(metrics["passes"], 1), "loop_passes": metrics["passes"],
+            "widenings_settled": metrics["widenings"]["settled"], "widenings_warm": metrics["widenings"]["warm"],
             "whole_model_load_s": whole_s, "load_host_s": costs.profile.load_s["host"],
             "identical": sum(a == b for a, b in zip(texts, expected)), "answers": len(texts),
             "load_average_1m": os.getloadavg()[0]}
@@ -209,5 +210,7 @@ def print_report(r: dict[str, Any]) -> None:
               f"{k['hold_p99_over_whole_load']:.2f}x")
     print(f"  baseline, same run: a whole model's experts loaded on one host one after another "
           f"{r['whole_model_load_s'] * 1e3:.0f} ms (one load from host memory {r['load_host_s'] * 1e3:.2f} ms)")
+    print(f"  widenings settled by the loop: {r['widenings_settled']}, of which {r['widenings_warm']} republished "
+          f"the placement the spares still held (no planning pass)")
     print(f"  holds timed out: {r['gate']['timeouts']}; answers equal to the in-process model: "
           f"{r['identical']}/{r['answers']}")

@@ -3,7 +3,7 @@ actions in the order given, the hosts side by side, a failing host planned aroun
 
 import threading
 
-from moeless.controller.planning.host_calls import host_status, send_actions
+from moeless.controller.planning.host_calls import host_status, host_statuses, send_actions
 
 
 class FakeClient:
@@ -26,12 +26,15 @@ class FakeClient:
         self._record("evict", layer, expert)
 
     def status(self):
+        if self.meet is not None:
+            self.meet.wait(timeout=5)  # broken unless another host's Status is in flight
+            return {"host": "met"}
         raise TimeoutError("too slow")
 
 
 class FakePool:
-    def __init__(self, clients):
-        self.clients = clients
+    def __init__(self, clients, slots=4):
+        self.clients, self.slots = clients, slots
 
     def client(self, slot):
         return self.clients.get(slot)
@@ -47,3 +50,10 @@ def test_each_hosts_actions_run_in_order_in_a_thread_of_their_own_and_a_dead_hos
     assert logs[0] == [("evict", 0, 1), ("load", 1, 1)] and logs[1] == [("load", 0, 2), ("load", 1, 2)]
     assert logs[2] == []
     assert host_status(pool, 0) is None and host_status(pool, 3) is None  # too slow, or no host: planned around
+
+
+def test_the_hosts_statuses_are_read_side_by_side_in_slot_order():
+    meet = threading.Barrier(2)
+    pool = FakePool({0: FakeClient([], meet=meet), 1: FakeClient([], meet=meet), 2: FakeClient([])}, slots=4)
+    # hosts 0 and 1 answer only if asked at once; host 2 is too slow, slot 3 has no host
+    assert host_statuses(pool) == [{"host": "met"}, {"host": "met"}, None, None]

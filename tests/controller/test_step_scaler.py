@@ -3,11 +3,13 @@
 
 import threading
 
+import numpy as np
 import pytest
 
 from moeless.controller.planning.step_scaler import PlacementWidth, hosts_for_step, step_expert_s
 from moeless.controller.planning.widenings import FAST_PERIOD_S, Widenings
 from moeless.placement.profile import CostProfile
+from moeless.placement.types import LayerPlacement, Placement
 
 PROFILE = CostProfile(alpha=1e-3, beta=1e-8, call_overhead=0.5e-3, load_s={"disk": 1e-3, "host": 1e-4},
                       expert_bytes=1000, non_expert_bytes=1000, relevel_s=1e-5, source="test")
@@ -74,7 +76,7 @@ def test_a_widening_is_answered_by_the_first_pass_after_it_that_leaves_nothing_t
     w.pass_ended(w.pass_started(), loads_pending=False, version=6, now=0.08)  # loaded and published
     assert not w.open() and w.period(0.25) == 0.25
     assert w.wait(ticket, timeout_s=0.0) == 6
-    assert w.as_dict() == {"asked": 1, "settled": 1, "settle_s": [pytest.approx(0.08)]}
+    assert w.as_dict() == {"asked": 1, "settled": 1, "warm": 0, "settle_s": [pytest.approx(0.08)]}
 
 
 def test_a_caller_waits_for_the_settling_pass():
@@ -85,3 +87,47 @@ def test_a_caller_waits_for_the_settling_pass():
     w.pass_ended(w.pass_started(), loads_pending=False, version=7, now=0.01)
     waiter.join(5.0)
     assert got == [7]
+
+
+def test_a_re_widening_publishes_the_placement_last_published_over_those_hosts_while_it_is_resident():
+    w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
+    narrow, wide = [True, False, False], [True, True, True]
+    # 1 layer, 2 experts over 3 slots: expert 0 on host 0, expert 1 on hosts 1 and 2
+    placement = Placement((LayerPlacement.even(np.array([0, 1, 1]), np.array([0, 1, 2]), 2),), 2, 3)
+    resident = np.ones((1, 2, 3), bool)
+    w.published(wide, placement)
+    w.published(narrow, Placement.static(1, 2, 3))
+    assert w.warm(wide, resident) is None  # no widening open: the pass plans
+    w.ask(3, 0.0)
+    assert w.warm([True, True, False], resident) is None  # never published over these
+    gone = resident.copy()
+    gone[0, 1, 2] = False  # a spare's keep-alive evicted its part
+    assert w.warm(wide, gone) is None
+    assert w.warm(wide, resident) is placement
+    assert w.as_dict()["warm"] == 1
+
+
+def test_a_warm_widening_is_settled_by_widen_itself_with_the_version_it_published():
+    w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
+    placement = Placement((LayerPlacement.even(np.array([0, 1]), np.array([0, 1]), 2),), 2, 2)
+    w.published([True, True], placement)
+    published = []
+    publish = lambda p, hosts: published.append((p, hosts)) or 9  # noqa: E731 -- the loop's board version
+    ticket = w.ask(2, 0.0)
+    assert not w.answer_warm(ticket, [True, True], np.zeros((1, 2, 2), bool), publish, 0.01)
+    assert w.open() and not published  # the spares were empty when last read: a pass answers it
+    assert w.answer_warm(ticket, [True, True], np.ones((1, 2, 2), bool), publish, 0.02)
+    assert published == [(placement, [True, True])] and not w.open() and w.wait(ticket, 0.0) == 9
+    assert w.as_dict()["settle_s"] == [pytest.approx(0.02)]
+
+
+def test_a_warm_wider_placement_answers_a_narrower_ask_and_the_width_holds_it():
+    """A burst asks for 2 hosts, then 3: where only the 3-host placement is warm, the first ask takes it."""
+    w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
+    wide = Placement((LayerPlacement.even(np.array([0, 1, 1]), np.array([0, 1, 2]), 2),), 2, 3)
+    w.published([True, True, True], wide)
+    published = []
+    ticket = w.ask(2, 0.0)
+    assert w.answer_warm(ticket, [True, True, True], np.ones((1, 2, 3), bool),
+                         lambda p, hosts: published.append(hosts) or 3, 0.0)
+    assert published == [[True, True, True]] and w.hosts(0.1) == 3 and w.ask(3, 0.1) is None

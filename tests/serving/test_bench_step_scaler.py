@@ -19,4 +19,5 @@ def test_bench_step_scaler_quick_holds_every_round_and_answers_exactly(tmp_path)
     assert result["kinds"]["cold"]["holds"] >= 1 and result["kinds"]["warm"]["holds"] >= 2
     assert result["whole_model_load_s"] > 0 and result["kinds"]["cold"]["hold_p99_over_whole_load"] > 0
     assert result["identical"] == result["answers"] == 18
-    assert "p99 wait / whole-model load" in run.stdout
+    assert "p99 wait / whole-model load" in run.stdout and "republished the placement" in run.stdout
+    assert 0 <= result["widenings_warm"] <= result["widenings_settled"] and result["widenings_settled"] >= 3

@@ -2,7 +2,8 @@
 processes, the tiny model): the loop plans over one host, the others are warm spares; a request
 whose step the gate prices above the SLO on one host is held until the loop has widened onto the
 spares and this replica runs that placement, then answered exactly as the in-process model; the
-width falls back to one host after the hold; /metrics shows the width and the holds. The loop's
+width falls back to one host after the hold, and the next widening, the spares still holding their
+part, is answered by publishing that placement again; /metrics shows the width and the holds. The loop's
 side alone (PlanLoop in this process over the real hosts): a widening is answered once the spares
 hold what the plan gave them."""
 
@@ -84,6 +85,10 @@ def test_a_request_needing_the_spares_waits_for_them_and_answers_exactly(tiny_st
                        timeout=30.0)
             again = replay(url, MODEL, PROMPTS[:1], [0.0], 6, timeout_s=120)  # a narrow loop again: held again
             assert again[0].text == outcomes[0].text and _stats()["step_gate"]["holds"] > gate["holds"]
+            # the spares kept their part (keep-alive 60 s): widen republished the last wide placement, no pass
+            after = ray.get(loop.metrics.remote())["widenings"]
+            assert after["warm"] >= 1 and after["settled"] > widenings["settled"]
+            assert "moeless_step_widenings_warm" in httpx.get(f"{url}/metrics", timeout=30).text
         finally:
             ray.get(loop.stop.remote())
             ray.kill(loop)
