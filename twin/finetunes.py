@@ -30,7 +30,8 @@ later, the rest within the window (added_gpus), where the default 0 is one insid
 loop; `gpu_s_sized_for_step`, p99 "shared-keys-batched-sized"). A window's added GPUs come with its
 tokens, as the bytes' GPUs do here, the step's work spread evenly over them once they have copied
 their share of the experts from the GPUs holding them (scaled_p99: the steps until then run on the
-GPUs before). Or the engine holds a request that arrives while a scale-up is under way out of its
+GPUs before; they copy the keys the window's calls route to, not every key held: SharedKeys.routed_keys,
+from 2026-11-30; before, every key held). Or the engine holds a request that arrives while a scale-up is under way out of its
 batch until the added GPUs take their part (gated admission, p99 "shared-keys-batched-gated", the sized pool's GPUs):
 the steps until then carry the incumbents' part of the batch, the lesser of the window before's step
 (what the GPUs before were sized for) and the window's own (a fine-tune not busy the window before has
@@ -182,9 +183,10 @@ def gated_wakes(wakes: np.ndarray, ready: np.ndarray) -> np.ndarray:
 def added_gpus(held: np.ndarray, keys: np.ndarray, move_s: float, late_s: float = 0.0) -> np.ndarray:
     """[W, 2]: for each window where the pool holds more GPUs (held [W]) than in the window before and
     had some then, those GPUs and the seconds until the added ones take their part: late_s (a scaler
-    that sees the need that far into the window) plus their even share of the keys [W] held (keys /
-    held each, copied from the GPUs that hold them, move_s an expert: PoolModel.expert_move_s);
-    elsewhere (held, 0)."""
+    that sees the need that far into the window) plus their even share of the keys [W] the window's
+    calls route to (keys / held each, copied from the GPUs that hold them, move_s an expert:
+    PoolModel.expert_move_s; a key held for a fine-tune not calling has no tokens to spread, so the
+    planner places no copy of it); elsewhere (held, 0)."""
     prev = np.concatenate([[0.0], held[:-1]])
     grows = (prev > 0) & (held > prev)
     copy_s = late_s + keys / np.maximum(held, 1.0) * move_s
@@ -232,7 +234,8 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     doc["busy_fraction"][SHARED_KEYS] = work / doc["gpu_s"][SHARED_KEYS] if doc["gpu_s"][SHARED_KEYS] else 0.0
     doc["gpus_p50_p100"][SHARED_KEYS] = [float(np.percentile(gpus, 50)), float(gpus.max())]
     awake = np.any([line.awake for line in lines], axis=0)  # the non-expert weights held (shared_keys_pass)
-    keys = np.maximum(sk.held_bytes - awake * float(base.non_expert_bytes), 0.0) / base.expert_bytes
+    held_keys = np.maximum(sk.held_bytes - awake * float(base.non_expert_bytes), 0.0) / base.expert_bytes
+    keys = np.minimum(held_keys, sk.routed_keys)  # an added GPU copies what the calls route to, not every key held
     late_s = s.step_lag_s - lag_windows * s.window_s
     ready = {way: added_gpus(held, keys, base.expert_move_s, late) for way, held, late in
              (("shared-keys-batched", gpus, 0.0), (SIZED, sized, late_s))}

@@ -66,7 +66,8 @@ class SharedKeys:
     fine-tune's GB·s of its own keys, the base's keys and the non-expert weights; cold_starts [N, W]
     outside wake-ups; wakes[n]: [wake-ups, 3] (window, seconds, 1 where the base was warm: another
     fine-tune awake held the non-expert weights); batched_step_s [W]: the engine's expert GPU seconds
-    per step over every fine-tune busy in the window."""
+    per step over every fine-tune busy in the window; routed_keys [W]: the keys its calls route to (each
+    awake fine-tune's own keys it routes to, and the base's keys any of them routes to)."""
 
     held_bytes: np.ndarray
     extra_non_expert: np.ndarray
@@ -74,6 +75,7 @@ class SharedKeys:
     cold_starts: np.ndarray
     wakes: list[np.ndarray]
     batched_step_s: np.ndarray
+    routed_keys: np.ndarray
 
 
 def even_shares(held: np.ndarray, claims: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -142,7 +144,7 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
     split = EvenSplit(n, layers * experts, base.expert_bytes, s.window_s)
     non_expert = EvenSplit(n, 1, base.non_expert_bytes, s.window_s)
     own_windows = np.zeros(n)  # windows x own keys held, per model
-    held, extra, batched = np.zeros(s.windows), np.zeros(s.windows), np.zeros(s.windows)
+    held, extra, batched, routed = (np.zeros(s.windows) for _ in range(4))
     base_held = np.zeros(layers * experts, bool)  # the base's keys held after the last window
     cold, wakes = np.zeros((n, s.windows), np.int64), [[] for _ in range(n)]
     awake_all = np.stack([line.awake for line in lines])  # [N, W]
@@ -158,6 +160,7 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
         own_before = claimed & own
         # 2. The calls: cold starts and wake-ups.
         waking = []
+        routed_base = np.zeros(layers * experts, bool)
         for m in np.flatnonzero(awake):
             hit = lines[m].hits[row[m]].reshape(-1)
             row[m] += 1
@@ -172,6 +175,9 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
                 waking.append((m, per_layer, steady.any()))
                 last[m] = w
             last[m][hit] = w
+            routed[w] += int((hit & own[m]).sum())
+            routed_base |= hit & ~own[m]
+        routed[w] += int(routed_base.sum())
         # 3. Held after the calls.
         claims = (w - last <= keep) & awake[:, None] | kept
         asleep_user = (~own & ~awake[:, None]).any(axis=0)  # a base key a fine-tune asleep uses (it may wake)
@@ -195,4 +201,4 @@ def shared_keys_pass(models: list[PoolModel], replaced: np.ndarray, lines: list[
             batched[w] = -np.expm1(-rate).sum() * base.call_s + sent.sum() / steps * base.top_k * base.alpha_s
     own_gb = own_windows * base.expert_bytes * s.window_s / 1e9
     parts = np.stack([own_gb, split.gb_s.sum(axis=1), non_expert.gb_s[:, 0]], axis=1)
-    return SharedKeys(held, extra, parts, cold, [np.asarray(x, float).reshape(-1, 3) for x in wakes], batched)
+    return SharedKeys(held, extra, parts, cold, [np.asarray(x, float).reshape(-1, 3) for x in wakes], batched, routed)

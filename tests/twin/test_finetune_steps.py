@@ -150,3 +150,25 @@ def test_a_scaler_late_within_a_window_keeps_its_gpus_but_runs_more_of_its_steps
 def test_a_scaler_a_window_late_holds_each_windows_need_in_the_next():
     assert seen_late(np.array([1.0, 3.0, 2.0]), 1).tolist() == [0.0, 1.0, 3.0]
     assert seen_late(np.array([1.0, 3.0]), 0).tolist() == [1.0, 3.0] and seen_late(np.array([1.0]), 2).tolist() == [0.0]
+
+
+def test_the_keys_a_scale_up_copies_are_those_the_windows_calls_route_to():
+    """One fine-tune: each awake window's routed keys are the experts its window's tokens hit (its own
+    and the base's alike); two: at most the keys held, some where either is busy, none where neither
+    is awake."""
+    ft = finetunes_of(base_model(), 2, 0.25)
+    s = PoolSettings(**{**SETTINGS.__dict__, "gpu_bytes": 64 * GB})
+    requests = [poisson_requests(0.05, 900, 3), poisson_requests(0.05, 900, 4)]
+    lines = timelines([ft[0].model], requests[:1], s)
+    sk = shared_keys_pass([ft[0].model], ft[0].replaced[None], lines, s)
+    awake = lines[0].awake
+    assert awake.any() and sk.routed_keys[awake].tolist() == [float(h.sum()) for h in lines[0].hits]
+    assert not sk.routed_keys[~awake].any()
+    both = timelines([f.model for f in ft], requests, s)
+    sk = shared_keys_pass([f.model for f in ft], np.stack([f.replaced for f in ft]), both, s)
+    base = ft[0].model
+    awake = np.any([line.awake for line in both], axis=0)
+    held_keys = (sk.held_bytes - awake * float(base.non_expert_bytes)) / base.expert_bytes
+    busy = np.any([line.busy for line in both], axis=0)
+    assert (sk.routed_keys <= held_keys + 1e-9).all() and (sk.routed_keys[busy] > 0).all()
+    assert not sk.routed_keys[~awake].any() and (sk.routed_keys < held_keys - 0.5).any()  # some held keys not routed
