@@ -247,13 +247,13 @@ class PlanLoop:
             configure_host(self.pool, i, s.knobs.keep_alive_s)
         with self._lock:  # the step scaler's spares: ready, planned around (the slots past its width)
             active = self.widenings.width.active_slots([st is not None for st in statuses], time.monotonic())
-        view = HostView.from_status([st if up else None for st, up in zip(statuses, active)], s.num_layers, s.num_experts)
-        seen = HostView.from_status(statuses, s.num_layers, s.num_experts).resident  # the spares' too (Widenings.answer_warm)
+        every, mask = HostView.from_status(statuses, s.num_layers, s.num_experts), np.asarray(active)  # spares' too
+        view = HostView(every.resident & mask, every.loading & mask, every.live & mask, np.where(mask, every.memory, 0.0))
         self._memory = np.where(view.live, view.memory, self._memory)  # a dead host's: as last seen
         with self._lock:
             # plan for a host that came or went, and again until a widening's loads are published
             joined = self._planned and (view.live.tolist() != self.hosts_live or self.widenings.open())
-            self.hosts_live, self._seen = view.live.tolist(), ([st is not None for st in statuses], seen)
+            self.hosts_live, self._seen = view.live.tolist(), ([st is not None for st in statuses], every.resident)
             self.resident_replicas = int(view.resident.sum())
             for i, status in enumerate(statuses):
                 if status is not None:

@@ -130,8 +130,8 @@ class LoopCollector(Collector):
                                     "scaler's width; the others are spares)", value=s["width"])
             yield CounterMetricFamily(f"{PREFIX}_step_widenings", "widenings the step scaler asked of the loop",
                                       value=s["widenings"]["asked"])
-            yield CounterMetricFamily(f"{PREFIX}_step_widenings_warm", "widenings answered at once, republishing "
-                                      "a placement the spares still held (no planning pass)",
+            yield CounterMetricFamily(f"{PREFIX}_step_widenings_warm", "widenings answered at once from a placement "
+                                      "the spares still held (republished if another was since; no planning pass)",
                                       value=s["widenings"].get("warm", 0))
 
 
