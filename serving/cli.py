@@ -9,7 +9,7 @@ from typing import Callable
 
 from moeless.controller.knobs import KnobError, add_knob_flags, knobs_from_args
 from moeless.expert_fn.options import TRANSPORTS
-from moeless.serving.options import BATCHING, DEVICES
+from moeless.serving.options import BATCHING, DEVICES, STEP_ADMIT
 
 MODEL_HELP = ("'default' (SmolLM2-135M turned MoE; built and cached on first use), 'tiny:ARCH' (a random test model, "
               "e.g. tiny:mixtral), a model directory, or BASE+FINETUNE: a fine-tune (`moeless model finetune`: its "
@@ -75,6 +75,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                        help="with --step-slo-ms: the hosts always planned over (default 1)")
     serve.add_argument("--step-hold", type=_non_negative_float, default=2.0, metavar="S",
                        help="with --step-slo-ms: seconds a widening outlives the last batch that needed it (default 2)")
+    serve.add_argument("--step-admit", choices=STEP_ADMIT, default="wait",
+                       help="with --step-slo-ms: a batch's newcomers wait out of it until the widened placement runs "
+                            "(wait, the default), or go in at once, its steps longer until then (now)")
     add_knob_flags(serve)
     serve.set_defaults(func=_serve)
 
@@ -147,7 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
                        micro_batch_tokens=args.micro_batch_tokens, device=args.device,
                        step=None if args.step_slo_ms is None else
                        {"step_slo_s": args.step_slo_ms / 1e3, "step_hosts": args.step_hosts,
-                        "step_hold_s": args.step_hold})
+                        "step_hold_s": args.step_hold, "step_admit": args.step_admit})
     except (KnobError, ProfileError) as err:
         print(f"moeless serve: {err}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from moeless.model.default import default_model
 from moeless.model.hf_loader import load_moe_model
 from moeless.model.tiny import tiny_model
 from moeless.placement.types import Placement
-from moeless.serving.options import BATCHING, DEVICES
+from moeless.serving.options import BATCHING, DEVICES, STEP_ADMIT
 from moeless.serving.pingpong import check_split
 from moeless.serving.scheduler import BatchLimits
 
@@ -77,6 +77,7 @@ class ServeConfig:
     step_slo_s: float | None = None
     step_hosts: int = 1
     step_hold_s: float = 2.0
+    step_admit: str = "wait"  # newcomers wait for a widening ("wait"), or go in at once ("now")
     # The expert-host pool followed while serving (controller/pool/sources.py: a PoolSource, e.g. the
     # policy's pods on Kubernetes); None: host_addresses, fixed. Read every pool_period_s.
     pool: Any = None
@@ -107,6 +108,8 @@ class ServeConfig:
         if self.step_slo_s is not None and not (self.step_slo_s > 0 and self.step_hosts >= 1 and self.step_hold_s >= 0):
             raise ValueError(f"the step scaler needs step_slo_s > 0, step_hosts >= 1 and step_hold_s >= 0, got "
                              f"{self.step_slo_s}, {self.step_hosts}, {self.step_hold_s}")
+        if self.step_admit not in STEP_ADMIT:
+            raise ValueError(f"step_admit must be one of {STEP_ADMIT}, got {self.step_admit!r}")
 
 
 def replica_gpus_for(device: str, replicas: int, visible: int | None = None) -> float:
@@ -197,11 +200,11 @@ def config_from_args(args: Mapping[str, Any]):
     such as "k8s://NS/POLICY:PORT?slots=N" (default: $MOELESS_EXPERT_HOSTS; controller/pool/sources.py),
     "replicas": serving replicas (default 1), "transport": auto | local | tcp | nixl | grpc (default auto),
     "micro_batches" (default 1), "micro_batch_tokens" (default 256): ping-pong, "device": cpu | cuda
-    (default cpu; cuda: one GPU per replica), "step_slo_ms", "step_hosts", "step_hold_s": the step
+    (default cpu; cuda: one GPU per replica), "step_slo_ms", "step_hosts", "step_hold_s", "step_admit": the step
     scaler (`moeless serve --step-slo-ms`; default off)}; the loop runs as in `moeless serve`. Raises
     KnobError for a bad value (the message names it)."""
     known = ("config", "model", "hosts", "replicas", "transport", "micro_batches", "micro_batch_tokens", "device",
-             "step_slo_ms", "step_hosts", "step_hold_s")
+             "step_slo_ms", "step_hosts", "step_hold_s", "step_admit")
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise KnobError(f"application args: unknown key {unknown[0]!r}; known: {', '.join(known)}")
@@ -239,10 +242,13 @@ def _step_scaler_args(args: Mapping[str, Any]) -> dict:
         return {}
     values = {"step_slo_ms": args["step_slo_ms"], "step_hosts": args.get("step_hosts", 1),
               "step_hold_s": args.get("step_hold_s", 2.0)}
+    admit = args.get("step_admit", "wait")
+    if admit not in STEP_ADMIT:
+        raise KnobError(f"application args: step_admit {admit!r}; use one of {', '.join(STEP_ADMIT)}")
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values())
     if not numbers or values["step_slo_ms"] <= 0 or values["step_hosts"] < 1 or values["step_hold_s"] < 0 \
             or values["step_hosts"] != int(values["step_hosts"]):
         raise KnobError(f"application args: the step scaler needs step_slo_ms > 0, a whole step_hosts >= 1 and "
                         f"step_hold_s >= 0, got {values}")
     return {"step_slo_s": values["step_slo_ms"] / 1e3, "step_hosts": int(values["step_hosts"]),
-            "step_hold_s": float(values["step_hold_s"])}
+            "step_hold_s": float(values["step_hold_s"]), "step_admit": admit}

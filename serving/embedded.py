@@ -67,7 +67,7 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     micro_batches, micro_batch_tokens: ping-pong in continuous batching (ServeConfig); device: where
     the replicas run the non-expert layers ("cpu" or "cuda": a GPU each, or a share where there are
     fewer; the local expert hosts take GPU 0 where there is one, as `moeless expert-host` does);
-    step: the step scaler's ServeConfig fields (step_slo_s, step_hosts, step_hold_s; None: off).
+    step: the step scaler's ServeConfig fields (step_slo_s, step_hosts, step_hold_s, step_admit; None: off).
     Raises KnobError for knobs that do not fit the model (before anything starts)."""
     models = [model] if isinstance(model, str) else list(model)
     replica_gpus = replica_gpus_for(device, replicas * len(models))

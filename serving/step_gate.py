@@ -9,6 +9,9 @@ newcomers out -- the running requests keep stepping on the placement they have -
 replica runs that placement (its board version; the BoardFollower hurried meanwhile), or
 max_wait_s has passed (then they go in: a late scaler costs longer steps, never a hang). While
 batches need the width, the gate asks again every hold_s / 4, so the loop holds it (PlacementWidth).
+With hold_newcomers False (`--step-admit now`) it asks the same but lets the newcomers in at once:
+the steps until the widened placement runs are longer, and no newcomer, a waking fine-tune's first
+request included, waits for the widening (the twin's ungated sized pool: docs/shared-pool.md).
 
 The twin prices the same rule (twin/finetunes.py, "shared-keys-batched-gated"); each hold's length
 is the newcomers' admission wait, the scaler's lag as serving has it (`stats`, /metrics,
@@ -62,13 +65,14 @@ class StepGate:
     def __init__(self, price: Callable[[int], float], slo_s: float, ready: Callable[[], int],
                  widen: Callable[[int], Future], seen: Callable[[], int], *,
                  hurry: Callable[[float], None] | None = None, hold_s: float = 2.0, max_wait_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 hold_newcomers: bool = True, clock: Callable[[], float] = time.monotonic):
         if not slo_s > 0 or not max_wait_s >= 0:
             raise ValueError(f"a step gate needs a step SLO > 0 s and a max wait >= 0 s, got {slo_s}, {max_wait_s}")
         self.price, self.slo_s, self.ready, self.widen, self.seen = price, slo_s, ready, widen, seen
         self.hurry = hurry or (lambda for_s: None)
         # the loop holds a width hold_s after its last need: asked again every renew_s while needed
         self.hold_s, self.renew_s, self.max_wait_s, self.clock = hold_s, hold_s / 4, max_wait_s, clock
+        self.hold_newcomers = hold_newcomers
         self.stats = GateStats()
         self.granted, self.version, self.renewed = 1, 0, -float("inf")  # the loop's last answer, when asked
         self.asking: tuple[int, Future] | None = None  # (hosts, the answer to come)
@@ -90,7 +94,7 @@ class StepGate:
             with self._lock:
                 self.stats.widenings += 1
         waiting = self.asking is not None and self.asking[0] > self.granted
-        if not waiting and self.seen() >= self.version:
+        if not self.hold_newcomers or not waiting and self.seen() >= self.version:
             self._end(now, newcomers, timed_out=False)
             return True
         if self.held_since is None:

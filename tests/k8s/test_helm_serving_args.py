@@ -45,13 +45,15 @@ def test_the_step_scaler_reaches_the_command_and_the_ray_args_and_a_bad_one_is_r
     assert "--step-slo-ms" not in command(render(helm))  # off by default
     on = command(render(helm, "serving.stepScaler.sloMs=40", "serving.stepScaler.hosts=2"))
     parsed = build_parser().parse_args(on[on.index("serve"):])  # what `moeless serve` reads
-    assert (parsed.step_slo_ms, parsed.step_hosts, parsed.step_hold) == (40.0, 2, 2.0)
-    ray = next(d for d in render(helm, "serving.kuberay=true", "serving.stepScaler.sloMs=40") if d["kind"] == "RayService")
+    assert (parsed.step_slo_ms, parsed.step_hosts, parsed.step_hold, parsed.step_admit) == (40.0, 2, 2.0, "wait")
+    ray = next(d for d in render(helm, "serving.kuberay=true", "serving.stepScaler.sloMs=40", "serving.stepScaler.admit=now")
+               if d["kind"] == "RayService")
     args = yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"][0]["args"]
     served = config_from_args({key: value for key, value in args.items() if key != "config"})  # what the app reads
-    assert (served.step_slo_s, served.step_hosts, served.step_hold_s) == (0.04, 1, 2.0)
+    assert (served.step_slo_s, served.step_hosts, served.step_hold_s, served.step_admit) == (0.04, 1, 2.0, "now")
     for value, shown in (("serving.stepScaler.sloMs=0", "serving.stepScaler.sloMs: 0 is not a number of milliseconds"),
-                         ("serving.stepScaler.hosts=0", "serving.stepScaler.hosts: 0 is not a whole number >= 1")):
+                         ("serving.stepScaler.hosts=0", "serving.stepScaler.hosts: 0 is not a whole number >= 1"),
+                         ("serving.stepScaler.admit=later", "serving.stepScaler.admit: later is not wait or now")):
         bad = helm_run(helm, "template", "t", str(CHART), "--set", "serving.stepScaler.sloMs=40", "--set", value,
                        check=False)
         assert bad.returncode != 0 and shown in bad.stderr

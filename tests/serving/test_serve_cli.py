@@ -77,7 +77,10 @@ def test_app_from_args_reads_the_knobs_file_and_the_hosts(tmp_path, monkeypatch)
         config_from_args({"hosts": "c:3", "micro_batch_tokens": "lots"})
     assert serve.step_slo_s is None  # the step scaler: off unless asked for
     step = config_from_args({"hosts": "c:3", "step_slo_ms": 40, "step_hosts": 2})
-    assert (step.step_slo_s, step.step_hosts, step.step_hold_s) == (0.04, 2, 2.0)
+    assert (step.step_slo_s, step.step_hosts, step.step_hold_s, step.step_admit) == (0.04, 2, 2.0, "wait")
+    assert config_from_args({"hosts": "c:3", "step_slo_ms": 40, "step_admit": "now"}).step_admit == "now"
+    with pytest.raises(KnobError, match="step_admit 'later'; use one of wait, now"):
+        config_from_args({"hosts": "c:3", "step_slo_ms": 40, "step_admit": "later"})
     with pytest.raises(KnobError, match="step_slo_ms > 0"):
         config_from_args({"hosts": "c:3", "step_slo_ms": 40, "step_hosts": 1.5})
     monkeypatch.delenv("MOELESS_EXPERT_HOSTS")

@@ -76,6 +76,17 @@ def test_newcomers_wait_for_the_widened_placement_then_go_in():
     assert figures["waits_s"] == [0.03] and figures["granted"] == 3 and len(loop.asked) == 1
 
 
+def test_admitted_now_newcomers_go_in_while_the_loop_widens_and_nobody_is_held():
+    loop, clock, hurried = FakeLoop(), Clock(), []
+    gate = gate_for(loop, clock, hurried=hurried, hold_newcomers=False)
+    assert gate.admit(25, 3) and loop.asked == [3] and hurried == []  # the widening asked, the newcomers in
+    clock.now = 0.01
+    assert gate.admit(26, 1) and loop.asked == [3]  # still widening: asked once
+    loop.answer(3, version=7)
+    assert gate.admit(26, 1) and gate.figures()["granted"] == 3
+    assert gate.figures()["holds"] == 0 and gate.figures()["widenings"] == 1
+
+
 def test_a_need_the_loop_already_holds_is_renewed_without_holding_anyone():
     loop, clock = FakeLoop(), Clock()
     gate = widened_gate(loop, clock, hold_s=2.0)

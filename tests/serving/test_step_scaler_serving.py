@@ -96,3 +96,27 @@ def test_a_request_needing_the_spares_waits_for_them_and_answers_exactly(tiny_st
 
 def _stats():
     return serve.get_deployment_handle("ModelServer", "moeless").stats.remote().result()
+
+
+def test_admitted_now_a_request_needing_the_spares_goes_in_while_the_loop_widens(tiny_store, ray_serve, deploy_tiny,
+                                                                                 reference_text):
+    model, root = tiny_store
+    spec = model.spec
+    slo_s = step_expert_s(min(len(p) for p in PROMPTS), PROFILE, spec.num_layers, spec.top_k, spec.num_experts) / 3
+    with launch_local_hosts(3, root, keep_alive_s=60, metrics=False) as group:
+        knobs = Knobs(planner="moeless", predictor="gate", distance=1, keep_alive_s=60, memory_price=0.0)
+        deploy_tiny(group.addresses, MODEL, placement_board=BOARD, plan_loop=LOOP, knobs=knobs, profile=PROFILE,
+                    step_slo_s=slo_s, step_hosts=1, step_hold_s=HOLD_S, step_admit="now")
+        loop = ray.get_actor(LOOP, namespace=NAMESPACE)
+        try:
+            wait_until(lambda: ray.get(loop.state.remote())["hosts_live"] == [True, False, False], "one host planned over",
+                       timeout=30.0)
+            outcomes = replay(ray_serve, MODEL, PROMPTS, [0.0, 0.05, 0.1], 6, timeout_s=120)
+            assert [o.text for o in outcomes] == [reference_text(model, p, 6) for p in PROMPTS]
+            gate = _stats()["step_gate"]
+            assert gate["holds"] == 0 and gate["widenings"] >= 1  # asked for the spares, held nobody
+            wait_until(lambda: ray.get(loop.metrics.remote())["widenings"]["settled"] >= 1,
+                       "the loop's widening onto the spares settled", timeout=30.0)
+        finally:
+            ray.get(loop.stop.remote())
+            ray.kill(loop)
