@@ -10,8 +10,7 @@
 The hosts are the serving replicas' pool (controller/pool/sources.py), followed the same way: a slot with
 no ready host (scaled in, draining, not started) counts as down, so every pass plans over the ready hosts
 only, and a host that joins is planned for on the next pass, as is a pool whose slots grew or shrank
-(maxHosts changed). With a step scaler, the ready hosts past its width are spares, planned around until
-a batch needs them (widen: widenings.py, step_scaler.py).
+(maxHosts changed). A step scaler's spares (ready, past its width) wait for a batch's widen (widenings.py).
 
 The decisions are pure functions (controller/planning/rules.py; what it plans for: settings.py); this
 module only talks: Status and Load RPCs to the hosts, publishing on the board, a heartbeat (/healthz: a
@@ -33,7 +32,7 @@ import ray
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.controller.planning.board import publish_placement
 from moeless.controller.planning.cost_fit import OnlineCostFit
-from moeless.controller.planning.host_calls import configure_host, host_statuses, send_actions
+from moeless.controller.planning.host_calls import configure_host, host_statuses, load_all, send_actions
 from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.names import NAMESPACE
 from moeless.controller.planning.rules import (HostView, LoopTerms, forecast_groups, held_forecasts,
@@ -94,7 +93,7 @@ class PlanLoop:
         self.counts = {"passes": 0, "plans": 0, "publishes": 0, "loads_sent": 0, "errors": 0, "reports": 0}
         self.plan_s, self.last_error = {"last": 0.0, "sum": 0.0}, ""
         self.hosts_live: list[bool] = [True] * num_hosts  # the hosts planned over (ready, within the width)
-        self._seen: tuple[list[bool], np.ndarray] = ([], np.zeros(0))  # the last pass's ready slots, all resident
+        self._seen: tuple[list[bool], np.ndarray] = ([], np.zeros((0, 0, 0), bool))  # the last pass's ready slots, all resident
         self.host_meters: list[dict] = [{} for _ in range(num_hosts)]
         self.resident_replicas = 0
         self._gb_s = Accumulated(num_hosts)
@@ -123,15 +122,16 @@ class PlanLoop:
             self._learn.append(report.actual)
 
     def widen(self, hosts: int, timeout_s: float = 5.0) -> tuple[int, int]:
-        """A batch needs `hosts` hosts (serving/step_gate.py). Where the placement spans fewer, a pass
-        now over more, answered once its placement is published with nothing left to load (or after
-        timeout_s): (the hosts planned over, at most the ready ones; the board version to follow up to)."""
+        """A batch needs `hosts` hosts (serving/step_gate.py): where the placement spans fewer, one over
+        more published (widenings.py), after timeout_s at the latest: (the hosts planned over, at most
+        the ready ones; the board version to follow up to)."""
         with self._lock:
             ticket = self.widenings.ask(hosts, time.monotonic())
             self._fresh = self._fresh or ticket is not None
-            # the spares as the last pass read them (one evicted since loads on its first call)
-            if ticket is not None and not self.widenings.answer_warm(ticket, *self._seen, self._publish, time.monotonic()):
-                self._now.set()
+        if ticket is not None and (self.s.knobs.predictor == "off" or not self.widenings.answer(  # nothing published
+                ticket, *self._seen, lambda replicas: load_all(self.pool, replicas, timeout_s), self._publish,
+                time.monotonic)):  # by the hosts as the last pass read them
+            self._now.set()  # a pass answers it
         version = self.widenings.wait(ticket, timeout_s)
         return min(self.widenings.hosts(time.monotonic()) or hosts, len(self.pool.clients())), version
 
@@ -239,7 +239,7 @@ class PlanLoop:
             self._fresh = False
         if not due:
             return False
-        self._refreshed, warm_before = time.monotonic(), self.widenings.warm_publishes
+        self._refreshed, answered_before = time.monotonic(), self.widenings.answered
         # 1. What the hosts hold (the truth of what is resident), their meters.
         statuses = host_statuses(self.pool)  # an empty slot: None, planned around
         self._fit_slots(len(statuses))
@@ -290,12 +290,12 @@ class PlanLoop:
             self.counts["loads_sent"] += len(decision.loads)
         publish = to_publish(self._published, decision, off, self.name)
         if publish is not None:
-            self._publish(publish, view.live, warm_before)
+            self._publish(publish, view.live, answered_before)
         return self._pending_loads
 
-    def _publish(self, placement, live, warm_before: int | None = None) -> int:
-        with self._lock:  # one publisher at a time: a pass, or widen answering warm
-            if placement is self._published or warm_before is not None and self.widenings.warm_publishes > warm_before:
+    def _publish(self, placement, live, answered_before: int | None = None) -> int:
+        with self._lock:  # one publisher at a time: a pass, or widen answering
+            if placement is self._published or answered_before is not None and self.widenings.answered > answered_before:
                 return self._version  # a widening published over other hosts since this pass read them
             self._version, self._published = publish_placement(placement, self.s.board), placement
             self.widenings.published(live, placement)

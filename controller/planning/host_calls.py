@@ -56,6 +56,33 @@ def send_actions(pool: Any, actions: Sequence[tuple[int, int, int, str]]) -> Non
             threads.submit(_send, pool, host, calls)
 
 
+def load_all(pool: Any, replicas: Sequence[tuple[int, int, int]], timeout_s: float) -> int | None:
+    """Every (layer, expert, host) of `replicas` resident, waited for: one LoadMany RPC per host (its
+    load workers take them in turn; a resident one answers at once), the hosts side by side. The
+    loads started (0: all were resident); None where one is not resident within timeout_s (a host
+    gone or too slow, a replica that cannot load: the caller falls back to a planning pass)."""
+    by_host: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for layer, expert, host in replicas:
+        by_host[host].append((layer, expert))
+
+    def load(host: int) -> int | None:
+        client = pool.client(host)
+        if client is None:  # the host left the pool
+            return None
+        try:
+            return client.load_many(by_host[host], wait=True, timeout_s=timeout_s)
+        except Exception as err:
+            log.warning("loading %d replicas on host %d failed: %s", len(by_host[host]), host, err)
+            return None
+
+    if len(by_host) <= 1:
+        started = [load(host) for host in by_host]
+    else:
+        with ThreadPoolExecutor(len(by_host), thread_name_prefix="host-loads") as threads:
+            started = list(threads.map(load, list(by_host)))
+    return None if None in started else sum(started)
+
+
 def _send(pool: Any, host: int, calls: list[tuple[int, int, str]]) -> None:
     for layer, expert, act in calls:
         try:

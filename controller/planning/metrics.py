@@ -133,6 +133,10 @@ class LoopCollector(Collector):
             yield CounterMetricFamily(f"{PREFIX}_step_widenings_warm", "widenings answered at once from a placement "
                                       "the spares still held (republished if another was since; no planning pass)",
                                       value=s["widenings"].get("warm", 0))
+            yield CounterMetricFamily(f"{PREFIX}_step_widenings_cold", "widenings answered by loading what the "
+                                      "spares lacked of the placement last published over them, or of static EP's "
+                                      "blocks the first time (no planning pass)",
+                                      value=s["widenings"].get("cold", 0))
 
 
 class LoopsCollector(Collector):

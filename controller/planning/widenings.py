@@ -2,17 +2,20 @@
 the placement over the wider set of hosts is published with nothing left to load.
 
     serving/step_gate.py --PlanLoop.widen(hosts)--> Widenings.ask: wider than the width now?
-        yes: a ticket; the loop's next pass starts at once (and the passes after it every
-             FAST_PERIOD_S while the ticket is open: their loads on the spares finish between them)
-        the caller waits (Widenings.wait) until a pass that began after the ask ends with no loads
-        pending (Widenings.pass_ended): its publish is the placement that spans the new hosts
+        yes: a ticket, which widen answers itself (below); where it cannot (a load failed, no host
+             read yet), the loop's next pass starts at once (and the passes after it every
+             FAST_PERIOD_S while the ticket is open: their loads on the spares finish between them),
+             and the caller waits (Widenings.wait) until a pass that began after the ask ends with no
+             loads pending (Widenings.pass_ended): its publish is the placement that spans the new hosts
     --> (the hosts planned over, the board version to follow up to)
 
-A re-widening (a burst's next step, or the next burst within the spares' keep-alive) waits for no
-pass: where the last pass saw the spares holding every replica of the placement last published over
-the wider hosts, widen publishes that one again at once and settles the ticket (answer_warm; a
-replica evicted since is loaded by its first call, a cold start, never a wrong answer). A pass that
-read the hosts before it does not publish over it; the next pass plans over the wider hosts as usual.
+widen answers a widening without a planning pass (choose): it takes the placement last published over
+the wider hosts (where the last pass saw a wider one still held whole and this one not, that one), or
+the first time over them static EP's blocks, has every replica of it resident, one LoadMany RPC a host
+side by side (answer_loaded: those resident answer at once, so a warm widening costs one round trip; a
+cold one, whose spares' keep-alive evicted their part, its loads' time, not planning passes'),
+publishes it and settles the ticket. A pass that read the hosts before does not publish over it; the
+next pass plans over the wider hosts as usual.
 
 The rule of how many hosts and for how long is PlacementWidth's (step_scaler.py).
 """
@@ -21,14 +24,27 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from moeless.controller.planning.step_scaler import PlacementWidth, first_ready
-from moeless.placement.types import Placement
+from moeless.placement.home_moves import static_homes
+from moeless.placement.types import LayerPlacement, Placement
 
 FAST_PERIOD_S = 0.01  # between the passes of an open widening: its loads' status read again
+
+
+@dataclass(frozen=True)
+class Remembered:
+    """A widening widen answers itself: the placement last published over `hosts` [slots] and its
+    replicas the last pass did not see resident, missing [(layer, expert, host)]."""
+
+    ticket: int
+    placement: Placement
+    hosts: list[bool]
+    missing: list[tuple[int, int, int]]
 
 
 class Widenings:
@@ -44,6 +60,9 @@ class Widenings:
         self.settle_s: deque = deque(maxlen=256)  # the last widenings' seconds from ask to settled
         self._published: dict[tuple[bool, ...], Placement] = {}  # hosts planned over -> the last placement there
         self.warm_publishes = 0  # widenings answered from _published, no planning pass
+        self.cold_publishes = 0  # ... after loading what the spares lacked of it
+        self.cold_load_s: deque = deque(maxlen=256)  # those loads' seconds
+        self._loading: set[int] = set()  # tickets widen answers itself (no fast passes for them)
 
     def ask(self, hosts: int, now: float) -> int | None:
         """A batch needs `hosts` hosts: a ticket where that widens the placement, else None."""
@@ -82,42 +101,82 @@ class Widenings:
         with self._cond:
             self._published[tuple(bool(h) for h in hosts)] = placement
 
-    def warm(self, hosts: Sequence[bool], resident: np.ndarray) -> Placement | None:
-        """While a widening is open: the placement last published over `hosts` [slots] where every
-        replica of it is resident (resident [L, E, slots] bool), else None (a pass plans)."""
+    def remembered(self, hosts: Sequence[bool], resident: np.ndarray) -> tuple[Placement, list] | None:
+        """While a widening is open: the placement last published over `hosts` [slots] and its replicas
+        not resident (resident [L, E, slots] bool), [(layer, expert, host)]; None where none was (a pass plans)."""
         with self._cond:
             placement = self._published.get(tuple(bool(h) for h in hosts)) if self.settled < self.asked else None
         if placement is None or placement.num_gpus != resident.shape[2]:
             return None
-        if not all(resident[l, lp.expert, lp.gpu].all() for l, lp in enumerate(placement.layers)):
-            return None
-        with self._cond:
-            self.warm_publishes += 1
-        return placement
+        return placement, _lacking(placement, resident)
 
-    def answer_warm(self, ticket: int, ready: Sequence[bool], resident: np.ndarray,
-                    publish: Callable[[Placement, list[bool]], int], now: float) -> bool:
-        """Settle `ticket` at once where the hosts it widens to (the width's first ready slots of
-        `ready`), or the fewest more (the width then holds them: one widening for a burst that asks for
-        2 hosts, then 3), held every replica of the placement last published over them (warm: resident
-        [L, E, slots] as the last pass read them): publish(it, the hosts) -> its board version (the one
-        it has where it is still the placement published). False: a pass must answer it."""
+    @property
+    def answered(self) -> int:
+        """Widenings published by widen itself (warm or cold): a pass that read the hosts before one
+        does not publish over it."""
+        with self._cond:
+            return self.warm_publishes + self.cold_publishes
+
+    def choose(self, ticket: int, ready: Sequence[bool], resident: np.ndarray, now: float) -> Remembered | None:
+        """widen's own answer to `ticket`, by the hosts as the last pass read them (ready [slots],
+        resident [L, E, slots]): the placement last published over the width's first ready hosts, or
+        over the fewest more where that one held every replica then and the width's did not (the width
+        then holds them: one widening for a burst that asks for 2 hosts, then 3); where the width was
+        never published over, static EP's blocks over its hosts (the next pass plans them). None: no
+        widening open or no host read yet (a pass answers). The ticket is then answer_loaded's."""
+        if self.settled >= self.asked or resident.ndim != 3 or resident.shape[2] != len(ready):
+            return None
         width = self.width.hosts(now) or 0
-        for hosts in range(width, sum(map(bool, ready)) + 1):
-            active = first_ready(ready, hosts)
-            placement = self.warm(active, resident)
-            if placement is not None:
-                self.width.need(hosts, now)
-                self.pass_ended(ticket, False, publish(placement, active), now)
-                return True
-        return False
+        found = [(hosts, active, self.remembered(active, resident))
+                 for hosts, active in ((h, first_ready(ready, h)) for h in range(width, sum(map(bool, ready)) + 1))]
+        found = [(hosts, active, *it) for hosts, active, it in found if it is not None]
+        chosen = next((c for c in found if not c[3]), None) or next(iter(found), None)  # warm, else the narrowest
+        if chosen is None:
+            active = first_ready(ready, width)
+            slots = np.flatnonzero(active)
+            if not len(slots):
+                return None
+            num_layers, num_experts = resident.shape[:2]
+            layer = LayerPlacement.even(np.arange(num_experts), slots[static_homes(num_experts, len(slots))], num_experts)
+            static = Placement((layer,) * num_layers, num_experts, len(ready))
+            chosen = (width, active, static, _lacking(static, resident))
+        with self._cond:
+            self.width.need(chosen[0], now)
+            self._loading.add(ticket)
+        return Remembered(ticket, chosen[2], chosen[1], chosen[3])
+
+    def answer_loaded(self, chosen: Remembered, load: Callable[[list], int | None],
+                      publish: Callable[[Placement, list[bool]], int], clock: Callable[[], float]) -> bool:
+        """load(every replica of chosen's placement) -> the loads it started, None where some did not
+        load (outside the lock: passes and reports go on), then publish it and settle its ticket (warm
+        where nothing had to load, else cold), unless a pass settled it meanwhile. False: a pass must."""
+        began = clock()
+        started = load(_replicas(chosen.placement))
+        with self._cond:
+            self._loading.discard(chosen.ticket)
+            if started is None:
+                return False
+            if self.settled < chosen.ticket:
+                if started:
+                    self.cold_publishes += 1
+                    self.cold_load_s.append(clock() - began)
+                else:
+                    self.warm_publishes += 1
+                self.pass_ended(chosen.ticket, False, publish(chosen.placement, chosen.hosts), clock())
+            return True
+
+    def answer(self, ticket: int, ready: Sequence[bool], resident: np.ndarray, load: Callable[[list], int | None],
+               publish: Callable[[Placement, list[bool]], int], clock: Callable[[], float]) -> bool:
+        """choose, then answer_loaded. False: a pass must answer it."""
+        chosen = self.choose(ticket, ready, resident, clock())
+        return chosen is not None and self.answer_loaded(chosen, load, publish, clock)
 
     def as_dict(self) -> dict:
         """For /metrics and the bench: tickets asked and settled, those answered warm, the recent
         ask-to-settled seconds."""
         with self._cond:
             return {"asked": self.asked, "settled": self.settled, "warm": self.warm_publishes,
-                    "settle_s": list(self.settle_s)}
+                    "cold": self.cold_publishes, "settle_s": list(self.settle_s), "cold_load_s": list(self.cold_load_s)}
 
     def hosts(self, now: float) -> int | None:
         """The hosts planned over now (PlacementWidth.hosts; None: every ready one)."""
@@ -130,5 +189,16 @@ class Widenings:
             return self.settled < self.asked
 
     def period(self, period_s: float) -> float:
-        """Seconds until the next pass: FAST_PERIOD_S while a widening is open, else period_s."""
-        return FAST_PERIOD_S if self.open() else period_s
+        """Seconds until the next pass: FAST_PERIOD_S while a widening waits for a pass, else period_s."""
+        with self._cond:
+            return FAST_PERIOD_S if any(t not in self._loading for t in self._asked_at) else period_s
+
+
+def _replicas(placement: Placement) -> list[tuple[int, int, int]]:
+    """placement's replicas: [(layer, expert, host)]."""
+    return [(l, int(e), int(g)) for l, lp in enumerate(placement.layers) for e, g in zip(lp.expert, lp.gpu)]
+
+
+def _lacking(placement: Placement, resident: np.ndarray) -> list[tuple[int, int, int]]:
+    """placement's replicas not resident (resident [L, E, slots] bool)."""
+    return [r for r in _replicas(placement) if not resident[r]]

@@ -37,6 +37,7 @@ second (reconnect backoff 0.1-1 s); calls until then raise ExpertHostUnavailable
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from typing import Sequence
 
 import grpc
 import torch
@@ -108,9 +109,9 @@ class ExpertHostClient:
         self._channel_now: LocalChannel | TcpChannel | bool | None = None
         self._calls = 0
 
-    def _call(self, method, request):
+    def _call(self, method, request, timeout_s: float | None = None):
         try:
-            return method(request, timeout=self.timeout_s)
+            return method(request, timeout=self.timeout_s if timeout_s is None else timeout_s)
         except grpc.RpcError as err:
             raise _translate(err, self.address) from None
 
@@ -121,6 +122,13 @@ class ExpertHostClient:
         """
         request = pb.LoadRequest(layer=layer + self._first_layer(), expert=expert, wait=wait)
         return self._call(self._stub.Load, request).state
+
+    def load_many(self, replicas: Sequence[tuple[int, int]], wait: bool = False, timeout_s: float | None = None) -> int:
+        """load for every (layer, expert) of `replicas` in one RPC -> the loads it started; wait=True
+        returns once all are resident (raising as load does), within timeout_s (default: the client's)."""
+        first = self._first_layer()
+        request = pb.LoadManyRequest(replicas=[pb.ReplicaRef(layer=l + first, expert=e) for l, e in replicas], wait=wait)
+        return self._call(self._stub.LoadMany, request, timeout_s).started
 
     def evict(self, layer: int, expert: int) -> bool:
         """Evict (layer, expert); False if it was loading, busy (evicted when done) or absent."""

@@ -24,6 +24,7 @@ from moeless.expert_fn.errors import (
 )
 from moeless.expert_fn.wire.routed import decode_call, encode_reply, raw_bytes
 from moeless.expert_fn.host.run_routed import run_routed
+from moeless.expert_fn.host.lifecycle import RESIDENT
 from moeless.expert_fn.host.runtime import ExpertHostRuntime
 from moeless.model.weight_store import WeightStoreError
 
@@ -54,6 +55,16 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
         except ExpertHostError as err:
             _abort(context, err)
         return pb.LoadReply(state=state.value, started=started)
+
+    def LoadMany(self, request: pb.LoadManyRequest, context: grpc.ServicerContext) -> pb.LoadManyReply:
+        try:  # every load queued first (the host's load workers take them in turn), then each waited for
+            states = [self.runtime.load(r.layer, r.expert) for r in request.replicas]
+            for r, (state, _) in zip(request.replicas, states):
+                if request.wait and state not in RESIDENT:
+                    self.runtime.load(r.layer, r.expert, wait=True)
+        except ExpertHostError as err:
+            _abort(context, err)
+        return pb.LoadManyReply(started=sum(started for _, started in states))
 
     def Evict(self, request: pb.ReplicaRef, context: grpc.ServicerContext) -> pb.EvictReply:
         try:

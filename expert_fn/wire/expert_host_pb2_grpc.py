@@ -39,6 +39,11 @@ class ExpertHostStub:
                 request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadRequest.SerializeToString,
                 response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadReply.FromString,
                 _registered_method=True)
+        self.LoadMany = channel.unary_unary(
+                '/moeless.expert_fn.ExpertHost/LoadMany',
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadManyRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadManyReply.FromString,
+                _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/moeless.expert_fn.ExpertHost/Evict',
                 request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaRef.SerializeToString,
@@ -86,6 +91,14 @@ class ExpertHostServicer:
 
     def Load(self, request, context):
         """Start loading a replica (pre-warm); with wait=true, return once it is resident.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadMany(self, request, context):
+        """Load several replicas in one call (a widening's share of a spare); with wait=true, return once
+        every one is resident (those resident already answer at once).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,6 +171,11 @@ def add_ExpertHostServicer_to_server(servicer, server):
                     request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadRequest.FromString,
                     response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadReply.SerializeToString,
             ),
+            'LoadMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadMany,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadManyRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadManyReply.SerializeToString,
+            ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
                     request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaRef.FromString,
@@ -226,6 +244,33 @@ class ExpertHost:
             '/moeless.expert_fn.ExpertHost/Load',
             moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadRequest.SerializeToString,
             moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moeless.expert_fn.ExpertHost/LoadMany',
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadManyRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LoadManyReply.FromString,
             options,
             channel_credentials,
             insecure,

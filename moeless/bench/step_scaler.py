@@ -13,10 +13,10 @@ measures serving's (serving/step_gate.py, controller/planning/step_scaler.py) on
    then a burst of --burst requests at once (held-out ShareGPT prompts). Its newcomers wait out of
    the batch while the loop widens: the gate's hold, from the first held admission to the step that
    admits them, is the scaler's lag as serving has it (the ask to the loop, an immediate planning
-   pass, the spares' loads, the publish, the replica following the board, the next step). Rounds
-   alternate: warm (the spares still hold what the last widening loaded: the control path alone)
-   and cold (the spares emptied first: their share of the experts loaded, as the twin's added GPUs
-   copy theirs).
+   pass, or the spares' loads alone where the loop published over them before, the publish, the
+   replica following the board, the next step). Rounds alternate: warm (the spares still hold what
+   the last widening loaded: the control path alone) and cold (the spares emptied first: their
+   share of the experts loaded, as the twin's added GPUs copy theirs).
 3. The baseline, in the same run: a whole model's experts loaded onto one emptied host, one after
    another from its store (the expert part of a whole-model wake on these hosts).
 Printed per kind of round: the holds' p50 / p99, the loop's part (ask to published, nothing left to
@@ -142,6 +142,7 @@ def run_step_scaler_bench(model: str = "default", *, hosts: int = 3, burst: int 
             "prompt_tokens": prompt_tokens, "step_slo_s": slo_s, "gate": gate, "kinds": kinds, "rounds_detail": rows,
             "loop_pass_s": metrics["plan_s"]["sum"] / max(metrics["passes"], 1), "loop_passes": metrics["passes"],
             "widenings_settled": metrics["widenings"]["settled"], "widenings_warm": metrics["widenings"]["warm"],
+            "widenings_cold": metrics["widenings"]["cold"], "cold_load_s": metrics["widenings"]["cold_load_s"],
             "whole_model_load_s": whole_s, "load_host_s": costs.profile.load_s["host"],
             "identical": sum(a == b for a, b in zip(texts, expected)), "answers": len(texts),
             "load_average_1m": os.getloadavg()[0]}
@@ -210,7 +211,9 @@ def print_report(r: dict[str, Any]) -> None:
               f"{k['hold_p99_over_whole_load']:.2f}x")
     print(f"  baseline, same run: a whole model's experts loaded on one host one after another "
           f"{r['whole_model_load_s'] * 1e3:.0f} ms (one load from host memory {r['load_host_s'] * 1e3:.2f} ms)")
+    loads = r["cold_load_s"]
     print(f"  widenings settled by the loop: {r['widenings_settled']}, of which {r['widenings_warm']} republished "
-          f"the placement the spares still held (no planning pass)")
+          f"the placement the spares still held and {r['widenings_cold']} loaded what they lacked of it first (no "
+          f"planning pass" + (f"; those loads {min(loads) * 1e3:.0f}-{max(loads) * 1e3:.0f} ms)" if loads else ")"))
     print(f"  holds timed out: {r['gate']['timeouts']}; answers equal to the in-process model: "
           f"{r['identical']}/{r['answers']}")

@@ -3,7 +3,7 @@ actions in the order given, the hosts side by side, a failing host planned aroun
 
 import threading
 
-from moeless.controller.planning.host_calls import host_status, host_statuses, send_actions
+from moeless.controller.planning.host_calls import host_status, host_statuses, load_all, send_actions
 
 
 class FakeClient:
@@ -57,3 +57,32 @@ def test_the_hosts_statuses_are_read_side_by_side_in_slot_order():
     pool = FakePool({0: FakeClient([], meet=meet), 1: FakeClient([], meet=meet), 2: FakeClient([])}, slots=4)
     # hosts 0 and 1 answer only if asked at once; host 2 is too slow, slot 3 has no host
     assert host_statuses(pool) == [{"host": "met"}, {"host": "met"}, None, None]
+
+
+class WaitingClient:
+    """A host whose LoadMany(wait=True) returns once loaded; `meet`: a barrier the call waits at."""
+
+    def __init__(self, meet=None, fail=False):
+        self.loaded, self.meet, self.fail = [], meet, fail
+
+    def load_many(self, replicas, wait, timeout_s):
+        assert wait is True and timeout_s == 2.0  # a widening waits for its loads, bounded
+        if self.fail:
+            raise RuntimeError("replica cannot load")
+        if self.meet is not None:
+            self.meet.wait(timeout=5)  # broken unless the other host's call is in flight at once
+        self.loaded.append(list(replicas))
+        return len(replicas) - 1  # one of them was resident already
+
+
+def test_load_all_sends_one_waiting_call_per_host_the_hosts_side_by_side():
+    meet = threading.Barrier(2)
+    pool = FakePool({0: WaitingClient(meet), 1: WaitingClient(meet)})
+    assert load_all(pool, [(0, 0, 0), (1, 0, 1), (0, 1, 0), (1, 1, 1)], timeout_s=2.0) == 2  # the loads started
+    assert pool.clients[0].loaded == [[(0, 0), (0, 1)]] and pool.clients[1].loaded == [[(1, 0), (1, 1)]]
+    assert load_all(pool, [], timeout_s=2.0) == 0
+
+
+def test_load_all_is_false_where_a_host_fails_or_left():
+    assert load_all(FakePool({0: WaitingClient(fail=True)}), [(0, 0, 0)], timeout_s=2.0) is None
+    assert load_all(FakePool({0: WaitingClient()}), [(0, 0, 0), (0, 0, 2)], timeout_s=2.0) is None  # slot 2: no host

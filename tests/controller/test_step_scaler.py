@@ -76,7 +76,8 @@ def test_a_widening_is_answered_by_the_first_pass_after_it_that_leaves_nothing_t
     w.pass_ended(w.pass_started(), loads_pending=False, version=6, now=0.08)  # loaded and published
     assert not w.open() and w.period(0.25) == 0.25
     assert w.wait(ticket, timeout_s=0.0) == 6
-    assert w.as_dict() == {"asked": 1, "settled": 1, "warm": 0, "settle_s": [pytest.approx(0.08)]}
+    assert w.as_dict() == {"asked": 1, "settled": 1, "warm": 0, "cold": 0, "settle_s": [pytest.approx(0.08)],
+                           "cold_load_s": []}
 
 
 def test_a_caller_waits_for_the_settling_pass():
@@ -89,7 +90,7 @@ def test_a_caller_waits_for_the_settling_pass():
     assert got == [7]
 
 
-def test_a_re_widening_publishes_the_placement_last_published_over_those_hosts_while_it_is_resident():
+def test_the_placement_last_published_over_the_wider_hosts_is_remembered_with_what_the_spares_lack():
     w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
     narrow, wide = [True, False, False], [True, True, True]
     # 1 layer, 2 experts over 3 slots: expert 0 on host 0, expert 1 on hosts 1 and 2
@@ -97,37 +98,129 @@ def test_a_re_widening_publishes_the_placement_last_published_over_those_hosts_w
     resident = np.ones((1, 2, 3), bool)
     w.published(wide, placement)
     w.published(narrow, Placement.static(1, 2, 3))
-    assert w.warm(wide, resident) is None  # no widening open: the pass plans
+    assert w.remembered(wide, resident) is None  # no widening open: the pass plans
     w.ask(3, 0.0)
-    assert w.warm([True, True, False], resident) is None  # never published over these
+    assert w.remembered([True, True, False], resident) is None  # never published over these
     gone = resident.copy()
     gone[0, 1, 2] = False  # a spare's keep-alive evicted its part
-    assert w.warm(wide, gone) is None
-    assert w.warm(wide, resident) is placement
-    assert w.as_dict()["warm"] == 1
+    assert w.remembered(wide, resident) == (placement, [])
+    assert w.remembered(wide, gone) == (placement, [(0, 1, 2)])
+
+
+class Calls:
+    """The loop's side of an answer: what was loaded (every replica of the placement) and published."""
+
+    def __init__(self, started=0, version=9):
+        self.loads, self.published, self.started, self.version = [], [], started, version
+
+    def load(self, replicas):
+        self.loads.append(replicas)
+        return self.started  # the loads the hosts started (None: one failed)
+
+    def publish(self, placement, hosts):
+        self.published.append((placement, hosts))
+        return self.version
 
 
 def test_a_warm_widening_is_settled_by_widen_itself_with_the_version_it_published():
     w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
     placement = Placement((LayerPlacement.even(np.array([0, 1]), np.array([0, 1]), 2),), 2, 2)
     w.published([True, True], placement)
-    published = []
-    publish = lambda p, hosts: published.append((p, hosts)) or 9  # noqa: E731 -- the loop's board version
-    ticket = w.ask(2, 0.0)
-    assert not w.answer_warm(ticket, [True, True], np.zeros((1, 2, 2), bool), publish, 0.01)
-    assert w.open() and not published  # the spares were empty when last read: a pass answers it
-    assert w.answer_warm(ticket, [True, True], np.ones((1, 2, 2), bool), publish, 0.02)
-    assert published == [(placement, [True, True])] and not w.open() and w.wait(ticket, 0.0) == 9
-    assert w.as_dict()["settle_s"] == [pytest.approx(0.02)]
+    calls, ticket = Calls(), w.ask(2, 0.0)
+    assert w.answer(ticket, [True, True], np.ones((1, 2, 2), bool), calls.load, calls.publish, lambda: 0.02)
+    assert calls.loads == [[(0, 0, 0), (0, 1, 1)]]  # every replica made sure of: resident ones answer at once
+    assert calls.published == [(placement, [True, True])] and not w.open() and w.wait(ticket, 0.0) == 9
+    assert w.as_dict()["settle_s"] == [pytest.approx(0.02)] and w.as_dict()["warm"] == 1 and w.answered == 1
 
 
 def test_a_warm_wider_placement_answers_a_narrower_ask_and_the_width_holds_it():
-    """A burst asks for 2 hosts, then 3: where only the 3-host placement is warm, the first ask takes it."""
+    """A burst asks for 2 hosts, then 3: where the 2-host placement lost a replica and the 3-host one is
+    whole, the first ask takes the 3-host one; where neither is whole, the 2-host one, loaded."""
     w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
     wide = Placement((LayerPlacement.even(np.array([0, 1, 1]), np.array([0, 1, 2]), 2),), 2, 3)
     w.published([True, True, True], wide)
-    published = []
+    w.published([True, True, False], Placement((LayerPlacement.even(np.array([0, 1]), np.array([0, 1]), 2),), 2, 3))
+    resident = np.ones((1, 2, 3), bool)
+    resident[0, 1, 1] = False  # expert 1 on host 1, in both placements: neither is whole
+    calls, ticket = Calls(started=1), w.ask(2, 0.0)
+    assert w.answer(ticket, [True, True, True], resident, calls.load, calls.publish, lambda: 0.0)
+    assert calls.published[0][1] == [True, True, False] and w.as_dict()["cold"] == 1  # neither warm: the width's own
+    w2 = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
+    w2.published([True, True, True], wide)
+    w2.published([True, True, False], Placement((LayerPlacement.even(np.array([0, 1]), np.array([0, 0]), 2),), 2, 3))
+    resident = np.ones((1, 2, 3), bool)
+    resident[0, 1, 0] = False  # the 2-host placement's expert 1 (on host 0) evicted; the 3-host one is whole
+    calls, ticket = Calls(), w2.ask(2, 0.0)
+    assert w2.answer(ticket, [True, True, True], resident, calls.load, calls.publish, lambda: 0.0)
+    assert calls.published == [(wide, [True, True, True])] and w2.hosts(0.1) == 3 and w2.ask(3, 0.1) is None
+    assert w2.as_dict()["warm"] == 1
+
+
+def _cold_setup():
+    """2 slots, 1 layer, 2 experts: the placement last published over both hosts, host 1's part evicted."""
+    w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
+    placement = Placement((LayerPlacement.even(np.array([0, 1, 1]), np.array([0, 0, 1]), 2),), 2, 2)
+    w.published([True, True], placement)
+    resident = np.zeros((1, 2, 2), bool)
+    resident[:, :, 0] = True
+    return w, placement, resident
+
+
+def test_a_cold_widening_loads_what_the_spares_lack_then_publishes_without_a_pass():
+    w, placement, resident = _cold_setup()
+    clock, calls = iter([1.0, 1.25, 1.3]), Calls(started=1, version=11)
     ticket = w.ask(2, 0.0)
-    assert w.answer_warm(ticket, [True, True, True], np.ones((1, 2, 3), bool),
-                         lambda p, hosts: published.append(hosts) or 3, 0.0)
-    assert published == [[True, True, True]] and w.hosts(0.1) == 3 and w.ask(3, 0.1) is None
+    chosen = w.choose(ticket, [True, True], resident, 0.0)
+    assert chosen.placement is placement and chosen.hosts == [True, True] and chosen.missing == [(0, 1, 1)]
+    assert w.period(0.25) == 0.25  # no fast passes while widen loads
+
+    def load(replicas):
+        assert w.open()  # not settled before its loads are done
+        return calls.load(replicas)
+
+    assert w.answer_loaded(chosen, load, calls.publish, lambda: next(clock))
+    assert calls.loads == [[(0, 0, 0), (0, 1, 0), (0, 1, 1)]] and calls.published == [(placement, [True, True])]
+    assert not w.open() and w.wait(ticket, 0.0) == 11
+    assert w.as_dict()["cold"] == 1 and w.as_dict()["cold_load_s"] == [pytest.approx(0.25)]
+    assert w.as_dict()["settle_s"] == [pytest.approx(1.3)] and w.answered == 1
+
+
+def test_a_cold_widening_whose_loads_fail_is_left_to_a_pass_and_one_a_pass_settled_publishes_nothing():
+    w, placement, resident = _cold_setup()
+    ticket = w.ask(2, 0.0)
+    failing = Calls(started=None)
+    assert not w.answer(ticket, [True, True], resident, failing.load, failing.publish, lambda: 0.5)
+    assert w.open() and w.period(0.25) == FAST_PERIOD_S and not failing.published  # the passes take over, fast
+    calls = Calls()
+
+    def a_pass_settles_it_meanwhile(replicas):
+        w.pass_ended(w.pass_started(), loads_pending=False, version=5, now=0.7)
+        return 1
+
+    assert w.answer(ticket, [True, True], resident, a_pass_settles_it_meanwhile, calls.publish, lambda: 0.8)
+    assert not calls.published and w.wait(ticket, 0.0) == 5 and w.as_dict()["cold"] == 0
+
+
+def test_a_width_never_published_over_gets_static_eps_blocks_over_its_hosts():
+    w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
+    w.published([True, False, False], Placement.static(2, 4, 1))  # ... over the floor's one host only
+    resident = np.zeros((2, 4, 3), bool)
+    resident[:, :, 0] = True  # slot 0 holds every expert
+    calls, ticket = Calls(started=4), w.ask(3, 0.0)
+    assert w.answer(ticket, [True, True, True], resident, calls.load, calls.publish, lambda: 0.0)
+    placement, hosts = calls.published[0]
+    assert hosts == [True, True, True] and [lp.gpu.tolist() for lp in placement.layers] == [[0, 0, 1, 2]] * 2
+    assert calls.loads == [[(0, 0, 0), (0, 1, 0), (0, 2, 1), (0, 3, 2), (1, 0, 0), (1, 1, 0), (1, 2, 1), (1, 3, 2)]]
+    assert w.as_dict()["cold"] == 1
+    w.width.needs.clear()
+    ticket = w.ask(2, 10.0)  # 2 of 3 ready: blocks over the first two ready slots
+    assert w.answer(ticket, [True, False, True], resident, calls.load, calls.publish, lambda: 10.0)
+    assert calls.published[1][1] == [True, False, True]
+    assert [lp.gpu.tolist() for lp in calls.published[1][0].layers] == [[0, 0, 2, 2]] * 2
+
+
+def test_a_widening_before_any_host_was_read_is_left_to_a_pass():
+    w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
+    calls, ticket = Calls(), w.ask(2, 0.0)
+    assert not w.answer(ticket, [], np.zeros((0, 0, 0), bool), calls.load, calls.publish, lambda: 0.0)
+    assert not calls.loads and w.open() and w.period(0.25) == FAST_PERIOD_S

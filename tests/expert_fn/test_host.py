@@ -69,6 +69,21 @@ def test_prewarm_does_not_block(clients):
     assert clients[1].load(0, 3, wait=True) == "idle"
 
 
+def test_load_many_loads_several_in_one_call_and_waits_for_them(clients):
+    client = clients[1]
+    for expert in (0, 1):
+        client.evict(1, expert)
+    client.load(0, 3, wait=True)
+    assert client.load_many([(1, 0), (1, 1), (0, 3)], wait=True) == 2  # (0, 3) resident already
+    assert all(replicas(client)[key]["state"] == "idle" for key in ((1, 0), (1, 1), (0, 3)))
+    assert client.load_many([(1, 0), (1, 1)], wait=True) == 0  # resident: nothing started, answered at once
+    with pytest.raises(ReplicaLoadError, match="checksum mismatch"):
+        client.load_many([(1, 2), CORRUPT], wait=True)  # the one that cannot load fails the call, named
+    assert replicas(client)[(1, 2)]["state"] == "idle"
+    with pytest.raises(BadRequest, match="2 layers x 4 experts"):
+        client.load_many([(0, 9)], wait=True)
+
+
 def test_corrupt_file_fails_that_replica_and_the_host_serves_the_others(clients, store):
     client = clients[0]
     path = store.root / store.index["experts"]["1/3"]["file"]

@@ -21,3 +21,7 @@ def test_bench_step_scaler_quick_holds_every_round_and_answers_exactly(tmp_path)
     assert result["identical"] == result["answers"] == 18
     assert "p99 wait / whole-model load" in run.stdout and "republished the placement" in run.stdout
     assert 0 <= result["widenings_warm"] <= result["widenings_settled"] and result["widenings_settled"] >= 3
+    # the cold round's widening loads the spares' part in widen itself (no planning pass): timed
+    assert result["widenings_cold"] >= 1 and len(result["cold_load_s"]) == result["widenings_cold"]
+    assert result["widenings_warm"] + result["widenings_cold"] <= result["widenings_settled"]
+    assert "loaded what they lacked of it first" in run.stdout

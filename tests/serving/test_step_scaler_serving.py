@@ -88,7 +88,8 @@ def test_a_request_needing_the_spares_waits_for_them_and_answers_exactly(tiny_st
             # the spares kept their part (keep-alive 60 s): widen republished the last wide placement, no pass
             after = ray.get(loop.metrics.remote())["widenings"]
             assert after["warm"] >= 1 and after["settled"] > widenings["settled"]
-            assert "moeless_step_widenings_warm" in httpx.get(f"{url}/metrics", timeout=30).text
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
+            assert "moeless_step_widenings_warm" in metrics and "moeless_step_widenings_cold" in metrics
         finally:
             ray.get(loop.stop.remote())
             ray.kill(loop)
