@@ -233,11 +233,9 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     work = float(sk.batched_step_s.sum() * steps)  # the one engine's expert GPU seconds (a shared key's call once per step)
     doc["busy_fraction"][SHARED_KEYS] = work / doc["gpu_s"][SHARED_KEYS] if doc["gpu_s"][SHARED_KEYS] else 0.0
     doc["gpus_p50_p100"][SHARED_KEYS] = [float(np.percentile(gpus, 50)), float(gpus.max())]
-    awake = np.any([line.awake for line in lines], axis=0)  # the non-expert weights held (shared_keys_pass)
-    held_keys = np.maximum(sk.held_bytes - awake * float(base.non_expert_bytes), 0.0) / base.expert_bytes
-    keys = np.minimum(held_keys, sk.routed_keys)  # an added GPU copies what the calls route to, not every key held
+    # an added GPU copies what the calls route to (held, since a call claims its keys), not every key held
     late_s = s.step_lag_s - lag_windows * s.window_s
-    ready = {way: added_gpus(held, keys, base.expert_move_s, late) for way, held, late in
+    ready = {way: added_gpus(held, sk.routed_keys, base.expert_move_s, late) for way, held, late in
              (("shared-keys-batched", gpus, 0.0), (SIZED, sized, late_s))}
     # gated: the steps on the GPUs before carry the incumbents' part, at most the window's own step (they
     # are some of its fine-tunes) and about the window before's (their running requests)

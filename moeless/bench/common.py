@@ -7,7 +7,7 @@ import json
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moeless.expert_fn.wire.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
 
@@ -43,6 +43,15 @@ def write_result(out: str | None, name: str, result: dict[str, Any]) -> Path | N
     target = path / f"{name}.json"
     target.write_text(json.dumps(doc, indent=1, default=_jsonable))
     return target
+
+
+def print_and_write(out: str | None, name: str, result: dict[str, Any], print_report: Callable[[dict], None]) -> int:
+    """A bench's tail: print_report(result), then write_result (saying where); the exit status, 0."""
+    print_report(result)
+    path = write_result(out, name, result)
+    if path:
+        print(f"wrote {path}")
+    return 0
 
 
 def _jsonable(value: Any) -> Any:

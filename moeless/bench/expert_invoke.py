@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, write_result
+from moeless.bench.common import add_bench_flags, print_and_write
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.expert_fn.stores.tiers import DeviceCopier, HostTier, TierConfig
@@ -56,11 +56,7 @@ def _bench_invoke(args: argparse.Namespace) -> int:
     hidden, ffn = args.hidden or DEFAULT_EXPERT_SHAPE[0], args.ffn or DEFAULT_EXPERT_SHAPE[1]
     result = run_invoke_bench(hidden=hidden, ffn=ffn, experts_per_call=args.experts_per_call,
                               threads=args.threads, **sizes)
-    print_invoke_bench(result)
-    path = write_result(args.out, "expert-invoke", result)
-    if path:
-        print(f"wrote {path}")
-    return 0
+    return print_and_write(args.out, "expert-invoke", result, print_invoke_bench)
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, float, list]:

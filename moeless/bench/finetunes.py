@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, write_result
+from moeless.bench.common import add_bench_flags, print_and_write
 from moeless.bench.finetunes_report import memory_held, prewarm, print_report, ratios
 from moeless.bench.load import _prompts, _sequential
 from moeless.expert_fn.launcher import launch_local_hosts
@@ -77,11 +77,7 @@ def _bench(args: argparse.Namespace) -> int:
                                  max_tokens=args.max_tokens or (8 if args.quick else 16),
                                  prompt_tokens=args.prompt_tokens, share=args.share, seed=args.seed,
                                  runs=RUNS[:2] if args.quick else RUNS)
-    print_report(result)
-    path = write_result(args.out, "finetunes", result)
-    if path:
-        print(f"wrote {path}")
-    return 0
+    return print_and_write(args.out, "finetunes", result, print_report)
 
 
 RUNS = ("base_alone", "one_engine", "engine_per_model")

@@ -44,7 +44,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, write_result
+from moeless.bench.common import add_bench_flags, print_and_write
 from moeless.bench.live_figures import SECOND, add_in_run_model, config_figures, config_name, fit_in_run, ratios
 from moeless.bench.serve import bench_prompts
 from moeless.controller.knobs import Knobs
@@ -113,11 +113,7 @@ def _bench_live(args: argparse.Namespace) -> int:
                             rate=args.rate or (4.0 if args.quick else 1.0), max_tokens=args.max_tokens or (8 if args.quick else 16),
                             prompt_tokens=args.prompt_tokens, configs=args.configs or list(QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS), knobs=knobs,
                             repeats=3 if args.quick else 30, again=not args.quick, mirror=args.mirror)
-    print_report(result)
-    path = write_result(args.out, "live", result)
-    if path:
-        print(f"wrote {path}")
-    return 0
+    return print_and_write(args.out, "live", result, print_report)
 
 
 def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48, rate: float = 1.0,

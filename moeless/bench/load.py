@@ -18,7 +18,7 @@ import os
 from typing import Any, Sequence
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, write_result
+from moeless.bench.common import add_bench_flags, print_and_write
 from moeless.bench.serve import bench_prompts
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.serving.api import GenerationRequest
@@ -64,11 +64,7 @@ def _bench_load(args: argparse.Namespace) -> int:
                             requests_per_client=args.requests_per_client,
                             max_tokens=args.max_tokens or (8 if args.quick else 16), prompt_tokens=args.prompt_tokens,
                             modes=args.modes or (["static-8", "continuous"] if args.quick else list(MODES)))
-    print_report(result)
-    path = write_result(args.out, "load", result)
-    if path:
-        print(f"wrote {path}")
-    return 0
+    return print_and_write(args.out, "load", result, print_report)
 
 
 def run_load_bench(model: str = "default", *, hosts: int = 2, clients: Sequence[int] = (32, 48),

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
+from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, print_and_write
 from moeless.bench.serve_pairing import pairing_figures, preload, replicated_placement, timed_relevel
 from moeless.bench.serve_report import print_report
 from moeless.bench.transport import round_trip_calls
@@ -100,11 +100,7 @@ def _bench(args: argparse.Namespace) -> int:
     result = run_bench(args.model, hosts=args.hosts, prompts=prompts, prompt_tokens=32 if args.quick else 64,
                        max_tokens=max_tokens, batch=args.batch, threads=args.threads, poll_s=poll_from_args(args),
                        micro_batch_tokens=args.micro_batch_tokens, pingpong_tokens=4 if args.quick else None)
-    print_report(result)
-    path = write_result(args.out, "serve", result)
-    if path:
-        print(f"wrote {path}")
-    return 0
+    return print_and_write(args.out, "serve", result, print_report)
 
 
 def bench_prompts(engine, count: int, prompt_tokens: int) -> list[list[int]]:

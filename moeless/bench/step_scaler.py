@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, write_result
+from moeless.bench.common import add_bench_flags, print_and_write
 from moeless.serving.cli import MODEL_HELP, _positive, _positive_float
 
 
@@ -60,11 +60,7 @@ def _bench(args: argparse.Namespace) -> int:
     model, rounds = ("tiny:mixtral", 3) if args.quick else (args.model, args.rounds)
     result = run_step_scaler_bench(model, hosts=args.hosts, burst=args.burst, rounds=rounds, hold_s=args.hold,
                                    max_tokens=args.max_tokens)
-    print_report(result)
-    path = write_result(args.out, "step-scaler", result)
-    if path:
-        print(f"wrote {path}")
-    return 0
+    return print_and_write(args.out, "step-scaler", result, print_report)
 
 
 def run_step_scaler_bench(model: str = "default", *, hosts: int = 3, burst: int = 6, rounds: int = 8,

@@ -58,7 +58,7 @@ import torch
 from tqdm import tqdm
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, write_result
+from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, print_and_write
 from moeless.core.timing import timed_calls
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import ExpertHostError
@@ -121,11 +121,7 @@ def _bench_transport(args: argparse.Namespace) -> int:
     result = run_transport_bench(args.model, repeats=args.repeats or (50 if args.quick else 200), ray_graph=args.ray,
                                  poll_s=poll_from_args(args), device=args.device, geometry=args.geometry,
                                  compute_dtype=args.compute_dtype)
-    print_report(result)
-    path = write_result(args.out, "transport", result)
-    if path:
-        print(f"wrote {path}")
-    return 0
+    return print_and_write(args.out, "transport", result, print_report)
 
 
 def layer_calls(num_experts: int, top_k: int, hidden: int, seed: int = 0,

@@ -1,0 +1,20 @@
+"""The benches' shared tail (moeless/bench/common.py): the report printed, the JSON written only
+with --out, with the machine's facts beside the figures."""
+
+import json
+
+from moeless.bench.common import print_and_write
+
+
+def test_print_and_write_prints_the_report_then_writes_the_json_where_out_says(tmp_path, capsys):
+    printed = []
+    assert print_and_write(str(tmp_path / "run"), "step-scaler", {"holds": [0.1]}, printed.append) == 0
+    doc = json.loads((tmp_path / "run" / "step-scaler.json").read_text())
+    assert printed == [{"holds": [0.1]}] and doc["holds"] == [0.1] and doc["bench"] == "step-scaler" and doc["machine"]
+    assert f"wrote {tmp_path / 'run' / 'step-scaler.json'}" in capsys.readouterr().out
+
+
+def test_without_out_nothing_is_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert print_and_write(None, "load", {"x": 1}, lambda r: print("report", r["x"])) == 0
+    assert capsys.readouterr().out == "report 1\n" and not list(tmp_path.iterdir())
