@@ -102,6 +102,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                     help="with --finetunes: seconds late that GPU's scaler sees the step's need (default 0: a scaler in "
                          "the engine's step loop; under a window, e.g. 0.02: the GPUs it adds take their part that much "
                          "later; 1: one that reads each second's figures after it)")
+    sp.add_argument("--scale-up-copies", choices=("peer", "host"), default="peer",
+                    help="with --finetunes: where those added GPUs get their share of the keys: copied from a GPU of the "
+                         "pool holding them (peer, the default: the GPU's link) or loaded from host memory (host: serving's "
+                         "expert hosts as built, each spare loading from its own store)")
     sp.add_argument("--no-family-warm", dest="family_warm", action="store_false",
                     help="with --finetunes: no family warmth (the expert hosts' --no-family-warm): the base's experts "
                          "are neither loaded where a fine-tune holds its own nor kept past their keep-alive while a "
@@ -270,7 +274,8 @@ def _shared_pool_config(args: argparse.Namespace):
                             step_s=args.step_ms / 1e3, seed=args.seed, keep_warm=args.keep_warm,
                             family_warm=args.family_warm,
                             step_hold_s=settings.step_hold_s if args.step_hold is None else args.step_hold,
-                            step_lag_s=settings.step_lag_s if args.step_lag is None else args.step_lag)
+                            step_lag_s=settings.step_lag_s if args.step_lag is None else args.step_lag,
+                            scale_up_copies=args.scale_up_copies)
     gpus = args.gpu or [base.gpu]
     if len(gpus) != 1:
         raise DeploymentError(f"--gpu: the shared pool takes one GPU type, got {gpus}")

@@ -168,6 +168,7 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
                 "expert_fn/host/model_calls.py)" if s.get("family_warm", False) else "")
              + (f"; the pool sized for its step's SLO keeps a GPU added for it {s['step_hold_s']:g} s, its scaler "
                 + (f"{s['step_lag_s']:g} s late" if s.get("step_lag_s") else "in the engine's step loop")
+                + (", its added GPUs loading their keys from host memory" if s.get("scale_up_copies") == "host" else "")
                 if "step_hold_s" in s else "")
              + ". Fine-tune i takes workload i mod "
              f"{len(run['workloads'])}: " + "; ".join(f"{j}: {w}" for j, w in enumerate(run["workloads"])) + ".", "",

@@ -51,12 +51,15 @@ class IngressMetrics:
                                 "the hosts their step needs (all replicas)", registry=self.registry)
         self.step_wait = Gauge("moeless_step_gate_wait_seconds", "the step scaler's holds: the newcomers' admission wait, "
                                "by quantile (the worst replica's)", ["quantile"], registry=self.registry)
+        self.step_switches = Gauge("moeless_step_gate_switches", "widenings the step scaler ran at once on the loop's "
+                                   "standby placement, nobody held (all replicas)", registry=self.registry)
 
     def set_step_gates(self, gates: list) -> None:
         """From the replicas' StepGate.figures() (None where a replica has no step scaler)."""
         gates = [g for g in gates if g]
         if gates:
             self.step_holds.set(sum(g["holds"] for g in gates))
+            self.step_switches.set(sum(g["switches"] for g in gates))
             for q in ("p50", "p99", "max"):
                 self.step_wait.labels(q).set(max(g[f"wait_{q}_s"] for g in gates))
 

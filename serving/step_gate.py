@@ -3,12 +3,16 @@
 Before the scheduler admits newcomers (serving/scheduler.py), the gate prices the batch they would
 form with the running requests (step_expert_s over the loop's cost profile) and asks for the fewest
 hosts that run it within the step SLO (hosts_for_step). Where the loop plans over fewer, it asks
-the loop to widen (PlanLoop.widen: an immediate pass over that many ready hosts, the spares among
-them loaded, answered once that placement is published with nothing left to load) and holds the
-newcomers out -- the running requests keep stepping on the placement they have -- until this
-replica runs that placement (its board version; the BoardFollower hurried meanwhile), or
-max_wait_s has passed (then they go in: a late scaler costs longer steps, never a hang). While
+the loop to widen (PlanLoop.widen: a placement over that many ready hosts made resident on them,
+by widen itself or else by planning passes) and holds the newcomers out -- the running requests
+keep stepping on the placement they have -- until this replica runs that placement (the one widen's
+answer carries, adopted at once, its board publish under way; else its board version, the
+BoardFollower hurried meanwhile), or max_wait_s has passed (then they go in: a late scaler costs longer steps, never a hang). While
 batches need the width, the gate asks again every hold_s / 4, so the loop holds it (PlacementWidth).
+Where the loop has a standby placement over that many hosts (held whole by them as its last pass
+read them: controller/planning/widenings.py Widenings.standby, on the board), the gate switches this
+replica to it at once (BoardFollower.switch) and holds nobody; the ask to the loop goes out as
+well, so the loop holds the width and publishes the same placement in its turn.
 With hold_newcomers False (`--step-admit now`) it asks the same but lets the newcomers in at once:
 the steps until the widened placement runs are longer, and no newcomer, a waking fine-tune's first
 request included, waits for the widening (the twin's ungated sized pool: docs/shared-pool.md).
@@ -39,13 +43,16 @@ RECENT = 256  # holds the percentiles are over (a long-running replica keeps no 
 @dataclass
 class GateStats:
     """holds: admissions held; timeouts: holds ended by max_wait_s; widenings: asks to the loop;
-    held_requests: newcomers the holds kept out; waits_s: the last RECENT holds' lengths (seconds), in order."""
+    held_requests: newcomers the holds kept out; waits_s: the last RECENT holds' lengths (seconds), in order;
+    switches: widenings this replica ran at once on a standby placement, switch_s: their seconds."""
 
     holds: int = 0
     timeouts: int = 0
     widenings: int = 0
     held_requests: int = 0
     waits_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    switches: int = 0
+    switch_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
 
     def as_dict(self) -> dict:
         """The counts, the recent holds and their p50 / p99 / max."""
@@ -53,29 +60,35 @@ class GateStats:
         pct = {f"wait_p{q}_s": float(np.percentile(waits, q)) if len(waits) else 0.0 for q in (50, 99)}
         return {"holds": self.holds, "timeouts": self.timeouts, "widenings": self.widenings,
                 "held_requests": self.held_requests, "wait_max_s": float(waits.max(initial=0.0)), **pct,
-                "waits_s": waits.tolist()}
+                "waits_s": waits.tolist(), "switches": self.switches, "switch_s": list(self.switch_s)}
 
 
 class StepGate:
     """The gate (see the module docstring). price(tokens) -> expert host-seconds of a step;
     ready() -> ready hosts in the pool; widen(hosts) -> a Future of the loop's answer (the hosts it
-    plans over, the board version to follow up to); seen() -> the board version this replica runs;
-    hurry(seconds): follow the board closely meanwhile."""
+    plans over, the board version to follow up to, a placement to run at once or None); seen() -> the board version this replica runs;
+    hurry(seconds): follow the board closely meanwhile; switch(hosts, seconds) -> whether this replica
+    now runs a standby placement over at least `hosts` hosts (no narrower one for that long);
+    adopt(placement, seconds) -> whether it runs the placement the loop's answer carried, likewise."""
 
     def __init__(self, price: Callable[[int], float], slo_s: float, ready: Callable[[], int],
                  widen: Callable[[int], Future], seen: Callable[[], int], *,
-                 hurry: Callable[[float], None] | None = None, hold_s: float = 2.0, max_wait_s: float = 2.0,
-                 hold_newcomers: bool = True, clock: Callable[[], float] = time.monotonic):
+                 hurry: Callable[[float], None] | None = None, switch: Callable[[int, float], bool] | None = None,
+                 adopt: Callable[[object, float], bool] | None = None,
+                 hold_s: float = 2.0, max_wait_s: float = 2.0, hold_newcomers: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
         if not slo_s > 0 or not max_wait_s >= 0:
             raise ValueError(f"a step gate needs a step SLO > 0 s and a max wait >= 0 s, got {slo_s}, {max_wait_s}")
         self.price, self.slo_s, self.ready, self.widen, self.seen = price, slo_s, ready, widen, seen
         self.hurry = hurry or (lambda for_s: None)
+        self.switch = switch or (lambda hosts, for_s: False)
+        self.adopt = adopt or (lambda placement, for_s: False)
         # the loop holds a width hold_s after its last need: asked again every renew_s while needed
         self.hold_s, self.renew_s, self.max_wait_s, self.clock = hold_s, hold_s / 4, max_wait_s, clock
         self.hold_newcomers = hold_newcomers
         self.stats = GateStats()
         self.granted, self.version, self.renewed = 1, 0, -float("inf")  # the loop's last answer, when asked
-        self.asking: tuple[int, Future] | None = None  # (hosts, the answer to come)
+        self.asking: tuple[int, Future, bool] | None = None  # (hosts, the answer to come, switched to them)
         self.held_since: float | None = None
         self._lock = threading.Lock()  # stats are read by /metrics
 
@@ -84,13 +97,17 @@ class StepGate:
         running request) now; False: hold them out of this step."""
         now = self.clock()
         if self.asking is not None and self.asking[1].done():
-            self.granted, self.version = self._answer(*self.asking)
+            self.granted, version, placement = self._answer(*self.asking[:2])
+            ran = self.asking[2] or placement is not None and self.adopt(placement, self.max_wait_s)
+            self.version = self.version if ran else version  # this replica runs it already: no board version to wait for
             self.asking = None
         if self.asking is None and now - self.renewed >= self.hold_s:
             self.granted = 1  # not asked for hold_s: the loop has narrowed since
         need = hosts_for_step(self.price(tokens), self.slo_s, self.ready())
         if self.asking is None and need > 1 and (need > self.granted or now - self.renewed >= self.renew_s):
-            self.asking, self.renewed = (need, self.widen(need)), now  # renewed while needed: the loop holds it
+            switched = need > self.granted and self._switch(need, now)
+            self.asking, self.renewed = (need, self.widen(need), switched), now  # renewed while needed: held
+            self.granted = need if switched else self.granted
             with self._lock:
                 self.stats.widenings += 1
         waiting = self.asking is not None and self.asking[0] > self.granted
@@ -105,13 +122,21 @@ class StepGate:
             return True
         return False
 
-    def _answer(self, asked: int, answer: Future) -> tuple[int, int]:
+    def _switch(self, need: int, now: float) -> bool:
+        if not self.switch(need, self.max_wait_s):
+            return False
+        with self._lock:
+            self.stats.switches += 1
+            self.stats.switch_s.append(self.clock() - now)
+        return True
+
+    def _answer(self, asked: int, answer: Future) -> tuple[int, int, object]:
         try:
-            hosts, version = answer.result()
-            return int(hosts), int(version)
+            hosts, version, placement = answer.result()
+            return int(hosts), int(version), placement
         except Exception as err:  # the loop is gone or failing: serve on the placement there is, ask again later
             log.warning("the planning loop did not answer a widening to %d hosts: %s", asked, err)
-            return asked, self.version
+            return asked, self.version, None
 
     def _end(self, now: float, newcomers: int, timed_out: bool) -> None:
         if self.held_since is None:
@@ -135,4 +160,5 @@ def step_gate_for(slo_s: float, profile, spec, pool, loop, follower, **options) 
     BoardFollower (hurried while a hold waits)."""
     return StepGate(lambda tokens: step_expert_s(tokens, profile, spec.num_layers, spec.top_k, spec.num_experts),
                     slo_s, lambda: len(pool.clients()), lambda hosts: loop.widen.remote(hosts).future(),
-                    lambda: follower.seen, hurry=follower.hurry, **options)
+                    lambda: follower.seen, hurry=follower.hurry, switch=follower.switch,
+                    adopt=follower.adopt, **options)

@@ -118,6 +118,7 @@ class PoolSettings:
     family_warm: bool = True  # shared keys: the base's held experts stay while any fine-tune of it is awake
     step_hold_s: float = 2.0  # shared keys, pool sized for its step: a GPU added for the step stays this long unneeded
     step_lag_s: float = 0.0  # ... and its scaler sees a window's need this late (0: a scaler in the engine's step loop)
+    scale_up_copies: str = "peer"  # ... and its added GPUs copy their keys from a GPU holding them, or load them ("host")
 
     @property
     def windows(self) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 import ray
 
 from moeless.controller.knobs import KnobError, Knobs
-from moeless.controller.planning.board import publish_placement
+from moeless.controller.planning.board import publish_placement, publish_standby
 from moeless.controller.planning.cost_fit import OnlineCostFit
 from moeless.controller.planning.host_calls import configure_host, host_statuses, load_all, send_actions
 from moeless.controller.planning.knob_sources import follow_knobs
@@ -48,6 +48,7 @@ from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.hardware.host_profile import calibrate_host
 from moeless.placement.planner import get_planner
 from moeless.placement.profile import CostProfile
+from moeless.placement.types import Placement
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +76,8 @@ class PlanLoop:
         self.knob_error = ""  # why the last change was refused ("": none)
         self.restart_pending: list[str] = []  # changed knobs that only a serving restart applies
         self._refused = -1
-        self.fit = OnlineCostFit(self.host_call_s)
-        self.window = ReportWindow(settings.window_s)
-        self.stats = LiveStats(settings.num_layers)
-        self.heartbeat = Heartbeat(time.time, settings.stall_s)
+        self.fit, self.window = OnlineCostFit(self.host_call_s), ReportWindow(settings.window_s)
+        self.stats, self.heartbeat = LiveStats(settings.num_layers), Heartbeat(time.time, settings.stall_s)
         self.started = time.time()
         self._lock = threading.RLock()  # metrics() reads state() under it
         self._actuals: list[np.ndarray] = []  # for stateful planners: every iteration's loads, in order
@@ -88,16 +87,16 @@ class PlanLoop:
         self._planner, self._published, self._releasing = None, None, None  # _releasing: the last plan
         self._version, self._fresh = 0, False  # _published's board version; reports came since the last pass
         self._pending_loads = False  # the last pass sent loads (publish them once loaded)
-        self._refreshed = 0.0  # when the hosts were last read
+        self._refreshed, self.resident_replicas = 0.0, 0  # when the hosts were last read; the replicas they held
         self._memory = np.zeros(num_hosts)  # each host's last known replica memory
         self.counts = {"passes": 0, "plans": 0, "publishes": 0, "loads_sent": 0, "errors": 0, "reports": 0}
         self.plan_s, self.last_error = {"last": 0.0, "sum": 0.0}, ""
         self.hosts_live: list[bool] = [True] * num_hosts  # the hosts planned over (ready, within the width)
         self._seen: tuple[list[bool], np.ndarray] = ([], np.zeros((0, 0, 0), bool))  # the last pass's ready slots, all resident
         self.host_meters: list[dict] = [{} for _ in range(num_hosts)]
-        self.resident_replicas = 0
         self._gb_s = Accumulated(num_hosts)
         self._swaps = ThreadPoolExecutor(1, "home-swaps")  # a chance's candidate homes (placement/home_moves.py)
+        self._publisher = ThreadPoolExecutor(1, "widen-publish")  # widen's publishes, after its caller has the placement
         self.widenings = Widenings(PlacementWidth(settings.width_floor, settings.width_hold_s), self._lock)
         self._now, self._stop = threading.Event(), threading.Event()  # _now: a pass now (a widening)
         self._thread = threading.Thread(target=self._run, name="plan-loop", daemon=True)
@@ -121,19 +120,20 @@ class PlanLoop:
                 self._actuals.append(report.actual)
             self._learn.append(report.actual)
 
-    def widen(self, hosts: int, timeout_s: float = 5.0) -> tuple[int, int]:
-        """A batch needs `hosts` hosts (serving/step_gate.py): where the placement spans fewer, one over
-        more published (widenings.py), after timeout_s at the latest: (the hosts planned over, at most
-        the ready ones; the board version to follow up to)."""
+    def widen(self, hosts: int, timeout_s: float = 5.0) -> tuple[int, int, Placement | None]:
+        """A batch needs `hosts` hosts (serving/step_gate.py): one over more published (widenings.py), after
+        timeout_s at the latest: (the hosts planned over, at most the ready ones; the board version to follow;
+        the placement to run at once where widen loaded it itself, published by a thread of the loop's, else None)."""
         with self._lock:
-            ticket = self.widenings.ask(hosts, time.monotonic())
+            ticket = self.widenings.ask(hosts, asked := time.monotonic())
             self._fresh = self._fresh or ticket is not None
-        if ticket is not None and (self.s.knobs.predictor == "off" or not self.widenings.answer(  # nothing published
-                ticket, *self._seen, lambda replicas: load_all(self.pool, replicas, timeout_s), self._publish,
-                time.monotonic)):  # by the hosts as the last pass read them
-            self._now.set()  # a pass answers it
-        version = self.widenings.wait(ticket, timeout_s)
-        return min(self.widenings.hosts(time.monotonic()) or hosts, len(self.pool.clients())), version
+        placement = None if ticket is None or self.s.knobs.predictor == "off" else self.widenings.answer(
+            ticket, *self._seen, lambda replicas: load_all(self.pool, replicas, timeout_s), self._publish,
+            time.monotonic, self._publisher.submit)  # by the hosts as the last pass read them
+        if ticket is not None and placement is None:
+            self._now.set()  # a pass answers it (with the predictor off, publishing nothing)
+        version = self.widenings.wait(None if placement is not None else ticket, asked + timeout_s - time.monotonic())
+        return min(self.widenings.hosts(time.monotonic()) or hosts, len(self.pool.clients())), version, placement
 
     def set_knobs(self, knobs: Knobs, generation: int) -> bool:
         """Plan by `knobs` from the next pass on (generation: the source's); False, keeping the running
@@ -168,13 +168,11 @@ class PlanLoop:
     def metrics(self) -> dict:
         """Everything /metrics shows (see app.py's LoopCollector)."""
         with self._lock:
-            return {
-                **self.state(), "stats": self.stats.as_dict(), "plan_s": dict(self.plan_s),
-                "latency_fit": self.fit.as_dict(), "resident_replicas": self.resident_replicas,
-                "widenings": self.widenings.as_dict(), **meter_totals([m for m in self.host_meters if m]),
-                "expert_gb_s": self._gb_s.total,
-                "non_expert_gb_s": self.s.profile.non_expert_bytes / 1e9 * self.s.replicas * (time.time() - self.started),
-            }
+            return {**self.state(), "stats": self.stats.as_dict(), "plan_s": dict(self.plan_s),
+                    "latency_fit": self.fit.as_dict(), "resident_replicas": self.resident_replicas,
+                    "widenings": self.widenings.as_dict(), **meter_totals([m for m in self.host_meters if m]),
+                    "expert_gb_s": self._gb_s.total, "non_expert_gb_s": self.s.profile.non_expert_bytes / 1e9
+                    * self.s.replicas * (time.time() - self.started)}
 
     def profile(self) -> tuple[CostProfile, float]:
         """(the cost profile the loop plans with, a host call's fixed cost in seconds if measured here)."""
@@ -192,7 +190,8 @@ class PlanLoop:
         self._stop.set()
         self._now.set()
         self._thread.join(timeout=10)
-        self._swaps.shutdown(wait=False, cancel_futures=True)
+        for threads in (self._swaps, self._publisher):
+            threads.shutdown(wait=False, cancel_futures=True)
         self.follower.close()
         self.pool.close()
 
@@ -267,6 +266,8 @@ class PlanLoop:
             if self.stateful:  # every iteration's loads, each planned once
                 self._actuals = []
             learnt, self._learn = self._learn, []
+        if (standby := self.widenings.standby_changed(*self._seen)) is not None:
+            publish_standby(standby, self.s.board)  # what a replica's step scaler may switch to at once
         if not view.live.any():
             return False
         # 2. The plan; 3. prefetch what it needs; 4. publish what is loaded.

@@ -62,7 +62,9 @@ class Widenings:
         self.warm_publishes = 0  # widenings answered from _published, no planning pass
         self.cold_publishes = 0  # ... after loading what the spares lacked of it
         self.cold_load_s: deque = deque(maxlen=256)  # those loads' seconds
+        self.answer_parts: deque = deque(maxlen=256)  # widen's answers: where their seconds went (answer_loaded)
         self._loading: set[int] = set()  # tickets widen answers itself (no fast passes for them)
+        self._standby: dict[int, Placement] = {}  # the last standby_changed returned
 
     def ask(self, hosts: int, now: float) -> int | None:
         """A batch needs `hosts` hosts: a ticket where that widens the placement, else None."""
@@ -110,6 +112,27 @@ class Widenings:
             return None
         return placement, _lacking(placement, resident)
 
+    def standby(self, ready: Sequence[bool], resident: np.ndarray) -> dict[int, Placement]:
+        """What a replica's step scaler may switch to at once (board.BoardFollower.switch): {hosts: the
+        placement last published over the first `hosts` ready [slots] ones}, those whose every replica
+        is resident [L, E, slots] bool; none without a step scaler (every ready host planned over)."""
+        with self._cond:
+            published = dict(self._published) if self.width.floor is not None else {}
+        standby = {}
+        for hosts in range(2, sum(map(bool, ready)) + 1):
+            placement = published.get(tuple(bool(h) for h in first_ready(ready, hosts)))
+            if placement is not None and placement.num_gpus == resident.shape[2] and not _lacking(placement, resident):
+                standby[hosts] = placement
+        return standby
+
+    def standby_changed(self, ready: Sequence[bool], resident: np.ndarray) -> dict[int, Placement] | None:
+        """standby, where it differs from the one this last returned; else None (nothing to publish)."""
+        standby = self.standby(ready, resident)
+        if standby.keys() == self._standby.keys() and all(standby[h] is self._standby[h] for h in standby):
+            return None
+        self._standby = standby
+        return standby
+
     @property
     def answered(self) -> int:
         """Widenings published by widen itself (warm or cold): a pass that read the hosts before one
@@ -146,37 +169,63 @@ class Widenings:
         return Remembered(ticket, chosen[2], chosen[1], chosen[3])
 
     def answer_loaded(self, chosen: Remembered, load: Callable[[list], int | None],
-                      publish: Callable[[Placement, list[bool]], int], clock: Callable[[], float]) -> bool:
+                      publish: Callable[[Placement, list[bool]], int], clock: Callable[[], float],
+                      parts: dict | None = None, submit: Callable | None = None) -> bool:
         """load(every replica of chosen's placement) -> the loads it started, None where some did not
         load (outside the lock: passes and reports go on), then publish it and settle its ticket (warm
-        where nothing had to load, else cold), unless a pass settled it meanwhile. False: a pass must."""
+        where nothing had to load, else cold), unless a pass settled it meanwhile. False: a pass must.
+        parts: seconds spent before (answer's), completed by load_s and publish_s into answer_parts.
+        submit(fn, *args): where the publish runs (a thread of the loop's: the caller has the placement
+        to run at once); None: here, before this returns."""
         began = clock()
         started = load(_replicas(chosen.placement))
+        loaded = clock()
+        if started is None:
+            with self._cond:
+                self._loading.discard(chosen.ticket)
+            return False
+        parts = {**(parts or {}), "cold": bool(started), "load_s": loaded - began}
+        (submit or (lambda fn, *args: fn(*args)))(self._publish_loaded, chosen, parts, publish, clock)
+        return True
+
+    def _publish_loaded(self, chosen: Remembered, parts: dict, publish: Callable[[Placement, list[bool]], int],
+                        clock: Callable[[], float]) -> None:
         with self._cond:
             self._loading.discard(chosen.ticket)
-            if started is None:
-                return False
-            if self.settled < chosen.ticket:
-                if started:
-                    self.cold_publishes += 1
-                    self.cold_load_s.append(clock() - began)
-                else:
-                    self.warm_publishes += 1
-                self.pass_ended(chosen.ticket, False, publish(chosen.placement, chosen.hosts), clock())
-            return True
+            if self.settled >= chosen.ticket:
+                return  # a pass settled it meanwhile: it published
+            began = clock()
+            if parts["cold"]:
+                self.cold_publishes += 1
+                self.cold_load_s.append(parts["load_s"])
+            else:
+                self.warm_publishes += 1
+            version = publish(chosen.placement, chosen.hosts)
+            done = clock()
+            self.answer_parts.append({**parts, "publish_s": done - began})
+            self.pass_ended(chosen.ticket, False, version, done)
 
     def answer(self, ticket: int, ready: Sequence[bool], resident: np.ndarray, load: Callable[[list], int | None],
-               publish: Callable[[Placement, list[bool]], int], clock: Callable[[], float]) -> bool:
-        """choose, then answer_loaded. False: a pass must answer it."""
-        chosen = self.choose(ticket, ready, resident, clock())
-        return chosen is not None and self.answer_loaded(chosen, load, publish, clock)
+               publish: Callable[[Placement, list[bool]], int], clock: Callable[[], float],
+               submit: Callable | None = None) -> Placement | None:
+        """choose, then answer_loaded: the placement loaded (published, or its publish submitted).
+        None: a pass must answer it."""
+        began = clock()
+        with self._cond:
+            queued = began - self._asked_at.get(ticket, began)  # from the ask: the lock, the GIL, Ray's threads
+        chosen = self.choose(ticket, ready, resident, began)
+        parts = {"queued_s": queued, "choose_s": clock() - began}
+        if chosen is None or not self.answer_loaded(chosen, load, publish, clock, parts, submit):
+            return None
+        return chosen.placement
 
     def as_dict(self) -> dict:
         """For /metrics and the bench: tickets asked and settled, those answered warm, the recent
         ask-to-settled seconds."""
         with self._cond:
             return {"asked": self.asked, "settled": self.settled, "warm": self.warm_publishes,
-                    "cold": self.cold_publishes, "settle_s": list(self.settle_s), "cold_load_s": list(self.cold_load_s)}
+                    "cold": self.cold_publishes, "settle_s": list(self.settle_s), "cold_load_s": list(self.cold_load_s),
+                    "answer_parts": list(self.answer_parts)}
 
     def hosts(self, now: float) -> int | None:
         """The hosts planned over now (PlacementWidth.hosts; None: every ready one)."""

@@ -15,11 +15,12 @@ measures serving's (serving/step_gate.py, controller/planning/step_scaler.py) on
    admits them, is the scaler's lag as serving has it (the ask to the loop, an immediate planning
    pass, or the spares' loads alone where the loop published over them before, the publish, the
    replica following the board, the next step). Rounds alternate: warm (the spares still hold what
-   the last widening loaded: the control path alone) and cold (the spares emptied first: their
-   share of the experts loaded, as the twin's added GPUs copy theirs).
+   the last widening loaded: the replica switches to the loop's standby placement over them at once
+   and holds nobody, the switch timed from the batch's need) and cold (the spares emptied first:
+   their share of the experts loaded, as the twin's added GPUs copy theirs).
 3. The baseline, in the same run: a whole model's experts loaded onto one emptied host, one after
    another from its store (the expert part of a whole-model wake on these hosts).
-Printed per kind of round: the holds' p50 / p99, the loop's part (ask to published, nothing left to
+Printed per kind of round: the switches, the holds' p50 / p99, the loop's part (ask to published, nothing left to
 load), the p99 hold over the whole-model load; the answers against the in-process model's (greedy).
 """
 
@@ -120,13 +121,16 @@ def run_step_scaler_bench(model: str = "default", *, hosts: int = 3, burst: int 
             if cold:  # the spares give back what the last widening loaded: this one loads their share again
                 for client in clients[1:]:
                     _evict_all(client)
-            seen = len(server.stats.remote().result()["step_gate"]["waits_s"])
+                _wait_no_standby(config.placement_board)  # the loop saw it: no standby placement on the board
+            gate = server.stats.remote().result()["step_gate"]
+            seen, switched = len(gate["waits_s"]), len(gate["switch_s"])
             settled = len(ray.get(loop.metrics.remote())["widenings"]["settle_s"])
             batch = prompts[(r + 1) * burst:(r + 2) * burst]
             outcomes = replay(url, choice.name, batch, [0.0] * burst, max_tokens, timeout_s=timeout_s)
             texts += [o.text for o in outcomes]
-            rows.append({"kind": "cold" if cold else "warm", **summarize(outcomes),
-                         "holds_s": server.stats.remote().result()["step_gate"]["waits_s"][seen:],
+            gate = server.stats.remote().result()["step_gate"]
+            rows.append({"kind": "cold" if cold else "warm", **summarize(outcomes), "holds_s": gate["waits_s"][seen:],
+                         "switches_s": gate["switch_s"][switched:],
                          "loop_settle_s": ray.get(loop.metrics.remote())["widenings"]["settle_s"][settled:]})
         gate = server.stats.remote().result()["step_gate"]
         metrics = ray.get(loop.metrics.remote())
@@ -139,15 +143,17 @@ def run_step_scaler_bench(model: str = "default", *, hosts: int = 3, burst: int 
             "loop_pass_s": metrics["plan_s"]["sum"] / max(metrics["passes"], 1), "loop_passes": metrics["passes"],
             "widenings_settled": metrics["widenings"]["settled"], "widenings_warm": metrics["widenings"]["warm"],
             "widenings_cold": metrics["widenings"]["cold"], "cold_load_s": metrics["widenings"]["cold_load_s"],
+            "answer_parts": metrics["widenings"]["answer_parts"],
             "whole_model_load_s": whole_s, "load_host_s": costs.profile.load_s["host"],
             "identical": sum(a == b for a, b in zip(texts, expected)), "answers": len(texts),
             "load_average_1m": os.getloadavg()[0]}
 
 
 def _kind_figures(rows: list[dict], whole_s: float) -> dict:
-    """A kind of round's holds and the loop's part: p50, p99, max (seconds) and the p99 hold over the
-    whole-model load."""
+    """A kind of round's holds, switches to a standby placement and the loop's part: p50, p99, max
+    (seconds) and the p99 hold over the whole-model load."""
     holds = [w for row in rows for w in row["holds_s"]]
+    switches = [w for row in rows for w in row["switches_s"]]
     settles = [w for row in rows for w in row["loop_settle_s"]]
 
     def pct(values):
@@ -155,6 +161,7 @@ def _kind_figures(rows: list[dict], whole_s: float) -> dict:
             {"max": max(values, default=None)}
 
     return {"rounds": len(rows), "holds": len(holds), "hold_s": pct(holds), "loop_settle_s": pct(settles),
+            "switches": len(switches), "switch_s": pct(switches),
             "hold_p99_over_whole_load": pct(holds)["p99"] / whole_s if holds and whole_s > 0 else None}
 
 
@@ -187,6 +194,17 @@ def _wait_narrow(loop, first, experts: int, hold_s: float, timeout_s: float = 12
     time.sleep(1.0)  # the publish after those loads, the replica following it
 
 
+def _wait_no_standby(name: str, timeout_s: float = 60.0) -> None:
+    """Until the board holds no standby placement (the loop has seen the spares emptied)."""
+    import ray  # heavy: kept off --help's start-up path, as in run_step_scaler_bench
+
+    from moeless.controller.planning.board import board  # imports ray: likewise
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and ray.get(board(name).newer_than.remote(1 << 62, -1))[3]:
+        time.sleep(0.05)
+
+
 def _resident(client) -> int:
     return sum(r["state"] in ("warm", "idle") for r in client.status()["replicas"])
 
@@ -198,18 +216,28 @@ def print_report(r: dict[str, Any]) -> None:
           f"loop pass {r['loop_pass_s'] * 1e3:.0f} ms on average")
     for kind, what in (("warm", "the spares still hold their part"), ("cold", "the spares emptied: their share loaded")):
         k = r["kinds"][kind]
-        if not k["holds"]:
-            print(f"  {kind}: no hold")
-            continue
-        print(f"  {kind} widenings ({what}), {k['holds']} holds in {k['rounds']} rounds: admission wait p50 "
-              f"{k['hold_s']['p50'] * 1e3:.0f} ms, p99 {k['hold_s']['p99'] * 1e3:.0f} ms; the loop's part (ask to "
-              f"published) p50 {k['loop_settle_s']['p50'] * 1e3:.0f} ms; p99 wait / whole-model load "
-              f"{k['hold_p99_over_whole_load']:.2f}x")
+        if k["switches"]:
+            print(f"  {kind} widenings ({what}): {k['switches']} in {k['rounds']} rounds run at once on a standby "
+                  f"placement, nobody held: the switch {k['switch_s']['p50'] * 1e3:.2f} ms p50, "
+                  f"{k['switch_s']['max'] * 1e3:.2f} ms max from the batch's need")
+        if k["holds"]:
+            print(f"  {kind} widenings ({what}), {k['holds']} holds in {k['rounds']} rounds: admission wait p50 "
+                  f"{k['hold_s']['p50'] * 1e3:.0f} ms, p99 {k['hold_s']['p99'] * 1e3:.0f} ms; the loop's part (ask to "
+                  f"published) p50 {k['loop_settle_s']['p50'] * 1e3:.0f} ms; p99 wait / whole-model load "
+                  f"{k['hold_p99_over_whole_load']:.2f}x")
+        elif not k["switches"]:
+            print(f"  {kind}: no widening")
     print(f"  baseline, same run: a whole model's experts loaded on one host one after another "
           f"{r['whole_model_load_s'] * 1e3:.0f} ms (one load from host memory {r['load_host_s'] * 1e3:.2f} ms)")
     loads = r["cold_load_s"]
     print(f"  widenings settled by the loop: {r['widenings_settled']}, of which {r['widenings_warm']} republished "
           f"the placement the spares still held and {r['widenings_cold']} loaded what they lacked of it first (no "
           f"planning pass" + (f"; those loads {min(loads) * 1e3:.0f}-{max(loads) * 1e3:.0f} ms)" if loads else ")"))
+    for cold in (False, True):
+        parts = [p for p in r["answer_parts"] if p["cold"] == cold]
+        if parts:
+            print(f"  {'cold' if cold else 'warm'} answers' parts, p50 (max) ms: " + ", ".join(
+                f"{key[:-2]} {np.median([p[key] for p in parts]) * 1e3:.1f} ({max(p[key] for p in parts) * 1e3:.1f})"
+                for key in ("queued_s", "choose_s", "load_s", "publish_s")))
     print(f"  holds timed out: {r['gate']['timeouts']}; answers equal to the in-process model: "
           f"{r['identical']}/{r['answers']}")

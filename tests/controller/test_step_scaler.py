@@ -77,7 +77,7 @@ def test_a_widening_is_answered_by_the_first_pass_after_it_that_leaves_nothing_t
     assert not w.open() and w.period(0.25) == 0.25
     assert w.wait(ticket, timeout_s=0.0) == 6
     assert w.as_dict() == {"asked": 1, "settled": 1, "warm": 0, "cold": 0, "settle_s": [pytest.approx(0.08)],
-                           "cold_load_s": []}
+                           "cold_load_s": [], "answer_parts": []}
 
 
 def test_a_caller_waits_for_the_settling_pass():
@@ -168,7 +168,7 @@ def _cold_setup():
 
 def test_a_cold_widening_loads_what_the_spares_lack_then_publishes_without_a_pass():
     w, placement, resident = _cold_setup()
-    clock, calls = iter([1.0, 1.25, 1.3]), Calls(started=1, version=11)
+    clock, calls = iter([1.0, 1.25, 1.25, 1.3]), Calls(started=1, version=11)
     ticket = w.ask(2, 0.0)
     chosen = w.choose(ticket, [True, True], resident, 0.0)
     assert chosen.placement is placement and chosen.hosts == [True, True] and chosen.missing == [(0, 1, 1)]
@@ -224,3 +224,50 @@ def test_a_widening_before_any_host_was_read_is_left_to_a_pass():
     calls, ticket = Calls(), w.ask(2, 0.0)
     assert not w.answer(ticket, [], np.zeros((0, 0, 0), bool), calls.load, calls.publish, lambda: 0.0)
     assert not calls.loads and w.open() and w.period(0.25) == FAST_PERIOD_S
+
+
+def test_standby_placements_are_those_last_published_over_wider_hosts_that_the_hosts_hold_whole():
+    w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
+    two = Placement((LayerPlacement.even(np.array([0, 1]), np.array([0, 1]), 2),), 2, 3)
+    three = Placement((LayerPlacement.even(np.array([0, 1, 1]), np.array([0, 1, 2]), 2),), 2, 3)
+    w.published([True, False, False], Placement.static(1, 2, 3))
+    w.published([True, True, False], two)
+    w.published([True, True, True], three)
+    resident = np.ones((1, 2, 3), bool)
+    assert w.standby([True] * 3, resident) == {2: two, 3: three}  # one host is no widening
+    resident[0, 1, 2] = False  # host 2's keep-alive evicted its part: 3 hosts would start cold
+    assert w.standby([True] * 3, resident) == {2: two}
+    assert w.standby([True, False, True], np.ones((1, 2, 3), bool)) == {}  # host 1 gone: other hosts, never published
+    assert w.standby_changed([True] * 3, resident) == {2: two}
+    assert w.standby_changed([True] * 3, resident) is None  # nothing new to publish
+    w.published([True, True, False], Placement((LayerPlacement.even(np.array([0, 1]), np.array([1, 0]), 2),), 2, 3))
+    assert w.standby_changed([True] * 3, resident)[2] is not two  # a pass published over 2 hosts since
+    every = Widenings(PlacementWidth(floor=None), threading.RLock())  # no step scaler: every host planned over
+    every.published([True] * 3, three)
+    assert every.standby([True] * 3, np.ones((1, 2, 3), bool)) == {}
+
+
+def test_widens_own_answers_say_where_their_seconds_went():
+    w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
+    w.published([True, True], Placement((LayerPlacement.even(np.array([0, 1]), np.array([0, 1]), 2),), 2, 2))
+    clock, calls = iter([0.01, 0.02, 0.02, 0.05, 0.05, 0.06]), Calls()
+    ticket = w.ask(2, 0.0)
+    assert w.answer(ticket, [True, True], np.ones((1, 2, 2), bool), calls.load, calls.publish, lambda: next(clock))
+    parts = w.as_dict()["answer_parts"]
+    assert parts == [{"queued_s": pytest.approx(0.01), "choose_s": pytest.approx(0.01), "cold": False,
+                      "load_s": pytest.approx(0.03), "publish_s": pytest.approx(0.01)}]
+
+
+def test_an_answers_publish_may_run_after_it_returns_the_placement_to_run():
+    """widen hands the loaded placement to the replica that asked and publishes it on a thread of its
+    own: the ticket settles (and the fast passes stay off) only once that publish has run."""
+    w = Widenings(PlacementWidth(floor=1, hold_s=5.0), threading.RLock())
+    placement = Placement((LayerPlacement.even(np.array([0, 1]), np.array([0, 1]), 2),), 2, 2)
+    w.published([True, True], placement)
+    calls, submitted, ticket = Calls(version=4), [], w.ask(2, 0.0)
+    got = w.answer(ticket, [True, True], np.ones((1, 2, 2), bool), calls.load, calls.publish, lambda: 0.0,
+                   submit=lambda fn, *args: submitted.append((fn, args)))
+    assert got is placement and calls.published == [] and w.open() and w.period(0.25) == 0.25
+    fn, args = submitted.pop()
+    fn(*args)
+    assert calls.published == [(placement, [True, True])] and not w.open() and w.wait(ticket, 0.0) == 4

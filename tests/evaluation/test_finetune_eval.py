@@ -68,3 +68,23 @@ def test_bad_finetune_flags_are_one_error_line(tmp_path, capsys, flags, says):
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+def test_scale_ups_that_load_from_host_memory_wait_longer_than_peer_copies_and_the_report_says_so(tmp_path):
+    """--scale-up-copies host: the added GPUs load their keys as serving's expert hosts do (each spare
+    from its own store), not from a peer GPU; the waits for a scale-up grow, the GPU-seconds do not."""
+    runs = {}
+    for copies in ("peer", "host"):
+        out = tmp_path / copies
+        assert main(["eval", "--shared-pool", "--quick", "--finetunes", "4", "--replaced", "0.15", "--geometry",
+                     "mixtral-8x7b", "--levels", "1", "--scale-up-copies", copies, "--out", str(out)]) == 0
+        runs[copies] = json.loads((out / "run.json").read_text())["cells"][0]
+    peer, host = runs["peer"], runs["host"]
+    assert host["gpu_s_sized_for_step"] == peer["gpu_s_sized_for_step"]
+    waited = [(a, b) for a, b in zip(peer["models"], host["models"]) if a["scale_up_waits"]["count"]]
+    assert waited and all(b["scale_up_waits"]["p99"] > a["scale_up_waits"]["p99"] > 0 for a, b in waited)
+    for a, b in zip(peer["models"], host["models"]):
+        assert b["step_p99_s"]["shared-keys-batched-sized"] >= a["step_p99_s"]["shared-keys-batched-sized"]
+    md = (tmp_path / "host" / "report.md").read_text()
+    assert "--scale-up-copies host --out" in md and "loading their keys from host memory" in md
+    assert "--scale-up-copies" not in (tmp_path / "peer" / "report.md").read_text()  # the default: not in its command

@@ -14,7 +14,7 @@ from moeless.serving.step_gate import StepGate
 
 
 class FakeLoop:
-    """widen(hosts) -> a Future answered by `answer(hosts, version)`; the board version the replica runs."""
+    """widen(hosts) -> a Future answered by `answer(hosts, version, placement)`; the board version the replica runs."""
 
     def __init__(self):
         self.asked, self.pending, self.seen = [], [], 0
@@ -25,8 +25,8 @@ class FakeLoop:
         self.pending.append(future)
         return future
 
-    def answer(self, hosts, version):
-        self.pending.pop(0).set_result((hosts, version))
+    def answer(self, hosts, version, placement=None):
+        self.pending.pop(0).set_result((hosts, version, placement))
 
 
 class Clock:
@@ -176,3 +176,38 @@ def test_the_scheduler_holds_newcomers_while_running_requests_step_and_answers_s
         expected = "".join(chr(t) for t in model.generate(ids, n)[0, ids.shape[1]:].tolist())
         assert "".join(e.get("text", "") for e in events) == expected and events[-1]["finish"] == "length"
     assert gate.figures()["holds"] == 1 and gate.figures()["waits_s"] == [0.05]
+
+
+def test_a_standby_placement_is_switched_to_at_once_and_nobody_is_held():
+    loop, clock, switched = FakeLoop(), Clock(), []
+    gate = gate_for(loop, clock, switch=lambda hosts, for_s: switched.append((hosts, for_s)) or True, max_wait_s=2.0)
+    assert gate.admit(25, 3)  # 25 ms of work: 3 hosts, on standby
+    assert switched == [(3, 2.0)] and loop.asked == [3]  # the loop is still asked: it holds the width
+    figures = gate.figures()
+    assert figures["holds"] == 0 and figures["switches"] == 1 and figures["granted"] == 3
+    loop.answer(3, version=5)  # the loop's publish of the same placement: the replica need not wait for it
+    clock.now = 0.1
+    assert gate.admit(25, 1) and gate.figures()["holds"] == 0
+    assert len(switched) == 1  # granted: no second switch
+
+
+def test_without_a_standby_placement_the_gate_holds_as_before():
+    loop, clock, tried = FakeLoop(), Clock(), []
+    gate = gate_for(loop, clock, switch=lambda hosts, for_s: tried.append(hosts) and False)
+    assert not gate.admit(25, 3) and tried == [3] and loop.asked == [3]
+    loop.answer(3, version=1)
+    assert not gate.admit(25, 3)  # the board's version 1 not run yet
+    loop.seen = 1
+    assert gate.admit(25, 3)
+    assert gate.figures()["switches"] == 0 and gate.figures()["holds"] == 1
+
+
+def test_a_placement_the_loops_answer_carries_is_run_at_once_without_waiting_for_the_board():
+    loop, clock, adopted = FakeLoop(), Clock(), []
+    gate = gate_for(loop, clock, adopt=lambda placement, for_s: adopted.append((placement, for_s)) or True)
+    assert not gate.admit(25, 3)  # nothing on standby: held for the loop's answer
+    loop.answer(3, version=7, placement="the widened placement")
+    clock.now = 0.05
+    assert gate.admit(25, 3)  # the board's version 7 not followed yet: the replica runs the answer's placement
+    assert adopted == [("the widened placement", 2.0)]
+    assert gate.figures()["holds"] == 1 and gate.figures()["wait_max_s"] == 0.05

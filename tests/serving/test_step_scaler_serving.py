@@ -45,10 +45,10 @@ def test_a_widening_is_answered_once_the_spares_hold_their_part(tiny_store, host
         a, b, c = hosts.addresses
         assert loop.state()["hosts_live"] == [True, False, False] and loop.state()["width"] == 1
         assert resident(a) > 0 and resident(b) == resident(c) == 0  # spares: ready, empty
-        assert loop.widen(3) == (3, 0)  # predictor off: the homes move, nothing is published
+        assert loop.widen(3) == (3, 0, None)  # predictor off: the homes move, nothing is published
         assert loop.state()["hosts_live"] == [True, True, True] and resident(b) > 0 and resident(c) > 0
         assert loop.widenings.as_dict()["settled"] == 1
-        assert loop.widen(2) == (3, 0) and loop.widenings.as_dict()["asked"] == 1  # held already: no pass
+        assert loop.widen(2) == (3, 0, None) and loop.widenings.as_dict()["asked"] == 1  # held already: no pass
         wait_until(lambda: loop.state()["hosts_live"] == [True, False, False], "the width back at one host after the hold",
                    timeout=30.0)
         assert loop.state()["width"] == 1 and loop.state()["errors"] == 0
@@ -83,13 +83,18 @@ def test_a_request_needing_the_spares_waits_for_them_and_answers_exactly(tiny_st
             assert "moeless_step_gate_holds" in metrics and 'moeless_step_gate_wait_seconds{quantile="p99"}' in metrics
             wait_until(lambda: ray.get(loop.state.remote())["width"] == 1, "the width back at one host after the hold",
                        timeout=30.0)
-            again = replay(url, MODEL, PROMPTS[:1], [0.0], 6, timeout_s=120)  # a narrow loop again: held again
-            assert again[0].text == outcomes[0].text and _stats()["step_gate"]["holds"] > gate["holds"]
-            # the spares kept their part (keep-alive 60 s): widen republished the last wide placement, no pass
-            after = ray.get(loop.metrics.remote())["widenings"]
-            assert after["warm"] >= 1 and after["settled"] > widenings["settled"]
+            # a narrow loop again, the spares still holding their part (keep-alive 60 s): the replica runs
+            # the loop's standby placement over them at once, nobody held; widen republishes it, no pass
+            again = replay(url, MODEL, PROMPTS[:1], [0.0], 6, timeout_s=120)
+            now = _stats()["step_gate"]
+            assert again[0].text == outcomes[0].text
+            assert now["switches"] > gate["switches"] and now["holds"] == gate["holds"] and now["timeouts"] == 0
+            wait_until(lambda: ray.get(loop.metrics.remote())["widenings"]["settled"] > widenings["settled"],
+                       "the loop's own answer to the switched widening", timeout=30.0)
+            assert ray.get(loop.metrics.remote())["widenings"]["warm"] >= 1
             metrics = httpx.get(f"{url}/metrics", timeout=30).text
             assert "moeless_step_widenings_warm" in metrics and "moeless_step_widenings_cold" in metrics
+            assert "moeless_step_gate_switches" in metrics
         finally:
             ray.get(loop.stop.remote())
             ray.kill(loop)
