@@ -14,8 +14,13 @@ the wider hosts (where the last pass saw a wider one still held whole and this o
 the first time over them static EP's blocks, has every replica of it resident, one LoadMany RPC a host
 side by side (answer_loaded: those resident answer at once, so a warm widening costs one round trip; a
 cold one, whose spares' keep-alive evicted their part, its loads' time, not planning passes'),
-publishes it and settles the ticket. A pass that read the hosts before does not publish over it; the
+hands it back to the asking replica (which runs it at once) and publishes it on a thread of the
+loop's, which settles the ticket. A pass that read the hosts before does not publish over it; the
 next pass plans over the wider hosts as usual.
+
+Ahead of any ask, each pass gives the board the standby placements (standby): those remembered over
+wider sets of hosts that the hosts hold whole, which a replica's gate switches to without asking
+first (board.BoardFollower.switch), so a warm widening costs the batch nothing it waits for.
 
 The rule of how many hosts and for how long is PlacementWidth's (step_scaler.py).
 """

@@ -4,12 +4,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import platform
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from moeless.expert_fn.wire.polling import DEFAULT_CLIENT_POLL_S, DEFAULT_HOST_POLL_S
+
+
+log = logging.getLogger(__name__)
+
+
+def start_local_ray(retries: int = 1) -> None:
+    """A local Ray for a bench, on every core. A start that times out (a GCS slow to come up on a
+    loaded machine: "The current node timed out during startup") is tried again after a clean
+    shutdown, `retries` times."""
+    import ray  # heavy: kept off --help's start-up path
+
+    for attempt in range(retries + 1):
+        try:
+            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+            return
+        except Exception as err:
+            if attempt == retries or "timed out" not in str(err):
+                raise
+            log.warning("Ray did not start (%s); trying again", err)
+            ray.shutdown()
+            time.sleep(2.0)
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, print_and_write
+from moeless.bench.common import add_bench_flags, print_and_write, start_local_ray
 from moeless.bench.finetunes_report import memory_held, prewarm, print_report, ratios
 from moeless.bench.load import _prompts, _sequential
 from moeless.expert_fn.launcher import launch_local_hosts
@@ -127,7 +127,7 @@ def compare(choices: Sequence["ModelChoice"], models: Sequence["MoEModel"], *, h
     whole = {name: _store_bytes(root) for name, root in stores.items()}
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, requests)).tolist()
     results: dict[str, dict] = {}
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    start_local_ray()
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

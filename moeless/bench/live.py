@@ -44,7 +44,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, print_and_write
+from moeless.bench.common import add_bench_flags, print_and_write, start_local_ray
 from moeless.bench.live_figures import SECOND, add_in_run_model, config_figures, config_name, fit_in_run, ratios
 from moeless.bench.serve import bench_prompts
 from moeless.controller.knobs import Knobs
@@ -147,7 +147,7 @@ def run_live_bench(model: str = "default", *, hosts: int = 4, requests: int = 48
     non_expert = sum(p.numel() * p.element_size() for p in loaded.hf.parameters())
     del loaded
     with contextlib.ExitStack() as stack:
-        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        start_local_ray()
         stack.callback(ray.shutdown)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -18,7 +18,7 @@ import os
 from typing import Any, Sequence
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, print_and_write
+from moeless.bench.common import add_bench_flags, print_and_write, start_local_ray
 from moeless.bench.serve import bench_prompts
 from moeless.expert_fn.launcher import launch_local_hosts
 from moeless.serving.api import GenerationRequest
@@ -95,7 +95,7 @@ def run_load_bench(model: str = "default", *, hosts: int = 2, clients: Sequence[
     results: dict[str, dict] = {}
     texts: dict[str, dict[int, dict[int, str]]] = {}
     with launch_local_hosts(hosts, store, keep_alive_s=3600, metrics=False) as group:
-        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        start_local_ray()
         try:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, print_and_write
+from moeless.bench.common import add_bench_flags, print_and_write, start_local_ray
 from moeless.serving.cli import MODEL_HELP, _positive, _positive_float
 
 
@@ -102,7 +102,7 @@ def run_step_scaler_bench(model: str = "default", *, hosts: int = 3, burst: int 
         whole_s = _whole_model_load_s(clients[-1], spec.num_layers, spec.num_experts)
         # one prompt's step needs every host: each round's first newcomer is held for the widening
         slo_s = step_expert_s(prompt_tokens, costs.profile, spec.num_layers, spec.top_k, spec.num_experts) / hosts
-        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        start_local_ray()
         stack.callback(ray.shutdown)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

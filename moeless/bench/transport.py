@@ -58,7 +58,7 @@ import torch
 from tqdm import tqdm
 
 from moeless.bench import BENCHES
-from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, print_and_write
+from moeless.bench.common import add_bench_flags, add_poll_flag, poll_from_args, print_and_write, start_local_ray
 from moeless.core.timing import timed_calls
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import ExpertHostError
@@ -303,7 +303,7 @@ def _ray_compiled_graph(store_dir, calls: dict, repeats: int, threads: int) -> d
             out = self.runtime.invoke(0, dict(zip(experts, torch.split(x, counts)))).outputs
             return torch.cat([out[e] for e in experts])
 
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    start_local_ray()
     try:
         host = Host.remote(str(store_dir))
         with InputNode() as request:

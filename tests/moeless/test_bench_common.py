@@ -1,6 +1,7 @@
-"""The benches' shared tail (moeless/bench/common.py): the report printed, the JSON written only
-with --out, with the machine's facts beside the figures."""
+"""The benches' shared parts (moeless/bench/common.py): the report printed, the JSON written only
+with --out, with the machine's facts beside the figures; a local Ray started again once where its start timed out."""
 
+import pytest
 import json
 
 from moeless.bench.common import print_and_write
@@ -18,3 +19,29 @@ def test_without_out_nothing_is_written(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert print_and_write(None, "load", {"x": 1}, lambda r: print("report", r["x"])) == 0
     assert capsys.readouterr().out == "report 1\n" and not list(tmp_path.iterdir())
+
+
+def test_a_local_ray_that_times_out_starting_is_started_again_once_and_other_errors_are_raised(monkeypatch):
+    import ray
+
+    from moeless.bench import common
+
+    calls, shutdowns = [], []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+    monkeypatch.setattr(common.time, "sleep", lambda s: None)
+    common.start_local_ray()
+    assert len(calls) == 2 and shutdowns == [1] and calls[0]["include_dashboard"] is False
+
+    def broken(**kwargs):
+        raise RuntimeError("no such resource")
+
+    monkeypatch.setattr(ray, "init", broken)
+    with pytest.raises(RuntimeError, match="no such resource"):
+        common.start_local_ray()

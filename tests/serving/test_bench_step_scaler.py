@@ -17,8 +17,9 @@ def test_bench_step_scaler_quick_widens_every_round_and_answers_exactly(tmp_path
         assert row["failed"] == 0 and len(row["holds_s"]) + len(row["switches_s"]) >= 1, row
         assert len(row["loop_settle_s"]) >= 1, row
     assert result["gate"]["timeouts"] == 0 and result["gate"]["granted"] == result["hosts"] == 3
-    # cold: the loop saw the spares emptied, so nothing on standby and the newcomers held; warm: switched
-    assert result["kinds"]["cold"]["holds"] >= 1 and result["kinds"]["cold"]["switches"] == 0
+    # cold: the loop saw the spares emptied, so nothing on standby and the round's first newcomers held (a
+    # later ask of the burst may find that widening's placement on standby); warm: switched at once
+    assert all(row["holds_s"] for row in result["rounds_detail"] if row["kind"] == "cold")
     assert result["kinds"]["warm"]["switches"] >= 1 and result["kinds"]["warm"]["switch_s"]["max"] < 0.1
     assert result["whole_model_load_s"] > 0 and result["kinds"]["cold"]["hold_p99_over_whole_load"] > 0
     assert result["identical"] == result["answers"] == 18
