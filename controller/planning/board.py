@@ -150,8 +150,7 @@ class BoardFollower:
                 log.error("ignoring a widening's placement over %d hosts: %s", spanned(placement), err)
                 return False
             self._floor, self._pinned_until = spanned(placement), time.monotonic() + for_s
-        self.hurry(for_s)
-        return True
+        return True  # polled as usual: this replica waits for nothing the board has
 
     def close(self) -> None:
         self._stop.set()
