@@ -21,8 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from moeless.controller.planning.rules import (HostView, forecast_groups, held_forecasts, is_stateful, plan_groups,
-                                               publishable)
+from moeless.controller.planning.host_view import HostView
+from moeless.controller.planning.rules import forecast_groups, held_forecasts, is_stateful, plan_groups, publishable
 from moeless.placement.cluster import Cluster
 from moeless.placement.planner import Planner
 from moeless.placement.types import Placement

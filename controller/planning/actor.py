@@ -35,9 +35,9 @@ from moeless.controller.planning.cost_fit import OnlineCostFit
 from moeless.controller.planning.host_calls import configure_host, host_statuses, load_all, send_actions
 from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.names import NAMESPACE
-from moeless.controller.planning.rules import (HostView, LoopTerms, forecast_groups, held_forecasts,
-                                               hosts_to_configure, loop_terms, pass_due, plan_groups, planner_config,
-                                               restart_knobs_changed, to_publish)
+from moeless.controller.planning.host_view import HostView
+from moeless.controller.planning.rules import (LoopTerms, forecast_groups, held_forecasts, hosts_to_configure, loop_terms,
+                                               pass_due, plan_groups, planner_config, restart_knobs_changed, to_publish)
 from moeless.controller.planning.settings import LoopSettings
 from moeless.controller.planning.step_scaler import PlacementWidth
 from moeless.controller.planning.widenings import Widenings
@@ -85,8 +85,7 @@ class PlanLoop:
         self._planned = False  # the first pass loads the home replicas (the hosts start empty)
         self._held: dict[str, tuple[float, np.ndarray]] = {}  # phase -> (when, its last merged forecast)
         self._planner, self._published, self._releasing = None, None, None  # _releasing: the last plan
-        self._version, self._fresh = 0, False  # _published's board version; reports came since the last pass
-        self._pending_loads = False  # the last pass sent loads (publish them once loaded)
+        self._version, self._fresh, self._pending_loads = 0, False, False  # _published's; reports since; loads sent
         self._refreshed, self.resident_replicas = 0.0, 0  # when the hosts were last read; the replicas they held
         self._memory = np.zeros(num_hosts)  # each host's last known replica memory
         self.counts = {"passes": 0, "plans": 0, "publishes": 0, "loads_sent": 0, "errors": 0, "reports": 0}
@@ -266,8 +265,9 @@ class PlanLoop:
             if self.stateful:  # every iteration's loads, each planned once
                 self._actuals = []
             learnt, self._learn = self._learn, []
-        if (standby := self.widenings.standby_changed(*self._seen)) is not None:
-            publish_standby(standby, self.s.board)  # what a replica's step scaler may switch to at once
+        # what a replica's step scaler may switch to at once: held whole until the next pass, idle at the latest
+        if (standby := self.widenings.standby_changed(self._seen[0], every.lasting(s.idle_s + s.period_s))) is not None:
+            publish_standby(standby, self.s.board)
         if not view.live.any():
             return False
         # 2. The plan; 3. prefetch what it needs; 4. publish what is loaded.

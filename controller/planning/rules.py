@@ -36,6 +36,7 @@ from moeless.placement.profile import CostProfile
 from moeless.placement.shares import with_stand_ins
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.placement.cluster import Cluster, ClusterError
+from moeless.controller.planning.host_view import HostView
 from moeless.placement.types import LayerPlacement, Placement, PlacementError
 
 FAMILIES = ("moeless", "paper")  # planners with a scaler and a placer to switch off
@@ -125,44 +126,6 @@ def planner_config(knobs: Knobs, profile: CostProfile, iteration_s: float, extra
                            iteration_s=max(iteration_s, 1e-4), dispatch_s=profile.relevel_s + profile.check_s,
                            home_moves_every=knobs.home_moves_every)
     return replace(config, **dict(extra or {}))
-
-
-@dataclass(frozen=True)
-class HostView:
-    """What the hosts hold, from their Status replies. resident, loading: [L, E, G] bool (a replica
-    loaded / loading on host g); live: [G] bool (the host answered); memory: [G] replica bytes
-    each host offers (0 for a dead host)."""
-
-    resident: np.ndarray
-    loading: np.ndarray
-    live: np.ndarray
-    memory: np.ndarray
-
-    @staticmethod
-    def from_status(statuses: Sequence[dict | None], num_layers: int, num_experts: int) -> "HostView":
-        """statuses[g]: host g's status() (ExpertHostClient.status) or None when it did not answer."""
-        num_hosts = len(statuses)
-        resident = np.zeros((num_layers, num_experts, num_hosts), dtype=bool)
-        loading = np.zeros_like(resident)
-        live = np.array([s is not None and s.get("health", "serving") == "serving" for s in statuses])
-        memory = np.zeros(num_hosts)
-        for g, status in enumerate(statuses):
-            if not live[g]:
-                continue
-            memory[g] = float(status["memory_bytes"])
-            for r in status["replicas"]:
-                if r["layer"] >= num_layers or r["expert"] >= num_experts:
-                    continue
-                if r["state"] in ("warm", "idle"):
-                    resident[r["layer"], r["expert"], g] = True
-                elif r["state"] == "loading":
-                    loading[r["layer"], r["expert"], g] = True
-        return HostView(resident, loading, live, memory)
-
-    def cluster(self, expert_bytes: int, layer_cap: int | None) -> Cluster:
-        """The live hosts as a Cluster (a dead host: no memory). Raises ClusterError when none is live."""
-        cap = None if layer_cap is None else float(layer_cap * expert_bytes)
-        return Cluster(self.memory, expert_bytes, cap)
 
 
 def resident_placement(resident: np.ndarray, live: np.ndarray | None = None) -> Placement:

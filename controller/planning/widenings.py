@@ -19,7 +19,8 @@ loop's, which settles the ticket. A pass that read the hosts before does not pub
 next pass plans over the wider hosts as usual.
 
 Ahead of any ask, each pass gives the board the standby placements (standby): those remembered over
-wider sets of hosts that the hosts hold whole, which a replica's gate switches to without asking
+wider sets of hosts that the hosts hold whole until the next pass at least (no replica's keep-alive
+runs out before), which a replica's gate switches to without asking
 first (board.BoardFollower.switch), so a warm widening costs the batch nothing it waits for.
 
 The rule of how many hosts and for how long is PlacementWidth's (step_scaler.py).
@@ -120,7 +121,8 @@ class Widenings:
     def standby(self, ready: Sequence[bool], resident: np.ndarray) -> dict[int, Placement]:
         """What a replica's step scaler may switch to at once (board.BoardFollower.switch): {hosts: the
         placement last published over the first `hosts` ready [slots] ones}, those whose every replica
-        is resident [L, E, slots] bool; none without a step scaler (every ready host planned over)."""
+        is resident [L, E, slots] bool (the loop passes those whose keep-alive lasts until its next pass
+        may publish again: HostView.lasting); none without a step scaler (every ready host planned over)."""
         with self._cond:
             published = dict(self._published) if self.width.floor is not None else {}
         standby = {}

@@ -9,7 +9,8 @@ States of a replica of (layer, expert):
                                                      evicted --begin_load--> loading ...
 
 - warm: resident with invocations in flight; idle: resident, none in flight.
-- An idle replica stays resident for keep_alive_s after its last use, then expire() evicts it.
+- An idle replica stays resident for keep_alive_s after its last use (or a load that found it
+  resident: touch), then expire() evicts it.
 - A loading replica is never evicted; a warm one is evicted only once its calls end.
 - Memory is reserved when a load begins; to make room, idle replicas go in the order of
   shares.pick_victims: the least saving per GB·s first (LRU where reloads cost the same per byte),
@@ -157,6 +158,18 @@ class ReplicaTable:
             self._evict_now(key)
             return [key]
         return []
+
+    def touch(self, key: Key) -> None:
+        """A resident replica asked for again (a load of one already resident): its keep-alive starts
+        over, as a use's does, so a placement just confirmed resident is not evicted under it."""
+        replica = self._replicas.get(key)
+        if replica is not None and replica.state is ReplicaState.IDLE:
+            replica.last_used = self._clock()
+
+    @staticmethod
+    def idle_s(replica: Replica, now: float) -> float:
+        """Seconds an idle replica has been unused at `now` (its keep-alive runs out at keep_alive_s); else 0."""
+        return max(now - replica.last_used, 0.0) if replica.state is ReplicaState.IDLE else 0.0
 
     def evict(self, key: Key) -> bool:
         """Evict key now if idle (True); a warm one goes when its calls end, a loading one stays."""

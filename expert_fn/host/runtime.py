@@ -98,10 +98,11 @@ class ExpertHostRuntime:
     # --- operations -------------------------------------------------------------------------
 
     def load(self, layer: int, expert: int, wait: bool = False) -> tuple[ReplicaState, bool]:
-        """Pre-warm or prefetch (layer, expert) -> (its state, whether this call started a load); wait=True
-        blocks until resident and raises ReplicaLoadError if the load fails."""
+        """Pre-warm or prefetch (layer, expert) -> (its state, whether this call started a load; a resident
+        one's keep-alive starts over); wait=True blocks until resident, raises ReplicaLoadError if it fails."""
         key, model = self.models.check(layer, expert)
         with self._lock:
+            self.table.touch(key)
             future, started = self._start_load(key, model)
             if started:
                 self._ahead.add(key)
@@ -232,22 +233,21 @@ class ExpertHostRuntime:
         return self._inflight
 
     def status(self) -> dict:
-        """Host facts, every replica seen (state, bytes, GB·s, counts; with several models the models
+        """Host facts, every replica seen (state, bytes, GB·s, seconds idle, counts; with several models the models
         it serves, its content key and the other host keys it computes, "aliases"), the host's totals,
         each model's part (meters.by_model: GB·s split, own and shared replicas), the cold-start meters
         ("cold": per layer hidden / exposed seconds) and the host tier's counters."""
-        models = self.models
-        aliases = models.aliases()
+        models, aliases = self.models, self.models.aliases()
         with self._lock:
-            now = self.meters.clock()  # one reading: the models' GB·s add up to the host's
-            replicas = []
-            for (layer, expert), r in sorted(self.table.replicas().items()):
-                m = self.meters.replicas[(layer, expert)]
+            now, replicas = self.meters.clock(), []  # one reading: the models' GB·s add up to the host's
+            for key, r in sorted(self.table.replicas().items()):
+                m = self.meters.replicas[key]
                 replicas.append({
-                    "layer": layer, "expert": expert, "state": r.state.value, "bytes": r.bytes, "error": r.error,
-                    "gb_s": self.meters.gb_s((layer, expert), now), "invocations": m.invocations, "tokens": m.tokens,
-                    "last_load_s": m.last_load_s, "loads": m.loads, "cold_starts": m.cold_starts, "evictions": m.evictions,
-                    "models": [models.names[i] for i in models.users((layer, expert))], "aliases": aliases.get((layer, expert), [])})
+                    "layer": key[0], "expert": key[1], "state": r.state.value, "bytes": r.bytes, "error": r.error,
+                    "gb_s": self.meters.gb_s(key, now), "idle_s": self.table.idle_s(r, now), "invocations": m.invocations,
+                    "tokens": m.tokens, "last_load_s": m.last_load_s, "loads": m.loads, "cold_starts": m.cold_starts,
+                    "evictions": m.evictions, "models": [models.names[i] for i in models.users(key)],
+                    "aliases": aliases.get(key, [])})
             return {
                 "device": self.device, "memory_bytes": self.table.capacity_bytes,
                 "keep_alive_s": self.keep_alive_s, "health": self.health, "inflight": self._inflight,

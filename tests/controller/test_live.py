@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moeless.controller.planning.host_view import HostView
 from moeless.controller.planning.rules import (
-    HostView, hosts_to_configure, layer_cap_replicas, live_planner_name, loads_to_send, memory_price, plan_phases, plan_step, planner_config,
+    hosts_to_configure, layer_cap_replicas, live_planner_name, loads_to_send, memory_price, plan_phases, plan_step, planner_config,
     publishable,
     resident_placement, same_placement, union_placement,
 )
@@ -31,7 +32,7 @@ PROFILE = CostProfile(alpha=1e-6, beta=0.0, call_overhead=1e-6, load_s={"disk": 
 
 def status(replicas, memory=1_000_000, health="serving"):
     """A host's status() with replicas [(layer, expert, state)]."""
-    return {"memory_bytes": memory, "health": health, "meters": {"gb_s": 0.0},
+    return {"memory_bytes": memory, "health": health, "keep_alive_s": 60.0, "meters": {"gb_s": 0.0},
             "replicas": [{"layer": l, "expert": e, "state": s} for l, e, s in replicas]}
 
 
@@ -69,6 +70,17 @@ def test_host_view_reads_states_and_dead_hosts():
     assert view.loading[1, 3, 0] and not view.resident[:, :, 1].any()
     draining = HostView.from_status([status(homes(0)), status(homes(1), health="draining")], L, E)
     assert draining.live.tolist() == [True, False]
+
+
+def test_host_view_says_how_long_each_resident_replica_lasts():
+    idle = status([(0, 0, "idle"), (0, 1, "warm"), (1, 2, "loading")]) | {"keep_alive_s": 5.0}
+    idle["replicas"][0]["idle_s"] = 4.0
+    view = HostView.from_status([idle, None], L, E)
+    assert view.keep_left[0, 0, 0] == pytest.approx(1.0) and view.keep_left[0, 1, 0] == math.inf
+    assert view.lasting(0.5)[0, :2, 0].tolist() == [True, True]
+    assert view.lasting(1.5)[0, :2, 0].tolist() == [False, True]  # its keep-alive runs out sooner
+    assert view.lasting(1.5).sum() == 1 and not view.lasting(0.0)[1, 2, 0]  # loading: not resident
+    assert HostView(view.resident, view.loading, view.live, view.memory).lasting(99.0).sum() == 2  # not read: resident
 
 
 def test_resident_placement_puts_an_expert_resident_nowhere_at_home():

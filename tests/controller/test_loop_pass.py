@@ -4,8 +4,9 @@ hosts): whether a pass is due, what it plans for, the plan of each group, what i
 import numpy as np
 
 from moeless.controller.knobs import Knobs
+from moeless.controller.planning.host_view import HostView
 from moeless.controller.planning.rules import (
-    HostView, StepDecision, forecast_groups, held_forecasts, pass_due, plan_groups, plan_phases, plan_step,
+    StepDecision, forecast_groups, held_forecasts, pass_due, plan_groups, plan_phases, plan_step,
     planner_config, same_placement, to_publish,
 )
 from moeless.placement.planner import get_planner
@@ -19,7 +20,7 @@ SKEWED = np.array([[400.0, 300, 10, 10], [300, 300, 20, 20]])
 
 
 def status(replicas, memory=1_000_000):
-    return {"memory_bytes": memory, "health": "serving", "meters": {"gb_s": 0.0},
+    return {"memory_bytes": memory, "health": "serving", "keep_alive_s": 60.0, "meters": {"gb_s": 0.0},
             "replicas": [{"layer": l, "expert": e, "state": s} for l, e, s in replicas]}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
@@ -77,6 +78,10 @@ def test_load_many_loads_several_in_one_call_and_waits_for_them(clients):
     assert client.load_many([(1, 0), (1, 1), (0, 3)], wait=True) == 2  # (0, 3) resident already
     assert all(replicas(client)[key]["state"] == "idle" for key in ((1, 0), (1, 1), (0, 3)))
     assert client.load_many([(1, 0), (1, 1)], wait=True) == 0  # resident: nothing started, answered at once
+    time.sleep(0.5)
+    idle = replicas(client)[(0, 3)]["idle_s"]
+    assert idle >= 0.5 and client.load_many([(0, 3)], wait=True) == 0
+    assert replicas(client)[(0, 3)]["idle_s"] < idle - 0.4  # confirmed resident: its keep-alive starts over
     with pytest.raises(ReplicaLoadError, match="checksum mismatch"):
         client.load_many([(1, 2), CORRUPT], wait=True)  # the one that cannot load fails the call, named
     assert replicas(client)[(1, 2)]["state"] == "idle"

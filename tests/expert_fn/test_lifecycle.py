@@ -54,6 +54,25 @@ def test_idle_replica_is_evicted_after_keep_alive_since_last_use(clock):
     assert t.expire() == [(0, 0)] and t.state((0, 0)) is S.EVICTED
 
 
+def test_a_touch_starts_an_idle_replicas_keep_alive_over_and_idle_s_counts_from_it(clock):
+    t = table(clock, keep_alive_s=10.0)
+    loaded(t, (0, 0))
+    clock.advance(8)
+    assert t.idle_s(t.replicas()[(0, 0)], clock()) == pytest.approx(8)
+    t.touch((0, 0))  # a load that found it resident
+    assert t.idle_s(t.replicas()[(0, 0)], clock()) == 0
+    clock.advance(9.9)
+    assert t.expire() == [] and t.state((0, 0)) is S.IDLE  # 17.9 s after its load
+    clock.advance(0.1)
+    assert t.expire() == [(0, 0)]
+    t.touch((0, 0))  # evicted, cold, loading or warm: nothing to start over
+    t.touch((5, 5))
+    assert t.state((0, 0)) is S.EVICTED and t.state((5, 5)) is S.COLD
+    loaded(t, (0, 1))
+    t.acquire((0, 1))
+    assert t.idle_s(t.replicas()[(0, 1)], clock() + 50) == 0  # a replica computing is not idle
+
+
 def test_warm_replica_does_not_expire_while_busy(clock):
     t = table(clock, keep_alive_s=1.0)
     loaded(t, (0, 0))

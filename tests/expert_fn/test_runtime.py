@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moeless.expert_fn.errors import BadRequest, HostMemoryFull, ReplicaLoadError
+from moeless.expert_fn.host.lifecycle import ReplicaState
 from moeless.expert_fn.host.runtime import ExpertHostRuntime
 from moeless.model.experts import expert_forward
 
@@ -88,6 +89,17 @@ def test_keep_alive_sweeper_evicts_idle_replicas(runtime, clock):
         assert time.monotonic() < deadline, "not evicted after keep_alive_s"
         time.sleep(0.05)
     assert runtime.status()["meters"]["bytes_held"] == 0
+
+
+def test_a_load_of_a_resident_replica_starts_its_keep_alive_over(runtime, clock):
+    runtime.load(0, 1, wait=True)
+    clock.advance(20.0)
+    assert runtime.status()["replicas"][0]["idle_s"] == pytest.approx(20.0)
+    assert runtime.load(0, 1) == (ReplicaState.IDLE, False)  # a placement confirmed resident (LoadMany, Load)
+    assert runtime.status()["replicas"][0]["idle_s"] == 0.0
+    clock.advance(20.0)  # 40 s after its load, 20 s after the confirmation
+    time.sleep(1.2)  # the sweeper runs every second at most
+    assert runtime.status()["replicas"][0]["state"] == "idle"
 
 
 def test_concurrent_invokes_are_correct(runtime, store):
