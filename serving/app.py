@@ -96,7 +96,8 @@ class ModelServer:
         if config.batching == "continuous":
             gate = None if config.step_slo_s is None else \
                 step_gate_for(config.step_slo_s, self.live.profile, spec, self.pool, self.live.loop, self.follower,
-                              hold_s=config.step_hold_s, hold_newcomers=config.step_admit == "wait")
+                              hold_s=config.step_hold_s, hold_newcomers=config.step_admit == "wait",
+                              slos=dict(config.step_slos_s))
             self.scheduler = Scheduler(self.engine, config.limits, gate=gate)
             self.loop = SchedulerLoop(self.scheduler, threads=config.torch_threads)
         self._batched.set_max_batch_size(config.max_batch)

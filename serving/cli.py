@@ -66,11 +66,12 @@ def register(commands: argparse._SubParsersAction) -> None:
                        help="how expert calls reach the hosts: auto (shared memory to a host on this machine, else "
                             "TCP, else gRPC), or one of them for every host; nixl: TCP with the rows moved by NIXL "
                             "(GPU memory over NVLink/RDMA; pip install 'moeless[nixl]' on both sides) (default auto)")
-    serve.add_argument("--step-slo-ms", type=_positive_float, default=None, metavar="MS",
+    serve.add_argument("--step-slo-ms", type=_step_slo, nargs="+", default=None, metavar="[MODEL=]MS",
                        help="the step scaler (serving/step_gate.py): price each batch's expert work at admission "
                             "and hold its newcomers until the placement spans the hosts that run it within MS "
-                            "milliseconds; the loop plans over --step-hosts hosts, the others are warm spares "
-                            "(default: off, every host planned over)")
+                            "milliseconds; the loop plans over --step-hosts hosts, the others are warm spares. "
+                            "MODEL=MS gives a served model (a fine-tune) its own; a batch meets the least of its "
+                            "models' (e.g. 40 default+code=20) (default: off, every host planned over)")
     serve.add_argument("--step-hosts", type=_positive, default=1,
                        help="with --step-slo-ms: the hosts always planned over (default 1)")
     serve.add_argument("--step-hold", type=_non_negative_float, default=2.0, metavar="S",
@@ -120,6 +121,27 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _step_slo(text: str) -> tuple[str, float]:
+    """An argparse type: MS (the engine's step SLO: name "") or MODEL=MS (that model's own)."""
+    name, _, ms = text.rpartition("=")
+    try:
+        return name, _positive_float(ms)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: MS or MODEL=MS, milliseconds {err}") from None
+
+
+def _step_scaler(args: argparse.Namespace) -> dict | None:
+    """The step scaler's fields of serve_embedded (None: off); KnobError where the SLOs lack the engine's own."""
+    if args.step_slo_ms is None:
+        return None
+    bare = [ms for name, ms in args.step_slo_ms if not name]
+    if len(bare) != 1:
+        raise KnobError(f"--step-slo-ms: one bare MS (every model's step SLO), then MODEL=MS for any model's own; "
+                        f"got {len(bare)} bare")
+    return {"step_slo_s": bare[0] / 1e3, "step_slos_s": tuple((n, ms / 1e3) for n, ms in args.step_slo_ms if n),
+            "step_hosts": args.step_hosts, "step_hold_s": args.step_hold, "step_admit": args.step_admit}
+
+
 def _names_of(known: Callable[[], list[str]], what: str) -> Callable[[str], list[str]]:
     """An argparse type: a comma-separated list of names out of known() (called when parsed)."""
     def parse(text: str) -> list[str]:
@@ -148,9 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
                        max_batch=args.max_batch, drain_s=args.drain_s, demo=args.demo, poll_s=args.poll_us / 1e6,
                        knob_file=args.config, transport=args.transport, micro_batches=args.micro_batches,
                        micro_batch_tokens=args.micro_batch_tokens, device=args.device,
-                       step=None if args.step_slo_ms is None else
-                       {"step_slo_s": args.step_slo_ms / 1e3, "step_hosts": args.step_hosts,
-                        "step_hold_s": args.step_hold, "step_admit": args.step_admit})
+                       step=_step_scaler(args))
     except (KnobError, ProfileError) as err:
         print(f"moeless serve: {err}", file=sys.stderr)
         return 2

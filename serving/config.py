@@ -75,6 +75,7 @@ class ServeConfig:
     # work priced at admission against step_slo_s; the loop plans over step_hosts ready hosts (the
     # rest: spares), more for step_hold_s after a batch needed them. None: every ready host, no gate.
     step_slo_s: float | None = None
+    step_slos_s: tuple[tuple[str, float], ...] = ()  # (model, SLO) of a fine-tune (or the base) whose own differs
     step_hosts: int = 1
     step_hold_s: float = 2.0
     step_admit: str = "wait"  # newcomers wait for a widening ("wait"), or go in at once ("now")
@@ -108,6 +109,10 @@ class ServeConfig:
         if self.step_slo_s is not None and not (self.step_slo_s > 0 and self.step_hosts >= 1 and self.step_hold_s >= 0):
             raise ValueError(f"the step scaler needs step_slo_s > 0, step_hosts >= 1 and step_hold_s >= 0, got "
                              f"{self.step_slo_s}, {self.step_hosts}, {self.step_hold_s}")
+        unknown = [m for m, _ in self.step_slos_s if m not in (self.model_name, *self.family)]
+        if self.step_slos_s and (self.step_slo_s is None or unknown or not all(v > 0 for _, v in self.step_slos_s)):
+            raise ValueError(f"step_slos_s {dict(self.step_slos_s)}: each a model of this engine "
+                             f"({', '.join((self.model_name, *self.family))}) with an SLO > 0, beside step_slo_s")
         if self.step_admit not in STEP_ADMIT:
             raise ValueError(f"step_admit must be one of {STEP_ADMIT}, got {self.step_admit!r}")
 

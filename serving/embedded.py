@@ -67,7 +67,8 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     micro_batches, micro_batch_tokens: ping-pong in continuous batching (ServeConfig); device: where
     the replicas run the non-expert layers ("cpu" or "cuda": a GPU each, or a share where there are
     fewer; the local expert hosts take GPU 0 where there is one, as `moeless expert-host` does);
-    step: the step scaler's ServeConfig fields (step_slo_s, step_hosts, step_hold_s, step_admit; None: off).
+    step: the step scaler's ServeConfig fields (step_slo_s, step_slos_s: any model's own, step_hosts,
+    step_hold_s, step_admit; None: off).
     Raises KnobError for knobs that do not fit the model (before anything starts)."""
     models = [model] if isinstance(model, str) else list(model)
     replica_gpus = replica_gpus_for(device, replicas * len(models))
@@ -80,6 +81,10 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
     base_knobs = knobs or Knobs()
     remote = pool_source(os.environ[HOSTS_ENV]) if os.environ.get(HOSTS_ENV) else None
     choices = [choose_model(name) for name in models]
+    unserved = [m for m, _ in (step or {}).get("step_slos_s", ()) if m not in {c.name for c in choices}]
+    if unserved:
+        raise KnobError(f"--step-slo-ms {unserved[0]}=MS: no --model {unserved[0]} is served "
+                        f"(served: {', '.join(c.name for c in choices)})")
     if remote and (len(choices) > 1 or getattr(remote, "family", ())):
         _check_remote_family(choices, remote)
     stop = _stop_on_signals()
@@ -123,7 +128,8 @@ def serve_embedded(model: str | list[str] = "default", *, hosts: int = 2, replic
                                        micro_batches=micro_batches, micro_batch_tokens=micro_batch_tokens,
                                        host_model=getattr(remote, "model", None) if remote else
                                        (c.name if several else None), family_hosts=getattr(remote, "family", ()),
-                                       device=device, replica_gpus=replica_gpus, **(step or {}))
+                                       device=device, replica_gpus=replica_gpus,
+                                       **_engine_step(step, (c.name, *family[c.name])))
                            for c, _, k, _ in served if c.name in family]
                 serve.run(build_app(configs), name="moeless", route_prefix="/")
                 url = f"http://127.0.0.1:{port}"
@@ -186,6 +192,14 @@ def _check_remote_family(choices: list, remote) -> None:
         raise KnobError(f"${HOSTS_ENV} names {len(family)} fine-tunes of {base.name}'s engine (&family=NAME,...: what the "
                         f"pool's hosts serve them by), --model {len(tunes)} ({', '.join(c.name for c in tunes) or 'none'}): "
                         "give each fine-tune in both, in the same order")
+
+
+def _engine_step(step: dict | None, members: tuple[str, ...]) -> dict:
+    """The step scaler's ServeConfig fields of the engine serving `members` (its model, its fine-tunes):
+    the own SLOs of those only."""
+    if not step:
+        return {}
+    return {**step, "step_slos_s": tuple((m, slo) for m, slo in step.get("step_slos_s", ()) if m in members)}
 
 
 def _families(choices: list) -> dict[str, tuple[str, ...]]:

@@ -53,6 +53,9 @@ class IngressMetrics:
                                "by quantile (the worst replica's)", ["quantile"], registry=self.registry)
         self.step_switches = Gauge("moeless_step_gate_switches", "widenings the step scaler ran at once on the loop's "
                                    "standby placement, nobody held (all replicas)", registry=self.registry)
+        self.step_slo = Gauge("moeless_step_slo_seconds", "the step SLO the step scaler prices a batch of this model "
+                              "against, the least of its models' binding (model=\"*\": those without their own)",
+                              ["model"], registry=self.registry)
 
     def set_step_gates(self, gates: list) -> None:
         """From the replicas' StepGate.figures() (None where a replica has no step scaler)."""
@@ -62,6 +65,9 @@ class IngressMetrics:
             self.step_switches.set(sum(g["switches"] for g in gates))
             for q in ("p50", "p99", "max"):
                 self.step_wait.labels(q).set(max(g[f"wait_{q}_s"] for g in gates))
+            for g in gates:  # every replica of an engine has the same
+                for model, slo_s in {"*": g["slo_s"], **g["slos_s"]}.items():
+                    self.step_slo.labels(model).set(slo_s)
 
     def set_paths(self, paths: dict) -> None:
         """From a replica's stats: slot -> "local" | "tcp" | "nixl" | "grpc"."""

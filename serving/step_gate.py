@@ -2,7 +2,8 @@
 
 Before the scheduler admits newcomers (serving/scheduler.py), the gate prices the batch they would
 form with the running requests (step_expert_s over the loop's cost profile) and asks for the fewest
-hosts that run it within the step SLO (hosts_for_step). Where the loop plans over fewer, it asks
+hosts that run it within the step SLO (hosts_for_step; in a family engine the least SLO of the
+fine-tunes in the batch, each its own or the engine's: the twin's step_floor). Where the loop plans over fewer, it asks
 the loop to widen (PlanLoop.widen: a placement over that many ready hosts made resident on them,
 by widen itself or else by planning passes) and holds the newcomers out -- the running requests
 keep stepping on the placement they have -- until this replica runs that placement (the one widen's
@@ -30,7 +31,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -64,7 +65,9 @@ class GateStats:
 
 
 class StepGate:
-    """The gate (see the module docstring). price(tokens) -> expert host-seconds of a step;
+    """The gate (see the module docstring). price(tokens) -> expert host-seconds of a step; slo_s: the
+    step SLO, slos: a tighter or looser one per model of the engine (its fine-tunes), the least of those
+    in a batch binding it;
     ready() -> ready hosts in the pool; widen(hosts) -> a Future of the loop's answer (the hosts it
     plans over, the board version to follow up to, a placement to run at once or None); seen() -> the board version this replica runs;
     hurry(seconds): follow the board closely meanwhile; switch(hosts, seconds) -> whether this replica
@@ -74,11 +77,13 @@ class StepGate:
     def __init__(self, price: Callable[[int], float], slo_s: float, ready: Callable[[], int],
                  widen: Callable[[int], Future], seen: Callable[[], int], *,
                  hurry: Callable[[float], None] | None = None, switch: Callable[[int, float], bool] | None = None,
-                 adopt: Callable[[object, float], bool] | None = None,
+                 adopt: Callable[[object, float], bool] | None = None, slos: Mapping[str, float] | None = None,
                  hold_s: float = 2.0, max_wait_s: float = 2.0, hold_newcomers: bool = True,
                  clock: Callable[[], float] = time.monotonic):
-        if not slo_s > 0 or not max_wait_s >= 0:
-            raise ValueError(f"a step gate needs a step SLO > 0 s and a max wait >= 0 s, got {slo_s}, {max_wait_s}")
+        self.slos = dict(slos or {})
+        if not slo_s > 0 or not max_wait_s >= 0 or not all(v > 0 for v in self.slos.values()):
+            raise ValueError(f"a step gate needs step SLOs > 0 s and a max wait >= 0 s, got {slo_s}, {self.slos}, "
+                             f"{max_wait_s}")
         self.price, self.slo_s, self.ready, self.widen, self.seen = price, slo_s, ready, widen, seen
         self.hurry = hurry or (lambda for_s: None)
         self.switch = switch or (lambda hosts, for_s: False)
@@ -92,9 +97,10 @@ class StepGate:
         self.held_since: float | None = None
         self._lock = threading.Lock()  # stats are read by /metrics
 
-    def admit(self, tokens: int, newcomers: int) -> bool:
+    def admit(self, tokens: int, newcomers: int, models: Iterable[str] = ()) -> bool:
         """Whether `newcomers` may join a step of `tokens` tokens in all (their prompts and one per
-        running request) now; False: hold them out of this step."""
+        running request) of `models` (the step's requests', newcomers included) now; False: hold them
+        out of this step."""
         now = self.clock()
         if self.asking is not None and self.asking[1].done():
             self.granted, version, placement = self._answer(*self.asking[:2])
@@ -103,7 +109,7 @@ class StepGate:
             self.asking = None
         if self.asking is None and now - self.renewed >= self.hold_s:
             self.granted = 1  # not asked for hold_s: the loop has narrowed since
-        need = hosts_for_step(self.price(tokens), self.slo_s, self.ready())
+        need = hosts_for_step(self.price(tokens), self.slo_for(models), self.ready())
         if self.asking is None and need > 1 and (need > self.granted or now - self.renewed >= self.renew_s):
             switched = need > self.granted and self._switch(need, now)
             self.asking, self.renewed = (need, self.widen(need), switched), now  # renewed while needed: held
@@ -121,6 +127,10 @@ class StepGate:
             self._end(now, newcomers, timed_out=True)
             return True
         return False
+
+    def slo_for(self, models: Iterable[str]) -> float:
+        """The step SLO of a batch of `models`' requests: the least of theirs (slo_s for one without its own)."""
+        return min((self.slos.get(m, self.slo_s) for m in set(models)), default=self.slo_s)
 
     def _switch(self, need: int, now: float) -> bool:
         if not self.switch(need, self.max_wait_s):
@@ -149,13 +159,13 @@ class StepGate:
         self.held_since = None
 
     def figures(self) -> dict:
-        """The stats (GateStats.as_dict), the hosts the loop last granted, the SLO."""
+        """The stats (GateStats.as_dict), the hosts the loop last granted, the SLOs."""
         with self._lock:
-            return {**self.stats.as_dict(), "granted": self.granted, "slo_s": self.slo_s}
+            return {**self.stats.as_dict(), "granted": self.granted, "slo_s": self.slo_s, "slos_s": dict(self.slos)}
 
 
 def step_gate_for(slo_s: float, profile, spec, pool, loop, follower, **options) -> StepGate:
-    """The gate of a serving replica on the live loop: priced by the loop's cost profile over the
+    """The gate of a serving replica on the live loop (options: StepGate's, slos among them): priced by the loop's cost profile over the
     model's shape, ready hosts from its pool, widened by `loop`, the widened placement read by its
     BoardFollower (hurried while a hold waits)."""
     return StepGate(lambda tokens: step_expert_s(tokens, profile, spec.num_layers, spec.top_k, spec.num_experts),

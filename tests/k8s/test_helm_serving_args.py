@@ -43,9 +43,11 @@ def test_the_step_scaler_reaches_the_command_and_the_ray_args_and_a_bad_one_is_r
         return serving["spec"]["template"]["spec"]["containers"][0]["command"]
 
     assert "--step-slo-ms" not in command(render(helm))  # off by default
-    on = command(render(helm, "serving.stepScaler.sloMs=40", "serving.stepScaler.hosts=2"))
+    on = command(render(helm, "serving.stepScaler.sloMs=40", "serving.stepScaler.hosts=2",
+                        "serving.stepScaler.sloMsByModel.chat=20"))
     parsed = build_parser().parse_args(on[on.index("serve"):])  # what `moeless serve` reads
-    assert (parsed.step_slo_ms, parsed.step_hosts, parsed.step_hold, parsed.step_admit) == (40.0, 2, 2.0, "wait")
+    assert (parsed.step_slo_ms, parsed.step_hosts, parsed.step_hold, parsed.step_admit) == \
+        ([("", 40.0), ("chat", 20.0)], 2, 2.0, "wait")
     ray = next(d for d in render(helm, "serving.kuberay=true", "serving.stepScaler.sloMs=40", "serving.stepScaler.admit=now")
                if d["kind"] == "RayService")
     args = yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"][0]["args"]
@@ -53,7 +55,11 @@ def test_the_step_scaler_reaches_the_command_and_the_ray_args_and_a_bad_one_is_r
     assert (served.step_slo_s, served.step_hosts, served.step_hold_s, served.step_admit) == (0.04, 1, 2.0, "now")
     for value, shown in (("serving.stepScaler.sloMs=0", "serving.stepScaler.sloMs: 0 is not a number of milliseconds"),
                          ("serving.stepScaler.hosts=0", "serving.stepScaler.hosts: 0 is not a whole number >= 1"),
-                         ("serving.stepScaler.admit=later", "serving.stepScaler.admit: later is not wait or now")):
+                         ("serving.stepScaler.admit=later", "serving.stepScaler.admit: later is not wait or now"),
+                         ("serving.stepScaler.sloMsByModel.chat=0", "serving.stepScaler.sloMsByModel.chat: 0 is not a number")):
         bad = helm_run(helm, "template", "t", str(CHART), "--set", "serving.stepScaler.sloMs=40", "--set", value,
                        check=False)
         assert bad.returncode != 0 and shown in bad.stderr
+    ray_own = helm_run(helm, "template", "t", str(CHART), "--set", "serving.kuberay=true", "--set",
+                       "serving.stepScaler.sloMs=40", "--set", "serving.stepScaler.sloMsByModel.chat=20", check=False)
+    assert ray_own.returncode != 0 and "the Ray app (serving.kuberay) serves one model" in ray_own.stderr

@@ -24,12 +24,46 @@ def one_error_line(capsys, argv: list[str]) -> str:
     (["--distance", "5", "--model", "tiny:mixtral"], ["distance: 5 layers reaches past the model's 2 MoE layers",
                                                        "use 1..1"]),
     (["--no-placer", "--planner", "static"], ["scaler/placer", "planner is 'static'"]),
+    (["--step-slo-ms", "40", "50"], ["--step-slo-ms: one bare MS", "got 2 bare"]),
+    (["--step-slo-ms", "code=20"], ["--step-slo-ms: one bare MS", "got 0 bare"]),
+    (["--step-slo-ms", "40", "chat=20", "--model", "tiny:mixtral"], ["--step-slo-ms chat=MS: no --model chat is served"]),
 ])
 def test_bad_knob_is_one_line_exit_2(capsys, argv, words):
     line = one_error_line(capsys, ["serve", *argv])
     assert line.startswith("moeless serve: "), line
     for word in words:
         assert word in line, (word, line)
+
+
+def test_step_slos_reach_the_step_scaler_each_engine_its_own_models():
+    from moeless.cli import build_parser
+    from moeless.serving.cli import _step_scaler
+    from moeless.serving.embedded import _engine_step
+
+    args = build_parser().parse_args(["serve", "--step-slo-ms", "40", "default+code=20", "chat=60.5", "--step-hosts", "2"])
+    step = _step_scaler(args)
+    assert step == {"step_slo_s": 0.04, "step_slos_s": (("default+code", 0.02), ("chat", 0.0605)), "step_hosts": 2,
+                    "step_hold_s": 2.0, "step_admit": "wait"}
+    assert _engine_step(step, ("default", "default+code"))["step_slos_s"] == (("default+code", 0.02),)
+    assert _engine_step(None, ("default",)) == {}
+    assert _step_scaler(build_parser().parse_args(["serve"])) is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--step-slo-ms", "40", "chat=fast"])
+
+
+def test_a_serve_config_takes_step_slos_of_its_own_engines_models_only():
+    from moeless.model.tiny import tiny_model
+    from moeless.serving.config import ServeConfig
+
+    live = {"plan_loop": "loop", "knobs": object(), "placement_board": "board", "step_slo_s": 0.04}
+    config = ServeConfig("base", tiny_model, ("a:1",), family=("base+code",), host_model="base", **live,
+                         step_slos_s=(("base+code", 0.02),))
+    assert dict(config.step_slos_s) == {"base+code": 0.02}
+    for bad in ((("chat", 0.02),), (("base+code", 0.0),)):
+        with pytest.raises(ValueError, match="each a model of this engine \\(base, base\\+code\\) with an SLO > 0"):
+            ServeConfig("base", tiny_model, ("a:1",), family=("base+code",), host_model="base", **live, step_slos_s=bad)
+    with pytest.raises(ValueError, match="beside step_slo_s"):
+        ServeConfig("base", tiny_model, ("a:1",), step_slos_s=(("base", 0.02),))
 
 
 def test_a_config_key_that_does_not_exist(tmp_path, capsys):

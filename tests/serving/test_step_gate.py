@@ -4,6 +4,7 @@ experts: the answers stay the sequential ones)."""
 
 from concurrent.futures import Future
 
+import pytest
 import torch
 
 from moeless.model.tiny import tiny_model
@@ -176,6 +177,33 @@ def test_the_scheduler_holds_newcomers_while_running_requests_step_and_answers_s
         expected = "".join(chr(t) for t in model.generate(ids, n)[0, ids.shape[1]:].tolist())
         assert "".join(e.get("text", "") for e in events) == expected and events[-1]["finish"] == "length"
     assert gate.figures()["holds"] == 1 and gate.figures()["waits_s"] == [0.05]
+
+
+def test_a_fine_tunes_own_step_slo_binds_every_batch_it_is_in():
+    loop, clock = FakeLoop(), Clock()
+    gate = gate_for(loop, clock, slos={"code": 5e-3, "chat": 20e-3})
+    assert gate.slo_for([]) == gate.slo_for(["base"]) == 10e-3 and gate.slo_for(["chat"]) == 20e-3
+    assert gate.slo_for(["chat", "code", "chat"]) == 5e-3  # the least of the batch's
+    assert gate.admit(15, 1, ["chat"]) and loop.asked == []  # 15 ms within chat's 20
+    assert not gate.admit(15, 1, ["chat", "code"]) and loop.asked == [3]  # 15 ms against code's 5: 3 hosts
+    assert gate.figures()["slos_s"] == {"code": 5e-3, "chat": 20e-3}
+    for bad in ({"code": 0.0}, {"code": -1.0}):
+        with pytest.raises(ValueError, match="step SLOs > 0 s"):
+            gate_for(loop, clock, slos=bad)
+
+
+def test_the_scheduler_prices_a_batch_against_the_slo_of_the_models_in_it():
+    torch.set_num_threads(1)
+    loop, clock = FakeLoop(), Clock()
+    gate = StepGate(lambda tokens: tokens * 1e-3, 20e-3, lambda: 3, loop.widen, lambda: loop.seen, clock=clock,
+                    slos={"tight": 1e-3})
+    scheduler = Scheduler(Engine(tiny_model("mixtral", 0)), BatchLimits(max_running=8), gate=gate)
+    scheduler.submit(GenerationRequest("m", 4, False, prompt="hi"), lambda events: None)
+    scheduler.step()  # 2 tokens: 2 ms within 20
+    assert loop.asked == [] and scheduler.counts() == {"running": 1, "waiting": 0}
+    scheduler.submit(GenerationRequest("tight", 4, False, prompt="yo"), lambda events: None)
+    scheduler.step()  # 1 running + 2 prompt tokens: 3 ms against the newcomer's 1 ms
+    assert loop.asked == [3] and scheduler.counts() == {"running": 1, "waiting": 1}
 
 
 def test_a_standby_placement_is_switched_to_at_once_and_nobody_is_held():

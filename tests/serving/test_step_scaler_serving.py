@@ -112,7 +112,7 @@ def test_admitted_now_a_request_needing_the_spares_goes_in_while_the_loop_widens
     with launch_local_hosts(3, root, keep_alive_s=60, metrics=False) as group:
         knobs = Knobs(planner="moeless", predictor="gate", distance=1, keep_alive_s=60, memory_price=0.0)
         deploy_tiny(group.addresses, MODEL, placement_board=BOARD, plan_loop=LOOP, knobs=knobs, profile=PROFILE,
-                    step_slo_s=slo_s, step_hosts=1, step_hold_s=HOLD_S, step_admit="now")
+                    step_slo_s=60.0, step_slos_s=((MODEL, slo_s),), step_hosts=1, step_hold_s=HOLD_S, step_admit="now")
         loop = ray.get_actor(LOOP, namespace=NAMESPACE)
         try:
             wait_until(lambda: ray.get(loop.state.remote())["hosts_live"] == [True, False, False], "one host planned over",
@@ -121,6 +121,9 @@ def test_admitted_now_a_request_needing_the_spares_goes_in_while_the_loop_widens
             assert [o.text for o in outcomes] == [reference_text(model, p, 6) for p in PROMPTS]
             gate = _stats()["step_gate"]
             assert gate["holds"] == 0 and gate["widenings"] >= 1  # asked for the spares, held nobody
+            assert gate["slos_s"] == {MODEL: slo_s}  # the model's own SLO binds (the engine's 60 s never would)
+            metrics = httpx.get(f"{ray_serve}/metrics", timeout=30).text
+            assert 'moeless_step_slo_seconds{model="*"} 60.0' in metrics and f'moeless_step_slo_seconds{{model="{MODEL}"}}' in metrics
             wait_until(lambda: ray.get(loop.metrics.remote())["widenings"]["settled"] >= 1,
                        "the loop's widening onto the spares settled", timeout=30.0)
         finally:

@@ -69,7 +69,15 @@ k8s://{{ .Release.Namespace }}/{{ include "moeless.policyName" . }}:{{ $h.grpcPo
 {{- if or (not (or (kindIs "float64" $s.hosts) (kindIs "int64" $s.hosts) (kindIs "int" $s.hosts))) (lt (float64 $s.hosts) 1.0) (ne (float64 $s.hosts) (floor $s.hosts)) -}}{{ fail (printf "serving.stepScaler.hosts: %v is not a whole number >= 1" $s.hosts) }}{{- end -}}
 {{- if or (not (or (kindIs "float64" $s.holdSeconds) (kindIs "int64" $s.holdSeconds) (kindIs "int" $s.holdSeconds))) (lt (float64 $s.holdSeconds) 0.0) -}}{{ fail (printf "serving.stepScaler.holdSeconds: %v is not a number of seconds >= 0" $s.holdSeconds) }}{{- end -}}
 {{- $admit := $s.admit | default "wait" -}}{{- if not (has $admit (list "wait" "now")) -}}{{ fail (printf "serving.stepScaler.admit: %v is not wait or now" $admit) }}{{- end -}}
-{{- if eq .form "args" -}}, step_slo_ms: {{ $s.sloMs }}, step_hosts: {{ int $s.hosts }}, step_hold_s: {{ $s.holdSeconds }}, step_admit: {{ $admit }}{{- else -}}{{ toJson (list "--step-slo-ms" (toString $s.sloMs) "--step-hosts" (toString (int $s.hosts)) "--step-hold" (toString $s.holdSeconds) "--step-admit" $admit) }}{{- end -}}
+{{- $own := list -}}
+{{- range $model, $ms := ($s.sloMsByModel | default dict) -}}
+{{- if or (not (or (kindIs "float64" $ms) (kindIs "int64" $ms) (kindIs "int" $ms))) (le (float64 $ms) 0.0) -}}{{ fail (printf "serving.stepScaler.sloMsByModel.%s: %v is not a number of milliseconds > 0" $model $ms) }}{{- end -}}
+{{- $own = append $own (printf "%s=%v" $model $ms) -}}
+{{- end -}}
+{{- if eq .form "args" -}}
+{{- if $own -}}{{ fail "serving.stepScaler.sloMsByModel: the Ray app (serving.kuberay) serves one model, so a model's own step SLO is sloMs; set it there" }}{{- end -}}
+, step_slo_ms: {{ $s.sloMs }}, step_hosts: {{ int $s.hosts }}, step_hold_s: {{ $s.holdSeconds }}, step_admit: {{ $admit }}
+{{- else -}}{{ toJson (concat (list "--step-slo-ms" (toString $s.sloMs)) $own (list "--step-hosts" (toString (int $s.hosts)) "--step-hold" (toString $s.holdSeconds) "--step-admit" $admit)) }}{{- end -}}
 {{- else if ne .form "args" -}}[]{{- end -}}
 {{- end -}}
 
