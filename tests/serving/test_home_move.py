@@ -77,6 +77,7 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
     load = ExpertHostClient.load
 
     sent = []  # (layer, expert, host) of every load the loops send
+    landing: list[threading.Timer] = []  # the slow loads still to land (waited for before the clients close)
 
     def slow_load(client, layer, expert, wait=False):  # a load that takes LOAD_S, as a large expert's does
         sent.append((layer, expert, hosts.addresses.index(client.address)))
@@ -85,7 +86,8 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
         def land():
             with contextlib.suppress(ValueError):  # the loop stopped and closed its client first: the test is over
                 load(client, layer, expert)
-        threading.Timer(LOAD_S, land).start()
+        landing.append(timer := threading.Timer(LOAD_S, land))
+        timer.start()
         return "loading"
 
     monkeypatch.setattr(ExpertHostClient, "load", slow_load)  # the loop's prefetches
@@ -130,6 +132,8 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
                  "eplb-production": ({**extra, "eplb_first_rebalance": 1000}, "took up the layout resident")}[planner]
         _a_restarted_loop_keeps_the_moved_homes(settings, source, clients, published, sent, moved, model, g, *still)
     finally:
+        for timer in list(landing):  # a slow load due after the clients close would fail on a closed channel
+            timer.join()
         for c in clients:
             c.close()
 
