@@ -95,6 +95,7 @@ class BoardFollower:
         self.seen, self.standby_seen, self.standby = 0, 0, {}
         self._hurried_until = 0.0
         self._floor, self._pinned_until = 0, 0.0  # a switch's hosts: no narrower board placement until then
+        self._passed = 0  # the newest narrower board version the pin passed over (not read again until it ends)
         self._apply = threading.Lock()  # a board placement and a switch: one after the other
         self._stop, self._poll = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="placement-follower", daemon=True)
@@ -113,7 +114,8 @@ class BoardFollower:
             self._poll.clear()
             if self._stop.is_set():
                 break
-            update = ray.get(self.board.newer_than.remote(self.seen, self.standby_seen))
+            since = max(self.seen, self._passed) if time.monotonic() < self._pinned_until else self.seen
+            update = ray.get(self.board.newer_than.remote(since, self.standby_seen))
             if update is None:
                 continue
             version, placement, self.standby_seen, standby = update
@@ -125,7 +127,8 @@ class BoardFollower:
     def _follow(self, version: int, placement: Placement) -> None:
         with self._apply:
             if time.monotonic() < self._pinned_until and spanned(placement) < self._floor:
-                return  # narrower than this replica switched to: read again until the pin ends
+                self._passed = version  # narrower than this replica switched to: read again once the pin ends
+                return
             self.seen = version
             try:
                 self.source.set(placement)
