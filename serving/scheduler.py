@@ -171,8 +171,9 @@ class Scheduler:
             self._drop_cancelled()
             count = admit([len(r.prompt) for r in self._waiting], len(self._running), self.limits)
             tokens = len(self._running) + sum(len(self._waiting[i].prompt) for i in range(count))
-            models = {r.request.model for r in self._running.values()} | {self._waiting[i].request.model for i in range(count)}
-        held = bool(count) and self.gate is not None and not self.gate.admit(tokens, count, models)  # may ask the loop: unlocked
+            gated = bool(count) and self.gate is not None
+            models = {r.request.model for r in (*self._running.values(), *itertools.islice(self._waiting, count))} if gated else ()
+        held = gated and not self.gate.admit(tokens, count, models)  # may ask the loop: unlocked
         with self._lock:
             newcomers = [] if held else [self._waiting.popleft() for _ in range(min(count, len(self._waiting)))]
             rows = [self._running[rid] for rid in self.slots.rids]
