@@ -35,14 +35,13 @@ from moeless.controller.planning.cost_fit import OnlineCostFit
 from moeless.controller.planning.host_calls import configure_host, host_statuses, load_all, send_actions
 from moeless.controller.planning.knob_sources import follow_knobs
 from moeless.controller.planning.names import NAMESPACE
-from moeless.controller.planning.host_view import HostView
+from moeless.controller.planning.host_view import HostFigures, HostView
 from moeless.controller.planning.rules import (LoopTerms, forecast_groups, held_forecasts, hosts_to_configure, loop_terms,
                                                pass_due, plan_groups, planner_config, restart_knobs_changed, to_publish)
 from moeless.controller.planning.settings import LoopSettings
 from moeless.controller.planning.step_scaler import PlacementWidth
 from moeless.controller.planning.widenings import Widenings
-from moeless.controller.planning.window import (PHASES, Accumulated, Heartbeat, IterationReport, LiveStats,
-                                                ReportWindow, meter_totals)
+from moeless.controller.planning.window import PHASES, Heartbeat, IterationReport, LiveStats, ReportWindow
 from moeless.controller.pool.sources import follow_pool
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.hardware.host_profile import calibrate_host
@@ -87,13 +86,11 @@ class PlanLoop:
         self._planner, self._published, self._releasing = None, None, None  # _releasing: the last plan
         self._version, self._fresh, self._pending_loads = 0, False, False  # _published's; reports since; loads sent
         self._refreshed, self.resident_replicas = 0.0, 0  # when the hosts were last read; the replicas they held
-        self._memory = np.zeros(num_hosts)  # each host's last known replica memory
         self.counts = {"passes": 0, "plans": 0, "publishes": 0, "loads_sent": 0, "errors": 0, "reports": 0}
         self.plan_s, self.last_error = {"last": 0.0, "sum": 0.0}, ""
         self.hosts_live: list[bool] = [True] * num_hosts  # the hosts planned over (ready, within the width)
         self._seen: tuple[list[bool], np.ndarray] = ([], np.zeros((0, 0, 0), bool))  # the last pass's ready slots, all resident
-        self.host_meters: list[dict] = [{} for _ in range(num_hosts)]
-        self._gb_s = Accumulated(num_hosts)
+        self.host_figures = HostFigures(num_hosts)  # each slot's memory, meters and GB·s across passes
         self._swaps = ThreadPoolExecutor(1, "home-swaps")  # a chance's candidate homes (placement/home_moves.py)
         self._publisher = ThreadPoolExecutor(1, "widen-publish")  # widen's publishes, after its caller has the placement
         self.widenings = Widenings(PlacementWidth(settings.width_floor, settings.width_hold_s), self._lock)
@@ -169,9 +166,8 @@ class PlanLoop:
         with self._lock:
             return {**self.state(), "stats": self.stats.as_dict(), "plan_s": dict(self.plan_s),
                     "latency_fit": self.fit.as_dict(), "resident_replicas": self.resident_replicas,
-                    "widenings": self.widenings.as_dict(), **meter_totals([m for m in self.host_meters if m]),
-                    "expert_gb_s": self._gb_s.total, "non_expert_gb_s": self.s.profile.non_expert_bytes / 1e9
-                    * self.s.replicas * (time.time() - self.started)}
+                    "widenings": self.widenings.as_dict(), **self.host_figures.totals(),
+                    "non_expert_gb_s": self.s.profile.non_expert_bytes / 1e9 * self.s.replicas * (time.time() - self.started)}
 
     def profile(self) -> tuple[CostProfile, float]:
         """(the cost profile the loop plans with, a host call's fixed cost in seconds if measured here)."""
@@ -247,16 +243,12 @@ class PlanLoop:
             active = self.widenings.width.active_slots([st is not None for st in statuses], time.monotonic())
         every, mask = HostView.from_status(statuses, s.num_layers, s.num_experts), np.asarray(active)  # spares' too
         view = HostView(every.resident & mask, every.loading & mask, every.live & mask, np.where(mask, every.memory, 0.0))
-        self._memory = np.where(view.live, view.memory, self._memory)  # a dead host's: as last seen
         with self._lock:
             # plan for a host that came or went, and again until a widening's loads are published
             joined = self._planned and (view.live.tolist() != self.hosts_live or self.widenings.open())
             self.hosts_live, self._seen = view.live.tolist(), ([st is not None for st in statuses], every.resident)
             self.resident_replicas = int(view.resident.sum())
-            for i, status in enumerate(statuses):
-                if status is not None:
-                    self.host_meters[i] = status["meters"]
-                    self._gb_s.update(i, status["meters"]["gb_s"])  # a model-bound client's: its own part
+            self.host_figures.update(statuses, view)
             now = time.time()
             iteration_s = self.window.iteration_s(now)
             first, self._planned = not self._planned, True
@@ -277,7 +269,7 @@ class PlanLoop:
         if made:  # a restarted loop keeps the homes its predecessor moved
             planner.adopt(view.resident & view.live[None, None, :])
         planner.learn(*learnt)  # what ran since the last pass
-        decision = plan_groups(planner, groups, view, s.profile.expert_bytes, self.layer_cap, self._memory, off)
+        decision = plan_groups(planner, groups, view, s.profile.expert_bytes, self.layer_cap, self.host_figures.memory, off)
         self._releasing = self._releasing if decision is None else decision.plan  # its release: evicted once unrouted
         routed = self._published.replicas() if self._published else None
         free = self._releasing.releasable(view.resident & view.live[None, None, :]) if self._releasing else []
@@ -315,14 +307,11 @@ class PlanLoop:
     def _fit_slots(self, slots: int) -> None:
         """Size the per-host figures to the pool's slots now (maxHosts changed while serving); a
         stateful planner, whose history is of the old hosts, is made again."""
-        if slots == len(self._memory):
-            return
-        log.info("planning over %d expert-host slots, was %d", slots, len(self._memory))
-        keep = min(slots, len(self._memory))
-        self._memory = np.concatenate([self._memory[:keep], np.zeros(slots - keep)])
         with self._lock:
-            self.host_meters = self.host_meters[:keep] + [{} for _ in range(slots - keep)]
-            self._gb_s.resize(slots)
+            was = len(self.host_figures.memory)
+            if not self.host_figures.resize(slots):
+                return
+            log.info("planning over %d expert-host slots, was %d", slots, was)
             if self.stateful:
                 self._planner, self._actuals = None, []
 

@@ -5,7 +5,7 @@ keeps them in a ReportWindow (the last window_s seconds of every replica: the fo
 with, merged with time weights) and adds them to LiveStats (per phase and layer: MoE-layer times,
 the slowest host's compute, the tokens it received, cold starts, the latency model's prediction,
 calibrated and refitted online; what /metrics and `moeless bench live` read). Heartbeat says
-whether the loop still runs; Accumulated adds up the hosts' GB·s across their restarts. Time is injected (clock()), so all of it is tested on a fake clock.
+whether the loop still runs. Time is injected (clock()), so all of it is tested on a fake clock.
 """
 
 from __future__ import annotations
@@ -219,29 +219,3 @@ class Heartbeat:
         """None while the loop runs, else the line /healthz shows."""
         age = self.age()
         return f"degraded: planning loop stalled for {age:.1f} s" if age > self.threshold_s else None
-
-
-class Accumulated:
-    """GB·s of hosts whose counters restart with the host: the sum of every host's increases."""
-
-    def __init__(self, hosts: int):
-        self.last = [0.0] * hosts
-        self.total = 0.0
-
-    def update(self, host: int, value: float) -> None:
-        self.total += value - self.last[host] if value >= self.last[host] else value  # a restart begins at 0
-        self.last[host] = value
-
-    def resize(self, hosts: int) -> None:
-        """Slots added start from 0; a slot removed keeps what it added to the total."""
-        self.last = self.last[:hosts] + [0.0] * (hosts - len(self.last))
-
-
-def meter_totals(meters: list[dict]) -> dict:
-    """The hosts' cold starts (hidden and exposed seconds, count), loads, and the resident replicas the
-    model uses alone or shares with other models of the hosts (held once), summed over each host's last
-    meters (hosts that never answered: {})."""
-    return {"cold_hidden_s": sum(m.get("cold_hidden_s", 0.0) for m in meters),
-            "cold_exposed_s": sum(m.get("cold_exposed_s", 0.0) for m in meters),
-            "cold_starts": sum(m.get("cold_starts", 0) for m in meters), "loads": sum(m.get("loads", 0) for m in meters),
-            **{key: sum(m.get(key, 0) for m in meters) for key in ("own_replicas", "shared_replicas", "shared_bytes")}}

@@ -17,7 +17,7 @@ from moeless.controller.planning.rules import (
 )
 from moeless.controller.planning.window import Heartbeat, IterationReport, LayerFigures, LiveStats, ReportWindow
 from moeless.placement.planner import get_planner, relevels
-from moeless.placement.profile import CostProfile, ProfileError
+from moeless.placement.profile import ProfileError
 from moeless.controller.knobs import KnobError, Knobs
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.check_gate import CheckGate
@@ -25,19 +25,7 @@ from moeless.placement.dispatch import pair_tokens
 from moeless.placement.shares import actual_shares
 from moeless.placement.types import LayerPlacement, Placement
 
-L, E, G = 2, 4, 2
-PROFILE = CostProfile(alpha=1e-6, beta=0.0, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
-                      expert_bytes=1000, non_expert_bytes=10_000, relevel_s=1e-5, source="test")
-
-
-def status(replicas, memory=1_000_000, health="serving"):
-    """A host's status() with replicas [(layer, expert, state)]."""
-    return {"memory_bytes": memory, "health": health, "keep_alive_s": 60.0, "meters": {"gb_s": 0.0},
-            "replicas": [{"layer": l, "expert": e, "state": s} for l, e, s in replicas]}
-
-
-def homes(g, state="idle"):
-    return [(l, e, state) for l in range(L) for e in range(E) if e * G // E == g]
+from controller_support import E, G, L, PROFILE, homes, status
 
 
 def test_planner_names_from_knobs():
@@ -61,26 +49,6 @@ def test_layer_cap_from_knobs():
     assert layer_cap_replicas(Knobs(layer_memory_cap_gib=6000 / 2**30), E, 1000) == 6
     with pytest.raises(KnobError, match="layerMemoryCapGiB: .* fewer than the 4 experts"):
         layer_cap_replicas(Knobs(layer_memory_cap_gib=3000 / 2**30), E, 1000)
-
-
-def test_host_view_reads_states_and_dead_hosts():
-    view = HostView.from_status([status(homes(0) + [(1, 3, "loading"), (0, 2, "evicted")]), None], L, E)
-    assert view.live.tolist() == [True, False] and view.memory.tolist() == [1_000_000, 0]
-    assert view.resident[:, :, 0].sum() == 4 and view.resident[1, 0, 0] and not view.resident[0, 2, 0]
-    assert view.loading[1, 3, 0] and not view.resident[:, :, 1].any()
-    draining = HostView.from_status([status(homes(0)), status(homes(1), health="draining")], L, E)
-    assert draining.live.tolist() == [True, False]
-
-
-def test_host_view_says_how_long_each_resident_replica_lasts():
-    idle = status([(0, 0, "idle"), (0, 1, "warm"), (1, 2, "loading")]) | {"keep_alive_s": 5.0}
-    idle["replicas"][0]["idle_s"] = 4.0
-    view = HostView.from_status([idle, None], L, E)
-    assert view.keep_left[0, 0, 0] == pytest.approx(1.0) and view.keep_left[0, 1, 0] == math.inf
-    assert view.lasting(0.5)[0, :2, 0].tolist() == [True, True]
-    assert view.lasting(1.5)[0, :2, 0].tolist() == [False, True]  # its keep-alive runs out sooner
-    assert view.lasting(1.5).sum() == 1 and not view.lasting(0.0)[1, 2, 0]  # loading: not resident
-    assert HostView(view.resident, view.loading, view.live, view.memory).lasting(99.0).sum() == 2  # not read: resident
 
 
 def test_resident_placement_puts_an_expert_resident_nowhere_at_home():

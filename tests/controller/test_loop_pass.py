@@ -10,22 +10,11 @@ from moeless.controller.planning.rules import (
     planner_config, same_placement, to_publish,
 )
 from moeless.placement.planner import get_planner
-from moeless.placement.profile import CostProfile
 from moeless.placement.types import LayerPlacement, Placement
 
-L, E, G = 2, 4, 2
-PROFILE = CostProfile(alpha=1e-6, beta=0.0, call_overhead=1e-6, load_s={"disk": 1e-4, "host": 1e-6},
-                      expert_bytes=1000, non_expert_bytes=10_000, relevel_s=1e-5, source="test")
+from controller_support import E, G, L, PROFILE, homes, status
+
 SKEWED = np.array([[400.0, 300, 10, 10], [300, 300, 20, 20]])
-
-
-def status(replicas, memory=1_000_000):
-    return {"memory_bytes": memory, "health": "serving", "keep_alive_s": 60.0, "meters": {"gb_s": 0.0},
-            "replicas": [{"layer": l, "expert": e, "state": s} for l, e, s in replicas]}
-
-
-def homes(g):
-    return [(l, e, "idle") for l in range(L) for e in range(E) if e * G // E == g]
 
 
 def planner(name="moeless"):

@@ -67,7 +67,7 @@ def test_a_pool_that_grows_its_slots_while_serving_is_planned_over_them_and_shri
         write_members(path, 3, [Member(0, a), Member(1, b), Member(2, c)])  # maxHosts 2 -> 3
         wait_until(lambda: loop.state()["hosts_live"] == [True, True, True], "the third slot planned for")
         wait_until(lambda: resident(c) > 0, "host 2's home replicas loaded")
-        assert loop.metrics()["expert_gb_s"] >= 0 and len(loop.host_meters) == 3
+        assert loop.metrics()["expert_gb_s"] >= 0 and len(loop.host_figures.meters) == 3
         write_members(path, 2, [Member(0, a), Member(1, b), Member(2, c)])  # and back
         wait_until(lambda: loop.state()["hosts_live"] == [True, True], "back to two slots")
         assert loop.state()["errors"] == 0
