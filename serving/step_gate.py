@@ -1,7 +1,8 @@
 """Admission under a step SLO: the step scaler's serving half (its rules: controller/planning/step_scaler.py).
 
 Before the scheduler admits newcomers (serving/scheduler.py), the gate prices the batch they would
-form with the running requests (step_expert_s over the loop's cost profile) and asks for the fewest
+form with the running requests (step_expert_s over the loop's cost profile, times the loop's refit of
+it to the running machine: FittedPrice) and asks for the fewest
 hosts that run it within the step SLO (hosts_for_step; in a family engine the least SLO of the
 fine-tunes in the batch, each its own or the engine's: the twin's step_floor). Where the loop plans over fewer, it asks
 the loop to widen (PlanLoop.widen: a placement over that many ready hosts made resident on them,
@@ -65,7 +66,8 @@ class GateStats:
 
 
 class StepGate:
-    """The gate (see the module docstring). price(tokens) -> expert host-seconds of a step; slo_s: the
+    """The gate (see the module docstring). price(tokens) -> expert host-seconds of a step (its `scale`,
+    where it has one, FittedPrice's, shown in figures); slo_s: the
     step SLO, slos: a tighter or looser one per model of the engine (its fine-tunes), the least of those
     in a batch binding it;
     ready() -> ready hosts in the pool; widen(hosts) -> a Future of the loop's answer (the hosts it
@@ -159,16 +161,44 @@ class StepGate:
         self.held_since = None
 
     def figures(self) -> dict:
-        """The stats (GateStats.as_dict), the hosts the loop last granted, the SLOs."""
+        """The stats (GateStats.as_dict), the hosts the loop last granted, the SLOs, the price's scale."""
         with self._lock:
-            return {**self.stats.as_dict(), "granted": self.granted, "slo_s": self.slo_s, "slos_s": dict(self.slos)}
+            return {**self.stats.as_dict(), "granted": self.granted, "slo_s": self.slo_s, "slos_s": dict(self.slos),
+                    "price_scale": getattr(self.price, "scale", 1.0)}
+
+
+class FittedPrice:
+    """A step's expert host-seconds (step_expert_s over `profile` and the model's shape) times the
+    loop's refitted compute scale (controller/planning/cost_fit.py: under load the idle calibration
+    is 30-50% short, and the planners plan with the refit too). ask() -> a Future of the loop's scale,
+    asked every refresh_s and read once answered, so no step waits for it; a failed ask keeps the
+    scale it had (1: the calibration, until the first answer)."""
+
+    def __init__(self, profile, spec, ask: Callable[[], Future], refresh_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.profile, self.spec, self.ask, self.refresh_s, self.clock = profile, spec, ask, refresh_s, clock
+        self.scale, self._asking, self._asked = 1.0, None, -float("inf")
+
+    def __call__(self, tokens: int) -> float:
+        now = self.clock()
+        if self._asking is not None and self._asking.done():
+            try:
+                self.scale = float(self._asking.result())
+            except Exception as err:  # the loop is gone or failing: price as before, ask again later
+                log.warning("the planning loop did not give its cost scale: %s", err)
+            self._asking = None
+        if self._asking is None and now - self._asked >= self.refresh_s:
+            self._asking, self._asked = self.ask(), now
+        spec = self.spec
+        return self.scale * step_expert_s(tokens, self.profile, spec.num_layers, spec.top_k, spec.num_experts)
 
 
 def step_gate_for(slo_s: float, profile, spec, pool, loop, follower, **options) -> StepGate:
-    """The gate of a serving replica on the live loop (options: StepGate's, slos among them): priced by the loop's cost profile over the
-    model's shape, ready hosts from its pool, widened by `loop`, the widened placement read by its
-    BoardFollower (hurried while a hold waits)."""
-    return StepGate(lambda tokens: step_expert_s(tokens, profile, spec.num_layers, spec.top_k, spec.num_experts),
+    """The gate of a serving replica on the live loop (options: StepGate's, slos among them): priced by
+    the loop's cost profile over the model's shape, refitted as the loop's is (FittedPrice), ready hosts
+    from its pool, widened by `loop`, the widened placement read by its BoardFollower (hurried while a
+    hold waits)."""
+    return StepGate(FittedPrice(profile, spec, lambda: loop.cost_scale.remote().future()),
                     slo_s, lambda: len(pool.clients()), lambda hosts: loop.widen.remote(hosts).future(),
                     lambda: follower.seen, hurry=follower.hurry, switch=follower.switch,
                     adopt=follower.adopt, **options)

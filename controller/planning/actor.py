@@ -131,6 +131,12 @@ class PlanLoop:
         version = self.widenings.wait(None if placement is not None else ticket, asked + timeout_s - time.monotonic())
         return min(self.widenings.hosts(time.monotonic()) or hosts, len(self.pool.clients())), version, placement
 
+    def cost_scale(self) -> float:
+        """The refitted compute scale (cost_fit.py's a: the planners' profile over the calibration's), for
+        the step scaler's price (serving/step_gate.FittedPrice)."""
+        with self._lock:
+            return self.fit.coefficients[0]
+
     def set_knobs(self, knobs: Knobs, generation: int) -> bool:
         """Plan by `knobs` from the next pass on (generation: the source's); False, keeping the running
         knobs, when they cannot serve this model (knob_error says why). The knobs a serving replica

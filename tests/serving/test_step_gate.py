@@ -11,7 +11,9 @@ from moeless.model.tiny import tiny_model
 from moeless.serving.api import GenerationRequest
 from moeless.serving.engine import Engine
 from moeless.serving.scheduler import BatchLimits, Scheduler
-from moeless.serving.step_gate import StepGate
+from moeless.controller.planning.step_scaler import step_expert_s
+from moeless.placement.profile import CostProfile
+from moeless.serving.step_gate import FittedPrice, StepGate
 
 
 class FakeLoop:
@@ -204,6 +206,32 @@ def test_the_scheduler_prices_a_batch_against_the_slo_of_the_models_in_it():
     scheduler.submit(GenerationRequest("tight", 4, False, prompt="yo"), lambda events: None)
     scheduler.step()  # 1 running + 2 prompt tokens: 3 ms against the newcomer's 1 ms
     assert loop.asked == [3] and scheduler.counts() == {"running": 1, "waiting": 1}
+
+
+def test_a_fitted_price_follows_the_loops_refit_without_waiting_for_it():
+    profile = CostProfile(alpha=1e-3, beta=0.0, call_overhead=0.5e-3, load_s={"host": 1e-4}, expert_bytes=1000,
+                          non_expert_bytes=1000, relevel_s=1e-5, source="test")
+    spec = tiny_model("mixtral", 0).spec
+    calibrated = step_expert_s(40, profile, spec.num_layers, spec.top_k, spec.num_experts)
+    asks, clock = [], Clock()
+
+    def ask():
+        asks.append(Future())
+        return asks[-1]
+
+    price = FittedPrice(profile, spec, ask, refresh_s=5.0, clock=clock)
+    assert price(40) == calibrated and len(asks) == 1  # asked, not waited for: the calibration meanwhile
+    asks[0].set_result(1.5)
+    assert price(40) == 1.5 * calibrated and len(asks) == 1  # answered: the refit; asked again after refresh_s
+    clock.now = 5.0
+    assert price(40) == 1.5 * calibrated and len(asks) == 2
+    asks[1].set_exception(RuntimeError("the loop is gone"))
+    clock.now = 9.0
+    assert price(40) == 1.5 * calibrated and len(asks) == 2  # a failed ask keeps the scale it had
+    clock.now = 10.0
+    assert price(40) == 1.5 * calibrated and len(asks) == 3
+    gate = StepGate(price, 10e-3, lambda: 3, FakeLoop().widen, lambda: 0, clock=clock)
+    assert gate.figures()["price_scale"] == 1.5
 
 
 def test_a_standby_placement_is_switched_to_at_once_and_nobody_is_held():

@@ -122,6 +122,9 @@ def test_admitted_now_a_request_needing_the_spares_goes_in_while_the_loop_widens
             gate = _stats()["step_gate"]
             assert gate["holds"] == 0 and gate["widenings"] >= 1  # asked for the spares, held nobody
             assert gate["slos_s"] == {MODEL: slo_s}  # the model's own SLO binds (the engine's 60 s never would)
+            # priced with the loop's refit of its cost profile, as its planner is (asked, never waited for)
+            assert ray.get(loop.cost_scale.remote()) == ray.get(loop.metrics.remote())["latency_fit"]["a"] > 0
+            assert gate["price_scale"] > 0
             metrics = httpx.get(f"{ray_serve}/metrics", timeout=30).text
             assert 'moeless_step_slo_seconds{model="*"} 60.0' in metrics and f'moeless_step_slo_seconds{{model="{MODEL}"}}' in metrics
             wait_until(lambda: ray.get(loop.metrics.remote())["widenings"]["settled"] >= 1,
