@@ -2,7 +2,7 @@
 
 Before the scheduler admits newcomers (serving/scheduler.py), the gate prices the batch they would
 form with the running requests (step_expert_s over the loop's cost profile, times the loop's refit of
-it to the running machine: FittedPrice) and asks for the fewest
+it to the running machine, read by a thread of its own: FittedPrice) and asks for the fewest
 hosts that run it within the step SLO (hosts_for_step; in a family engine the least SLO of the
 fine-tunes in the batch, each its own or the engine's: the twin's step_floor). Where the loop plans over fewer, it asks
 the loop to widen (PlanLoop.widen: a placement over that many ready hosts made resident on them,
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
+import ray
 
 from moeless.controller.planning.step_scaler import hosts_for_step, step_expert_s
 
@@ -170,27 +171,37 @@ class StepGate:
 class FittedPrice:
     """A step's expert host-seconds (step_expert_s over `profile` and the model's shape) times the
     loop's refitted compute scale (controller/planning/cost_fit.py: under load the idle calibration
-    is 30-50% short, and the planners plan with the refit too). ask() -> a Future of the loop's scale,
-    asked every refresh_s and read once answered, so no step waits for it; a failed ask keeps the
-    scale it had (1: the calibration, until the first answer)."""
+    is 30-50% short, and the planners plan with the refit too). A thread of its own asks fetch() for
+    the scale every refresh_s (start=False: the caller refreshes), so no step waits for the loop (an
+    ask on the step thread cost a warm widening 1-4 ms); a failed ask keeps the scale it had (1: the
+    calibration, until the first answer)."""
 
-    def __init__(self, profile, spec, ask: Callable[[], Future], refresh_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.profile, self.spec, self.ask, self.refresh_s, self.clock = profile, spec, ask, refresh_s, clock
-        self.scale, self._asking, self._asked = 1.0, None, -float("inf")
+    def __init__(self, profile, spec, fetch: Callable[[], float], refresh_s: float = 5.0, start: bool = True):
+        self.profile, self.spec, self.fetch, self.refresh_s = profile, spec, fetch, refresh_s
+        self.scale = 1.0
+        self._stop = threading.Event()
+        if start:
+            threading.Thread(target=self._run, name="step-price", daemon=True).start()
 
     def __call__(self, tokens: int) -> float:
-        now = self.clock()
-        if self._asking is not None and self._asking.done():
-            try:
-                self.scale = float(self._asking.result())
-            except Exception as err:  # the loop is gone or failing: price as before, ask again later
-                log.warning("the planning loop did not give its cost scale: %s", err)
-            self._asking = None
-        if self._asking is None and now - self._asked >= self.refresh_s:
-            self._asking, self._asked = self.ask(), now
         spec = self.spec
         return self.scale * step_expert_s(tokens, self.profile, spec.num_layers, spec.top_k, spec.num_experts)
+
+    def refresh(self) -> None:
+        """Ask the loop for its scale now."""
+        try:
+            self.scale = float(self.fetch())
+        except Exception as err:  # the loop is gone or failing: price as before, ask again later
+            log.warning("the planning loop did not give its cost scale: %s", err)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while True:
+            self.refresh()
+            if self._stop.wait(self.refresh_s):
+                return
 
 
 def step_gate_for(slo_s: float, profile, spec, pool, loop, follower, **options) -> StepGate:
@@ -198,7 +209,7 @@ def step_gate_for(slo_s: float, profile, spec, pool, loop, follower, **options) 
     the loop's cost profile over the model's shape, refitted as the loop's is (FittedPrice), ready hosts
     from its pool, widened by `loop`, the widened placement read by its BoardFollower (hurried while a
     hold waits)."""
-    return StepGate(FittedPrice(profile, spec, lambda: loop.cost_scale.remote().future()),
+    return StepGate(FittedPrice(profile, spec, lambda: ray.get(loop.cost_scale.remote(), timeout=30)),
                     slo_s, lambda: len(pool.clients()), lambda hosts: loop.widen.remote(hosts).future(),
                     lambda: follower.seen, hurry=follower.hurry, switch=follower.switch,
                     adopt=follower.adopt, **options)

@@ -2,6 +2,8 @@
 scheduler holding newcomers behind it while the running requests go on (tiny model, in-process
 experts: the answers stay the sequential ones)."""
 
+import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -208,30 +210,37 @@ def test_the_scheduler_prices_a_batch_against_the_slo_of_the_models_in_it():
     assert loop.asked == [3] and scheduler.counts() == {"running": 1, "waiting": 1}
 
 
-def test_a_fitted_price_follows_the_loops_refit_without_waiting_for_it():
+def test_a_fitted_price_follows_the_loops_refit_off_the_step_thread():
     profile = CostProfile(alpha=1e-3, beta=0.0, call_overhead=0.5e-3, load_s={"host": 1e-4}, expert_bytes=1000,
                           non_expert_bytes=1000, relevel_s=1e-5, source="test")
     spec = tiny_model("mixtral", 0).spec
     calibrated = step_expert_s(40, profile, spec.num_layers, spec.top_k, spec.num_experts)
-    asks, clock = [], Clock()
+    answers = [1.5, RuntimeError("the loop is gone")]
 
-    def ask():
-        asks.append(Future())
-        return asks[-1]
+    def fetch():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
-    price = FittedPrice(profile, spec, ask, refresh_s=5.0, clock=clock)
-    assert price(40) == calibrated and len(asks) == 1  # asked, not waited for: the calibration meanwhile
-    asks[0].set_result(1.5)
-    assert price(40) == 1.5 * calibrated and len(asks) == 1  # answered: the refit; asked again after refresh_s
-    clock.now = 5.0
-    assert price(40) == 1.5 * calibrated and len(asks) == 2
-    asks[1].set_exception(RuntimeError("the loop is gone"))
-    clock.now = 9.0
-    assert price(40) == 1.5 * calibrated and len(asks) == 2  # a failed ask keeps the scale it had
-    clock.now = 10.0
-    assert price(40) == 1.5 * calibrated and len(asks) == 3
-    gate = StepGate(price, 10e-3, lambda: 3, FakeLoop().widen, lambda: 0, clock=clock)
-    assert gate.figures()["price_scale"] == 1.5
+    price = FittedPrice(profile, spec, fetch, start=False)
+    assert price(40) == calibrated  # the calibration until the loop's first answer
+    price.refresh()
+    assert price(40) == 1.5 * calibrated
+    price.refresh()
+    assert price(40) == 1.5 * calibrated  # a failed ask keeps the scale it had
+    assert StepGate(price, 10e-3, lambda: 3, FakeLoop().widen, lambda: 0).figures()["price_scale"] == 1.5
+    asked = threading.Event()
+    live = FittedPrice(profile, spec, lambda: asked.set() or 2.0, refresh_s=60.0)  # its thread asks at once
+    try:
+        assert asked.wait(10.0)
+        deadline = time.monotonic() + 10.0
+        while live.scale != 2.0:
+            assert time.monotonic() < deadline, "the thread's answer never reached the price"
+            time.sleep(0.01)
+        assert live(40) == 2.0 * calibrated
+    finally:
+        live.close()
 
 
 def test_a_standby_placement_is_switched_to_at_once_and_nobody_is_held():
