@@ -18,7 +18,7 @@ class HostView:
     """What the hosts hold, from their Status replies. resident, loading: [L, E, G] bool (a replica
     loaded / loading on host g); live: [G] bool (the host answered); memory: [G] replica bytes
     each host offers (0 for a dead host); keep_left: [L, E, G] seconds until a resident replica's
-    keep-alive runs out (inf while it computes; None: not read)."""
+    keep-alive runs out (inf while it computes or while the host keeps it past it; None: not read)."""
 
     resident: np.ndarray
     loading: np.ndarray
@@ -27,8 +27,8 @@ class HostView:
     keep_left: np.ndarray | None = None
 
     def lasting(self, for_s: float) -> np.ndarray:
-        """[L, E, G] bool: the resident replicas whose keep-alive has at least for_s left (a host's
-        keep-warm set may keep one longer: this errs on the side of counting it gone)."""
+        """[L, E, G] bool: the resident replicas whose keep-alive has at least for_s left, or that their
+        host keeps past it (a keep-warm set, family warmth: Status's `kept`)."""
         return self.resident if self.keep_left is None else self.resident & (self.keep_left >= for_s)
 
     @staticmethod
@@ -48,7 +48,7 @@ class HostView:
                     continue
                 if r["state"] in ("warm", "idle"):
                     resident[r["layer"], r["expert"], g] = True
-                    keep_left[r["layer"], r["expert"], g] = (np.inf if r["state"] == "warm" else
+                    keep_left[r["layer"], r["expert"], g] = (np.inf if r["state"] == "warm" or r.get("kept") else
                                                              status["keep_alive_s"] - r.get("idle_s", 0.0))
                 elif r["state"] == "loading":
                     loading[r["layer"], r["expert"], g] = True

@@ -182,17 +182,25 @@ class ReplicaTable:
         return False
 
     def expire(self, keeps: Callable[[Key], bool] | None = None) -> list[Key]:
-        """Evict the idle replicas unused for keep_alive_s, except the models' keep-warm sets and those
-        keeps(key) holds (model_calls.py's family warmth); returns their keys."""
+        """Evict the idle replicas unused for keep_alive_s, except those kept (`kept`); returns their keys."""
         now = self._clock()
-        expired = [key for key, r in self._idle() if now - r.last_used >= self.keep_alive_s and not (keeps and keeps(key))]
-        if expired and self.shares is not None:  # models' keep-warm sets stay (shares.warm_set)
-            warm = warm_set([(k, r.bytes, self._meters.replicas[k].tokens) for k, r in self._replicas.items() if r.bytes],
-                            self.shares)
-            expired = [key for key in expired if key not in warm]
+        expired = [key for key, r in self._idle() if now - r.last_used >= self.keep_alive_s]
+        if expired:
+            kept = self.kept(keeps, expired)
+            expired = [key for key in expired if key not in kept]
         for key in expired:
             self._evict_now(key)
         return expired
+
+    def kept(self, keeps: Callable[[Key], bool] | None = None, among: list[Key] | None = None) -> set[Key]:
+        """The idle replicas (of `among`, default all) the keep-alive leaves resident: the models'
+        keep-warm sets (shares.warm_set) and those keeps(key) holds (model_calls.py's family warmth)."""
+        idle = {key for key, _ in self._idle()} if among is None else set(among)
+        kept = {key for key in idle if keeps(key)} if keeps else set()
+        if self.shares is not None:
+            kept |= idle & warm_set([(k, r.bytes, self._meters.replicas[k].tokens) for k, r in self._replicas.items()
+                                     if r.bytes], self.shares)
+        return kept
 
     @property
     def _shares(self) -> Shares:

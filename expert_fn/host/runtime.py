@@ -20,9 +20,8 @@ at call time: adapters.py). compute_dtype="store" computes in the store's own dt
 bfloat16 model's experts hold half the memory, and a GPU runs them on its bfloat16 tensor cores);
 outputs then equal the reference to that dtype's rounding, not bit for bit.
 
-An invoke's compute_s is the compute thread's CPU time on a CPU device computing on one torch
-thread (the host's own work: time the thread was preempted by other processes on a shared
-machine is not compute), and wall time otherwise (a GPU's kernels, or several OpenMP threads).
+An invoke's compute_s is the compute thread's CPU time on a CPU device computing on one torch thread
+(time preempted by other processes is not the host's work), else wall time (GPU kernels, OpenMP).
 """
 
 from __future__ import annotations
@@ -233,21 +232,22 @@ class ExpertHostRuntime:
         return self._inflight
 
     def status(self) -> dict:
-        """Host facts, every replica seen (state, bytes, GB·s, seconds idle, counts; with several models the models
+        """Host facts, every replica seen (state, bytes, GB·s, seconds idle, kept past its keep-alive, counts; with several models the models
         it serves, its content key and the other host keys it computes, "aliases"), the host's totals,
         each model's part (meters.by_model: GB·s split, own and shared replicas), the cold-start meters
         ("cold": per layer hidden / exposed seconds) and the host tier's counters."""
         models, aliases = self.models, self.models.aliases()
         with self._lock:
             now, replicas = self.meters.clock(), []  # one reading: the models' GB·s add up to the host's
+            kept = self.table.kept(self.calls.keeps(now, self.keep_alive_s))  # idle, held past the keep-alive
             for key, r in sorted(self.table.replicas().items()):
                 m = self.meters.replicas[key]
                 replicas.append({
                     "layer": key[0], "expert": key[1], "state": r.state.value, "bytes": r.bytes, "error": r.error,
-                    "gb_s": self.meters.gb_s(key, now), "idle_s": self.table.idle_s(r, now), "invocations": m.invocations,
-                    "tokens": m.tokens, "last_load_s": m.last_load_s, "loads": m.loads, "cold_starts": m.cold_starts,
-                    "evictions": m.evictions, "models": [models.names[i] for i in models.users(key)],
-                    "aliases": aliases.get(key, [])})
+                    "gb_s": self.meters.gb_s(key, now), "idle_s": self.table.idle_s(r, now), "kept": key in kept,
+                    "invocations": m.invocations, "tokens": m.tokens, "last_load_s": m.last_load_s, "loads": m.loads,
+                    "cold_starts": m.cold_starts, "evictions": m.evictions,
+                    "models": [models.names[i] for i in models.users(key)], "aliases": aliases.get(key, [])})
             return {
                 "device": self.device, "memory_bytes": self.table.capacity_bytes,
                 "keep_alive_s": self.keep_alive_s, "health": self.health, "inflight": self._inflight,

@@ -28,6 +28,8 @@ def test_host_view_says_how_long_each_resident_replica_lasts():
     assert view.lasting(1.5)[0, :2, 0].tolist() == [False, True]  # its keep-alive runs out sooner
     assert view.lasting(1.5).sum() == 1 and not view.lasting(0.0)[1, 2, 0]  # loading: not resident
     assert HostView(view.resident, view.loading, view.live, view.memory).lasting(99.0).sum() == 2  # not read: resident
+    idle["replicas"][0]["kept"] = True  # its host keeps it past its keep-alive (a keep-warm set, family warmth)
+    assert HostView.from_status([idle, None], L, E).lasting(99.0)[0, :2, 0].tolist() == [True, True]
 
 
 def test_host_figures_keep_each_slots_memory_and_add_up_gb_s_across_host_restarts():

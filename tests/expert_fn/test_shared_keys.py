@@ -263,6 +263,8 @@ def test_a_fine_tune_s_calls_load_and_keep_its_base_whole(family, clock):
                 assert settled(rt, {(0, 0), (0, 1), (layers, 1)}, present=True)
                 rows = {(r["layer"], r["expert"]): r for r in rt.status()["replicas"]}
                 assert rows[(0, 1)]["loads"] == 1 and rows[(0, 1)]["cold_starts"] == 0  # loaded ahead, once
+                # Status says which outlive their keep-alive on purpose (the loop's standby counts on them)
+                assert rows[(0, 0)]["kept"] and rows[(0, 0)]["idle_s"] >= 60.0 and not rows[(layers, 1)]["kept"]
             else:
                 assert settled(rt, {(0, 0), (0, 1)}, present=False) and (layers, 1) in held(rt)
             clock.advance(31.0)  # nobody calls

@@ -166,6 +166,8 @@ def test_the_keep_alive_leaves_a_model_s_keep_warm_set_and_a_load_may_still_evic
         meters.invoked([(key, tokens, key[0] // 2)])
         table.release(key)
     clock.t += 100.0
+    assert table.kept() == {(0, 1)} and table.kept(lambda key: key == (2, 0)) == {(0, 1), (2, 0)}  # + family warmth
+    assert table.kept(among=[(0, 0), (2, 0)]) == set()
     assert sorted(table.expire()) == [(0, 0), (2, 0)]  # A's hottest (0, 1) stays; B keeps nothing warm
     assert [k for k, r in table.replicas().items() if r.bytes] == [(0, 1)]
     for key in ((2, 1), (3, 0), (3, 1)):  # B fills the host: A's warm replica is not guaranteed
