@@ -172,8 +172,8 @@ class FittedPrice:
     """A step's expert host-seconds (step_expert_s over `profile` and the model's shape) times the
     loop's refitted compute scale (controller/planning/cost_fit.py: under load the idle calibration
     is 30-50% short, and the planners plan with the refit too). A thread of its own asks fetch() for
-    the scale every refresh_s (start=False: the caller refreshes), so no step waits for the loop (an
-    ask on the step thread cost a warm widening 1-4 ms); a failed ask keeps the scale it had (1: the
+    the scale every refresh_s (start=False: the caller refreshes), so no step waits for the loop (asked
+    on the step thread, it cost warm widenings up to 5 ms: docs/serving.md); a failed ask keeps the scale it had (1: the
     calibration, until the first answer)."""
 
     def __init__(self, profile, spec, fetch: Callable[[], float], refresh_s: float = 5.0, start: bool = True):
