@@ -19,8 +19,8 @@ log = logging.getLogger(__name__)
 
 def start_local_ray(retries: int = 1) -> None:
     """A local Ray for a bench, on every core. A start that times out (a GCS slow to come up on a
-    loaded machine: "The current node timed out during startup") is tried again after a clean
-    shutdown, `retries` times."""
+    loaded machine: "The current node timed out during startup", or "Timed out waiting for file
+    .../gcs_server_port_...") is tried again after a clean shutdown, `retries` times."""
     import ray  # heavy: kept off --help's start-up path
 
     for attempt in range(retries + 1):
@@ -28,7 +28,7 @@ def start_local_ray(retries: int = 1) -> None:
             ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
             return
         except Exception as err:
-            if attempt == retries or "timed out" not in str(err):
+            if attempt == retries or "timed out" not in str(err).lower():
                 raise
             log.warning("Ray did not start (%s); trying again", err)
             ray.shutdown()
