@@ -168,6 +168,7 @@ def launch_local_hosts(
     poll_s: float | None = None,
     shares: dict[str, float] | None = None,
     compute_dtype: str = "float32",
+    peer_copies: str = "measured",
     nixl: bool = True,
     cpu: bool = False,
 ) -> LocalHostGroup:
@@ -181,6 +182,7 @@ def launch_local_hosts(
     poll_s: the hosts' spin for the next data-plane call (expert-host --poll-us; None: its default).
     shares: GB each model is guaranteed while active on every host (expert-host --share; shares.py).
     compute_dtype: "float32" or "store" (expert-host --compute-dtype; runtime.py).
+    peer_copies: when a load given a peer copies from it (expert-host --peer-copies; host/peer_copy.py).
     nixl: take clients' NIXL offers on the TCP channel where nixl is installed (False: --no-nixl).
     cpu: compute on the CPU even where a GPU is visible (--cpu).
     Hosts exit by themselves when this process dies without closing the group.
@@ -192,7 +194,7 @@ def launch_local_hosts(
         if not Path(root, "index.json").is_file():
             raise FileNotFoundError(f"{root}: no weight store (index.json); export one with `moeless model export`")
     args = [*(a for name, root in stores for a in ("--store", f"{name}={root}" if name else str(root))), "--keep-alive-s", str(keep_alive_s), "--threads", str(threads), "--drain-s", str(drain_s),
-            "--exit-with-parent", "--compute-dtype", compute_dtype]
+            "--exit-with-parent", "--compute-dtype", compute_dtype, "--peer-copies", peer_copies]
     if memory_bytes is not None:
         args += ["--memory-gb", repr(memory_bytes / 1e9)]
     if metrics:

@@ -9,6 +9,7 @@ COMPUTE_DTYPES = ("float32", "store")  # expert-host --compute-dtype: float32, o
 TRANSPORTS = ("auto", "local", "tcp", "nixl", "grpc")  # a client's data path to a host (client.py)
 EVICTION_ORDERS = ("lru", "fifo")  # which host-tier entry goes first (tiers.HostTier)
 PREWARM = ("none", "all")  # what the host tier reads at start
+PEER_COPIES = ("measured", "always", "off")  # when a load given a peer copies from it (host/peer_copy.py)
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,11 +16,11 @@
 #       --platform manylinux_2_28_x86_64 -d .whl nixl-cu13==1.5.1 && \
 #       zip -q -d .whl/nixl_cu13-*.whl 'nixl_ep_cu13/*' 'nixl_cu13.libs/ucx/libucx_perftest*'
 # then run `bash scripts/gpu_checks.sh [STEP...]` there with .whl carried; steps: planner, forward,
-# transport, mps, serving, cpu (default: all). Results land in $OUT: gpu_checks.log and one JSON file per
+# transport, mps, serving, peer, cpu (default: all). Results land in $OUT: gpu_checks.log and one JSON file per
 # run (more than 8 files: tar $OUT into one to bring it back).
 set -u
 OUT=${OUT:-/tmp/moeless-gpu}
-STEPS=${*:-planner forward transport mps serving cpu}
+STEPS=${*:-planner forward transport mps serving peer cpu}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_checks.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --ignore-requires-python \
@@ -55,7 +55,10 @@ fi
 #    hosts over every transport, each layer call bit-identical to in-process on the GPU, the tokens
 #    equal, the logits the unmodified model's; the MoE layer's ratio to in-process per phase.
 step serving && timeout 150 python3 "$OLDPWD/scripts/gpu_serving_check.py" --device cuda --out "$OUT/serving"
-# 6. The CPU rows on that machine's 16 cores (the hosts kept off the GPU: --cpu): what the pod path costs
+# 6. A replica copied from a peer host's GPU memory (CUDA IPC, GPU to GPU: within the one GPU here)
+#    against the host's own store and host tier (pinned memory -> GPU); the copies computing exactly.
+step peer && timeout 150 python3 -m moeless bench peer-copy --device cuda --layers 8 --out "$OUT/peer-copy"
+# 7. The CPU rows on that machine's 16 cores (the hosts kept off the GPU: --cpu): what the pod path costs
 #    where the replica and each host have cores of their own, blocking and polling, and a CPU replica.
 if step cpu; then
   timeout 90 python3 -m moeless bench transport --geometry default --quick --out "$OUT/cpu-transport"

@@ -179,6 +179,7 @@ class FittedPrice:
     def __init__(self, profile, spec, fetch: Callable[[], float], refresh_s: float = 5.0, start: bool = True):
         self.profile, self.spec, self.fetch, self.refresh_s = profile, spec, fetch, refresh_s
         self.scale = 1.0
+        self._failing = False  # the last ask failed: the next failures are not warned of again
         self._stop = threading.Event()
         if start:
             threading.Thread(target=self._run, name="step-price", daemon=True).start()
@@ -188,11 +189,16 @@ class FittedPrice:
         return self.scale * step_expert_s(tokens, self.profile, spec.num_layers, spec.top_k, spec.num_experts)
 
     def refresh(self) -> None:
-        """Ask the loop for its scale now."""
+        """Ask the loop for its scale now; a failure is warned of once, until an ask succeeds again."""
         try:
             self.scale = float(self.fetch())
         except Exception as err:  # the loop is gone or failing: price as before, ask again later
-            log.warning("the planning loop did not give its cost scale: %s", err)
+            (log.debug if self._failing else log.warning)(
+                "the planning loop did not give its cost scale (pricing at %.3gx the calibration until it does): %s",
+                self.scale, err)
+            self._failing = True
+            return
+        self._failing = False
 
     def close(self) -> None:
         self._stop.set()

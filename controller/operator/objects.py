@@ -102,6 +102,8 @@ def host_command(spec: PolicySpec | PoolSpec, members: Sequence[Member] = ()) ->
         tail += f" --compute-dtype {pool.compute_dtype}"
     if not pool.family_warm:
         tail += " --no-family-warm"
+    if pool.peer_copies != "measured":
+        tail += f" --peer-copies {pool.peer_copies}"
     if pool.host_network:
         offset = "${POD_NAME##*-}"
         return ["sh", "-c", f"exec moeless expert-host {tail} --port $(({pool.grpc_port} + {offset})) "

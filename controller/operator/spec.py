@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from moeless.controller.knobs import KnobError, Knobs
-from moeless.expert_fn.options import COMPUTE_DTYPES  # no torch: the operator loads none
+from moeless.expert_fn.options import COMPUTE_DTYPES, PEER_COPIES  # no torch: the operator loads none
 
 GIB = 1024**3
 
@@ -39,6 +39,7 @@ class HostPool:
     compute_dtype: str = "float32"  # expert-host --compute-dtype
     cuda_ipc: bool = False  # the node's PID and IPC namespaces, for CUDA IPC with serving pods on the node
     family_warm: bool = True  # a fine-tune's base stays whole while it calls (expert-host --no-family-warm when off)
+    peer_copies: str = "measured"  # when a load copies its replica from a peer host (expert-host --peer-copies)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ _POOL_KEYS = {
     "cpu": ("cpu", str), "grpcPort": ("grpc_port", int), "metricsPort": ("metrics_port", int),
     "hostNetwork": ("host_network", bool), "drainSeconds": ("drain_seconds", int),
     "pollMicroseconds": ("poll_microseconds", float), "computeDtype": ("compute_dtype", str),
-    "cudaIpc": ("cuda_ipc", bool), "familyWarm": ("family_warm", bool),
+    "cudaIpc": ("cuda_ipc", bool), "familyWarm": ("family_warm", bool), "peerCopies": ("peer_copies", str),
 }
 
 
@@ -144,6 +145,8 @@ def parse_hosts(spec: Mapping[str, Any]) -> HostPool:
         raise SpecError(f"spec.hosts.pollMicroseconds: {pool.poll_microseconds:g} is outside 0..100000")
     if pool.compute_dtype not in COMPUTE_DTYPES:
         raise SpecError(f"spec.hosts.computeDtype: {pool.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
+    if pool.peer_copies not in PEER_COPIES:
+        raise SpecError(f"spec.hosts.peerCopies: {pool.peer_copies!r}; use one of {', '.join(PEER_COPIES)}")
     if pool.cuda_ipc and not pool.host_network:  # the handles travel over the local channel, a node-network socket
         raise SpecError("spec.hosts.cudaIpc: needs spec.hosts.hostNetwork: CUDA IPC handles travel over the local "
                         "channel, an abstract Unix socket of the node's network; set hostNetwork: true too")

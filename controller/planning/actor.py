@@ -124,7 +124,7 @@ class PlanLoop:
             ticket = self.widenings.ask(hosts, asked := time.monotonic())
             self._fresh = self._fresh or ticket is not None
         placement = None if ticket is None or self.s.knobs.predictor == "off" else self.widenings.answer(
-            ticket, *self._seen, lambda replicas: load_all(self.pool, replicas, timeout_s), self._publish,
+            ticket, *self._seen, lambda replicas: load_all(self.pool, replicas, timeout_s, self._seen[1]), self._publish,
             time.monotonic, self._publisher.submit)  # by the hosts as the last pass read them
         if ticket is not None and placement is None:
             self._now.set()  # a pass answers it (with the predictor off, publishing nothing)
@@ -280,7 +280,7 @@ class PlanLoop:
         routed = self._published.replicas() if self._published else None
         free = self._releasing.releasable(view.resident & view.live[None, None, :]) if self._releasing else []
         gone = [(*r, "evict") for r in free if routed is not None and r not in routed]
-        send_actions(self.pool, [*gone, *((*r, "load") for r in (decision.loads if decision else []))])
+        send_actions(self.pool, [*gone, *((*r, "load") for r in (decision.loads if decision else []))], every.resident)
         if decision is None:  # a stateful planner without new iterations, or no traffic: nothing to change
             return False
         self._pending_loads = bool(decision.loads)

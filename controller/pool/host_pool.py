@@ -48,7 +48,7 @@ class HostPool:
         """A pool that never changes: client i in slot i (tests, benchmarks, a static host list)."""
         pool = HostPool(len(clients), lambda address: None)
         pool._clients = dict(enumerate(clients))
-        pool._addresses = dict(enumerate(addresses or [f"client-{i}" for i in range(len(clients))]))
+        pool._addresses = dict(enumerate(addresses or [getattr(c, "address", f"client-{i}") for i, c in enumerate(clients)]))
         return pool
 
     def clients(self) -> dict[int, Any]:

@@ -115,19 +115,23 @@ class ExpertHostClient:
         except grpc.RpcError as err:
             raise _translate(err, self.address) from None
 
-    def load(self, layer: int, expert: int, wait: bool = False) -> str:
+    def load(self, layer: int, expert: int, wait: bool = False, source: str = "") -> str:
         """Pre-warm (layer, expert); returns its state ("loading", or "idle"/"warm" when resident).
 
-        wait=True returns once it is resident and raises ReplicaLoadError if it cannot load.
+        wait=True returns once it is resident and raises ReplicaLoadError if it cannot load. source: the
+        address of a peer host holding it resident, which the host copies it from (expert_fn/host/peer_copy.py).
         """
-        request = pb.LoadRequest(layer=layer + self._first_layer(), expert=expert, wait=wait)
+        request = pb.LoadRequest(layer=layer + self._first_layer(), expert=expert, wait=wait, source=source)
         return self._call(self._stub.Load, request).state
 
-    def load_many(self, replicas: Sequence[tuple[int, int]], wait: bool = False, timeout_s: float | None = None) -> int:
+    def load_many(self, replicas: Sequence[tuple[int, int]], wait: bool = False, timeout_s: float | None = None,
+                  sources: Sequence[str] = ()) -> int:
         """load for every (layer, expert) of `replicas` in one RPC -> the loads it started; wait=True
-        returns once all are resident (raising as load does), within timeout_s (default: the client's)."""
+        returns once all are resident (raising as load does), within timeout_s (default: the client's);
+        sources: none, or one per replica (load's source, "" for the store)."""
         first = self._first_layer()
-        request = pb.LoadManyRequest(replicas=[pb.ReplicaRef(layer=l + first, expert=e) for l, e in replicas], wait=wait)
+        request = pb.LoadManyRequest(replicas=[pb.ReplicaRef(layer=l + first, expert=e) for l, e in replicas], wait=wait,
+                                     sources=list(sources))
         return self._call(self._stub.LoadMany, request, timeout_s).started
 
     def evict(self, layer: int, expert: int) -> bool:
@@ -227,7 +231,8 @@ class ExpertHostClient:
         listed under each one's numbers: the host holds it once), and its own part of the meters
         (GB·s split, bytes, loads, cold starts, tokens, cold-start seconds, own and shared replicas);
         the memory and the other meters are the host's, every model's. Without a model, "models" holds
-        every model's part, read with the host's totals."""
+        every model's part, read with the host's totals. "peer_copies": the host's copies from peer hosts
+        (host/peer_copy.py: copies, fallbacks, bytes, seconds, served, passed, the two ways' GB/s)."""
         reply = self._call(self._stub.Status, pb.StatusRequest())
         status = {name: getattr(reply, name) for name in ("device", "memory_bytes", "keep_alive_s", "health", "inflight")}
         first, layers = (self._first_layer(), self._range.layers) if self.model is not None else (0, None)
@@ -240,7 +245,7 @@ class ExpertHostClient:
                     continue  # the host's own view: each replica once, at its canonical key
                 if layers is None or first <= layer < first + layers:
                     status["replicas"].append({**fields_, "layer": layer - first, "expert": expert})
-        status["meters"] = _fields(reply.meters)
+        status["meters"], status["peer_copies"] = _fields(reply.meters), _fields(reply.peer_copies)
         if self.model is None:  # every model's part, read with the totals at one time: they add up
             status["models"] = {name: _fields(part) for name, part in reply.models.items()}
         elif self.model in reply.models:  # its own part where the host has one

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from moeless.expert_fn.host.gpu import detect_device
-from moeless.expert_fn.options import COMPUTE_DTYPES, add_tier_arguments
+from moeless.expert_fn.options import COMPUTE_DTYPES, PEER_COPIES, add_tier_arguments
 from moeless.expert_fn.wire.polling import DEFAULT_HOST_POLL_S
 
 log = logging.getLogger("moeless.expert_fn.host")
@@ -70,6 +70,10 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
         help="no family warmth: a fine-tune's calls neither load its base's expert where it calls its own nor keep "
              "the base's replicas past their keep-alive (default: they do, for the models not calling, so that a "
              "sibling fine-tune wakes loading only its own experts; model_calls.py)")
+    add("--peer-copies", choices=PEER_COPIES, default="measured",
+        help="a load the planning loop gives a peer host holding its replica copies it from there: while such "
+             "copies measure faster than this host's store reads (measured, the default), always, or never (off); "
+             "never where this host's tier holds the expert (peer_copy.py)")
     add("--poll-us", type=float, default=DEFAULT_HOST_POLL_S * 1e6, metavar="US",
         help="after each data-plane call, spin this many microseconds for the next before blocking: shorter "
              "wake-ups for a core's worth of CPU while calls keep coming (default %(default)g; 0: block at once)")
@@ -126,7 +130,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"expert-host: {err}", file=sys.stderr)
         return 2
     runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s,
-                                tier=tier, shares=shares, compute_dtype=args.compute_dtype, family_warm=args.family_warm)
+                                tier=tier, shares=shares, compute_dtype=args.compute_dtype, family_warm=args.family_warm,
+                                peer_copies=args.peer_copies)
     # 2. gRPC server and HTTP endpoints.
     # OpenMP's thread count is per thread: without the initializer, handler threads compute on every core.
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,

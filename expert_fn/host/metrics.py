@@ -115,6 +115,16 @@ class RuntimeCollector(Collector):
             family = f"{PREFIX}_host_tier_{'read_seconds' if name == 'read_s_sum' else name}"
             yield CounterMetricFamily(family, f"host memory tier: {doc}", value=tier[name])
         yield GaugeMetricFamily(f"{PREFIX}_host_tier_bytes", "bytes of verified weights in host memory", value=tier["bytes"])
+        peer = status["peer_copies"]
+        for name, doc in (("copies", "loads that copied their replica from a peer host"),
+                          ("fallbacks", "loads given a peer that read the weight store instead"),
+                          ("bytes", "bytes copied from peer hosts"), ("seconds", "seconds copying from peer hosts"),
+                          ("served", "replicas sent to peer hosts"),
+                          ("passed", "loads given a peer that read the weight store (measured faster, or measured again)")):
+            yield CounterMetricFamily(f"{PREFIX}_host_peer_copy_{name}", f"peer copies: {doc}", value=peer[name])
+        for way in ("peer", "store"):
+            yield GaugeMetricFamily(f"{PREFIX}_host_{way}_load_gb_per_second", f"moving average of {way} loads' GB/s "
+                                    "(peer_copy.py's choice; 0: not measured yet)", value=peer[f"{way}_gb_per_s"])
         yield GaugeMetricFamily(f"{PREFIX}_host_inflight", "Invoke calls running now", value=status["inflight"])
         yield GaugeMetricFamily(f"{PREFIX}_host_memory_bytes", "replica memory capacity", value=status["memory_bytes"])
         yield GaugeMetricFamily(f"{PREFIX}_host_keep_alive_seconds", "seconds an idle replica stays resident",

@@ -1,24 +1,23 @@
 """The expert host's engine, without the network: replicas, loads off the request path, invokes.
 
-Thread-safe: gRPC handler threads call load / evict / invoke / status concurrently. A load
-goes through the weight tiers (expert_fn/stores/tiers.py): disk -> host memory (sha256 checked once, on
-entry) -> device, on a few load workers (a call's loads before prefetches: load_queue.py), so a
-pre-warm or prefetch returns at once; an invoke that needs a replica still loading waits for it (a
-cold start), and a load already running is never started twice. Per layer the meters count the
-cold-start time a prefetch hid and the time calls waited; a sweeper evicts replicas idle past keep_alive_s.
+Thread-safe: gRPC handler threads call load / evict / invoke / status concurrently. A load goes
+through the weight tiers (expert_fn/stores/tiers.py: disk -> host memory, sha256 checked once, on
+entry -> device), or copies the replica from a peer host that holds it (peer_copy.py), on a few load
+workers (a call's loads first: load_queue.py), so a pre-warm or prefetch returns at once; an invoke
+needing a replica still loading waits for it (a cold start); a load running is never started twice.
+Per layer the meters count the cold-start time a prefetch hid and the time calls waited; a sweeper
+evicts replicas idle past keep_alive_s.
 
-Models whose experts are the same bytes share one replica: every key given to load / evict / invoke
-is mapped to its canonical replica first (model_stores.py), so all below works per content key; an
-Evict leaves a replica another model used within the keep-alive (meters.py bills it among them). A
-model's first call in a keep-alive prefetches its experts where the host holds another model's
-(a fine-tune waking on a warm base: ModelStores.wake_set), into free memory only, and while a
-fine-tune calls its base stays whole (model_calls.py's family warmth).
+Models whose experts are the same bytes share one replica: every key is mapped to its canonical
+replica first (model_stores.py), so all below works per content key; an Evict leaves a replica
+another model used within the keep-alive (meters.py bills it among them). A model's first call in a
+keep-alive prefetches its experts where the host holds another model's (ModelStores.wake_set), into
+free memory only, and while a fine-tune calls its base stays whole (model_calls.py's family warmth).
 
 The compute dtype is float32 by default: every model's outputs then equal the float32 reference
 (model/moe_model.py) bit for bit, a LoRA fine-tune's too (its factors applied over the shared replica
-at call time: adapters.py). compute_dtype="store" computes in the store's own dtype instead (a
-bfloat16 model's experts hold half the memory, and a GPU runs them on its bfloat16 tensor cores);
-outputs then equal the reference to that dtype's rounding, not bit for bit.
+at call time: adapters.py). compute_dtype="store" computes in the store's own dtype (half the memory
+in bfloat16, a GPU's bfloat16 tensor cores): outputs equal the reference to that dtype's rounding.
 
 An invoke's compute_s is the compute thread's CPU time on a CPU device computing on one torch thread
 (time preempted by other processes is not the host's work), else wall time (GPU kernels, OpenMP).
@@ -43,6 +42,7 @@ from moeless.expert_fn.host.lifecycle import RESIDENT, Key, ReplicaState, Replic
 from moeless.expert_fn.host.load_queue import LoadQueue
 from moeless.expert_fn.host.meters import Meters
 from moeless.expert_fn.host.model_calls import ModelCalls
+from moeless.expert_fn.host.peer_copy import PeerCopies
 from moeless.expert_fn.stores.model_stores import ModelRange, as_model_stores
 from moeless.expert_fn.host.shares import Shares
 from moeless.expert_fn.stores.tiers import DeviceCopier, HostTier, TierConfig, compute_dtype_of
@@ -68,12 +68,14 @@ class ExpertHostRuntime:
         shares: Shares | None = None,
         compute_dtype: str = "float32",
         family_warm: bool = True,
+        peer_copies: str = "measured",
     ) -> None:
         self.dtype = compute_dtype_of(store, compute_dtype)  # options.COMPUTE_DTYPES
         self.models = as_model_stores(store)  # each host layer's model; each key's canonical replica
         self.device = device
         self.tier = HostTier(self.models, tier, pin=device.startswith("cuda") and torch.cuda.is_available())
         self._copier = DeviceCopier(device, self.dtype)
+        self.peers = PeerCopies(peer_copies, device)  # loads from a peer host holding the replica, where they pay
         self.keep_alive_s = keep_alive_s
         self.health = "starting"  # "serving" once the server listens, "draining" on SIGTERM
         self._forward = forward_for(device, exact=self.dtype == torch.float32)  # float32: the reference's bits
@@ -94,15 +96,14 @@ class ExpertHostRuntime:
         if tier.prewarm != "none":
             threading.Thread(target=self.tier.prewarm, name="host-tier-prewarm", daemon=True).start()
 
-    # --- operations -------------------------------------------------------------------------
-
-    def load(self, layer: int, expert: int, wait: bool = False) -> tuple[ReplicaState, bool]:
+    def load(self, layer: int, expert: int, wait: bool = False, source: str = "") -> tuple[ReplicaState, bool]:
         """Pre-warm or prefetch (layer, expert) -> (its state, whether this call started a load; a resident
-        one's keep-alive starts over); wait=True blocks until resident, raises ReplicaLoadError if it fails."""
+        one's keep-alive starts over); wait=True blocks until resident, raises ReplicaLoadError if it fails.
+        source: a peer host's address that holds it resident, copied from where the host tier lacks it."""
         key, model = self.models.check(layer, expert)
         with self._lock:
             self.table.touch(key)
-            future, started = self._start_load(key, model)
+            future, started = self._start_load(key, model, source=source)
             if started:
                 self._ahead.add(key)
         if wait and future is not None:
@@ -124,15 +125,11 @@ class ExpertHostRuntime:
 
     def invoke(self, layer: int, batches: dict[int, torch.Tensor], on_device: bool = False,
                out: torch.Tensor | None = None) -> InvokeResult:
-        """Run every expert's tokens of one layer in one go.
-
-        batches: expert -> [n, H], any float dtype, on the CPU or the compute device; outputs:
-        expert -> [n, H] in the compute dtype (self.dtype), on the CPU, or with on_device where the
-        host computes (a routed call combines there: routed.run_routed). out: [sum of n, H] in
-        self.dtype on the compute device (on_device): the outputs are written into its consecutive
-        slices, in batches' order, instead of tensors of their own.
-        Raises ReplicaLoadError (naming the file) if any expert fails to load.
-        """
+        """Run every expert's tokens of one layer in one go. batches: expert -> [n, H], any float dtype, on
+        the CPU or the compute device; outputs: expert -> [n, H] in self.dtype, on the CPU, or with on_device
+        where the host computes (routed.run_routed combines there). out: [sum of n, H] in self.dtype on the
+        device (on_device): the outputs written into its consecutive slices, in batches' order. Raises
+        ReplicaLoadError (naming the file) if any expert fails to load."""
         resolved = {expert: self.models.check(layer, expert) for expert in batches}  # (replica, its model) each
         for expert, x in batches.items():
             if x.dim() != 2:
@@ -183,7 +180,6 @@ class ExpertHostRuntime:
     def _pin_all(self, layer: int, keys: list[Key], pinned: list[Key], owners: list[int]) -> tuple[list[Key], list[dict]]:
         """Start every missing load at once (each for owners[i], its model), then pin each replica (waiting
         for its load), adding each to `pinned` as it is; count the cold starts -> (the cold keys, their weights)."""
-        # 1. Start the loads, then pin.
         with self._lock:
             cold = [(key, m) for key, m in zip(keys, owners) if self.table.state(key) not in RESIDENT]
             loading = {key: self._start_load(key, m, urgent=True)[0] for key, m in cold}
@@ -196,7 +192,7 @@ class ExpertHostRuntime:
         for key, m in zip(keys, owners):
             waited[key] = self._pin(key, loading.get(key), m)
             pinned.append(key)
-        # 2. Cold-start meters: what prefetching hid, what this call waited for.
+        # Cold-start meters: what prefetching hid, what this call waited for.
         with self._lock:
             for key in set(cold) | ahead:  # a resident replica loaded ahead waited for nothing
                 load_s = self.meters.replicas[key].last_load_s
@@ -226,16 +222,18 @@ class ExpertHostRuntime:
         log.info("serving model %s too (layers %d-%d)", name, added.first_layer, added.first_layer + added.layers - 1)
         return added
 
-    @property
-    def inflight(self) -> int:
-        """Calls computing now (a drain waits for them)."""
-        return self._inflight
+    def resident_weights(self, content_key: str) -> Weights | None:
+        """The weights of the replica of `content_key` where it is resident here (a peer copies them), else None."""
+        key = self.models.by_content(content_key)
+        with self._lock:
+            return self._weights.get(key) if key is not None and self.table.state(key) in RESIDENT else None
+
+    inflight = property(lambda self: self._inflight, doc="Calls computing now (a drain waits for them).")
 
     def status(self) -> dict:
-        """Host facts, every replica seen (state, bytes, GB·s, seconds idle, kept past its keep-alive, counts; with several models the models
-        it serves, its content key and the other host keys it computes, "aliases"), the host's totals,
-        each model's part (meters.by_model: GB·s split, own and shared replicas), the cold-start meters
-        ("cold": per layer hidden / exposed seconds) and the host tier's counters."""
+        """Host facts, every replica seen (state, bytes, GB·s, seconds idle, kept, counts, its models, the other
+        host keys it computes: "aliases"), the host's totals, each model's part (meters.by_model), the cold-start
+        meters ("cold": per layer hidden / exposed seconds), the host tier's and the peer copies' counters."""
         models, aliases = self.models, self.models.aliases()
         with self._lock:
             now, replicas = self.meters.clock(), []  # one reading: the models' GB·s add up to the host's
@@ -254,7 +252,7 @@ class ExpertHostRuntime:
                 "replicas": replicas, "meters": self.meters.totals(now).as_dict(),
                 "models": {name: asdict(t) for name, t in
                            self.meters.by_model(models.names, models.index_of, now).items()},
-                "cold": self.meters.cold.as_dict(), "host_tier": self.tier.stats(),
+                "cold": self.meters.cold.as_dict(), "host_tier": self.tier.stats(), "peer_copies": self.peers.figures(),
             }
 
     def close(self) -> None:
@@ -262,6 +260,7 @@ class ExpertHostRuntime:
         self._stop.set()
         self._sweeper.join()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.peers.close()
 
     # --- internals --------------------------------------------------------------------------
 
@@ -272,22 +271,23 @@ class ExpertHostRuntime:
         for i, nbytes in bytes_by_model(new, self.models.index_of).items():
             self.meters.hold_adapter(i, nbytes)
 
-    def _start_load(self, key: Key, model: int, urgent: bool = False) -> tuple[Future | None, bool]:
-        """Under the lock: the future of key's load, starting one (for `model`) if not resident; urgent: a call's."""
+    def _start_load(self, key: Key, model: int, urgent: bool = False, source: str = "") -> tuple[Future | None, bool]:
+        """Under the lock: the future of key's load, starting one (for `model`, from `source` if it is a peer's
+        address: peer_copy.py) if not resident; urgent: a call's."""
         if key in self._loads:
             return self._pool.hurried(self._loads[key], urgent), False
         if not self.table.needs_load(key):
             return None, False
         self._dropped(self.table.begin_load(key, self._resident_bytes(key), model))
-        self._loads[key] = future = self._pool.submit(self._load_weights, key, urgent=urgent)
+        self._loads[key] = future = self._pool.submit(self._load_weights, key, source, urgent=urgent)
         return future, True
 
-    def _load_weights(self, key: Key) -> None:
-        """On a load thread: key's weights from the host tier (read and verified there first if
-        they are not in it) copied to the device; record the outcome."""
+    def _load_weights(self, key: Key, source: str) -> None:
+        """On a load thread: key's weights from the host tier, the peer at `source` or the store (peer_copy.py's
+        choice), copied to the device; record the outcome."""
         weights, error = None, None
         try:
-            raw, _ = self.tier.get(key)
+            raw = self.peers.fetch(self.tier, key, source, self.models.content_key(key) if source else "")
             started = time.perf_counter()
             weights = self._copier.to_device(raw)
             with self._lock:

@@ -22,6 +22,7 @@ from moeless.expert_fn.errors import (
     ReplicaLoadError,
     refuse_unless_serving,
 )
+from moeless.expert_fn.wire.replica_weights import put_weights
 from moeless.expert_fn.wire.routed import decode_call, encode_reply, raw_bytes
 from moeless.expert_fn.host.run_routed import run_routed
 from moeless.expert_fn.host.lifecycle import RESIDENT
@@ -51,20 +52,32 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadReply:
         try:
-            state, started = self.runtime.load(request.layer, request.expert, wait=request.wait)
+            state, started = self.runtime.load(request.layer, request.expert, wait=request.wait, source=request.source)
         except ExpertHostError as err:
             _abort(context, err)
         return pb.LoadReply(state=state.value, started=started)
 
     def LoadMany(self, request: pb.LoadManyRequest, context: grpc.ServicerContext) -> pb.LoadManyReply:
+        sources = list(request.sources) or [""] * len(request.replicas)
         try:  # every load queued first (the host's load workers take them in turn), then each waited for
-            states = [self.runtime.load(r.layer, r.expert) for r in request.replicas]
+            if len(sources) != len(request.replicas):
+                raise BadRequest(f"LoadMany has {len(sources)} sources for {len(request.replicas)} replicas; give "
+                                 "one per replica (\"\" for the weight store) or none")
+            states = [self.runtime.load(r.layer, r.expert, source=src) for r, src in zip(request.replicas, sources)]
             for r, (state, _) in zip(request.replicas, states):
                 if request.wait and state not in RESIDENT:
                     self.runtime.load(r.layer, r.expert, wait=True)
         except ExpertHostError as err:
             _abort(context, err)
         return pb.LoadManyReply(started=sum(started for _, started in states))
+
+    def ReadReplica(self, request: pb.ReadReplicaRequest, context: grpc.ServicerContext) -> pb.ReplicaWeights:
+        reply = pb.ReplicaWeights()
+        weights = self.runtime.resident_weights(request.content_key)
+        if weights is not None:
+            put_weights(reply, weights, device=request.device)
+            self.runtime.peers.served()
+        return reply
 
     def Evict(self, request: pb.ReplicaRef, context: grpc.ServicerContext) -> pb.EvictReply:
         try:
@@ -120,6 +133,7 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
                       for r in s["replicas"]],
             meters=pb.HostMeters(**s["meters"]),
             models={name: pb.HostMeters(**part) for name, part in s["models"].items()},
+            peer_copies=pb.PeerCopyStats(**s["peer_copies"]),
         )
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:

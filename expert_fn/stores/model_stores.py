@@ -191,6 +191,15 @@ class ModelStores:
         """The replica that computes host key (layer, expert): itself, or the first with its content key."""
         return self._canonical.get((layer, expert), (layer, expert))
 
+    def content_key(self, key: Key) -> str:
+        """Host key `key`'s content key (model/content_keys.py), as its model's store records it."""
+        i = self.index_of(key[0])
+        return self.stores[i].key(key[0] - self._firsts[i], key[1])
+
+    def by_content(self, content_key: str) -> Key | None:
+        """The canonical replica of `content_key`, None where no served model has that expert."""
+        return self._seen.get(content_key)
+
     def users(self, key: Key) -> tuple[int, ...]:
         """The models (indices, in --store order) whose experts canonical replica `key` is."""
         return self._users.get(key) or (self._which(key[0]),)

@@ -84,6 +84,11 @@ class ExpertHostStub:
                 request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.AddModelRequest.SerializeToString,
                 response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelReply.FromString,
                 _registered_method=True)
+        self.ReadReplica = channel.unary_unary(
+                '/moeless.expert_fn.ExpertHost/ReadReplica',
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReadReplicaRequest.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaWeights.FromString,
+                _registered_method=True)
 
 
 class ExpertHostServicer:
@@ -163,6 +168,14 @@ class ExpertHostServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadReplica(self, request, context):
+        """A resident replica's weights, by content key (model/content_keys.py), for a peer host loading the
+        same expert (peer_copy.py): resident=false where this host does not hold it resident.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertHostServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +228,11 @@ def add_ExpertHostServicer_to_server(servicer, server):
                     servicer.AddModel,
                     request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.AddModelRequest.FromString,
                     response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelReply.SerializeToString,
+            ),
+            'ReadReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadReplica,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReadReplicaRequest.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaWeights.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +505,33 @@ class ExpertHost:
             '/moeless.expert_fn.ExpertHost/AddModel',
             moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.AddModelRequest.SerializeToString,
             moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.LocalChannelReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moeless.expert_fn.ExpertHost/ReadReplica',
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReadReplicaRequest.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaWeights.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,6 +36,8 @@ BENCHES = {
     "step-scaler": Bench("moeless.bench.step_scaler", "the step scaler's lag on a real pool: how long a burst's "
                                                       "newcomers wait for the placement to widen onto spare hosts, "
                                                       "against a whole model's expert load"),
+    "peer-copy": Bench("moeless.bench.peer_copy", "an expert loaded on a fresh host from a peer host holding it vs from "
+                                                  "its own weight store and host tier"),
     "live": Bench("moeless.bench.live", "the running system with its planning loop vs static EP and EPLB: replayed "
                                         "trace arrivals over HTTP"),
     "transport": Bench("moeless.bench.transport", "one expert call over shared memory, the TCP channel, gRPC and "

@@ -73,6 +73,20 @@ def test_family_warmth_is_on_unless_the_hosts_turn_it_off():
         parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "familyWarm": "no"}})
 
 
+def test_peer_copies_are_measured_unless_the_hosts_say_otherwise_and_a_bad_mode_is_refused_naming_the_field():
+    from moeless.cli import build_parser
+
+    plain = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2}})
+    off = parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "peerCopies": "off"}})
+    assert "--peer-copies" not in host_command(plain)
+    assert build_parser().parse_args(host_command(plain)[1:]).peer_copies == "measured"
+    assert build_parser().parse_args(host_command(off)[1:]).peer_copies == "off"
+    with pytest.raises(SpecError, match=r"spec.hosts.peerCopies: 'sometimes'; use one of measured, always, off"):
+        parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "peerCopies": "sometimes"}})
+    with pytest.raises(SpecError, match=r"spec.hosts.peerCopies: expected str, got False"):  # YAML's bare off
+        parse_spec({"model": {"store": "/s"}, "hosts": {"image": "i", "maxHosts": 2, "peerCopies": False}})
+
+
 def test_a_compute_dtype_reaches_the_host_command_and_a_bad_one_is_refused_naming_the_field():
     from moeless.cli import build_parser
 

@@ -77,15 +77,17 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
     load = ExpertHostClient.load
 
     sent = []  # (layer, expert, host) of every load the loops send
+    sources = {}  # (layer, expert, host) -> the peer each load was told to copy from ("": its store)
     landing: list[threading.Timer] = []  # the slow loads still to land (waited for before the clients close)
 
-    def slow_load(client, layer, expert, wait=False):  # a load that takes LOAD_S, as a large expert's does
+    def slow_load(client, layer, expert, wait=False, source=""):  # a load that takes LOAD_S, as a large expert's does
         sent.append((layer, expert, hosts.addresses.index(client.address)))
+        sources[sent[-1]] = source
         if wait:
-            return load(client, layer, expert, wait=True)
+            return load(client, layer, expert, wait=True, source=source)
         def land():
             with contextlib.suppress(ValueError):  # the loop stopped and closed its client first: the test is over
-                load(client, layer, expert)
+                load(client, layer, expert, source=source)
         landing.append(timer := threading.Timer(LOAD_S, land))
         timer.start()
         return "loading"
@@ -115,6 +117,9 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
             routed = {r for r in _replicas(placement) if r[:2] == (l, e)}
             assert routed and routed <= held, f"expert {(l, e)} published on {routed} before all were resident ({held})"
             assert (l, e, old) in held  # the old home still held when the layout that drops it took over
+            # the new home copied it from a host holding it (expert_fn/host/peer_copy.py), the old home or another
+            new = [r for r in routed if r[2] != old and r in sources]
+            assert new and all(sources[r] in hosts.addresses for r in new), {r: sources.get(r) for r in routed}
         # Released by the loop (the keep-alive is a minute) once no call reaches it (the executor
         # routes by the last placement only), with no report since the move was published.
         deadline = time.monotonic() + RELEASED_S

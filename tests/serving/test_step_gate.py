@@ -2,6 +2,7 @@
 scheduler holding newcomers behind it while the running requests go on (tiny model, in-process
 experts: the answers stay the sequential ones)."""
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -210,12 +211,12 @@ def test_the_scheduler_prices_a_batch_against_the_slo_of_the_models_in_it():
     assert loop.asked == [3] and scheduler.counts() == {"running": 1, "waiting": 1}
 
 
-def test_a_fitted_price_follows_the_loops_refit_off_the_step_thread():
+def test_a_fitted_price_follows_the_loops_refit_off_the_step_thread(caplog):
     profile = CostProfile(alpha=1e-3, beta=0.0, call_overhead=0.5e-3, load_s={"host": 1e-4}, expert_bytes=1000,
                           non_expert_bytes=1000, relevel_s=1e-5, source="test")
     spec = tiny_model("mixtral", 0).spec
     calibrated = step_expert_s(40, profile, spec.num_layers, spec.top_k, spec.num_experts)
-    answers = [1.5, RuntimeError("the loop is gone")]
+    answers = [1.5, RuntimeError("the loop is gone"), RuntimeError("still gone"), 1.25, RuntimeError("gone again")]
 
     def fetch():
         answer = answers.pop(0)
@@ -227,9 +228,15 @@ def test_a_fitted_price_follows_the_loops_refit_off_the_step_thread():
     assert price(40) == calibrated  # the calibration until the loop's first answer
     price.refresh()
     assert price(40) == 1.5 * calibrated
-    price.refresh()
-    assert price(40) == 1.5 * calibrated  # a failed ask keeps the scale it had
-    assert StepGate(price, 10e-3, lambda: 3, FakeLoop().widen, lambda: 0).figures()["price_scale"] == 1.5
+    with caplog.at_level(logging.WARNING, logger="moeless.serving.step_gate"):
+        price.refresh()
+        assert price(40) == 1.5 * calibrated  # a failed ask keeps the scale it had
+        price.refresh()  # failing still: not warned of again
+        price.refresh()  # an answer
+        price.refresh()  # failing after an answer: warned of again
+    assert [r.getMessage().split(": ")[-1] for r in caplog.records] == ["the loop is gone", "gone again"]
+    assert price(40) == 1.25 * calibrated
+    assert StepGate(price, 10e-3, lambda: 3, FakeLoop().widen, lambda: 0).figures()["price_scale"] == 1.25
     asked = threading.Event()
     live = FittedPrice(profile, spec, lambda: asked.set() or 2.0, refresh_s=60.0)  # its thread asks at once
     try:

@@ -1,0 +1,155 @@
+"""A replica copied from a peer host that holds it (expert_fn/host/peer_copy.py): two real hosts over
+gRPC, whose layer numbers differ (one serves a base and its fine-tune, the other the fine-tune
+alone), asked by content key; the copy computes exactly what a load from the store does; a peer
+that is gone or does not hold the replica, and a host tier that holds it, read no peer."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from moeless.expert_fn.client.client import ExpertHostClient
+from moeless.expert_fn.errors import BadRequest
+from moeless.expert_fn.host.metrics import registry_for
+from moeless.expert_fn.host.peer_copy import PROBE_EVERY, PeerCopies, _averaged
+from moeless.expert_fn.wire.replica_weights import PeerCopyError, put_weights, weights_from
+from moeless.expert_fn.host.runtime import ExpertHostRuntime
+from moeless.expert_fn.host.servicer import ExpertHostServicer
+from moeless.expert_fn.stores.model_stores import ModelStores
+from moeless.expert_fn.wire import expert_host_pb2 as pb
+from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
+from moeless.expert_fn.wire.codec import CHANNEL_OPTIONS
+from moeless.model.finetune import perturbed
+from moeless.model.tiny import tiny_model
+from moeless.model.weight_store import export_store
+
+CODE_OWN = [(0, 1), (1, 3)]  # the fine-tune's own experts; the rest are its base's bytes
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOELESS_CACHE", str(tmp_path_factory.mktemp("cache")))
+        base = tiny_model("mixtral", 0)
+        base_root = export_store(base, "base")
+        code_root = export_store(perturbed(base, CODE_OWN, 0.01, 1), "code", base=base_root)
+        yield {"base": base_root, "code": code_root, "layers": base.spec.num_layers, "hidden": base.spec.hidden_size,
+               "expert_bytes": 3 * base.spec.expert_ffn * base.spec.hidden_size * 4}
+
+
+def _host(roots, peer_copies="measured"):
+    """A runtime over `roots` ((name, dir) pairs) behind a real gRPC server: (runtime, server, address)."""
+    runtime = ExpertHostRuntime(ModelStores.open(roots), capacity_bytes=1 << 30, keep_alive_s=60.0,
+                                peer_copies=peer_copies)
+    runtime.health = "serving"
+    server = grpc.server(ThreadPoolExecutor(4), options=CHANNEL_OPTIONS)
+    pb_grpc.add_ExpertHostServicer_to_server(ExpertHostServicer(runtime, models=runtime.models.ranges()), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return runtime, server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def hosts(stores):
+    """Host a serves the base and the fine-tune (code's layer l is a's layer L + l); host b the fine-tune alone,
+    copying from a peer whenever given one (`--peer-copies always`: the measured choice is tested on its own)."""
+    a = _host([("base", stores["base"]), ("code", stores["code"])])
+    b = _host([("code", stores["code"])], "always")
+    yield a, b
+    for runtime, server, _ in (a, b):
+        server.stop(None)
+        runtime.close()
+
+
+def _out(runtime, layer, expert, x):
+    return runtime.invoke(layer, {expert: x}).outputs[expert]
+
+
+def test_a_load_copies_from_the_peer_by_content_key_and_computes_what_a_store_load_does(hosts, stores):
+    (a, _, address_a), (b, _, _) = hosts
+    L = stores["layers"]
+    a.load(0, 0, wait=True)  # the base's (0, 0), which the fine-tune shares
+    a.load(L + 0, 1, wait=True)  # the fine-tune's own (0, 1), at a's numbering
+    b.load(0, 0, wait=True, source=address_a)
+    b.load(0, 1, wait=True, source=address_a)
+    assert b.peers.figures()["copies"] == 2 and b.peers.figures()["fallbacks"] == 0
+    assert b.tier.stats()["misses"] == 0  # no file read, no checksum
+    assert a.peers.figures()["served"] == 2
+    assert b.peers.figures()["bytes"] == 2 * stores["expert_bytes"]
+    x = torch.randn(5, stores["hidden"], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_out(b, 0, 0, x), _out(a, 0, 0, x))
+    assert torch.equal(_out(b, 0, 1, x), _out(a, L + 0, 1, x))
+    assert not torch.equal(_out(b, 0, 1, x), _out(a, 0, 1, x))  # the base's (0, 1) differs: not what was copied
+
+
+def test_a_peer_gone_or_not_holding_it_and_a_tier_that_holds_it_read_no_peer(hosts, stores):
+    (a, _, address_a), (b, _, _) = hosts
+    b.load(1, 3, wait=True, source=address_a)  # a does not hold it: b's store
+    b.load(1, 2, wait=True, source="127.0.0.1:1")  # nobody there: b's store
+    assert b.peers.figures()["copies"] == 0 and b.peers.figures()["fallbacks"] == 2
+    b.load(1, 1, wait=True, source="127.0.0.1:1")  # down: not asked again, the store at once
+    assert b.peers.figures()["fallbacks"] == 2 and b.peers.figures()["passed"] == 1
+    assert b.tier.stats()["misses"] == 3 and b.table.state((1, 2)).value in ("idle", "warm")
+    a.load(1, 2, wait=True)
+    assert b.evict(1, 2)[0]
+    b.load(1, 2, wait=True, source=address_a)  # b's host tier holds it: a copy from its own memory
+    assert b.peers.figures()["copies"] == 0 and b.tier.stats()["hits"] == 1 and b.peers.figures()["passed"] == 1
+    metrics = generate_latest(registry_for(b)).decode()
+    assert "moeless_expert_host_peer_copy_fallbacks_total 2.0" in metrics and "moeless_expert_host_peer_copy_copies_total 0.0" in metrics
+
+
+def test_load_many_takes_a_source_per_replica_over_grpc_and_refuses_a_count_that_differs(hosts, stores):
+    (a, _, address_a), (b, _, address_b) = hosts
+    a.load(0, 2, wait=True)
+    client = ExpertHostClient(address_b, model="code")
+    try:
+        assert client.load_many([(0, 2), (0, 3)], wait=True, sources=[address_a, ""]) == 2
+        status = client.status()
+        assert status["peer_copies"]["copies"] == 1 and status["peer_copies"]["seconds"] > 0
+        with pytest.raises(BadRequest, match="2 sources for 1 replicas"):
+            client.load_many([(1, 0)], sources=[address_a, ""])
+    finally:
+        client.close()
+
+
+def test_a_reply_that_is_not_the_key_s_expert_is_refused_naming_what_is_wrong():
+    gate, up, down = torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 8)
+    key = "float32-8x16-" + "0" * 64
+    reply = pb.ReplicaWeights()
+    put_weights(reply, {"gate": gate, "up": up, "down": down})
+    back = weights_from(reply, key)
+    assert all(torch.equal(back[n], t) for n, t in (("gate", gate), ("up", up), ("down", down)))
+    half = pb.ReplicaWeights()
+    put_weights(half, {"gate": gate.bfloat16(), "up": up.bfloat16(), "down": down.bfloat16()})
+    assert torch.equal(weights_from(half, "bfloat16-8x16-" + "0" * 64)["gate"], gate.bfloat16())
+    with pytest.raises(PeerCopyError, match=r"tensor gate is bfloat16 \[8, 16\], where the key says float32"):
+        weights_from(half, key)
+    with pytest.raises(PeerCopyError, match=r"tensor gate is float32 \[8, 16\], where the key says float32 \[4, 16\]"):
+        weights_from(reply, "float32-4x16-" + "0" * 64)
+    short = pb.ReplicaWeights()
+    put_weights(short, {"gate": gate, "up": up})
+    with pytest.raises(PeerCopyError, match=r"tensors \['gate', 'up'\], where an expert has"):
+        weights_from(short, key)
+    reply.data = reply.data[:-4]
+    with pytest.raises(PeerCopyError, match=r"1532 bytes of tensors, where \['gate', 'up', 'down'\] take 1536"):
+        weights_from(reply, key)
+
+
+def test_a_host_copies_from_peers_while_they_measure_faster_and_measures_the_slower_way_now_and_then():
+    peers, at = PeerCopies(), "10.0.0.7:50051"
+    assert [peers._peer_first(at) for _ in range(2)] == [True] * 2  # nothing measured yet: the peer first
+    peers.stats.peer_gb_per_s = 0.1
+    assert not peers._peer_first(at)  # the store not measured yet: its turn
+    peers.stats.store_gb_per_s = 0.25  # the store faster (this machine's)
+    choices = [peers._peer_first(at) for _ in range(2 * PROBE_EVERY)]
+    assert [i for i, peer in enumerate(choices) if peer] == [PROBE_EVERY - 4, 2 * PROBE_EVERY - 4]  # the 16th, 32nd offers
+    assert peers.stats.passed == 1 + 2 * PROBE_EVERY - 2
+    peers.stats.peer_gb_per_s = 2.5  # a GPU link: the peer faster
+    choices = [peers._peer_first(at) for _ in range(PROBE_EVERY)]
+    assert [i for i, peer in enumerate(choices) if not peer] == [PROBE_EVERY - 4]  # the store measured again once
+    assert PeerCopies("always")._peer_first(at) and not PeerCopies("off")._peer_first(at)
+    assert _averaged(0.0, 10**9, 2.0) == 0.5 and _averaged(0.5, 10**9, 1.0) == 0.625  # the first as it is, then 1/4
