@@ -102,10 +102,11 @@ class PeerCopies:
         started = time.perf_counter()
         try:
             weights = self._copy(address, content_key)
-        except (grpc.RpcError, PeerCopyError) as err:
+        except Exception as err:  # a copy is a shortcut: whatever stops it, the store still loads the replica
             down = isinstance(err, grpc.RpcError) and err.code() in (grpc.StatusCode.UNAVAILABLE,
                                                                       grpc.StatusCode.DEADLINE_EXCEEDED)
-            detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
+            detail = (f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else
+                      str(err) if isinstance(err, PeerCopyError) else f"{type(err).__name__}: {err}")
             log.warning("copying expert %s from peer host %s failed, reading the weight store instead%s: %s",
                         content_key, address, f" (not asked again for {DOWN_S:g} s)" if down else "", detail)
             with self._lock:
@@ -132,7 +133,7 @@ class PeerCopies:
             return weights_from(reply, content_key)
         try:
             return device_weights_from(reply, content_key, self.device)
-        except DeviceBufferError as err:
+        except (DeviceBufferError, RuntimeError) as err:  # not mappable here, or the GPU copy failed
             log.warning("cannot map peer host %s's GPU memory here (%s); copying its replicas as bytes from now on",
                         address, err)
             with self._lock:

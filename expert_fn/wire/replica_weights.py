@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from moeless.expert_fn.wire import expert_host_pb2 as pb
-from moeless.expert_fn.wire.cuda_ipc import describe, open_described
+from moeless.expert_fn.wire.cuda_ipc import DeviceBufferError, describe, open_described
 from moeless.model.experts import EXPERT_TENSORS
 
 Weights = dict[str, torch.Tensor]
@@ -37,10 +37,14 @@ def put_weights(reply: pb.ReplicaWeights, weights: Weights, device: bool = False
     row-major bytes one after another in reply.data (from a GPU: one copy to host memory)."""
     reply.resident = True
     if device and all(t.is_cuda for t in weights.values()):
-        for name, t in weights.items():  # a replica's tensors are its own allocations, contiguous from offset 0
-            reply.tensors.add(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
-                              described=describe(t.detach().reshape(-1).view(torch.uint8)))
-        return
+        try:  # a replica's tensors are its own allocations, contiguous from offset 0
+            described = [describe(t.detach().reshape(-1).view(torch.uint8)) for t in weights.values()]
+        except DeviceBufferError:  # not shareable after all: bytes, as to another machine
+            described = []
+        for (name, t), shared in zip(weights.items(), described):
+            reply.tensors.add(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), described=shared)
+        if described:
+            return
     flat = []
     for name, t in weights.items():
         t = t.detach().to("cpu").contiguous()

@@ -153,3 +153,16 @@ def test_a_host_copies_from_peers_while_they_measure_faster_and_measures_the_slo
     assert [i for i, peer in enumerate(choices) if not peer] == [PROBE_EVERY - 4]  # the store measured again once
     assert PeerCopies("always")._peer_first(at) and not PeerCopies("off")._peer_first(at)
     assert _averaged(0.0, 10**9, 2.0) == 0.5 and _averaged(0.5, 10**9, 1.0) == 0.625  # the first as it is, then 1/4
+
+
+def test_a_copy_that_fails_in_any_way_loses_no_load(hosts, monkeypatch):
+    (a, _, address_a), (b, _, _) = hosts
+    a.load(0, 2, wait=True)
+
+    def broken(address, content_key):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(b.peers, "_copy", broken)
+    b.load(0, 2, wait=True, source=address_a)  # the store's, after a warning
+    assert b.table.state((0, 2)).value in ("idle", "warm") and b.peers.figures()["fallbacks"] == 1
+    assert b.tier.stats()["misses"] == 1
