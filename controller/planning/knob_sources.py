@@ -42,10 +42,12 @@ class KnobSource(Protocol):
 class FileKnobs:
     """A knobs YAML file (a `moeless serve --config` file). New contents count as a new generation
     once two reads settle_s apart agree: a file being rewritten in place (truncated, then written)
-    is read empty in between, and an empty file is every default."""
+    is read empty in between, and an empty file is every default. An emptied file must agree over
+    empty_settle_s: a busy machine may run the next read before the writer's write (seen in CI)."""
 
     path: str
     settle_s: float = 0.05
+    empty_settle_s: float = 1.0
     _generation: int = 0
     _digest: bytes = field(default=b"", repr=False)
     _data: bytes = field(default=b"", repr=False)
@@ -54,7 +56,7 @@ class FileKnobs:
         data = Path(self.path).read_bytes()
         digest = hashlib.sha256(data).digest()
         if digest != self._digest:
-            time.sleep(self.settle_s)
+            time.sleep(self.settle_s if data else max(self.settle_s, self.empty_settle_s))
             if Path(self.path).read_bytes() != data:  # still being written: the next read decides
                 return self._generation, self._data.decode(errors="replace")
             self._digest, self._data, self._generation = digest, data, self._generation + 1

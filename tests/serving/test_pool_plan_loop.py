@@ -151,3 +151,17 @@ def test_a_knobs_file_read_while_it_is_rewritten_is_not_a_generation(tmp_path, m
     assert source.read() == (1, "scaler: false\n")
     assert source.read() == (1, "scaler: false\n")  # empty, then changed again: still being written
     assert source.read() == (2, "scaler: true\n")
+
+
+def test_an_emptied_knobs_file_must_stay_empty_longer_before_it_counts(tmp_path, monkeypatch):
+    """A busy machine can read a truncated file twice before the writer writes: an empty file (every
+    default) counts only once it reads empty over empty_settle_s."""
+    path = tmp_path / "knobs.yaml"
+    path.write_text("scaler: false\n")
+    source = FileKnobs(str(path), settle_s=0.01, empty_settle_s=0.5)
+    waits: list[float] = []
+    monkeypatch.setattr("moeless.controller.planning.knob_sources.time.sleep", waits.append)
+    assert source.read() == (1, "scaler: false\n")
+    path.write_text("")
+    assert source.read() == (2, "")
+    assert waits == [0.01, 0.5]
