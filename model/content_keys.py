@@ -76,7 +76,19 @@ def file_key(path: Path, sha256: str) -> str:
     return key_from_header(header_of(data, str(path)), sha256, str(path))
 
 
+def parse_key(key: str) -> tuple[str, int, int]:
+    """make_key's inverse: a key's (dtype, ffn, hidden); ValueError for what is not a key."""
+    try:
+        dtype, shape, sha = key.split("-", 2)
+        ffn, hidden = (int(d) for d in shape.split("x"))
+    except ValueError:
+        raise ValueError(f"{key!r} is not an expert's content key (<dtype>-<F>x<H>-<sha256>)") from None
+    if not sha:
+        raise ValueError(f"{key!r} is not an expert's content key (<dtype>-<F>x<H>-<sha256>)")
+    return dtype, ffn, hidden
+
+
 def key_shape(key: str) -> str:
     """A key's dtype and shape for messages: "float32 48x576"."""
-    dtype, shape, _ = key.split("-", 2)
-    return f"{dtype} {shape}"
+    dtype, ffn, hidden = parse_key(key)
+    return f"{dtype} {ffn}x{hidden}"

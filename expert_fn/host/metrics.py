@@ -111,7 +111,8 @@ class RuntimeCollector(Collector):
         tier = status["host_tier"]
         for name, doc in (("hits", "loads served from host memory"), ("misses", "loads that read the file (disk -> host)"),
                           ("read_failures", "file reads refused: missing, checksum mismatch, unreadable"),
-                          ("evictions", "entries evicted from host memory"), ("read_s_sum", "seconds reading and verifying files")):
+                          ("evictions", "entries evicted from host memory"),
+                          ("offered", "entries copied from a peer host instead of read"), ("read_s_sum", "seconds reading and verifying files")):
             family = f"{PREFIX}_host_tier_{'read_seconds' if name == 'read_s_sum' else name}"
             yield CounterMetricFamily(family, f"host memory tier: {doc}", value=tier[name])
         yield GaugeMetricFamily(f"{PREFIX}_host_tier_bytes", "bytes of verified weights in host memory", value=tier["bytes"])

@@ -82,12 +82,14 @@ class PeerCopies:
         self._lock = threading.Lock()
 
     def fetch(self, tier: HostTier, key: Key, source: str, content_key: str) -> Weights:
-        """key's weights (host memory): from the host tier where it holds them, else from the peer at
-        `source` ("": none) where copies measure faster, else read and verified into the tier
-        (WeightStoreError where that fails)."""
+        """key's weights: from the host tier where it holds them, else from the peer at `source` ("":
+        none) where copies measure faster (a copy in host memory entering the tier), else read and
+        verified into the tier (WeightStoreError where that fails)."""
         if source and not tier.contains(key) and self._peer_first(source):
             weights = self.read(source, content_key)
             if weights is not None:
+                if all(t.device.type == "cpu" for t in weights.values()):  # a GPU copy's stays on the GPU
+                    tier.offer(key, weights)
                 return weights
         started = time.perf_counter()
         weights, where = tier.get(key)

@@ -59,6 +59,7 @@ class TierStats:
     shared_reads: int = 0  # gets that waited for a read another get had started
     read_failures: int = 0  # missing file, bad checksum, unreadable tensors
     evictions: int = 0
+    offered: int = 0  # entries copied from a peer host (not read from the file)
     read_s_sum: float = 0.0  # disk -> host: read, sha256, parse (and pin)
     entries: int = 0
     bytes: int = 0
@@ -126,6 +127,24 @@ class HostTier:
             del self._reads[key]
         future.set_result(weights)
         return weights, "disk"
+
+    def offer(self, key: Key, weights: Weights) -> bool:
+        """Keep host-memory weights got elsewhere (a peer host's copy, checked against key's content key)
+        as key's entry, in the store's dtype (exact: they are its bytes, maybe widened), where the tier
+        is on, lacks key and they fit: the next load of key is a hit, not another copy. True: entered."""
+        if not self.enabled:
+            return False
+        dtype = stored_dtype(self.store)
+        kept = {name: t.to(dtype) for name, t in weights.items()}
+        if self.pin:
+            kept = {name: t.pin_memory() for name, t in kept.items()}
+        with self._lock:
+            if key in self._entries or key in self._reads:
+                return False
+            self._admit(key, kept)
+            entered = key in self._entries
+            self._stats.offered += entered
+            return entered
 
     def contains(self, key: Key) -> bool:
         with self._lock:

@@ -1,8 +1,8 @@
 """A resident replica's weights on the wire (the ReadReplica RPC: expert_fn/host/peer_copy.py).
 
 Two forms. Bytes: each tensor's name, dtype and shape, and their row-major bytes one after another
-in one field (upb serialises a few MB in one field about 9x faster than in three nested ones,
-measured 2026-11-30). Device: where the asker computes on a CUDA GPU and the holder's replica is on
+in one field (upb serialised a few MB in one field about 9x faster than in three nested ones, in
+a one-off script of 2026-11-30, not a bench). Device: where the asker computes on a CUDA GPU and the holder's replica is on
 one, each tensor's GPU memory described as cuda_ipc.describe gives it; the asker maps it and copies
 it into its own GPU memory, over NVLink or PCIe peer to peer between two GPUs of a node (on one GPU,
 within its memory), never staged through host memory. That needs what CUDA IPC needs (cuda_ipc.py:
@@ -23,6 +23,7 @@ import torch
 
 from moeless.expert_fn.wire import expert_host_pb2 as pb
 from moeless.expert_fn.wire.cuda_ipc import DeviceBufferError, describe, open_described
+from moeless.model.content_keys import parse_key
 from moeless.model.experts import EXPERT_TENSORS
 
 Weights = dict[str, torch.Tensor]
@@ -86,8 +87,7 @@ def device_weights_from(reply: pb.ReplicaWeights, content_key: str, device: str)
 
 def _checked(reply: pb.ReplicaWeights, content_key: str) -> tuple[list[list[int]], list[torch.dtype], list[int]]:
     """Each tensor's shape, dtype and bytes where `reply` holds exactly content_key's expert tensors."""
-    dtype, shape, _ = content_key.split("-", 2)
-    ffn, hidden = (int(d) for d in shape.split("x"))
+    dtype, ffn, hidden = parse_key(content_key)
     expected = {"gate": [ffn, hidden], "up": [ffn, hidden], "down": [hidden, ffn]}
     names = [t.name for t in reply.tensors]
     if sorted(names) != sorted(EXPERT_TENSORS):

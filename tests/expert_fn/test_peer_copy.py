@@ -84,6 +84,12 @@ def test_a_load_copies_from_the_peer_by_content_key_and_computes_what_a_store_lo
     assert torch.equal(_out(b, 0, 0, x), _out(a, 0, 0, x))
     assert torch.equal(_out(b, 0, 1, x), _out(a, L + 0, 1, x))
     assert not torch.equal(_out(b, 0, 1, x), _out(a, 0, 1, x))  # the base's (0, 1) differs: not what was copied
+    # The copies entered b's host tier: evicted and loaded again, each is a hit, not another copy.
+    assert b.tier.stats()["offered"] == 2 and b.evict(0, 1)[0]
+    b.load(0, 1, wait=True, source=address_a)
+    assert b.peers.figures()["copies"] == 2 and b.tier.stats()["hits"] == 1 and b.tier.stats()["misses"] == 0
+    assert torch.equal(_out(b, 0, 1, x), _out(a, L + 0, 1, x))
+    assert "moeless_expert_host_tier_offered_total 2.0" in generate_latest(registry_for(b)).decode()
 
 
 def test_a_peer_gone_or_not_holding_it_and_a_tier_that_holds_it_read_no_peer(hosts, stores):

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from moeless.model.content_keys import content_key, key_shape
+from moeless.model.content_keys import content_key, key_shape, make_key, parse_key
 from moeless.model.finetune import perturbed
 from moeless.model.moe_model import MoEModel
 from moeless.model.tiny import tiny_model
@@ -45,6 +45,14 @@ def test_every_expert_has_a_key_of_its_dtype_shape_and_file_bytes(base_and_tuned
         assert key == entry["key"] == content_key((store.root / entry["file"]).read_bytes())
         assert key.endswith(entry["sha256"]) and key_shape(key) == f"float32 {spec.expert_ffn}x{spec.hidden_size}"
     assert len({store.key(l, e) for l, e in store.keys()}) == spec.num_layers * spec.num_experts  # all differ
+
+
+def test_a_key_parses_back_to_its_dtype_and_shape_and_a_malformed_one_is_named():
+    key = make_key("bfloat16", 48, 576, "9f2c" * 16)
+    assert parse_key(key) == ("bfloat16", 48, 576) and key_shape(key) == "bfloat16 48x576"
+    for bad in ("float32-48x576", "float32-48by576-9f2c", "float32-48x576-", "9f2c"):
+        with pytest.raises(ValueError, match="not an expert's content key"):
+            parse_key(bad)
 
 
 def test_a_store_written_before_keys_existed_opens_with_the_same_keys(base_and_tuned, tmp_path):
