@@ -59,7 +59,8 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
         help="the TCP channel's port, the data plane between machines (default 0: a free one, offered over gRPC)")
     add("--no-tcp-channel", action="store_true", help="offer no TCP channel (data calls then take gRPC or shared memory)")
     add("--no-nixl", action="store_true",
-        help="refuse clients' NIXL offers on the TCP channel (transport 'nixl'; taken by default where nixl is installed)")
+        help="no NIXL: refuse clients' offers on the TCP channel (transport 'nixl') and copy replicas to and from peer "
+             "hosts as bytes over gRPC (NIXL is used by default where nixl is installed)")
     add("--share", action="append", default=[], metavar="NAME=GB",
         help="a model's guaranteed share of the replica memory while it is active (repeatable): another model's "
              "load never evicts its replicas below it (shares.py); default 0 (least recently used first)")
@@ -91,6 +92,7 @@ def serve(args: argparse.Namespace) -> int:
     from moeless.expert_fn.wire.codec import CHANNEL_OPTIONS
     from moeless.expert_fn.host.http_endpoints import start_http_endpoints
     from moeless.expert_fn.host.local_channel_server import LocalChannelServer
+    from moeless.expert_fn.host.peer_copy import PeerCopies
     from moeless.expert_fn.stores.model_stores import ModelStores
     from moeless.expert_fn.host.runtime import ExpertHostRuntime
     from moeless.expert_fn.host.servicer import ExpertHostServicer
@@ -131,7 +133,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s,
                                 tier=tier, shares=shares, compute_dtype=args.compute_dtype, family_warm=args.family_warm,
-                                peer_copies=args.peer_copies)
+                                peer_copies=PeerCopies(args.peer_copies, device.torch_device, nixl=not args.no_nixl))
     # 2. gRPC server and HTTP endpoints.
     # OpenMP's thread count is per thread: without the initializer, handler threads compute on every core.
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,

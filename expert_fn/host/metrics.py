@@ -120,9 +120,12 @@ class RuntimeCollector(Collector):
         for name, doc in (("copies", "loads that copied their replica from a peer host"),
                           ("fallbacks", "loads given a peer that read the weight store instead"),
                           ("bytes", "bytes copied from peer hosts"), ("seconds", "seconds copying from peer hosts"),
+                          ("linked", "copies WRITTEN over NIXL, not sent as bytes over gRPC"),
                           ("served", "replicas sent to peer hosts"),
                           ("passed", "loads given a peer that read the weight store (measured faster, or measured again)")):
             yield CounterMetricFamily(f"{PREFIX}_host_peer_copy_{name}", f"peer copies: {doc}", value=peer[name])
+        yield GaugeMetricFamily(f"{PREFIX}_host_peer_links", "NIXL links open to peer hosts (peer_links.py)",
+                                value=peer["links"])
         for way in ("peer", "store"):
             yield GaugeMetricFamily(f"{PREFIX}_host_{way}_load_gb_per_second", f"moving average of {way} loads' GB/s "
                                     "(peer_copy.py's choice; 0: not measured yet)", value=peer[f"{way}_gb_per_s"])

@@ -68,14 +68,14 @@ class ExpertHostRuntime:
         shares: Shares | None = None,
         compute_dtype: str = "float32",
         family_warm: bool = True,
-        peer_copies: str = "measured",
+        peer_copies: str | PeerCopies = "measured",
     ) -> None:
         self.dtype = compute_dtype_of(store, compute_dtype)  # options.COMPUTE_DTYPES
         self.models = as_model_stores(store)  # each host layer's model; each key's canonical replica
         self.device = device
         self.tier = HostTier(self.models, tier, pin=device.startswith("cuda") and torch.cuda.is_available())
         self._copier = DeviceCopier(device, self.dtype)
-        self.peers = PeerCopies(peer_copies, device)  # loads from a peer host holding the replica, where they pay
+        self.peers = peer_copies if isinstance(peer_copies, PeerCopies) else PeerCopies(peer_copies, device)
         self.keep_alive_s = keep_alive_s
         self.health = "starting"  # "serving" once the server listens, "draining" on SIGTERM
         self._forward = forward_for(device, exact=self.dtype == torch.float32)  # float32: the reference's bits

@@ -22,7 +22,7 @@ from moeless.expert_fn.errors import (
     ReplicaLoadError,
     refuse_unless_serving,
 )
-from moeless.expert_fn.wire.replica_weights import put_weights
+from moeless.expert_fn.wire.nixl_link import NixlError
 from moeless.expert_fn.wire.routed import decode_call, encode_reply, raw_bytes
 from moeless.expert_fn.host.run_routed import run_routed
 from moeless.expert_fn.host.lifecycle import RESIDENT
@@ -75,9 +75,14 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
         reply = pb.ReplicaWeights()
         weights = self.runtime.resident_weights(request.content_key)
         if weights is not None:
-            put_weights(reply, weights, device=request.device)
-            self.runtime.peers.served()
+            self.runtime.peers.serve(reply, weights, request)
         return reply
+
+    def OpenCopyLink(self, request: pb.CopyLinkOffer, context: grpc.ServicerContext) -> pb.CopyLinkOffer:
+        try:
+            return pb.CopyLinkOffer(offer=self.runtime.peers.open_link(request.offer, request.capacity))
+        except (ValueError, NixlError) as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
 
     def Evict(self, request: pb.ReplicaRef, context: grpc.ServicerContext) -> pb.EvictReply:
         try:

@@ -89,6 +89,11 @@ class ExpertHostStub:
                 request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReadReplicaRequest.SerializeToString,
                 response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaWeights.FromString,
                 _registered_method=True)
+        self.OpenCopyLink = channel.unary_unary(
+                '/moeless.expert_fn.ExpertHost/OpenCopyLink',
+                request_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.CopyLinkOffer.SerializeToString,
+                response_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.CopyLinkOffer.FromString,
+                _registered_method=True)
 
 
 class ExpertHostServicer:
@@ -176,6 +181,13 @@ class ExpertHostServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenCopyLink(self, request, context):
+        """A NIXL link for peer copies (expert_fn/host/peer_links.py): the asker's offer in, the holder's out.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertHostServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +245,11 @@ def add_ExpertHostServicer_to_server(servicer, server):
                     servicer.ReadReplica,
                     request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReadReplicaRequest.FromString,
                     response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaWeights.SerializeToString,
+            ),
+            'OpenCopyLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenCopyLink,
+                    request_deserializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.CopyLinkOffer.FromString,
+                    response_serializer=moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.CopyLinkOffer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -532,6 +549,33 @@ class ExpertHost:
             '/moeless.expert_fn.ExpertHost/ReadReplica',
             moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReadReplicaRequest.SerializeToString,
             moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.ReplicaWeights.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenCopyLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moeless.expert_fn.ExpertHost/OpenCopyLink',
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.CopyLinkOffer.SerializeToString,
+            moeless_dot_expert__fn_dot_wire_dot_expert__host__pb2.CopyLinkOffer.FromString,
             options,
             channel_credentials,
             insecure,

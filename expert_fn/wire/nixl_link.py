@@ -82,21 +82,22 @@ def _as_nixl_error(what: str):
 
 
 class NixlLink:
-    """An agent (no progress thread) with one registered buffer of 2 x capacity bytes on `device`,
-    and at most one peer."""
+    """An agent (no progress thread) with one registered buffer of `regions` x capacity bytes on
+    `device` (2: the TCP channel's, each side's sends; 1: a peer copy's, expert_fn/host/peer_links.py),
+    and at most one peer, whose buffer has as many regions."""
 
-    def __init__(self, role: str, capacity: int, device: torch.device | str = "cpu"):
+    def __init__(self, role: str, capacity: int, device: torch.device | str = "cpu", regions: int = 2):
         api = nixl_api()
-        self.capacity = capacity
+        self.capacity, self.regions = capacity, regions
         self.name = f"moeless-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self.buffer = torch.empty(2 * capacity, dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(regions * capacity, dtype=torch.uint8, device=device)
         self._device = self.buffer.device.index or 0
         self._mem = "VRAM" if self.buffer.device.type == "cuda" else "DRAM"
-        with _as_nixl_error(f"registering {2 * capacity} bytes of {self._mem} on {self.buffer.device} (GPU memory needs "
-                            "a NIXL whose UCX has CUDA support: nixl-cu12 beside CUDA 12, nixl-cu13 beside CUDA 13)"):
-            self._registered = self._agent.register_memory([(self.buffer.data_ptr(), 2 * capacity, self._device, "")],
-                                                           self._mem)
+        with _as_nixl_error(f"registering {regions * capacity} bytes of {self._mem} on {self.buffer.device} (GPU memory "
+                            "needs a NIXL whose UCX has CUDA support: nixl-cu12 beside CUDA 12, nixl-cu13 beside CUDA 13)"):
+            self._registered = self._agent.register_memory([(self.buffer.data_ptr(), regions * capacity, self._device,
+                                                             "")], self._mem)
         self._peer: str | None = None
         self._peer_buffer = (0, 0, 0, "DRAM")  # address, bytes, device, memory type
         self._notes: list[bytes] = []
@@ -111,7 +112,7 @@ class NixlLink:
         """What a peer needs to write here: this agent's metadata and the buffer's place."""
         meta = self._agent.get_agent_metadata()
         name = self.name.encode()
-        return OFFER.pack(self.buffer.data_ptr(), 2 * self.capacity, self._device, self._mem == "VRAM",
+        return OFFER.pack(self.buffer.data_ptr(), self.regions * self.capacity, self._device, self._mem == "VRAM",
                           len(name), len(meta)) + name + meta
 
     def connect(self, offer: bytes) -> None:
@@ -119,14 +120,25 @@ class NixlLink:
         if len(offer) < OFFER.size:
             raise NixlError(f"a NIXL offer of {len(offer)} bytes is too short")
         addr, nbytes, device, vram, name_len, meta_len = OFFER.unpack_from(offer)
-        if len(offer) != OFFER.size + name_len + meta_len or nbytes != 2 * self.capacity:
-            raise NixlError(f"a malformed NIXL offer ({len(offer)} bytes, buffer {nbytes}, expected {2 * self.capacity})")
+        if len(offer) != OFFER.size + name_len + meta_len or nbytes != self.regions * self.capacity:
+            raise NixlError(f"a malformed NIXL offer ({len(offer)} bytes, buffer {nbytes}, expected "
+                            f"{self.regions * self.capacity})")
         meta = offer[OFFER.size + name_len:]
         try:
             self._peer = self._agent.add_remote_agent(meta)
         except Exception as err:  # nixl raises its own binding errors
             raise NixlError(f"NIXL could not add the peer's agent: {err}") from None
         self._peer_buffer = (addr, nbytes, device, "VRAM" if vram else "DRAM")
+
+    @property
+    def peer(self) -> str | None:
+        """The peer's agent name (None: not connected; NIXL returns it as bytes)."""
+        return self._peer.decode() if isinstance(self._peer, bytes) else self._peer
+
+    def progress(self) -> None:
+        """Drive this side's worker once (a WRITE to here needs it), keeping the notifications that arrived."""
+        with _as_nixl_error(f"NIXL notifications from {self._peer}"):
+            self._notes += [m for messages in self._agent.get_new_notifs().values() for m in messages]
 
     def post_write(self, which: int, nbytes: int, note: bytes) -> None:
         """Start writing the first nbytes of this side's region `which` into the peer's region `which`

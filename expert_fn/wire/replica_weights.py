@@ -1,11 +1,13 @@
 """A resident replica's weights on the wire (the ReadReplica RPC: expert_fn/host/peer_copy.py).
 
-Two forms. Bytes: each tensor's name, dtype and shape, and their row-major bytes one after another
-in one field (upb serialised a few MB in one field about 9x faster than in three nested ones, in
-a one-off script of 2026-11-30, not a bench). Device: where the asker computes on a CUDA GPU and the holder's replica is on
-one, each tensor's GPU memory described as cuda_ipc.describe gives it; the asker maps it and copies
-it into its own GPU memory, over NVLink or PCIe peer to peer between two GPUs of a node (on one GPU,
-within its memory), never staged through host memory. That needs what CUDA IPC needs (cuda_ipc.py:
+Two forms, and a third beside them (the bytes WRITTEN over NIXL, their names, dtypes and shapes
+here: host/peer_links.py). Bytes: each tensor's name, dtype and shape, and their row-major bytes
+one after another in one field (upb serialised a few MB in one field about 9x faster than in three
+nested ones, in a one-off script of 2026-11-30, not a bench). Device: where the asker computes on
+a CUDA GPU and the holder's replica is on one, each tensor's GPU memory described as
+cuda_ipc.describe gives it; the asker maps it and copies it into its own GPU memory, over NVLink
+or PCIe peer to peer between two GPUs of a node (on one GPU, within its memory), never staged
+through host memory. That needs what CUDA IPC needs (cuda_ipc.py:
 one machine, the same GPU numbering on both sides, pods in the node's IPC namespace); where it
 fails the asker asks again for bytes.
 
@@ -14,6 +16,7 @@ tensors, each of the key's shape, in the key's dtype or float32 (the holder's co
 
     reply = pb.ReplicaWeights(); put_weights(reply, weights, device=False)
     weights = weights_from(reply, key)                          # fresh CPU memory
+    weights = weights_in(reply, written, key)                   # views of the bytes WRITTEN over NIXL
     weights = device_weights_from(reply, key, "cuda:0")         # a device reply, copied onto cuda:0
 """
 
@@ -43,25 +46,37 @@ def put_weights(reply: pb.ReplicaWeights, weights: Weights, device: bool = False
         except DeviceBufferError:  # not shareable after all: bytes, as to another machine
             described = []
         for (name, t), shared in zip(weights.items(), described):
-            reply.tensors.add(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), described=shared)
+            add_tensor(reply, name, t).described = shared
         if described:
             return
     flat = []
     for name, t in weights.items():
         t = t.detach().to("cpu").contiguous()
-        reply.tensors.add(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+        add_tensor(reply, name, t)
         flat.append(t.reshape(-1).view(torch.uint8))
     reply.data = torch.cat(flat).numpy().tobytes()
 
 
+def add_tensor(reply: pb.ReplicaWeights, name: str, t: torch.Tensor) -> pb.WeightTensor:
+    """Name t in reply.tensors (its dtype and shape; its bytes travel apart)."""
+    return reply.tensors.add(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+
+
 def weights_from(reply: pb.ReplicaWeights, content_key: str) -> Weights:
-    """The tensors of a bytes reply (views of one fresh CPU buffer); PeerCopyError unless they are exactly
+    """The tensors of a bytes reply (views of one fresh CPU buffer): weights_in its data field."""
+    data = torch.frombuffer(bytearray(reply.data), dtype=torch.uint8) if reply.data else torch.empty(0, dtype=torch.uint8)
+    return weights_in(reply, data, content_key)
+
+
+def weights_in(reply: pb.ReplicaWeights, data: torch.Tensor, content_key: str) -> Weights:
+    """The tensors `reply` names as views of data (uint8, their bytes one after another: a bytes reply's
+    field, or what the holder WROTE into a NIXL link, on any device); PeerCopyError unless they are exactly
     the expert tensors of `content_key`'s shape, in its dtype or float32."""
     shapes, kinds, sizes = _checked(reply, content_key)
-    if len(reply.data) != sum(sizes):
-        raise PeerCopyError(f"{len(reply.data)} bytes of tensors, where {[t.name for t in reply.tensors]} take "
+    if data.numel() != sum(sizes):
+        raise PeerCopyError(f"{data.numel()} bytes of tensors, where {[t.name for t in reply.tensors]} take "
                             f"{sum(sizes)}")
-    data, weights, at = torch.frombuffer(bytearray(reply.data), dtype=torch.uint8), {}, 0
+    weights, at = {}, 0
     for t, shape, kind, size in zip(reply.tensors, shapes, kinds, sizes):
         weights[t.name] = data[at:at + size].view(kind).reshape(shape)
         at += size

@@ -12,7 +12,12 @@ model's store:
    baseline: read, sha256, parse, copy to the device), then evicted and loaded again from its host
    tier (what a host that held them before pays).
 3. Host 1 restarted (its tier empty again): the same LoadMany, host 0 every replica's source, the
-   hosts set to copy from a peer always (`--peer-copies always`).
+   hosts set to copy from a peer always (`--peer-copies always`): WRITTEN over NIXL where nixl is
+   installed (expert_fn/host/peer_links.py), GPU to GPU over CUDA IPC with --device cuda. A host
+   opens its NIXL link to a peer in the background at its first copy from it (that copy goes as
+   bytes over gRPC), so host 1 first loads one replica and waits for its link (the seconds it took
+   are printed), then loads the rest. Then a fresh host with `--no-nixl` loads them all from host 0
+   as bytes over gRPC.
 Steps 2-3 run --repeats times. 4. --repeats times, a fresh host with the default `--peer-copies
 measured`, host 0 every replica's source: it measures each way, then copies while copies measure
 faster than its store reads, so it ends near the faster way (the copies and store reads it chose
@@ -23,13 +28,19 @@ tokens, bit for bit).
 
 The store's files are in the OS page cache (host 0 read them first): the store's figure is the
 read, checksum and parse out of memory, the least a store load costs (a network volume costs more).
+
+`--expert-shape FxH` times experts of another size (e.g. 1408x2048, DeepSeek-V2-Lite's: 34.6 MB in
+float32) from a store of random weights of that shape, --experts of them a layer: what is timed is
+bytes moved and checked, which the values do not change; the copies are still checked exactly.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +49,7 @@ from moeless.bench import BENCHES
 from moeless.bench.common import add_bench_flags, print_and_write
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.launcher import launch_local_hosts
-from moeless.model.weight_store import export_store
+from moeless.model.weight_store import export_experts, export_store
 from moeless.serving.cli import MODEL_HELP, _positive
 from moeless.serving.config import choose_model
 
@@ -54,38 +65,79 @@ def register(benches: argparse._SubParsersAction) -> None:
     bench.add_argument("--layers", type=_positive, default=4, help="layers whose experts are loaded (default 4)")
     bench.add_argument("--repeats", type=_positive, default=3, help="store / peer rounds (default 3)")
     bench.add_argument("--device", default="cpu", help="the hosts' device: cpu (default) or cuda")
+    bench.add_argument("--expert-shape", type=_shape, default=None, metavar="FxH",
+                       help="time random experts of this shape instead of --model's (e.g. 1408x2048: DeepSeek-V2-Lite)")
+    bench.add_argument("--experts", type=_positive, default=16, help="experts a layer with --expert-shape (default 16)")
     add_bench_flags(bench)
     bench.set_defaults(func=_bench)
 
 
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        ffn, hidden = (int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an expert shape is FxH (e.g. 1408x2048), got {text!r}") from None
+    if ffn < 1 or hidden < 1:
+        raise argparse.ArgumentTypeError(f"an expert shape's sizes are >= 1, got {text!r}")
+    return ffn, hidden
+
+
 def _bench(args: argparse.Namespace) -> int:
     model, repeats = ("tiny:mixtral", 1) if args.quick else (args.model, args.repeats)
-    result = run_peer_copy_bench(model, layers=args.layers, repeats=repeats, device=args.device)
+    result = run_peer_copy_bench(model, layers=args.layers, repeats=repeats, device=args.device,
+                                 shape=args.expert_shape, experts=args.experts)
     return print_and_write(args.out, "peer-copy", result, print_report)
 
 
-def run_peer_copy_bench(model: str = "default", *, layers: int = 4, repeats: int = 3, device: str = "cpu") -> dict[str, Any]:
+def random_store(shape: tuple[int, int], layers: int, experts: int, root: Path) -> Path:
+    """A weight store of layers x experts random float32 experts of shape (F, H) under root."""
+    ffn, hidden = shape
+    make = torch.Generator().manual_seed(0)
+    export_experts(((layer, expert, {"gate": torch.randn(ffn, hidden, generator=make) * 0.02,
+                                     "up": torch.randn(ffn, hidden, generator=make) * 0.02,
+                                     "down": torch.randn(hidden, ffn, generator=make) * 0.02})
+                    for layer in range(layers) for expert in range(experts)),
+                   root, model=f"random-{ffn}x{hidden}", num_layers=layers, num_experts=experts, act="silu")
+    return root
+
+
+def run_peer_copy_bench(model: str = "default", *, layers: int = 4, repeats: int = 3, device: str = "cpu",
+                        shape: tuple[int, int] | None = None, experts: int = 16) -> dict[str, Any]:
     """The measurement of the module docstring; returns the figures."""
-    choice = choose_model(model)
-    loaded = choice.loader()
-    spec = loaded.spec
-    store = export_store(loaded, choice.name)
-    del loaded
-    layers = min(layers, spec.num_layers)
-    replicas = [(layer, expert) for layer in range(layers) for expert in range(spec.num_experts)]
-    tokens = torch.randn(8, spec.hidden_size, generator=torch.Generator().manual_seed(0))
-    times: dict[str, list[float]] = {"store": [], "tier": [], "peer": []}
-    exact = True
+    with tempfile.TemporaryDirectory(prefix="moeless-peer-copy-") as scratch:
+        if shape is not None:
+            name, store = f"random-{shape[0]}x{shape[1]}", random_store(shape, layers, experts, Path(scratch))
+            (ffn, hidden), num_experts = shape, experts
+        else:
+            choice = choose_model(model)
+            loaded = choice.loader()
+            name, store, spec = choice.name, export_store(loaded, choice.name), loaded.spec
+            del loaded
+            ffn, hidden, num_experts, layers = spec.expert_ffn, spec.hidden_size, spec.num_experts, min(layers, spec.num_layers)
+        expert_bytes = 3 * ffn * hidden * 4  # float32 on the hosts
+        result = _timed(store, layers, num_experts, hidden, expert_bytes, repeats, device)
+    return {"model": name, "device": device, "layers": layers, "experts": layers * num_experts, "repeats": repeats,
+            "expert_bytes": expert_bytes, **result}
+
+
+def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes: int, repeats: int,
+           device: str) -> dict[str, Any]:
+    """Steps 1-4 of the module docstring over `store`: the seconds each way, the copies' checks, the ratios."""
+    replicas = [(layer, expert) for layer in range(layers) for expert in range(num_experts)]
+    tokens = torch.randn(8, hidden, generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {"store": [], "tier": [], "peer": [], "grpc": []}
+    exact, linked, link_s = True, 0, []
     cpu = device == "cpu"
     with launch_local_hosts(2, store, keep_alive_s=600.0, metrics=False, cpu=cpu, peer_copies="always") as group:
         holder = ExpertHostClient(group.addresses[0], timeout_s=120)
         holder.load_many(replicas, wait=True)
 
-        def timed_load(address: str = group.addresses[1], **sources) -> float:
+        def timed_load(address: str = group.addresses[1], some: list = replicas, **sources) -> float:
+            """Seconds an expert, loading `some` in one LoadMany."""
             with ExpertHostClient(address, timeout_s=120) as client:
                 started = time.perf_counter()
-                client.load_many(replicas, wait=True, **sources)
-                return time.perf_counter() - started
+                client.load_many(some, wait=True, **sources)
+                return (time.perf_counter() - started) / len(some)
 
         for _ in range(repeats):
             group.restart(1)
@@ -95,12 +147,18 @@ def run_peer_copy_bench(model: str = "default", *, layers: int = 4, repeats: int
                     client.evict(layer, expert)
             times["tier"].append(timed_load())
             group.restart(1)
-            times["peer"].append(timed_load(sources=[group.addresses[0]] * len(replicas)))
-            with ExpertHostClient(group.addresses[1], timeout_s=120) as client:
-                copies = client.status()["peer_copies"]
-                exact &= copies["copies"] == len(replicas) and all(
-                    torch.equal(client.invoke(layer, {expert: tokens})[expert],
-                                holder.invoke(layer, {expert: tokens})[expert]) for layer, expert in replicas)
+            link_s.append(_open_link(group.addresses[1], replicas[0], group.addresses[0]))
+            times["peer"].append(timed_load(some=replicas[1:], sources=[group.addresses[0]] * (len(replicas) - 1)))
+            with launch_local_hosts(1, store, keep_alive_s=600.0, metrics=False, cpu=cpu, peer_copies="always",
+                                    nixl=False) as plain:
+                times["grpc"].append(timed_load(plain.addresses[0], sources=[group.addresses[0]] * len(replicas)))
+                for address in (group.addresses[1], plain.addresses[0]):
+                    with ExpertHostClient(address, timeout_s=120) as client:
+                        copies = client.status()["peer_copies"]
+                        linked += copies["linked"] if address == group.addresses[1] else 0
+                        exact &= copies["copies"] == len(replicas) and all(
+                            torch.equal(client.invoke(layer, {expert: tokens})[expert],
+                                        holder.invoke(layer, {expert: tokens})[expert]) for layer, expert in replicas)
         times["measured"], chose = [], []
         for _ in range(repeats):
             with launch_local_hosts(1, store, keep_alive_s=600.0, metrics=False, cpu=cpu) as chooser:
@@ -108,28 +166,47 @@ def run_peer_copy_bench(model: str = "default", *, layers: int = 4, repeats: int
                 with ExpertHostClient(chooser.addresses[0]) as client:
                     chose.append(client.status()["peer_copies"])
         holder.close()
-    expert_bytes = 3 * spec.expert_ffn * spec.hidden_size * 4  # float32 on the hosts
     median = {way: statistics.median(t) for way, t in times.items()}
     return {
-        "model": choice.name, "device": device, "layers": layers, "experts": len(replicas), "repeats": repeats,
-        "expert_bytes": expert_bytes, "seconds": times, "copies_exact": exact,
+        "seconds_per_expert": times, "copies_exact": exact, "linked_per_round": linked / repeats,
+        "link_open_s": link_s,
         "measured_chose": [{"peer": c["copies"], "store": c["passed"], "peer_gb_per_s": c["peer_gb_per_s"],
                             "store_gb_per_s": c["store_gb_per_s"]} for c in chose],
-        "ms_per_expert": {way: s / len(replicas) * 1e3 for way, s in median.items()},
-        "gb_per_s": {way: expert_bytes * len(replicas) / s / 1e9 for way, s in median.items()},
+        "ms_per_expert": {way: s * 1e3 for way, s in median.items()},
+        "gb_per_s": {way: expert_bytes / s / 1e9 for way, s in median.items()},
         "peer_over_store": median["peer"] / median["store"], "peer_over_tier": median["peer"] / median["tier"],
+        "grpc_over_store": median["grpc"] / median["store"],
     }
+
+
+def _open_link(address: str, replica: tuple[int, int], source: str, timeout_s: float = 30.0) -> float:
+    """Load `replica` on the host at `address` from `source`, which opens its NIXL link to it in the
+    background (its copy goes as bytes meanwhile), and wait for the link: seconds until it is open
+    (nan where the host opens none: NIXL missing or refused)."""
+    with ExpertHostClient(address, timeout_s=120) as client:
+        started = time.perf_counter()
+        client.load_many([replica], wait=True, sources=[source])
+        while time.perf_counter() - started < timeout_s:
+            if client.status()["peer_copies"]["links"]:
+                return time.perf_counter() - started
+            time.sleep(0.01)
+    return float("nan")
 
 
 def print_report(r: dict[str, Any]) -> None:
     print(f"{r['model']} on {r['device']}: {r['experts']} experts of {r['layers']} layers, "
           f"{r['expert_bytes'] / 1e6:.2f} MB each, median of {r['repeats']} (host 1 fresh each time)")
     for way, label in (("store", "its weight store (read, sha256, parse, copy)"), ("tier", "its host tier (a copy)"),
-                       ("peer", "a peer host holding them " + ("(CUDA IPC)" if r["device"].startswith("cuda") else "(gRPC)")),
+                       ("peer", "a peer host holding them " + ("(CUDA IPC)" if r["device"].startswith("cuda") else
+                                                               "(NIXL)" if r["linked_per_round"] else "(gRPC, no NIXL)")),
+                       ("grpc", "a peer host, as bytes over gRPC (--no-nixl)"),
                        ("measured", "either, as --peer-copies measured chose")):
         print(f"  from {label:45s} {r['ms_per_expert'][way]:8.3f} ms/expert  {r['gb_per_s'][way]:7.2f} GB/s")
-    print(f"  peer / store: {r['peer_over_store']:.2f}x   peer / tier: {r['peer_over_tier']:.2f}x   "
-          f"copies compute exactly: {'yes' if r['copies_exact'] else 'NO'}")
+    if r["linked_per_round"]:
+        print(f"  (NIXL link opened in {statistics.median(r['link_open_s']):.2f} s, median; "
+              f"{r['linked_per_round']:.0f} copies a round WRITTEN over it)")
+    print(f"  peer / store: {r['peer_over_store']:.2f}x   over gRPC / store: {r['grpc_over_store']:.2f}x   peer / tier: "
+          f"{r['peer_over_tier']:.2f}x   copies compute exactly: {'yes' if r['copies_exact'] else 'NO'}")
     for c in r["measured_chose"]:
         print(f"  measured: {c['peer']} from the peer, {c['store']} from the store (moving averages: peer "
               f"{c['peer_gb_per_s']:.2f} GB/s, store {c['store_gb_per_s']:.2f} GB/s)")

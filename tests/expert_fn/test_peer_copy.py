@@ -16,6 +16,7 @@ from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import BadRequest
 from moeless.expert_fn.host.metrics import registry_for
 from moeless.expert_fn.host.peer_copy import PROBE_EVERY, PeerCopies, _averaged
+from moeless.expert_fn.host.peer_links import MAX_CAPACITY, HolderLinks
 from moeless.expert_fn.wire.replica_weights import PeerCopyError, put_weights, weights_from
 from moeless.expert_fn.host.runtime import ExpertHostRuntime
 from moeless.expert_fn.host.servicer import ExpertHostServicer
@@ -26,6 +27,7 @@ from moeless.expert_fn.wire.codec import CHANNEL_OPTIONS
 from moeless.model.finetune import perturbed
 from moeless.model.tiny import tiny_model
 from moeless.model.weight_store import export_store
+from tests.serving.host_waits import wait_until
 
 CODE_OWN = [(0, 1), (1, 3)]  # the fine-tune's own experts; the rest are its base's bytes
 
@@ -74,9 +76,11 @@ def test_a_load_copies_from_the_peer_by_content_key_and_computes_what_a_store_lo
     L = stores["layers"]
     a.load(0, 0, wait=True)  # the base's (0, 0), which the fine-tune shares
     a.load(L + 0, 1, wait=True)  # the fine-tune's own (0, 1), at a's numbering
-    b.load(0, 0, wait=True, source=address_a)
-    b.load(0, 1, wait=True, source=address_a)
+    b.load(0, 0, wait=True, source=address_a)  # as bytes over gRPC while b opens a NIXL link to a
+    wait_until(lambda: b.peers.linked() == [address_a], "b's NIXL link to a")
+    b.load(0, 1, wait=True, source=address_a)  # WRITTEN over that link (peer_links.py)
     assert b.peers.figures()["copies"] == 2 and b.peers.figures()["fallbacks"] == 0
+    assert b.peers.figures()["linked"] == 1
     assert b.tier.stats()["misses"] == 0  # no file read, no checksum
     assert a.peers.figures()["served"] == 2
     assert b.peers.figures()["bytes"] == 2 * stores["expert_bytes"]
@@ -90,6 +94,37 @@ def test_a_load_copies_from_the_peer_by_content_key_and_computes_what_a_store_lo
     assert b.peers.figures()["copies"] == 2 and b.tier.stats()["hits"] == 1 and b.tier.stats()["misses"] == 0
     assert torch.equal(_out(b, 0, 1, x), _out(a, L + 0, 1, x))
     assert "moeless_expert_host_tier_offered_total 2.0" in generate_latest(registry_for(b)).decode()
+
+
+def test_a_holder_without_nixl_refuses_the_link_in_one_line_and_its_replicas_come_as_bytes(stores, caplog):
+    holder = _host([("code", stores["code"])], PeerCopies(nixl=False))
+    asker = _host([("code", stores["code"])], "always")
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.ExpertHostStub(grpc.insecure_channel(holder[2])).OpenCopyLink(pb.CopyLinkOffer(offer=b"x", capacity=64))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "bytes only: NIXL is turned off on this expert host (expert-host --no-nixl)" in refused.value.details()
+        holder[0].load(0, 0, wait=True)
+        holder[0].load(0, 1, wait=True)
+        asker[0].load(0, 0, wait=True, source=holder[2])
+        wait_until(lambda: "copying its replicas as bytes over gRPC from now on" in caplog.text, "the link refused")
+        asker[0].load(0, 1, wait=True, source=holder[2])
+        assert asker[0].peers.figures()["copies"] == 2 and asker[0].peers.figures()["linked"] == 0
+        assert asker[0].peers.linked() == [] and asker[0].tier.stats()["misses"] == 0
+        x = torch.randn(3, stores["hidden"], generator=torch.Generator().manual_seed(1))
+        assert all(torch.equal(_out(asker[0], 0, e, x), _out(holder[0], 0, e, x)) for e in (0, 1))
+    finally:
+        for runtime, server, _ in (holder, asker):
+            server.stop(None)
+            runtime.close()
+
+
+def test_a_copy_link_of_no_bytes_or_past_the_bound_is_refused_by_name():
+    links = HolderLinks("cpu")
+    for capacity in (0, MAX_CAPACITY + 1):
+        with pytest.raises(ValueError, match=rf"a copy link's region must be 1 byte to {MAX_CAPACITY} bytes, asked"):
+            links.open(b"offer", capacity)
+    assert not links.write("nobody", "copy-0", {"gate": torch.zeros(2)}, pb.ReplicaWeights())  # no such link: bytes
 
 
 def test_a_peer_gone_or_not_holding_it_and_a_tier_that_holds_it_read_no_peer(hosts, stores):
@@ -158,6 +193,9 @@ def test_a_host_copies_from_peers_while_they_measure_faster_and_measures_the_slo
     choices = [peers._peer_first(at) for _ in range(PROBE_EVERY)]
     assert [i for i, peer in enumerate(choices) if not peer] == [PROBE_EVERY - 4]  # the store measured again once
     assert PeerCopies("always")._peer_first(at) and not PeerCopies("off")._peer_first(at)
+    key, nobody = "float32-8x16-" + "0" * 64, "127.0.0.1:1"
+    assert not PeerCopies()._peer_first(nobody, key)  # its NIXL link opens first (in the background): the store meanwhile
+    assert PeerCopies(nixl=False)._peer_first(nobody, key)  # no NIXL: nothing to wait for
     assert _averaged(0.0, 10**9, 2.0) == 0.5 and _averaged(0.5, 10**9, 1.0) == 0.625  # the first as it is, then 1/4
 
 
