@@ -122,7 +122,8 @@ class RuntimeCollector(Collector):
                           ("bytes", "bytes copied from peer hosts"), ("seconds", "seconds copying from peer hosts"),
                           ("linked", "copies WRITTEN over NIXL, not sent as bytes over gRPC"),
                           ("served", "replicas sent to peer hosts"),
-                          ("passed", "loads given a peer that read the weight store (measured faster, or measured again)")):
+                          ("passed", "loads given a peer that read the weight store (measured faster, measured again, "
+                                     "the peer down, or its NIXL link opening)")):
             yield CounterMetricFamily(f"{PREFIX}_host_peer_copy_{name}", f"peer copies: {doc}", value=peer[name])
         yield GaugeMetricFamily(f"{PREFIX}_host_peer_links", "NIXL links open to peer hosts (peer_links.py)",
                                 value=peer["links"])

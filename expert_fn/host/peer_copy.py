@@ -79,7 +79,8 @@ class PeerCopyStats:
     served: int = 0
     linked: int = 0  # of the copies, those WRITTEN over NIXL (peer_links.py)
     links: int = 0  # NIXL links open to peers
-    passed: int = 0  # loads given a peer that read the store (measured faster, its turn to be measured, the peer down)
+    passed: int = 0  # loads given a peer that read the store (measured faster, its turn to be measured, the peer
+    # down, its NIXL link opening)
     peer_gb_per_s: float = 0.0  # the moving averages the choice reads (0: not measured yet)
     store_gb_per_s: float = 0.0
 

@@ -71,7 +71,7 @@ class AskerLink:
             future = stub.ReadReplica.future(asked, timeout=timeout_s)
             while not future.done():  # the holder's WRITE completes only while this side's worker runs
                 self.link.progress()
-                time.sleep(0)  # lets gRPC's threads have the GIL: a spin without it took 2.4 ms, not 0.45
+                time.sleep(0)  # gives the GIL to gRPC's threads, which deliver the answer
             reply = future.result()
             if not reply.written:
                 return reply, None
