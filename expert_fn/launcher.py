@@ -171,6 +171,7 @@ def launch_local_hosts(
     peer_copies: str = "measured",
     nixl: bool = True,
     cpu: bool = False,
+    peer_ipc: bool = True,
 ) -> LocalHostGroup:
     """Start num_hosts expert hosts serving store_dir on loopback and wait until all are ready.
     store_dir: a weight store, or (model name, store) pairs that every host serves from one memory
@@ -185,6 +186,7 @@ def launch_local_hosts(
     peer_copies: when a load given a peer copies from it (expert-host --peer-copies; host/peer_copy.py).
     nixl: take clients' NIXL offers on the TCP channel where nixl is installed (False: --no-nixl).
     cpu: compute on the CPU even where a GPU is visible (--cpu).
+    peer_ipc: map a GPU peer's memory for copies over CUDA IPC (False: --no-peer-ipc).
     Hosts exit by themselves when this process dies without closing the group.
     """
     if num_hosts < 1:
@@ -207,6 +209,8 @@ def launch_local_hosts(
         args += ["--no-nixl"]
     if cpu:
         args += ["--cpu"]
+    if not peer_ipc:
+        args += ["--no-peer-ipc"]
     for name, gb in (shares or {}).items():
         args += ["--share", f"{name}={gb!r}"]
     return LocalHostGroup(args, num_hosts, startup_timeout_s)

@@ -55,9 +55,15 @@ fi
 #    hosts over every transport, each layer call bit-identical to in-process on the GPU, the tokens
 #    equal, the logits the unmodified model's; the MoE layer's ratio to in-process per phase.
 step serving && timeout 150 python3 "$OLDPWD/scripts/gpu_serving_check.py" --device cuda --out "$OUT/serving"
-# 6. A replica copied from a peer host's GPU memory (CUDA IPC, GPU to GPU: within the one GPU here)
-#    against the host's own store and host tier (pinned memory -> GPU); the copies computing exactly.
-step peer && timeout 150 python3 -m moeless bench peer-copy --device cuda --layers 8 --out "$OUT/peer-copy"
+# 6. A replica copied from a peer host's GPU memory (CUDA IPC, GPU to GPU: within the one GPU here; and over
+#    NIXL GPU to GPU, the route between nodes, on a host with --no-peer-ipc) against the host's own store and
+#    host tier (pinned memory -> GPU); the copies computing exactly. At the default model's 0.33 MB experts,
+#    then DeepSeek-V2-Lite's 34.6 MB (random weights of those shapes: the default model is not carried there).
+if step peer; then
+  timeout 150 python3 -m moeless bench peer-copy --device cuda --expert-shape 48x576 --layers 8 --out "$OUT/peer-copy"
+  timeout 150 python3 -m moeless bench peer-copy --device cuda --expert-shape 1408x2048 --layers 1 --experts 16 \
+      --out "$OUT/peer-copy-35mb"
+fi
 # 7. The CPU rows on that machine's 16 cores (the hosts kept off the GPU: --cpu): what the pod path costs
 #    where the replica and each host have cores of their own, blocking and polling, and a CPU replica.
 if step cpu; then

@@ -75,6 +75,9 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
         help="a load the planning loop gives a peer host holding its replica copies it from there: while such "
              "copies measure faster than this host's store reads (measured, the default), always, or never (off); "
              "never where this host's tier holds the expert (peer_copy.py)")
+    add("--no-peer-ipc", dest="peer_ipc", action="store_false",
+        help="never map a peer host's GPU memory over CUDA IPC for a copy (pods that share no IPC namespace, "
+             "Kubernetes' hostIPC off, cannot): copy over NIXL or as bytes at once (default: CUDA IPC first on a GPU)")
     add("--poll-us", type=float, default=DEFAULT_HOST_POLL_S * 1e6, metavar="US",
         help="after each data-plane call, spin this many microseconds for the next before blocking: shorter "
              "wake-ups for a core's worth of CPU while calls keep coming (default %(default)g; 0: block at once)")
@@ -133,7 +136,8 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s,
                                 tier=tier, shares=shares, compute_dtype=args.compute_dtype, family_warm=args.family_warm,
-                                peer_copies=PeerCopies(args.peer_copies, device.torch_device, nixl=not args.no_nixl))
+                                peer_copies=PeerCopies(args.peer_copies, device.torch_device, nixl=not args.no_nixl,
+                                                                       cuda_ipc=args.peer_ipc))
     # 2. gRPC server and HTTP endpoints.
     # OpenMP's thread count is per thread: without the initializer, handler threads compute on every core.
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,

@@ -14,7 +14,8 @@ not asked again for DOWN_S seconds: a dead holder costs one timeout, not one a l
 Three routes, the first that works per peer:
 - GPU to GPU over CUDA IPC, where this host computes on a GPU and the holder's replica is on one of
   the same machine (wire/replica_weights.py; NVLink where the node has it); a peer whose memory
-  cannot be mapped here (another machine) is not asked for it again.
+  cannot be mapped here (another machine) is not asked for it again; `expert-host --no-peer-ipc`:
+  never tried (pods of one node that share no IPC namespace).
 - WRITTEN over NIXL (peer_links.py): UCX moves the bytes (shared memory on one machine, RDMA
   between nodes, GPU memory where the hosts compute on GPUs), gRPC carries only the ask. The host
   opens its link to a peer in the background at the first copy it would make from it (about 3 s
@@ -23,8 +24,9 @@ Three routes, the first that works per peer:
   `expert-host --no-nixl`, NIXL not installed, or a link that fails: bytes from that peer.
 - As bytes over gRPC.
 On this CPU machine (`moeless bench peer-copy`, docs/benchmarks.md) a 35 MB expert (DeepSeek-V2-
-Lite's shape, float32) came over NIXL in 0.8x the store's time and as bytes over gRPC in 5x; the
-default model's 0.33 MB experts are faster from the store either way, so the hosts read it there.
+Lite's shape, float32) came over NIXL in 0.8x the store's time and as bytes over gRPC in 5x; on an
+H200, GPU to GPU, over NIXL in 0.04x and over CUDA IPC in 0.07x. The default model's 0.33 MB experts
+are faster from the store on either machine (an ask's round trip dominates), so hosts read it there.
 Whatever goes wrong (the peer gone or slow, the replica evicted there since the loop looked, a
 tensor of the wrong name, dtype or shape) is logged and the load reads the store: a peer can make
 a load shorter, never wrong, and never lose it.
@@ -88,12 +90,14 @@ class PeerCopyStats:
 class PeerCopies:
     """Loads from peer hosts where they pay, one channel per peer (module docstring). Thread-safe."""
 
-    def __init__(self, mode: str = "measured", device: str = "cpu", timeout_s: float = 10.0, nixl: bool = True) -> None:
+    def __init__(self, mode: str = "measured", device: str = "cpu", timeout_s: float = 10.0, nixl: bool = True,
+                 cuda_ipc: bool = True) -> None:
         if mode not in PEER_COPIES:
             raise ValueError(f"peer copies must be one of {', '.join(PEER_COPIES)}, got {mode!r}")
         self.mode, self.device, self.timeout_s = mode, device, timeout_s
         self.holder = HolderLinks(device, nixl, timeout_s)  # NIXL links to the hosts that copy from this one
         self._nixl = nixl  # until a link finds NIXL missing (imported then: 2.4 s here, not at start)
+        self._cuda_ipc = cuda_ipc  # False: never map a peer's GPU memory (expert-host --no-peer-ipc)
         self._no_ipc: set[str] = set()  # peers whose GPU memory this host could not map
         self._no_link: set[str] = set()  # peers this host copies from as bytes over gRPC, not over NIXL
         self._links: dict[str, AskerLink] = {}  # peer -> this host's NIXL link to it
@@ -204,7 +208,8 @@ class PeerCopies:
         except grpc.RpcError as err:
             if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self._unlink(address, f"{err.code().name}: {err.details()}")
-        except (NixlError, ImportError, ValueError, AttributeError) as err:
+        # RuntimeError: the region found no GPU memory (or another CUDA error): bytes from that peer
+        except (NixlError, ImportError, ValueError, AttributeError, RuntimeError) as err:
             self._unlink(address, f"{type(err).__name__}: {err}")
         else:
             with self._link_lock:
@@ -271,7 +276,7 @@ class PeerCopies:
 
     def _ipc_to(self, address: str) -> bool:
         """Whether copies from `address` try CUDA IPC first (a GPU host whose peer's memory it has not failed to map)."""
-        return self.device.startswith("cuda") and address not in self._no_ipc
+        return self._cuda_ipc and self.device.startswith("cuda") and address not in self._no_ipc
 
     def figures(self) -> dict:
         links = len(self.linked())

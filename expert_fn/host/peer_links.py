@@ -78,7 +78,10 @@ class AskerLink:
             if reply.written > self.capacity:
                 raise NixlError(f"the holder says it wrote {reply.written} bytes into a region of {self.capacity}")
             self.link.wait_note(note.encode(), timeout_s)  # arrives after its data; normally here already
-            return reply, self.link.region(0, reply.written).clone()
+            data = self.link.region(0, reply.written).clone()
+            if data.is_cuda:  # copied out before the next copy's WRITE, which no stream orders, lands in the region
+                torch.cuda.current_stream(data.device).synchronize()
+            return reply, data
 
     def close(self) -> None:
         self.link.close()

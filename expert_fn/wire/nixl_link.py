@@ -148,6 +148,8 @@ class NixlLink:
 
     def _post_write(self, which: int, nbytes: int, note: bytes) -> None:
         self._finish_write(30.0, lambda: False)  # one transfer at a time: the last one is done (normally already)
+        if self.buffer.is_cuda:  # UCX reads the region outside torch's streams: this thread's copies into it land first
+            torch.cuda.current_stream(self.buffer.device).synchronize()
         if nbytes == 0:  # nothing to write: the note alone
             self._agent.send_notif(self._peer, note)
             return

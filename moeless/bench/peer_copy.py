@@ -16,15 +16,16 @@ model's store:
    installed (expert_fn/host/peer_links.py), GPU to GPU over CUDA IPC with --device cuda. A host
    opens its NIXL link to a peer in the background at its first copy from it (that copy goes as
    bytes over gRPC), so host 1 first loads one replica and waits for its link (the seconds it took
-   are printed), then loads the rest. Then a fresh host with `--no-nixl` loads them all from host 0
-   as bytes over gRPC.
+   are printed), then loads the rest. With --device cuda, a fresh host with `--no-peer-ipc` does the
+   same over NIXL from GPU memory to GPU memory (the route between nodes). Then a fresh host with
+   `--no-nixl --no-peer-ipc` loads them all from host 0 as bytes over gRPC.
 Steps 2-3 run --repeats times. 4. --repeats times, a fresh host with the default `--peer-copies
 measured`, host 0 every replica's source: it measures each way, then copies while copies measure
 faster than its store reads, so it ends near the faster way (the copies and store reads it chose
 are printed).
 Printed: milliseconds per expert and GB/s each way, the ratios peer / store and peer / tier, and
-whether every copied replica computes what host 0's does (each expert's output on a batch of
-tokens, bit for bit).
+how many replicas of each way compute other bits than host 0's (each expert's output on a batch of
+tokens; a copy must differ in none; a store load is the reference for what two hosts' computes may do).
 
 The store's files are in the OS page cache (host 0 read them first): the store's figure is the
 read, checksum and parse out of memory, the least a store load costs (a network volume costs more).
@@ -125,12 +126,22 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
     """Steps 1-4 of the module docstring over `store`: the seconds each way, the copies' checks, the ratios."""
     replicas = [(layer, expert) for layer in range(layers) for expert in range(num_experts)]
     tokens = torch.randn(8, hidden, generator=torch.Generator().manual_seed(0))
-    times: dict[str, list[float]] = {"store": [], "tier": [], "peer": [], "grpc": []}
-    exact, linked, link_s = True, 0, []
     cpu = device == "cpu"
+    # the routes timed beside the host's first (CUDA IPC on a GPU, else NIXL): a fresh host each, CUDA IPC off
+    routes = {**({} if cpu else {"nixl": {"peer_ipc": False}}), "grpc": {"nixl": False, "peer_ipc": False}}
+    times: dict[str, list[float]] = {"store": [], "tier": [], "peer": [], **{route: [] for route in routes}}
+    exact, linked, link_s = True, 0, []
+    differing: dict[str, list[int]] = {way: [] for way in [*times, "measured"] if way != "tier"}
     with launch_local_hosts(2, store, keep_alive_s=600.0, metrics=False, cpu=cpu, peer_copies="always") as group:
         holder = ExpertHostClient(group.addresses[0], timeout_s=120)
         holder.load_many(replicas, wait=True)
+        expected = {(layer, expert): holder.invoke(layer, {expert: tokens})[expert] for layer, expert in replicas}
+
+        def differs(address: str) -> int:
+            """How many of the host at `address`'s replicas compute other bits than host 0's."""
+            with ExpertHostClient(address, timeout_s=120) as client:
+                return sum(not torch.equal(client.invoke(layer, {expert: tokens})[expert], expected[layer, expert])
+                           for layer, expert in replicas)
 
         def timed_load(address: str = group.addresses[1], some: list = replicas, **sources) -> float:
             """Seconds an expert, loading `some` in one LoadMany."""
@@ -139,36 +150,48 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
                 client.load_many(some, wait=True, **sources)
                 return (time.perf_counter() - started) / len(some)
 
+        def copied(address: str, linking: bool) -> float:
+            """Seconds an expert copied from host 0 to the fresh host at `address`, its NIXL link opened first
+            where `linking`; the copies checked (exact), and counted where WRITTEN over NIXL (linked)."""
+            nonlocal exact, linked
+            some = replicas[1:] if linking else replicas
+            if linking:
+                link_s.append(_open_link(address, replicas[0], group.addresses[0]))
+            seconds = timed_load(address, some=some, sources=[group.addresses[0]] * len(some))
+            with ExpertHostClient(address, timeout_s=120) as client:
+                copies = client.status()["peer_copies"]
+            linked += copies["linked"] if linking else 0
+            exact &= copies["copies"] == len(replicas)
+            return seconds
+
         for _ in range(repeats):
             group.restart(1)
             times["store"].append(timed_load())
+            differing["store"].append(differs(group.addresses[1]))
             with ExpertHostClient(group.addresses[1], timeout_s=120) as client:
                 for layer, expert in replicas:
                     client.evict(layer, expert)
             times["tier"].append(timed_load())
             group.restart(1)
-            link_s.append(_open_link(group.addresses[1], replicas[0], group.addresses[0]))
-            times["peer"].append(timed_load(some=replicas[1:], sources=[group.addresses[0]] * (len(replicas) - 1)))
-            with launch_local_hosts(1, store, keep_alive_s=600.0, metrics=False, cpu=cpu, peer_copies="always",
-                                    nixl=False) as plain:
-                times["grpc"].append(timed_load(plain.addresses[0], sources=[group.addresses[0]] * len(replicas)))
-                for address in (group.addresses[1], plain.addresses[0]):
-                    with ExpertHostClient(address, timeout_s=120) as client:
-                        copies = client.status()["peer_copies"]
-                        linked += copies["linked"] if address == group.addresses[1] else 0
-                        exact &= copies["copies"] == len(replicas) and all(
-                            torch.equal(client.invoke(layer, {expert: tokens})[expert],
-                                        holder.invoke(layer, {expert: tokens})[expert]) for layer, expert in replicas)
+            times["peer"].append(copied(group.addresses[1], linking=cpu))
+            differing["peer"].append(differs(group.addresses[1]))
+            for route, flags in routes.items():
+                with launch_local_hosts(1, store, keep_alive_s=600.0, metrics=False, cpu=cpu, peer_copies="always",
+                                        **flags) as fresh:
+                    times[route].append(copied(fresh.addresses[0], linking=route == "nixl"))
+                    differing[route].append(differs(fresh.addresses[0]))
         times["measured"], chose = [], []
         for _ in range(repeats):
             with launch_local_hosts(1, store, keep_alive_s=600.0, metrics=False, cpu=cpu) as chooser:
                 times["measured"].append(timed_load(chooser.addresses[0], sources=[group.addresses[0]] * len(replicas)))
+                differing["measured"].append(differs(chooser.addresses[0]))
                 with ExpertHostClient(chooser.addresses[0]) as client:
                     chose.append(client.status()["peer_copies"])
         holder.close()
     median = {way: statistics.median(t) for way, t in times.items()}
     return {
-        "seconds_per_expert": times, "copies_exact": exact, "linked_per_round": linked / repeats,
+        "seconds_per_expert": times, "linked_per_round": linked / repeats, "differing": differing,
+        "copies_exact": exact and not any(n for way, counts in differing.items() for n in counts if way != "store"),
         "link_open_s": link_s,
         "measured_chose": [{"peer": c["copies"], "store": c["passed"], "peer_gb_per_s": c["peer_gb_per_s"],
                             "store_gb_per_s": c["store_gb_per_s"]} for c in chose],
@@ -176,6 +199,7 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
         "gb_per_s": {way: expert_bytes / s / 1e9 for way, s in median.items()},
         "peer_over_store": median["peer"] / median["store"], "peer_over_tier": median["peer"] / median["tier"],
         "grpc_over_store": median["grpc"] / median["store"],
+        **({"nixl_over_store": median["nixl"] / median["store"]} if "nixl" in median else {}),
     }
 
 
@@ -196,17 +220,23 @@ def _open_link(address: str, replica: tuple[int, int], source: str, timeout_s: f
 def print_report(r: dict[str, Any]) -> None:
     print(f"{r['model']} on {r['device']}: {r['experts']} experts of {r['layers']} layers, "
           f"{r['expert_bytes'] / 1e6:.2f} MB each, median of {r['repeats']} (host 1 fresh each time)")
+    gpu = r["device"].startswith("cuda")
     for way, label in (("store", "its weight store (read, sha256, parse, copy)"), ("tier", "its host tier (a copy)"),
-                       ("peer", "a peer host holding them " + ("(CUDA IPC)" if r["device"].startswith("cuda") else
+                       ("peer", "a peer host holding them " + ("(CUDA IPC)" if gpu else
                                                                "(NIXL)" if r["linked_per_round"] else "(gRPC, no NIXL)")),
+                       ("nixl", "a peer host, over NIXL (--no-peer-ipc)"),
                        ("grpc", "a peer host, as bytes over gRPC (--no-nixl)"),
                        ("measured", "either, as --peer-copies measured chose")):
-        print(f"  from {label:45s} {r['ms_per_expert'][way]:8.3f} ms/expert  {r['gb_per_s'][way]:7.2f} GB/s")
+        if way in r["ms_per_expert"]:
+            print(f"  from {label:45s} {r['ms_per_expert'][way]:8.3f} ms/expert  {r['gb_per_s'][way]:7.2f} GB/s")
     if r["linked_per_round"]:
         print(f"  (NIXL link opened in {statistics.median(r['link_open_s']):.2f} s, median; "
               f"{r['linked_per_round']:.0f} copies a round WRITTEN over it)")
-    print(f"  peer / store: {r['peer_over_store']:.2f}x   over gRPC / store: {r['grpc_over_store']:.2f}x   peer / tier: "
+    nixl = f"   over NIXL / store: {r['nixl_over_store']:.2f}x" if "nixl_over_store" in r else ""
+    print(f"  peer / store: {r['peer_over_store']:.2f}x{nixl}   over gRPC / store: {r['grpc_over_store']:.2f}x   peer / tier: "
           f"{r['peer_over_tier']:.2f}x   copies compute exactly: {'yes' if r['copies_exact'] else 'NO'}")
+    print(f"  replicas computing other bits than host 0's, of {r['experts']} a round: "
+          + ", ".join(f"{way} {'/'.join(map(str, counts))}" for way, counts in r["differing"].items()))
     for c in r["measured_chose"]:
         print(f"  measured: {c['peer']} from the peer, {c['store']} from the store (moving averages: peer "
               f"{c['peer_gb_per_s']:.2f} GB/s, store {c['store_gb_per_s']:.2f} GB/s)")

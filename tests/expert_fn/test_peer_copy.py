@@ -196,6 +196,8 @@ def test_a_host_copies_from_peers_while_they_measure_faster_and_measures_the_slo
     key, nobody = "float32-8x16-" + "0" * 64, "127.0.0.1:1"
     assert not PeerCopies()._peer_first(nobody, key)  # its NIXL link opens first (in the background): the store meanwhile
     assert PeerCopies(nixl=False)._peer_first(nobody, key)  # no NIXL: nothing to wait for
+    gpu, no_ipc = PeerCopies(device="cuda:0"), PeerCopies(device="cuda:0", cuda_ipc=False)  # --no-peer-ipc
+    assert gpu._ipc_to(at) and not no_ipc._ipc_to(at) and not PeerCopies()._ipc_to(at)
     assert _averaged(0.0, 10**9, 2.0) == 0.5 and _averaged(0.5, 10**9, 1.0) == 0.625  # the first as it is, then 1/4
 
 

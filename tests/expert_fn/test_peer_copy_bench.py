@@ -20,6 +20,7 @@ def test_peer_copy_bench_times_every_way_and_checks_the_copies(tmp_path, capsys,
     experts = tiny_model("mixtral", 0).spec.num_experts
     assert doc["copies_exact"] is True and doc["layers"] == 2 and doc["experts"] == 2 * experts
     assert set(doc["seconds_per_expert"]) == {"store", "tier", "peer", "grpc", "measured"}
+    assert doc["differing"] == {way: [0] for way in ("store", "peer", "grpc", "measured")}  # none computes other bits
     assert doc["linked_per_round"] == doc["experts"] - 1  # the peer row's, over NIXL once its link is open
     assert len(doc["link_open_s"]) == 1 and 0 < doc["link_open_s"][0] < 30
     assert all(len(t) == 1 and t[0] > 0 for t in doc["seconds_per_expert"].values())
