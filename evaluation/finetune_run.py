@@ -64,7 +64,9 @@ class FineTuneConfig:
         """The `moeless eval` command line that replays this run."""
         s, default = self.pool.settings, PoolSettings()
         knobs = [(flag, value) for flag, value, usual in (("--step-hold", s.step_hold_s, default.step_hold_s),
-                                                          ("--step-lag", s.step_lag_s, default.step_lag_s)) if value != usual]
+                                                          ("--step-lag", s.step_lag_s, default.step_lag_s),
+                                                          ("--peer-copy-ms", s.peer_copy_s * 1e3, default.peer_copy_s * 1e3))
+                 if value != usual]
         copies = ("--scale-up-copies", s.scale_up_copies) if s.scale_up_copies != default.scale_up_copies else ()
         return self.pool.command(out, ("--finetunes", *map(str, self.finetunes), "--replaced",
                                        *(f"{x:g}" for x in self.replaced), *(a for f, v in knobs for a in (f, f"{v:g}")),
@@ -88,7 +90,7 @@ def evaluate_finetune_pools(config: FineTuneConfig, out: str | Path, progress: b
     bases, cells = [], []
     for geo in geometries:
         routings = {prompts: popularity(geo, pc.routing, prompts, pc, progress) for _, prompts in sorted(set(workloads))}
-        base = pool_model(geo, gpu, next(iter(routings.values()))[0])
+        base = pool_model(geo, gpu, next(iter(routings.values()))[0], s.peer_copy_s)
         base = base if s.scale_up_copies == "peer" else replace(base, expert_peer_s=None)  # loaded from host memory
         bases.append(_base_doc(base, routings, config.replaced))
         # 2-3. Each share and count: the fine-tunes; each level: their requests, then the pool.

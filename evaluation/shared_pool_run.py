@@ -30,7 +30,7 @@ from moeless.evaluation.lengths import dataset_lengths
 from moeless.hardware.gpus import GpuSpec, gpu_spec
 from moeless.twin import arrivals as arr
 from moeless.twin.geometry import Geometry, load_geometry
-from moeless.twin.roofline import roofline_profile
+from moeless.twin.roofline import PEER_COPY_S, roofline_profile
 from moeless.twin.shared_pool import PoolModel, PoolSettings, Requests, evaluate_pool
 
 FORMAT = "moeless-shared-pool/2"  # 2: the p99 with the models' calls meeting on the pool's GPUs
@@ -90,10 +90,10 @@ def popularity(geometry: Geometry, routing: str, prompts: str, config: SharedPoo
     return shares[np.arange(layers) % found.num_layers], found.label
 
 
-def pool_model(geometry: Geometry, gpu: GpuSpec, shares: np.ndarray) -> PoolModel:
-    """Step 1: a geometry's PoolModel on its dedicated GPU count."""
+def pool_model(geometry: Geometry, gpu: GpuSpec, shares: np.ndarray, peer_copy_s: float = PEER_COPY_S) -> PoolModel:
+    """Step 1: a geometry's PoolModel on its dedicated GPU count (peer_copy_s: a copy's fixed cost, roofline.py)."""
     count = dedicated_gpus(geometry, gpu)
-    profile = roofline_profile(geometry, gpu, count)
+    profile = roofline_profile(geometry, gpu, count, peer_copy_s=peer_copy_s)
     per_byte = profile.load_s["host"] / profile.expert_bytes
     return PoolModel(geometry.name, geometry.top_k, profile.expert_bytes, profile.non_expert_bytes, count,
                      profile.load_s["host"], per_byte * profile.non_expert_bytes, profile.alpha, profile.call_overhead, shares,

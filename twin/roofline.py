@@ -20,9 +20,10 @@ A profile's fields (seconds, bytes), for H hidden, F expert FFN, b bytes per wei
                                                                launched as a call's kernels are)
   5. load_s.disk    = B / disk_bw + B / hash_bw + B / host_copy_bw + load_s.host
                       the expert host's path: read, sha256, parse into host memory, copy to the device;
-     load_s.peer    = B / (peer copy bw(count) * link) + launch_s: copied from a GPU that holds the
+     load_s.peer    = B / (peer copy bw(count) * link) + peer_copy_s: copied from a GPU that holds the
                       expert (NVLink inside a node of 8, the 400 Gb/s network between nodes, PCIe
-                      without NVLink: hardware/gpus.py)
+                      without NVLink: hardware/gpus.py), plus the expert host's fixed cost of a copy
+                      as serving makes one (measured on a GPU: PEER_COPY_S)
   6. expert_bytes = B, non_expert_bytes = the geometry's non-expert parameters * b
   7. relevel_s      = relevel_fixed_s + relevel_per_expert_s * E: the serving replica's re-level of a
                       layer on its CPU (not a GPU quantity; measured on this project's CPU) with a copy
@@ -77,6 +78,12 @@ RELEVEL_SKIP_S = 0.9e-6
 # G = 8 (512 replicas), 7.5 -> 22.9 at E = 128, 7.5 -> 39.9 at E = 64, G = 32, 13.1 -> 292.5 at
 # E = 256, G = 64 (16,384 replicas): 0.015-0.017 us a replica.
 RELEVEL_PER_REPLICA_S = 0.017e-6
+# An expert host's copy of one replica from a peer's GPU, beside its bytes on the link: the ask over
+# gRPC, the holder's copy into its region, the WRITE's and the clone's waits, the checks (peer_copy.py,
+# one ask a replica). Measured 2026-11-30 on an H200 between two host processes on its one GPU
+# (`moeless bench peer-copy --device cuda`, docs/benchmarks.md): 2.12 ms over NIXL and 2.19 ms over CUDA
+# IPC at a 0.33 MB expert, where the bytes take microseconds; 2.43 ms at 34.6 MB.
+PEER_COPY_S = 2.1e-3
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,7 @@ class Efficiency:
     relevel_check_s: float = RELEVEL_CHECK_S
     relevel_per_replica_s: float = RELEVEL_PER_REPLICA_S
     relevel_skip_s: float = RELEVEL_SKIP_S
+    peer_copy_s: float = PEER_COPY_S
 
     def __post_init__(self):
         for f in fields(self):
@@ -159,7 +167,7 @@ def roofline_profile(geometry: Geometry, gpu: GpuSpec, count: int = 1, eff: Effi
     beta = 0.0 if count == 1 else h * b / (gpu.all_to_all_bw(count) * e.link)  # 3.
     host = expert / (gpu.pcie_bw * e.pcie) + e.launch_s  # 4.
     disk = expert / e.disk_bw + expert / e.hash_bw + expert / e.host_copy_bw + host  # 5.
-    peer = expert / (gpu.peer_copy_bw(count) * e.link) + e.launch_s
+    peer = expert / (gpu.peer_copy_bw(count) * e.link) + e.peer_copy_s  # 5.
     note = source or (f"roofline estimate (not measured): {geometry.name} ({geometry.dtype}) on {count} x {gpu.name}, "
                       f"datasheet peaks x efficiency {_short(e)}")
     relevel = e.relevel_fixed_s + e.relevel_per_expert_s * geometry.num_experts  # 7.

@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moeless.twin.roofline import PEER_COPY_S
+
 WAYS = ("dedicated", "whole-model", "expert-grain")
 
 
@@ -119,6 +121,7 @@ class PoolSettings:
     step_hold_s: float = 2.0  # shared keys, pool sized for its step: a GPU added for the step stays this long unneeded
     step_lag_s: float = 0.0  # ... and its scaler sees a window's need this late (0: a scaler in the engine's step loop)
     scale_up_copies: str = "peer"  # ... and its added GPUs copy their keys from a GPU holding them, or load them ("host")
+    peer_copy_s: float = PEER_COPY_S  # ... each copy's fixed cost on the expert host beside its bytes (roofline.py)
 
     @property
     def windows(self) -> int:
