@@ -106,10 +106,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                     help="with --finetunes: where those added GPUs get their share of the keys: copied from a GPU of the "
                          "pool holding them (peer, the default: the GPU's link) or loaded from host memory (host: serving's "
                          "expert hosts as built, each spare loading from its own store)")
-    sp.add_argument("--peer-copy-ms", type=float, metavar="MS",
-                    help="with --finetunes: the expert host's fixed cost of one such copy from a peer GPU, beside its bytes "
-                         "on the link (default 2.1: measured on an H200 as serving copies, one ask a replica; 0: the "
-                         "link's roofline alone, what no serving path reaches yet)")
+    sp.add_argument("--peer-copy-ms", type=float, metavar="MS", help="with --finetunes: a peer copy's fixed cost beside "
+                    "its bytes (default 2.1: measured on an H200, one ask a replica; 0: the link's roofline alone)")
     sp.add_argument("--no-family-warm", dest="family_warm", action="store_false",
                     help="with --finetunes: no family warmth (the expert hosts' --no-family-warm): the base's experts "
                          "are neither loaded where a fine-tune holds its own nor kept past their keep-alive while a "
@@ -276,18 +274,15 @@ def _shared_pool_config(args: argparse.Namespace):
         if value is not None and not value >= 0:
             raise DeploymentError(f"{flag}: {unit}, 0 or more; got {value:g}")
     settings = PoolSettings(**{k: (v if v is not None else getattr(settings, k)) for k, v in picked.items()},
-                            step_s=args.step_ms / 1e3, seed=args.seed, keep_warm=args.keep_warm,
-                            family_warm=args.family_warm,
+                            step_s=args.step_ms / 1e3, seed=args.seed, keep_warm=args.keep_warm, family_warm=args.family_warm,
                             step_hold_s=settings.step_hold_s if args.step_hold is None else args.step_hold,
-                            step_lag_s=settings.step_lag_s if args.step_lag is None else args.step_lag,
-                            scale_up_copies=args.scale_up_copies,
+                            step_lag_s=settings.step_lag_s if args.step_lag is None else args.step_lag, scale_up_copies=args.scale_up_copies,
                             peer_copy_s=settings.peer_copy_s if args.peer_copy_ms is None else args.peer_copy_ms / 1e3)
     gpus = args.gpu or [base.gpu]
     if len(gpus) != 1:
         raise DeploymentError(f"--gpu: the shared pool takes one GPU type, got {gpus}")
     return SharedPoolConfig(tuple(args.geometry or base.geometries), parse_gpu_arg(gpus[0])[0].name,
-                            tuple(args.levels or base.levels), args.routing or ("uniform" if args.quick else base.routing),
-                            settings)
+                            tuple(args.levels or base.levels), args.routing or ("uniform" if args.quick else base.routing), settings)
 
 
 def _shared_pool(args: argparse.Namespace) -> int:

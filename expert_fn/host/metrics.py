@@ -121,6 +121,7 @@ class RuntimeCollector(Collector):
                           ("fallbacks", "loads given a peer that read the weight store instead"),
                           ("bytes", "bytes copied from peer hosts"), ("seconds", "seconds copying from peer hosts"),
                           ("linked", "copies WRITTEN over NIXL, not sent as bytes over gRPC"),
+                          ("batched", "of those, copies brought by another load's ask (a LoadMany's replicas batched)"),
                           ("served", "replicas sent to peer hosts"),
                           ("passed", "loads given a peer that read the weight store (measured faster, measured again, "
                                      "the peer down, or its NIXL link opening)")):

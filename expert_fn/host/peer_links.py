@@ -6,15 +6,17 @@ underneath: shared memory on one machine, RDMA between nodes, GPU memory over NV
 RDMA where the hosts compute on GPUs) only the ask and the tensors' names, dtypes and shapes cross
 gRPC:
 
-1. The asker opens one link per holder (OpenCopyLink: the two NixlLinks' offers exchanged), one
-   region each of the largest replica it asks for (its content key's shape, 4 bytes an element:
-   the holder's compute dtype is float32 or the store's).
+1. The asker opens one link per holder (AskerLinks; OpenCopyLink: the two NixlLinks' offers
+   exchanged), one region each of COPY_BATCH_BYTES or the largest replica it asks for (its content
+   key's shape, 4 bytes an element: the holder's compute dtype is float32 or the store's), its
+   pages touched while the link opens.
 2. A ReadReplica naming the link has the holder copy the replica's tensors into its own region
    (one copy in host or GPU memory), WRITE them into the asker's with a notification, and wait
    until the WRITE is done before it answers. A WRITE completes only while both sides drive their
    workers (nixl_link.py), so the asker drives its own until the answer comes.
 3. The asker copies the bytes out of its region, which serves its next copy: one copy at a time
-   per link (its lock). The holder keeps at most MAX_LINKS links, the least recently used closed
+   per link (its lock). One ask may name several replicas (peer_batches.py): the holder WRITEs
+   them one after another in one WRITE, each answer saying its bytes. The holder keeps at most MAX_LINKS links, the least recently used closed
    first (an asker that restarted opens a new one).
 
 Whatever fails here (NIXL not installed or turned off on either side, a link that cannot be
@@ -22,7 +24,7 @@ registered or written) makes the asker copy from that holder as bytes over gRPC 
 (peer_copy.py); a holder that cannot WRITE answers with bytes.
 
     link = AskerLink(stub, capacity, "cpu", timeout_s=10)     # the asker, once per holder
-    reply, data = link.copy(stub, content_key, timeout_s=10)  # data: the bytes it WROTE (None: not written)
+    [(reply, data)] = link.copy(stub, [content_key], timeout_s=10)  # data: the bytes it WROTE (None: not written)
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from typing import Callable
 
+import grpc
 import torch
 
 from moeless.expert_fn.wire import expert_host_pb2 as pb
 from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
+from moeless.expert_fn.host.peer_batches import COPY_BATCH_BYTES, copy_bound
 from moeless.expert_fn.wire.nixl_link import NixlError, NixlLink, unavailable
 from moeless.expert_fn.wire.replica_weights import Weights, add_tensor
 
@@ -51,6 +56,7 @@ class AskerLink:
 
     def __init__(self, stub: pb_grpc.ExpertHostStub, capacity: int, device: str, timeout_s: float) -> None:
         self.link = NixlLink("copy-asker", capacity, device, regions=1)
+        self.link.buffer.zero_()  # its pages touched now, while the link opens, not by the first copy's WRITE
         try:
             reply = stub.OpenCopyLink(pb.CopyLinkOffer(offer=self.link.offer(), capacity=capacity), timeout=timeout_s)
             self.link.connect(reply.offer)
@@ -61,30 +67,138 @@ class AskerLink:
         self._lock = threading.Lock()
         self._calls = itertools.count()
 
-    def copy(self, stub: pb_grpc.ExpertHostStub, content_key: str,
-             timeout_s: float) -> tuple[pb.ReplicaWeights, torch.Tensor | None]:
-        """The holder's answer to a ReadReplica naming this link, and the bytes it WROTE here (fresh
-        memory on the link's device); None where it answered otherwise (not resident, or as bytes)."""
+    def copy(self, stub: pb_grpc.ExpertHostStub, content_keys: list[str],
+             timeout_s: float) -> list[tuple[pb.ReplicaWeights, torch.Tensor | None]]:
+        """The holder's answer for each of content_keys (one ask naming this link: peer_batches.py) and the
+        bytes it WROTE here for it (fresh memory on the link's device); None where it answered otherwise
+        (not resident, or as bytes; the keys past the first then have empty answers)."""
         with self._lock:
             note = f"copy-{next(self._calls)}"
-            asked = pb.ReadReplicaRequest(content_key=content_key, link=self.link.name, note=note)
+            asked = pb.ReadReplicaRequest(content_key=content_keys[0], more_keys=content_keys[1:], link=self.link.name,
+                                          note=note)
             future = stub.ReadReplica.future(asked, timeout=timeout_s)
             while not future.done():  # the holder's WRITE completes only while this side's worker runs
                 self.link.progress()
                 time.sleep(0)  # gives the GIL to gRPC's threads, which deliver the answer
             reply = future.result()
-            if not reply.written:
-                return reply, None
-            if reply.written > self.capacity:
-                raise NixlError(f"the holder says it wrote {reply.written} bytes into a region of {self.capacity}")
+            replies = [reply, *reply.more][:len(content_keys)]
+            replies += [pb.ReplicaWeights() for _ in range(len(content_keys) - len(replies))]
+            total = sum(r.written for r in replies)
+            if not total:
+                return [(r, None) for r in replies]
+            if total > self.capacity:
+                raise NixlError(f"the holder says it wrote {total} bytes into a region of {self.capacity}")
             self.link.wait_note(note.encode(), timeout_s)  # arrives after its data; normally here already
-            data = self.link.region(0, reply.written).clone()
+            data = self.link.region(0, total).clone()
             if data.is_cuda:  # copied out before the next copy's WRITE, which no stream orders, lands in the region
                 torch.cuda.current_stream(data.device).synchronize()
-            return reply, data
+            out, at = [], 0
+            for r in replies:
+                out.append((r, data[at:at + r.written] if r.written else None))
+                at += r.written
+            return out
 
     def close(self) -> None:
         self.link.close()
+
+
+class AskerLinks:
+    """This host's links to the holders it copies from (step 1): one a holder, opened in the background at
+    the first copy it would make from it; a holder whose link cannot be opened or used is copied from as
+    bytes over gRPC from then on (peer_copy.py). Thread-safe."""
+
+    def __init__(self, device: str, nixl: bool, timeout_s: float, stub: Callable[[str], pb_grpc.ExpertHostStub],
+                 on_open: Callable[[], None]) -> None:
+        self.device, self.timeout_s = device, timeout_s
+        self.nixl = nixl  # until a link finds NIXL missing (imported then: 2.4 s here, not at start)
+        self._stub, self._on_open = stub, on_open  # a holder's gRPC stub; called when a link opens
+        self._links: dict[str, AskerLink] = {}  # holder -> this host's link to it
+        self._opening: set[str] = set()  # holders a link is being opened to (a thread each)
+        self._no_link: set[str] = set()  # holders copied from as bytes over gRPC
+        self._lock = threading.Lock()
+
+    def usable(self, address: str) -> bool:
+        """Whether copies from `address` may go over NIXL (a link open or to be opened)."""
+        return self.nixl and address not in self._no_link
+
+    def link_for(self, address: str, content_key: str) -> AskerLink | None:
+        """This host's open NIXL link to `address` that fits content_key's replica; else None, and one
+        opened in the background where NIXL may be used (opening takes about a second here: the copies
+        meanwhile go as bytes over gRPC, so no load waits for it)."""
+        if not self.usable(address):
+            return None
+        need = copy_bound(content_key)
+        capacity = max(need, COPY_BATCH_BYTES)  # room for a batch of smaller replicas (peer_batches.py)
+        with self._lock:
+            link = self._links.get(address)
+            if (link is not None and link.capacity >= need) or address in self._opening:
+                return link if link is not None and link.capacity >= need else None
+            self._opening.add(address)
+        threading.Thread(target=self._open, args=(address, capacity), name="peer-link", daemon=True).start()
+        return None
+
+    def _open(self, address: str, capacity: int) -> None:
+        """On a thread of its own: open a link to `address` (replacing a smaller one); where it cannot be
+        opened, copies from there are bytes over gRPC from now on (a peer down: tried again later)."""
+        try:
+            why = unavailable()
+            if why:  # the else clause does not run after this return, the finally clause does
+                log.info("peer copies go as bytes over gRPC: %s", why)
+                self.nixl = False
+                return
+            link = AskerLink(self._stub(address), capacity, self.device, self.timeout_s)
+        except grpc.RpcError as err:
+            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.unlink(address, f"{err.code().name}: {err.details()}")
+        # RuntimeError: the region found no GPU memory (or another CUDA error): bytes from that peer
+        except (NixlError, ImportError, ValueError, AttributeError, RuntimeError) as err:
+            self.unlink(address, f"{type(err).__name__}: {err}")
+        else:
+            with self._lock:
+                old, self._links[address] = self._links.get(address), link
+            self._on_open()
+            if old is not None:
+                old.close()
+        finally:
+            with self._lock:
+                self._opening.discard(address)
+
+    def copy(self, link: AskerLink, address: str,
+             content_keys: list[str]) -> list[tuple[pb.ReplicaWeights, torch.Tensor | None]]:
+        """One ReadReplica over `link` for content_keys (AskerLink.copy); where the link cannot be used, the
+        first one's ask answered as bytes (the others' answers empty), and bytes from `address` from then on."""
+        stub = self._stub(address)
+        try:
+            answers = link.copy(stub, content_keys, self.timeout_s)
+            if answers[0][0].resident and answers[0][1] is None:
+                self.unlink(address, "it answered as bytes: it holds no link from this host (restarted?) or its "
+                                      "WRITE failed")
+            return answers
+        except NixlError as err:
+            self.unlink(address, str(err))
+        reply = stub.ReadReplica(pb.ReadReplicaRequest(content_key=content_keys[0]), timeout=self.timeout_s)
+        return [(reply, None)] + [(pb.ReplicaWeights(), None) for _ in content_keys[1:]]
+
+    def linked(self) -> list[str]:
+        """The peers this host has an open NIXL link to."""
+        with self._lock:
+            return sorted(self._links)
+
+    def unlink(self, address: str, why: str) -> None:
+        """Copy from `address` as bytes over gRPC from now on, its link closed."""
+        log.warning("cannot copy from peer host %s over NIXL (%s); copying its replicas as bytes over gRPC from now on",
+                    address, why)
+        with self._lock:
+            self._no_link.add(address)
+            link = self._links.pop(address, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
 
 
 class HolderLinks:
@@ -104,6 +218,7 @@ class HolderLinks:
         if not 0 < capacity <= MAX_CAPACITY:
             raise ValueError(f"a copy link's region must be 1 byte to {MAX_CAPACITY} bytes, asked {capacity}")
         link = NixlLink("copy-holder", capacity, self.device, regions=1)
+        link.buffer.zero_()  # its pages touched now, not by the first copy into it
         try:
             link.connect(offer)
         except BaseException:
@@ -116,23 +231,25 @@ class HolderLinks:
             old.close()
         return link.offer()
 
-    def write(self, asker: str, note: str, weights: Weights, reply: pb.ReplicaWeights) -> bool:
-        """WRITE weights' bytes into `asker`'s link with `note`, their names, dtypes and shapes into
-        `reply` (reply.written: the bytes); False, reply untouched, where there is no such link or they
-        do not fit, or (logged, the link closed) where the WRITE failed: the caller answers with bytes."""
+    def write(self, asker: str, note: str, batch: list[tuple[Weights | None, pb.ReplicaWeights]]) -> bool:
+        """WRITE each replica's bytes of `batch` (weights None: not held here) one after another into
+        `asker`'s link with `note`, each one's names, dtypes, shapes and bytes (`written`) into its reply;
+        False, the replies untouched, where there is no such link, nothing to write or it does not fit, or
+        (logged, the link closed) where the WRITE failed: the caller answers with bytes."""
         with self._lock:
             entry = self._links.get(asker)
             if entry is not None:
                 self._links.move_to_end(asker)
-        flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in weights.values()]
-        total = sum(f.numel() for f in flat)
-        if entry is None or total > entry[0].capacity:
+        flats = [[t.detach().contiguous().reshape(-1).view(torch.uint8) for t in w.values()] if w is not None else []
+                 for w, _ in batch]
+        total = sum(f.numel() for flat in flats for f in flat)
+        if entry is None or not total or total > entry[0].capacity:
             return False
         link, lock = entry
         with lock:
             try:
                 region, at = link.region(0, total), 0
-                for f in flat:
+                for f in (f for flat in flats for f in flat):
                     region[at:at + f.numel()].copy_(f)
                     at += f.numel()
                 link.post_write(0, total, note.encode())
@@ -141,9 +258,11 @@ class HolderLinks:
                 log.warning("a NIXL WRITE of a replica to peer host %s failed, answering with bytes: %s", asker, err)
                 self._drop(asker, link)
                 return False
-        reply.resident, reply.written = True, total
-        for name, t in weights.items():
-            add_tensor(reply, name, t)
+        for (weights, reply), flat in zip(batch, flats):
+            if weights is not None:
+                reply.resident, reply.written = True, sum(f.numel() for f in flat)
+                for name, t in weights.items():
+                    add_tensor(reply, name, t)
         return True
 
     def close(self) -> None:

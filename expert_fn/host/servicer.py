@@ -63,6 +63,7 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
             if len(sources) != len(request.replicas):
                 raise BadRequest(f"LoadMany has {len(sources)} sources for {len(request.replicas)} replicas; give "
                                  "one per replica (\"\" for the weight store) or none")
+            self._expect_copies(request.replicas, sources)
             states = [self.runtime.load(r.layer, r.expert, source=src) for r, src in zip(request.replicas, sources)]
             for r, (state, _) in zip(request.replicas, states):
                 if request.wait and state not in RESIDENT:
@@ -71,11 +72,21 @@ class ExpertHostServicer(pb_grpc.ExpertHostServicer):
             _abort(context, err)
         return pb.LoadManyReply(started=sum(started for _, started in states))
 
+    def _expect_copies(self, replicas, sources: list[str]) -> None:
+        """The replicas of a LoadMany that will copy from a peer, by peer: batched (peer_batches.py)."""
+        rt, by_source = self.runtime, {}
+        for r, source in zip(replicas, sources):
+            key = rt.models.check(r.layer, r.expert)[0] if source else None
+            if key is not None and rt.table.needs_load(key) and not rt.tier.contains(key):  # a hint: races are harmless
+                by_source.setdefault(source, []).append(rt.models.content_key(key))
+        for source, keys in by_source.items():
+            rt.peers.expect(source, keys)
+
     def ReadReplica(self, request: pb.ReadReplicaRequest, context: grpc.ServicerContext) -> pb.ReplicaWeights:
-        reply = pb.ReplicaWeights()
-        weights = self.runtime.resident_weights(request.content_key)
-        if weights is not None:
-            self.runtime.peers.serve(reply, weights, request)
+        reply, resident = pb.ReplicaWeights(), self.runtime.resident_weights
+        weights, more = resident(request.content_key), [resident(k) for k in request.more_keys] if request.link else []
+        if weights is not None or any(w is not None for w in more):
+            self.runtime.peers.serve(reply, weights, request, more)
         return reply
 
     def OpenCopyLink(self, request: pb.CopyLinkOffer, context: grpc.ServicerContext) -> pb.CopyLinkOffer:

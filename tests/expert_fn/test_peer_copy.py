@@ -40,6 +40,7 @@ def stores(tmp_path_factory):
         base_root = export_store(base, "base")
         code_root = export_store(perturbed(base, CODE_OWN, 0.01, 1), "code", base=base_root)
         yield {"base": base_root, "code": code_root, "layers": base.spec.num_layers, "hidden": base.spec.hidden_size,
+               "experts": base.spec.num_experts,
                "expert_bytes": 3 * base.spec.expert_ffn * base.spec.hidden_size * 4}
 
 
@@ -96,6 +97,26 @@ def test_a_load_copies_from_the_peer_by_content_key_and_computes_what_a_store_lo
     assert "moeless_expert_host_tier_offered_total 2.0" in generate_latest(registry_for(b)).decode()
 
 
+def test_a_load_many_s_replicas_from_one_peer_come_in_one_ask_over_its_link_and_compute_exactly(hosts, stores):
+    (a, _, address_a), (b, _, address_b) = hosts
+    L, E = stores["layers"], stores["experts"]
+    for layer in range(L):
+        for expert in range(E):
+            a.load(L + layer, expert, wait=True)  # the fine-tune's every expert (its base's where shared)
+    b.load(0, 0, wait=True, source=address_a)  # as bytes over gRPC while b opens its link to a
+    wait_until(lambda: b.peers.linked() == [address_a], "b's NIXL link to a")
+    rest = [(layer, expert) for layer in range(L) for expert in range(E)][1:]
+    with ExpertHostClient(address_b) as client:  # through the servicer: the LoadMany's copies expected by peer
+        client.load_many(rest, wait=True, sources=[address_a] * len(rest))
+    copies = b.peers.figures()
+    assert copies["copies"] == 1 + len(rest) and copies["fallbacks"] == 0 and copies["linked"] == len(rest)
+    assert copies["batched"] == len(rest) - 1  # one ask brought them all (the region holds 64 MB)
+    assert a.peers.figures()["served"] == 1 + len(rest) and b.tier.stats()["misses"] == 0
+    x = torch.randn(5, stores["hidden"], generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(_out(b, layer, expert, x), _out(a, L + layer, expert, x)) for layer, expert in rest)
+    assert "moeless_expert_host_peer_copy_batched_total" in generate_latest(registry_for(b)).decode()
+
+
 def test_a_holder_without_nixl_refuses_the_link_in_one_line_and_its_replicas_come_as_bytes(stores, caplog):
     holder = _host([("code", stores["code"])], PeerCopies(nixl=False))
     asker = _host([("code", stores["code"])], "always")
@@ -124,7 +145,7 @@ def test_a_copy_link_of_no_bytes_or_past_the_bound_is_refused_by_name():
     for capacity in (0, MAX_CAPACITY + 1):
         with pytest.raises(ValueError, match=rf"a copy link's region must be 1 byte to {MAX_CAPACITY} bytes, asked"):
             links.open(b"offer", capacity)
-    assert not links.write("nobody", "copy-0", {"gate": torch.zeros(2)}, pb.ReplicaWeights())  # no such link: bytes
+    assert not links.write("nobody", "copy-0", [({"gate": torch.zeros(2)}, pb.ReplicaWeights())])  # no such link: bytes
 
 
 def test_a_peer_gone_or_not_holding_it_and_a_tier_that_holds_it_read_no_peer(hosts, stores):
