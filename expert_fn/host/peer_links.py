@@ -89,13 +89,12 @@ class AskerLink:
             if total > self.capacity:
                 raise NixlError(f"the holder says it wrote {total} bytes into a region of {self.capacity}")
             self.link.wait_note(note.encode(), timeout_s)  # arrives after its data; normally here already
-            data = self.link.region(0, total).clone()
-            if data.is_cuda:  # copied out before the next copy's WRITE, which no stream orders, lands in the region
-                torch.cuda.current_stream(data.device).synchronize()
             out, at = [], 0
-            for r in replies:
-                out.append((r, data[at:at + r.written] if r.written else None))
+            for r in replies:  # each replica its own memory: one evicted frees its bytes, not a batch's view
+                out.append((r, self.link.region(0, at + r.written)[at:].clone() if r.written else None))
                 at += r.written
+            if self.link.buffer.is_cuda:  # copied out before the next WRITE, which no stream orders, lands there
+                torch.cuda.current_stream(self.link.buffer.device).synchronize()
             return out
 
     def close(self) -> None:

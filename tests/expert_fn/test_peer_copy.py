@@ -112,6 +112,9 @@ def test_a_load_many_s_replicas_from_one_peer_come_in_one_ask_over_its_link_and_
     assert copies["copies"] == 1 + len(rest) and copies["fallbacks"] == 0 and copies["linked"] == len(rest)
     assert copies["batched"] == len(rest) - 1  # one ask brought them all (the region holds 64 MB)
     assert a.peers.figures()["served"] == 1 + len(rest) and b.tier.stats()["misses"] == 0
+    kept = [{t.untyped_storage().data_ptr() for t in b.tier._entries[key].values()} for key in b.tier._entries]
+    assert len(kept) == 1 + len(rest) and len(set().union(*kept)) == sum(map(len, kept))  # each its own memory
+    # (the host tier keeps a copy's tensors as they came: views of one batch's buffer would hold it all)
     x = torch.randn(5, stores["hidden"], generator=torch.Generator().manual_seed(1))
     assert all(torch.equal(_out(b, layer, expert, x), _out(a, L + layer, expert, x)) for layer, expert in rest)
     assert "moeless_expert_host_peer_copy_batched_total" in generate_latest(registry_for(b)).decode()
