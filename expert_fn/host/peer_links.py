@@ -171,7 +171,7 @@ class AskerLinks:
             answers = link.copy(stub, content_keys, self.timeout_s)
             if answers[0][0].resident and answers[0][1] is None:
                 self.unlink(address, "it answered as bytes: it holds no link from this host (restarted?) or its "
-                                      "WRITE failed")
+                                     "WRITE failed")
             return answers
         except NixlError as err:
             self.unlink(address, str(err))
