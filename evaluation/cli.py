@@ -77,16 +77,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     d.add_argument("--load", type=float, default=None, help="offered tokens / the scheduler's capacity (default 0.8)")
     sp = p.add_argument_group("shared pool (--shared-pool: several models on one pool of GPUs, three ways, or with "
                               "--finetunes N fine-tunes of a base, four ways; docs/shared-pool.md; takes --geometry, --gpu NAME, "
-                              "--routing moefied|uniform, --keep-alive, "
-                              "--step-ms, --seed)")
+                              "--routing moefied|uniform, --keep-alive, --step-ms, --seed)")
     sp.add_argument("--shared-pool", action="store_true",
                     help="the models of --geometry (default mixtral-8x7b phi-3.5-moe llama-4-scout) on one pool: dedicated "
                          "static-EP pools, one pool shared by whole models, moeless's pool shared by experts")
     sp.add_argument("--levels", nargs="+", type=float, metavar="PER_MIN",
                     help="load levels, requests per minute per model (default 0.1 0.3 1 3 10 60)")
     sp.add_argument("--horizon", type=float, metavar="S", help="seconds replayed (default 3600; 600 with --quick)")
-    sp.add_argument("--idle-delay", type=float, metavar="S",
-                    help="a model without a request this long sleeps in a shared pool (default 60)")
+    sp.add_argument("--idle-delay", type=float, metavar="S", help="a model without a request this long sleeps in a shared pool (default 60)")
     sp.add_argument("--keep-warm", type=float, metavar="SHARE", default=0.0,
                     help="share of each layer's experts (the most popular) a model keeps resident while asleep in the "
                          "expert-grain pool, 0..1 (default 0)")
@@ -108,13 +106,14 @@ def register(commands: argparse._SubParsersAction) -> None:
                          "expert hosts as built, each spare loading from its own store)")
     sp.add_argument("--peer-copy-ms", type=float, metavar="MS", help="with --finetunes: a peer copy's fixed cost beside "
                     "its bytes (default 2.1: measured on an H200, one ask a replica; 0: the link's roofline alone)")
+    sp.add_argument("--peer-batch-mb", type=float, metavar="MB", help="with --finetunes: one ask copies the replicas that "
+                    "fit this many MB, paying that fixed cost once (default 0: one ask a replica; serving's batches: 64)")
     sp.add_argument("--no-family-warm", dest="family_warm", action="store_false",
                     help="with --finetunes: no family warmth (the expert hosts' --no-family-warm): the base's experts "
                          "are neither loaded where a fine-tune holds its own nor kept past their keep-alive while a "
                          "fine-tune is awake (default: both, so a waking fine-tune loads only its own)")
-    sp.add_argument("--replaced", nargs="+", type=float, metavar="SHARE",
-                    help="with --finetunes: shares of the base's experts each fine-tune replaces, ESFT-style, in [0, 1) "
-                         "(default 0.05 0.15)")
+    sp.add_argument("--replaced", nargs="+", type=float, metavar="SHARE", help="with --finetunes: shares of the base's "
+                    "experts each fine-tune replaces, ESFT-style, in [0, 1) (default 0.05 0.15)")
     add_knob_flags(p)
     p.add_argument("--out", metavar="DIR", default="moeless-eval", help="the run directory (default ./moeless-eval)")
     p.add_argument("--markdown", metavar="FILE", help="also write the report's markdown here (links relative to it)")
@@ -270,14 +269,15 @@ def _shared_pool_config(args: argparse.Namespace):
     if not 0 <= args.keep_warm <= 1:
         raise DeploymentError(f"--keep-warm: a share of each layer's experts, 0..1; got {args.keep_warm:g}")
     for flag, value, unit in (("--step-hold", args.step_hold, "seconds"), ("--step-lag", args.step_lag, "seconds"),
-                              ("--peer-copy-ms", args.peer_copy_ms, "milliseconds")):
+                              ("--peer-copy-ms", args.peer_copy_ms, "milliseconds"), ("--peer-batch-mb", args.peer_batch_mb, "MB")):
         if value is not None and not value >= 0:
             raise DeploymentError(f"{flag}: {unit}, 0 or more; got {value:g}")
     settings = PoolSettings(**{k: (v if v is not None else getattr(settings, k)) for k, v in picked.items()},
                             step_s=args.step_ms / 1e3, seed=args.seed, keep_warm=args.keep_warm, family_warm=args.family_warm,
                             step_hold_s=settings.step_hold_s if args.step_hold is None else args.step_hold,
                             step_lag_s=settings.step_lag_s if args.step_lag is None else args.step_lag, scale_up_copies=args.scale_up_copies,
-                            peer_copy_s=settings.peer_copy_s if args.peer_copy_ms is None else args.peer_copy_ms / 1e3)
+                            peer_copy_s=settings.peer_copy_s if args.peer_copy_ms is None else args.peer_copy_ms / 1e3,
+                            peer_batch_bytes=(args.peer_batch_mb or 0.0) * 1e6)
     gpus = args.gpu or [base.gpu]
     if len(gpus) != 1:
         raise DeploymentError(f"--gpu: the shared pool takes one GPU type, got {gpus}")

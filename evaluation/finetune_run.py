@@ -65,7 +65,8 @@ class FineTuneConfig:
         s, default = self.pool.settings, PoolSettings()
         knobs = [(flag, value) for flag, value, usual in (("--step-hold", s.step_hold_s, default.step_hold_s),
                                                           ("--step-lag", s.step_lag_s, default.step_lag_s),
-                                                          ("--peer-copy-ms", s.peer_copy_s * 1e3, default.peer_copy_s * 1e3))
+                                                          ("--peer-copy-ms", s.peer_copy_s * 1e3, default.peer_copy_s * 1e3),
+                                                          ("--peer-batch-mb", s.peer_batch_bytes / 1e6, default.peer_batch_bytes / 1e6))
                  if value != usual]
         copies = ("--scale-up-copies", s.scale_up_copies) if s.scale_up_copies != default.scale_up_copies else ()
         return self.pool.command(out, ("--finetunes", *map(str, self.finetunes), "--replaced",

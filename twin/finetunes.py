@@ -180,16 +180,19 @@ def gated_wakes(wakes: np.ndarray, ready: np.ndarray) -> np.ndarray:
     return np.maximum(wakes[:, 1], ready[wakes[:, 0].astype(np.int64), 1]) if len(wakes) else np.zeros(0)
 
 
-def added_gpus(held: np.ndarray, keys: np.ndarray, move_s: float, late_s: float = 0.0) -> np.ndarray:
+def added_gpus(held: np.ndarray, keys: np.ndarray, move_s: float, late_s: float = 0.0, ask_s: float = 0.0,
+               per_ask: int = 1) -> np.ndarray:
     """[W, 2]: for each window where the pool holds more GPUs (held [W]) than in the window before and
     had some then, those GPUs and the seconds until the added ones take their part: late_s (a scaler
     that sees the need that far into the window) plus their even share of the keys [W] the window's
     calls route to (keys / held each, copied from the GPUs that hold them, move_s an expert:
-    PoolModel.expert_move_s; a key held for a fine-tune not calling has no tokens to spread, so the
-    planner places no copy of it); elsewhere (held, 0)."""
+    PoolModel.expert_move_s, of which ask_s is its ask's fixed cost, one ask carrying per_ask experts:
+    at least one ask, the holders' split ignored; a key held for a fine-tune not calling has no tokens
+    to spread, so the planner places no copy of it); elsewhere (held, 0)."""
     prev = np.concatenate([[0.0], held[:-1]])
     grows = (prev > 0) & (held > prev)
-    copy_s = late_s + keys / np.maximum(held, 1.0) * move_s
+    share = keys / np.maximum(held, 1.0)
+    copy_s = late_s + share * (move_s - ask_s) + np.maximum(share / per_ask, np.minimum(share, 1.0)) * ask_s
     return np.stack([np.where(grows, prev, held), np.where(grows, copy_s, 0.0)], axis=1)
 
 
@@ -235,7 +238,9 @@ def evaluate_finetunes(finetunes: list[FineTune], requests: list[Requests], s: P
     doc["gpus_p50_p100"][SHARED_KEYS] = [float(np.percentile(gpus, 50)), float(gpus.max())]
     # an added GPU copies what the calls route to (held, since a call claims its keys), not every key held
     late_s = s.step_lag_s - lag_windows * s.window_s
-    ready = {way: added_gpus(held, sk.routed_keys, base.expert_move_s, late) for way, held, late in
+    copied = base.expert_peer_s is not None  # from a peer GPU: asks, each at peer_copy_s (from host memory: loads)
+    asks = (s.peer_copy_s if copied else 0.0, max(1, int(s.peer_batch_bytes // base.expert_bytes)) if copied else 1)
+    ready = {way: added_gpus(held, sk.routed_keys, base.expert_move_s, late, *asks) for way, held, late in
              (("shared-keys-batched", gpus, 0.0), (SIZED, sized, late_s))}
     # gated: the steps on the GPUs before carry the incumbents' part, at most the window's own step (they
     # are some of its fine-tunes) and about the window before's (their running requests)

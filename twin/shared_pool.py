@@ -122,6 +122,7 @@ class PoolSettings:
     step_lag_s: float = 0.0  # ... and its scaler sees a window's need this late (0: a scaler in the engine's step loop)
     scale_up_copies: str = "peer"  # ... and its added GPUs copy their keys from a GPU holding them, or load them ("host")
     peer_copy_s: float = PEER_COPY_S  # ... each copy's fixed cost on the expert host beside its bytes (roofline.py)
+    peer_batch_bytes: float = 0.0  # ... paid once an ask of replicas that fit these bytes (0: one ask a replica)
 
     @property
     def windows(self) -> int:

@@ -128,6 +128,8 @@ class RuntimeCollector(Collector):
             yield CounterMetricFamily(f"{PREFIX}_host_peer_copy_{name}", f"peer copies: {doc}", value=peer[name])
         yield GaugeMetricFamily(f"{PREFIX}_host_peer_links", "NIXL links open to peer hosts (peer_links.py)",
                                 value=peer["links"])
+        yield GaugeMetricFamily(f"{PREFIX}_host_peer_link_bytes", "bytes the peer links' regions hold on this host's "
+                                "device, as asker and as holder (beside its replicas)", value=peer["link_bytes"])
         for way in ("peer", "store"):
             yield GaugeMetricFamily(f"{PREFIX}_host_{way}_load_gb_per_second", f"moving average of {way} loads' GB/s "
                                     "(peer_copy.py's choice; 0: not measured yet)", value=peer[f"{way}_gb_per_s"])

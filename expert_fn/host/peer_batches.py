@@ -39,7 +39,8 @@ from moeless.model.content_keys import parse_key
 
 # A link's region (at each end) holds at least this many bytes, so that one WRITE carries a batch of
 # small replicas (190 of the default model's 0.33 MB experts; a 35 MB one alone): a holder's 64 links
-# (peer_links.MAX_LINKS) take at most 4 GiB of its memory, on the GPU where it computes there.
+# (peer_links.MAX_LINKS) take at most 4 GiB of its memory, on the GPU where it computes there (the
+# host's /metrics: moeless_expert_host_peer_link_bytes; not billed as replicas are).
 COPY_BATCH_BYTES = 64 << 20
 MAX_AGE_S = 60.0  # a pending replica, or a copy nobody took, is dropped this long after it was expected or copied
 
@@ -97,10 +98,10 @@ class CopyBatches:
             pending.pop(content_key, None)
             batch, room = Batch([content_key]), capacity - copy_bound(content_key)
             for key in list(pending):
-                if copy_bound(key) > room:
+                if (size := copy_bound(key)) > room:
                     break
                 del pending[key]
-                room -= copy_bound(key)
+                room -= size
                 batch.keys.append(key)
                 batch.futures[key] = Future()
                 self._taken[source, key] = batch.futures[key], now

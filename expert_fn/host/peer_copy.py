@@ -74,6 +74,7 @@ class PeerCopyStats:
     served: int = 0
     linked: int = 0  # of the copies, those WRITTEN over NIXL (peer_links.py)
     links: int = 0  # NIXL links open to peers
+    link_bytes: int = 0  # memory their regions hold here, as asker and as holder (the device's: a GPU's on one)
     batched: int = 0  # of the linked copies, those brought by another load's ask (peer_batches.py)
     passed: int = 0  # loads given a peer that read the store (faster, its turn, the peer down, its link opening)
     peer_gb_per_s: float = 0.0  # the moving averages the choice reads (0: not measured yet)
@@ -233,9 +234,9 @@ class PeerCopies:
         return self._cuda_ipc and self.device.startswith("cuda") and address not in self._no_ipc
 
     def figures(self) -> dict:
-        links = len(self.linked())
+        links, link_bytes = len(self.linked()), self.links.region_bytes() + self.holder.region_bytes()
         with self._lock:
-            self.stats.links = links
+            self.stats.links, self.stats.link_bytes = links, link_bytes
             return asdict(self.stats)
 
     def open_link(self, offer: bytes, capacity: int) -> bytes:

@@ -183,6 +183,11 @@ class AskerLinks:
         with self._lock:
             return sorted(self._links)
 
+    def region_bytes(self) -> int:
+        """Memory the open links' regions hold on this host (its device's)."""
+        with self._lock:
+            return sum(link.capacity for link in self._links.values())
+
     def unlink(self, address: str, why: str) -> None:
         """Copy from `address` as bytes over gRPC from now on, its link closed."""
         log.warning("cannot copy from peer host %s over NIXL (%s); copying its replicas as bytes over gRPC from now on",
@@ -229,6 +234,11 @@ class HolderLinks:
         for old in closed:
             old.close()
         return link.offer()
+
+    def region_bytes(self) -> int:
+        """Memory the askers' links' regions hold on this host (its device's)."""
+        with self._lock:
+            return sum(link.capacity * link.regions for link, _ in self._links.values())
 
     def write(self, asker: str, note: str, batch: list[tuple[Weights | None, pb.ReplicaWeights]]) -> bool:
         """WRITE each replica's bytes of `batch` (weights None: not held here) one after another into

@@ -63,6 +63,7 @@ def test_a_finetunes_run_beside_a_shared_pool_run_is_a_section_of_its_report(tmp
     (["--shared-pool", "--finetunes", "4", "--step-hold", "-1"], "--step-hold: seconds, 0 or more; got -1"),
     (["--shared-pool", "--finetunes", "4", "--step-lag", "-0.5"], "--step-lag: seconds, 0 or more; got -0.5"),
     (["--shared-pool", "--finetunes", "4", "--peer-copy-ms", "-1"], "--peer-copy-ms: milliseconds, 0 or more; got -1"),
+    (["--shared-pool", "--finetunes", "4", "--peer-batch-mb", "-64"], "--peer-batch-mb: MB, 0 or more; got -64"),
 ])
 def test_bad_finetune_flags_are_one_error_line(tmp_path, capsys, flags, says):
     assert main(["eval", "--quick", *flags, "--out", str(tmp_path / "x")]) == 2
@@ -74,10 +75,11 @@ def test_bad_finetune_flags_are_one_error_line(tmp_path, capsys, flags, says):
 def test_scale_ups_that_load_from_host_memory_wait_longer_than_peer_copies_and_the_report_says_so(tmp_path):
     """--scale-up-copies host: the added GPUs load their keys as serving's expert hosts do (each spare
     from its own store), not from a peer GPU; the waits for a scale-up grow, the GPU-seconds do not.
-    --peer-copy-ms 0: peer copies without the expert host's measured fixed cost wait less."""
+    --peer-copy-ms 0: peer copies without the expert host's measured fixed cost wait less; --peer-batch-mb
+    800 (two of Mixtral's 352 MB experts an ask): between the two."""
     runs = {}
     for name, flags in (("peer", ["--scale-up-copies", "peer"]), ("host", ["--scale-up-copies", "host"]),
-                        ("free", ["--peer-copy-ms", "0"])):
+                        ("free", ["--peer-copy-ms", "0"]), ("batched", ["--peer-batch-mb", "800"])):
         out = tmp_path / name
         assert main(["eval", "--shared-pool", "--quick", "--finetunes", "4", "--replaced", "0.15", "--geometry",
                      "mixtral-8x7b", "--levels", "1", *flags, "--out", str(out)]) == 0
@@ -86,6 +88,11 @@ def test_scale_ups_that_load_from_host_memory_wait_longer_than_peer_copies_and_t
     waited = [(a, b) for a, b in zip(free["models"], peer["models"]) if a["scale_up_waits"]["count"]]
     assert waited and all(b["scale_up_waits"]["p99"] > a["scale_up_waits"]["p99"] > 0 for a, b in waited)
     assert "--peer-copy-ms 0 --out" in (tmp_path / "free" / "report.md").read_text()
+    waits = [[m["scale_up_waits"]["p99"] for m in ms] for ms in zip(*(runs[n]["models"] for n in ("free", "batched", "peer")))
+             if ms[0]["scale_up_waits"]["count"]]
+    assert waits and all(a <= b <= c for a, b, c in waits) and any(a < b < c for a, b, c in waits), waits
+    md = (tmp_path / "batched" / "report.md").read_text()
+    assert "--peer-batch-mb 800 --out" in md and "an ask carrying the replicas that fit 800 MB" in md
     assert host["gpu_s_sized_for_step"] == peer["gpu_s_sized_for_step"]
     waited = [(a, b) for a, b in zip(peer["models"], host["models"]) if a["scale_up_waits"]["count"]]
     assert waited and all(b["scale_up_waits"]["p99"] > a["scale_up_waits"]["p99"] > 0 for a, b in waited)

@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 from moeless.expert_fn.client.client import ExpertHostClient
 from moeless.expert_fn.errors import BadRequest
 from moeless.expert_fn.host.metrics import registry_for
+from moeless.expert_fn.host.peer_batches import COPY_BATCH_BYTES
 from moeless.expert_fn.host.peer_copy import PROBE_EVERY, PeerCopies, _averaged
 from moeless.expert_fn.host.peer_links import MAX_CAPACITY, HolderLinks
 from moeless.expert_fn.wire.replica_weights import PeerCopyError, put_weights, weights_from
@@ -111,13 +112,16 @@ def test_a_load_many_s_replicas_from_one_peer_come_in_one_ask_over_its_link_and_
     copies = b.peers.figures()
     assert copies["copies"] == 1 + len(rest) and copies["fallbacks"] == 0 and copies["linked"] == len(rest)
     assert copies["batched"] == len(rest) - 1  # one ask brought them all (the region holds 64 MB)
+    assert copies["link_bytes"] == a.peers.figures()["link_bytes"] == COPY_BATCH_BYTES  # one region at each end
     assert a.peers.figures()["served"] == 1 + len(rest) and b.tier.stats()["misses"] == 0
     kept = [{t.untyped_storage().data_ptr() for t in b.tier._entries[key].values()} for key in b.tier._entries]
     assert len(kept) == 1 + len(rest) and len(set().union(*kept)) == sum(map(len, kept))  # each its own memory
     # (the host tier keeps a copy's tensors as they came: views of one batch's buffer would hold it all)
     x = torch.randn(5, stores["hidden"], generator=torch.Generator().manual_seed(1))
     assert all(torch.equal(_out(b, layer, expert, x), _out(a, L + layer, expert, x)) for layer, expert in rest)
-    assert "moeless_expert_host_peer_copy_batched_total" in generate_latest(registry_for(b)).decode()
+    registry = registry_for(b)
+    assert "moeless_expert_host_peer_copy_batched_total" in generate_latest(registry).decode()
+    assert registry.get_sample_value("moeless_expert_host_peer_link_bytes") == COPY_BATCH_BYTES
 
 
 def test_a_holder_without_nixl_refuses_the_link_in_one_line_and_its_replicas_come_as_bytes(stores, caplog):

@@ -25,6 +25,7 @@ from moeless.controller.planning.settings import LoopSettings
 from moeless.controller.pool.members import Member
 from moeless.controller.pool.sources import FileSource, write_members
 from moeless.expert_fn.client.client import ExpertHostClient
+from moeless.expert_fn.errors import ExpertHostUnavailable
 from moeless.placement.profile import CostProfile
 from moeless.serving.executor import RemoteExecutor
 from moeless.serving.live_executor import LiveExecutor
@@ -86,14 +87,18 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
         if wait:
             return load(client, layer, expert, wait=True, source=source)
         def land():
-            with contextlib.suppress(ValueError):  # the loop stopped and closed its client first: the test is over
+            # the loop stopped and closed its client first (a closed or cancelled channel): the test is over
+            with contextlib.suppress(ValueError, ExpertHostUnavailable):
                 load(client, layer, expert, source=source)
         landing.append(timer := threading.Timer(LOAD_S, land))
         timer.start()
         return "loading"
 
     monkeypatch.setattr(ExpertHostClient, "load", slow_load)  # the loop's prefetches
-    knobs = Knobs(planner=planner, predictor="history", distance=1, keep_alive_s=KEEP_ALIVE_S)
+    # moeless's scaler off: a replica it adds for a straggler may land on an old home the move left, which a
+    # placement then routes again (a CI run found none of the moved homes left to release)
+    knobs = Knobs(planner=planner, predictor="history", distance=1, keep_alive_s=KEEP_ALIVE_S,
+                  scaler=planner != "moeless")
     settings = LoopSettings(pool=FileSource.open(str(path)), num_layers=spec.num_layers, num_experts=spec.num_experts,
                             knobs=knobs, profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05,
                             planner_extra=extra)

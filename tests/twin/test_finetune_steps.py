@@ -76,6 +76,10 @@ def test_gpus_added_for_a_step_load_their_share_before_its_steps_spread_over_the
     of 0.05 s slows 1 step; a cold start stalls 1 step by its 0.5 s."""
     ready = added_gpus(np.array([1.0, 3.0, 3.0, 2.0]), np.full(4, 6.0), 0.1)
     assert ready.tolist() == [[1.0, 0.0], [1.0, pytest.approx(0.2)], [3.0, 0.0], [2.0, 0.0]]
+    # of each 0.1 s, an ask's 0.05 s: one ask a key is the same; one ask for 4 keys pays it once for the 2
+    assert added_gpus(np.array([1.0, 3.0]), np.full(2, 6.0), 0.1, 0.0, 0.05, 1)[1, 1] == pytest.approx(0.2)
+    assert added_gpus(np.array([1.0, 3.0]), np.full(2, 6.0), 0.1, 0.0, 0.05, 4)[1, 1] == pytest.approx(0.15)
+    assert added_gpus(np.array([1.0, 4.0]), np.full(2, 2.0), 0.1, 0.0, 0.05, 4)[1, 1] == pytest.approx(0.05)  # half a key
     p99 = scaled_p99(np.array([6.0, 6.0]), np.array([3.0, 3.0]), ready[1:3], np.zeros(2), 10, 0.1, 0.5)
     assert p99 == pytest.approx(6.0)
     assert scaled_p99(np.array([6.0]), np.array([3.0]), np.array([[1.0, 0.05]]), np.zeros(1), 10, 0.1, 0.5) == 6.0
