@@ -107,7 +107,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     sp.add_argument("--peer-copy-ms", type=float, metavar="MS", help="with --finetunes: a peer copy's fixed cost beside "
                     "its bytes (default 2.1: measured on an H200, one ask a replica; 0: the link's roofline alone)")
     sp.add_argument("--peer-batch-mb", type=float, metavar="MB", help="with --finetunes: one ask copies the replicas that "
-                    "fit this many MB, paying that fixed cost once (default 0: one ask a replica; serving's batches: 64)")
+                    "fit this many MB at the geometry's bytes, paying that fixed cost once (default 0: one ask a replica)")
     sp.add_argument("--no-family-warm", dest="family_warm", action="store_false",
                     help="with --finetunes: no family warmth (the expert hosts' --no-family-warm): the base's experts "
                          "are neither loaded where a fine-tune holds its own nor kept past their keep-alive while a "

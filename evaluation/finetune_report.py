@@ -141,6 +141,17 @@ def _spread(values: list[float], fmt: str = "{:.3g}") -> str:
     return f"{fmt.format(median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
+def _scale_up_copies(s: dict) -> str:
+    """How a scale-up's added GPUs get their keys, by the run's settings (runs before peer_copy_s: not said)."""
+    if s.get("scale_up_copies") == "host":
+        return ", its added GPUs loading their keys from host memory"
+    if "peer_copy_s" not in s:
+        return ""
+    batched = (f", an ask carrying the replicas that fit {s['peer_batch_bytes'] / 1e6:g} MB"
+               if s.get("peer_batch_bytes") else ", one ask a replica")
+    return f", its added GPUs copying their keys from peer GPUs at {s['peer_copy_s'] * 1e3:g} ms an ask beside the bytes{batched}"
+
+
 def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -> str:
     s = run["settings"]
     written = ("Written by one command (re-run it to refresh every figure here):" if h == "#" else
@@ -168,11 +179,7 @@ def _markdown(run: dict, checks: list[dict], run_dir: Path, h: str, link: str) -
                 "expert_fn/host/model_calls.py)" if s.get("family_warm", False) else "")
              + (f"; the pool sized for its step's SLO keeps a GPU added for it {s['step_hold_s']:g} s, its scaler "
                 + (f"{s['step_lag_s']:g} s late" if s.get("step_lag_s") else "in the engine's step loop")
-                + (", its added GPUs loading their keys from host memory" if s.get("scale_up_copies") == "host" else
-                   f", its added GPUs copying their keys from peer GPUs at {s['peer_copy_s'] * 1e3:g} ms an ask beside "
-                   "the bytes" + (f", an ask carrying the replicas that fit {s['peer_batch_bytes'] / 1e6:g} MB"
-                                  if s.get("peer_batch_bytes") else ", one ask a replica") if "peer_copy_s" in s else "")
-                if "step_hold_s" in s else "")
+                + _scale_up_copies(s) if "step_hold_s" in s else "")
              + ". Fine-tune i takes workload i mod "
              f"{len(run['workloads'])}: " + "; ".join(f"{j}: {w}" for j, w in enumerate(run["workloads"])) + ".", "",
              f"{h}# The bases", "",
