@@ -109,22 +109,49 @@ def held_layout(held: np.ndarray, replicas: int, num_gpus: int) -> Placement | N
     """The layout of held [L, E, G] bool (a restarted loop's resident replicas) where it can be one
     this planner made: every expert held and no GPU holding more than replicas / G of a layer's, once
     a GPU over that has dropped its copies of the experts held most elsewhere (replicas an earlier
-    rebalance left that the hosts had not released yet); else None. EPLB may give one GPU two of an
-    expert's slots, which its host holds as one replica, so the layout is the replicas held, tokens
-    split evenly over each expert's."""
+    rebalance left that the hosts had not released yet), or where that order leaves a GPU over, one
+    copy of each expert on GPUs within their slots (`_matched`: a restart in the middle of a
+    rebalance, the old and the new layout of a layer both held); else None. EPLB may give one GPU two
+    of an expert's slots, which its host holds as one replica, so the layout is the replicas held,
+    tokens split evenly over each expert's."""
     if replicas % num_gpus or not held.any(axis=2).all():
         return None
     slots, layers = replicas // num_gpus, []
-    for layer in held.copy():
+    for held_layer in held:
+        layer = held_layer.copy()
         for gpu in np.flatnonzero(layer.sum(axis=0) > slots):
             for expert in sorted(np.flatnonzero(layer[:, gpu]), key=lambda e: -layer[e].sum()):
                 if layer[:, gpu].sum() > slots and layer[expert].sum() > 1:
                     layer[expert, gpu] = False
-            if layer[:, gpu].sum() > slots:
-                return None
+        if (layer.sum(axis=0) > slots).any() and (layer := _matched(held_layer, slots)) is None:
+            return None
         expert, gpu = np.nonzero(layer)
         layers.append(LayerPlacement.even(expert, gpu, held.shape[1]))
     return Placement(tuple(layers), held.shape[1], num_gpus)
+
+
+def _matched(held: np.ndarray, slots: int) -> np.ndarray | None:
+    """[E, G] bool: one copy of each expert on a GPU holding it, no GPU over `slots` (augmenting paths,
+    experts held on fewest GPUs first); None where no such choice exists."""
+    owner = [-1] * held.shape[0]  # expert -> its GPU
+
+    def place(expert: int, seen: set[int]) -> bool:
+        for gpu in np.flatnonzero(held[expert]).tolist():
+            if gpu in seen:
+                continue
+            seen.add(gpu)
+            taken = [e for e, g in enumerate(owner) if g == gpu]
+            if len(taken) < slots or any(place(e, seen) for e in taken):
+                owner[expert] = gpu
+                return True
+        return False
+
+    for expert in sorted(range(held.shape[0]), key=lambda e: held[e].sum()):
+        if not place(expert, set()):
+            return None
+    out = np.zeros_like(held)
+    out[np.arange(held.shape[0]), owner] = True
+    return out
 
 
 def trivial_layout(num_layers: int, num_experts: int, replicas: int, num_gpus: int) -> Placement:

@@ -285,13 +285,16 @@ def forecast_groups(first: bool, joined: bool, traffic: bool, stateful: bool, ac
 def plan_groups(planner: Planner, groups: Sequence[Sequence[np.ndarray]], view: HostView, expert_bytes: int,
                 layer_cap: int | None, known: np.ndarray | None, predictor_off: bool) -> StepDecision | None:
     """Each group planned in turn (a stateful planner learns from every one), the last decision
-    kept (None without groups): the home replicas (static EP's, planned around dead hosts) until
-    there is traffic and always with the predictor off, else the planner on the group's forecasts
+    kept (None without groups): the home replicas (static EP's, planned around dead hosts; before
+    traffic those the hosts hold where they moved) until there is traffic and always with the
+    predictor off, else the planner on the group's forecasts
     (plan_phases)."""
     decision = None
     for forecasts in groups:
         if predictor_off or not forecasts:
             home = get_planner("moeless-no-scaler", planner.config)
+            if not predictor_off:  # before traffic: the homes the hosts hold (a restarted loop's), not static EP's back
+                home.adopt(view.resident & view.live[None, None, :])
             decision = plan_step(home, np.zeros(view.resident.shape[:2]), view, expert_bytes, layer_cap)
         else:
             decision = plan_phases(planner, forecasts, view, expert_bytes, layer_cap, known)

@@ -66,6 +66,21 @@ def test_plan_groups_homes_without_forecasts_or_with_the_predictor_off():
         assert sorted(decision.loads) == sorted((l, e, e * G // E) for l in range(L) for e in range(E))
 
 
+def test_a_first_pass_without_traffic_keeps_the_homes_the_hosts_hold_where_they_moved():
+    """A restarted loop's first pass before any report: layer 0's experts 0 and 2 swapped hosts (a move or
+    a rebalance before the restart). Its homes are taken where the hosts hold them: nothing to load, not
+    static EP's blocks back; with the predictor off, serving routes static EP's, so those load."""
+    moved = [(l, e, s) for g in range(G) for l, e, s in homes(g)]
+    swapped = [[r for r in homes(0) if r[:2] != (0, 0)] + [(0, 2, "idle")],
+               [r for r in homes(1) if r[:2] != (0, 2)] + [(0, 0, "idle")]]
+    assert len(moved) == sum(map(len, swapped))
+    view = HostView.from_status([status(swapped[0]), status(swapped[1])], L, E)
+    decision = plan_groups(planner(), [[]], view, PROFILE.expert_bytes, 2 * E, None, False)
+    assert decision.loads == [] and {(0, 0, 1), (0, 2, 0)} <= decision.plan.replicas()
+    off = plan_groups(planner(), [[SKEWED]], view, PROFILE.expert_bytes, 2 * E, None, True)
+    assert sorted(off.loads) == [(0, 0, 0), (0, 2, 1)]
+
+
 def test_plan_groups_plans_each_phase_and_keeps_the_last_groups_decision():
     view = HostView.from_status([status(homes(0)), status(homes(1))], L, E)
     decode = np.array([[2.0, 1, 1, 0], [1, 1, 1, 1]])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moeless.placement.cluster import Cluster
-from moeless.placement.eplb_production import production_eplb, production_replicas, trivial_layout
+from moeless.placement.eplb_production import held_layout, production_eplb, production_replicas, trivial_layout
 from moeless.placement.full_replication import plan_full_replication
 from moeless.placement.planner import get_planner
 from moeless.placement.planner_config import PlannerConfig
@@ -122,3 +122,15 @@ def test_full_replication_puts_every_expert_on_every_gpu_of_the_layers_that_fit(
     assert sorted(zip(first.expert.tolist(), first.gpu.tolist())) == [(e, g) for e in range(4) for g in range(2)]
     assert first.share[:4].tolist() == [1.0] * 4 and first.share[4:].tolist() == [0.0] * 4  # homes first
     assert second.gpu.tolist() == [0, 0, 1, 1]
+
+
+def test_a_layer_held_in_two_layouts_is_taken_up_where_one_copy_of_each_expert_fits():
+    """Golden (a restart in the middle of a rebalance, E = 5 on 3 GPUs of 2 slots): GPU 1 holds experts
+    2, 3 and 4, GPU 2 holds 0, 1 and 2, GPU 0 holds 4. Dropping from GPU 1 the copy held most elsewhere
+    (expert 2's) leaves GPU 2 three experts held nowhere else; one copy each fits: 2 on GPU 1, 4 on GPU 0."""
+    held = np.zeros((1, 5, 3), bool)
+    held[0, [2, 3, 4], 1] = held[0, [0, 1, 2], 2] = held[0, 4, 0] = True
+    layer = held_layout(held, 6, 3).layers[0]
+    assert sorted(zip(layer.gpu.tolist(), layer.expert.tolist())) == [(0, 4), (1, 2), (1, 3), (2, 0), (2, 1)]
+    held[0, 4, 0] = False  # now GPUs 1 and 2 hold five experts in four slots
+    assert held_layout(held, 6, 3) is None

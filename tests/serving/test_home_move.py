@@ -95,10 +95,7 @@ def test_a_home_move_loads_behind_serving_and_releases_the_old_home_after(planne
         return "loading"
 
     monkeypatch.setattr(ExpertHostClient, "load", slow_load)  # the loop's prefetches
-    # moeless's scaler off: a replica it adds for a straggler may land on an old home the move left, which a
-    # placement then routes again (a CI run found none of the moved homes left to release)
-    knobs = Knobs(planner=planner, predictor="history", distance=1, keep_alive_s=KEEP_ALIVE_S,
-                  scaler=planner != "moeless")
+    knobs = Knobs(planner=planner, predictor="history", distance=1, keep_alive_s=KEEP_ALIVE_S)
     settings = LoopSettings(pool=FileSource.open(str(path)), num_layers=spec.num_layers, num_experts=spec.num_experts,
                             knobs=knobs, profile=PROFILE, board="unused", period_s=0.05, idle_s=0.1, pool_period_s=0.05,
                             planner_extra=extra)
