@@ -217,6 +217,7 @@ class ModelServer:
                 "local_channels": sum(c.uses_local_channel for c in self.pool.clients().values()),
                 "paths": {slot: c.path for slot, c in self.pool.clients().items()},  # each host's data path now
                 "wake": self.waker.stats() if self.waker else None,
+                "standby_hosts": sorted(self.follower.standby) if self.follower else [],  # what a switch may run
                 "split_forwards": self.engine.split_forwards, **batching}
 
 

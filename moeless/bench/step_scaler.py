@@ -121,7 +121,7 @@ def run_step_scaler_bench(model: str = "default", *, hosts: int = 3, burst: int 
             if cold:  # the spares give back what the last widening loaded: this one loads their share again
                 for client in clients[1:]:
                     _evict_all(client)
-                _wait_no_standby(config.placement_board)  # the loop saw it: no standby placement on the board
+                _wait_no_standby(config.placement_board, server)  # the loop saw it, then the replica
             gate = server.stats.remote().result()["step_gate"]
             seen, switched = len(gate["waits_s"]), len(gate["switch_s"])
             settled = len(ray.get(loop.metrics.remote())["widenings"]["settle_s"])
@@ -194,14 +194,18 @@ def _wait_narrow(loop, first, experts: int, hold_s: float, timeout_s: float = 12
     time.sleep(1.0)  # the publish after those loads, the replica following it
 
 
-def _wait_no_standby(name: str, timeout_s: float = 60.0) -> None:
-    """Until the board holds no standby placement (the loop has seen the spares emptied)."""
+def _wait_no_standby(name: str, server, timeout_s: float = 60.0) -> None:
+    """Until the board holds no standby placement (the loop has seen the spares emptied), then until
+    `server`'s replica holds none either (its follower polls the board every 0.1 s: a burst sent before
+    it read the board switched at once to a standby over the emptied spares, and held nobody)."""
     import ray  # heavy: kept off --help's start-up path, as in run_step_scaler_bench
 
     from moeless.controller.planning.board import board  # imports ray: likewise
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and ray.get(board(name).newer_than.remote(1 << 62, -1))[3]:
+        time.sleep(0.05)
+    while time.monotonic() < deadline and server.stats.remote().result()["standby_hosts"]:
         time.sleep(0.05)
 
 
