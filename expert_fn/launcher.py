@@ -172,6 +172,7 @@ def launch_local_hosts(
     nixl: bool = True,
     cpu: bool = False,
     peer_ipc: bool = True,
+    peer_ask_mb: float | None = None,
 ) -> LocalHostGroup:
     """Start num_hosts expert hosts serving store_dir on loopback and wait until all are ready.
     store_dir: a weight store, or (model name, store) pairs that every host serves from one memory
@@ -187,6 +188,7 @@ def launch_local_hosts(
     nixl: take clients' NIXL offers on the TCP channel where nixl is installed (False: --no-nixl).
     cpu: compute on the CPU even where a GPU is visible (--cpu).
     peer_ipc: map a GPU peer's memory for copies over CUDA IPC (False: --no-peer-ipc).
+    peer_ask_mb: the most MiB one ask of a peer carries (--peer-ask-mb; None: the host's default).
     Hosts exit by themselves when this process dies without closing the group.
     """
     if num_hosts < 1:
@@ -211,6 +213,8 @@ def launch_local_hosts(
         args += ["--cpu"]
     if not peer_ipc:
         args += ["--no-peer-ipc"]
+    if peer_ask_mb is not None:
+        args += ["--peer-ask-mb", repr(peer_ask_mb)]
     for name, gb in (shares or {}).items():
         args += ["--share", f"{name}={gb!r}"]
     return LocalHostGroup(args, num_hosts, startup_timeout_s)

@@ -10,6 +10,7 @@ TRANSPORTS = ("auto", "local", "tcp", "nixl", "grpc")  # a client's data path to
 EVICTION_ORDERS = ("lru", "fifo")  # which host-tier entry goes first (tiers.HostTier)
 PREWARM = ("none", "all")  # what the host tier reads at start
 PEER_COPIES = ("measured", "always", "off")  # when a load given a peer copies from it (host/peer_copy.py)
+PEER_ASK_MB = 1024  # the most MiB one ask of a peer carries by default (host/peer_batches.py ASK_BYTES)
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:

@@ -59,6 +59,8 @@ step serving && timeout 150 python3 "$OLDPWD/scripts/gpu_serving_check.py" --dev
 #    NIXL GPU to GPU, the route between nodes, on a host with --no-peer-ipc) against the host's own store and
 #    host tier (pinned memory -> GPU); the copies computing exactly. At the default model's 0.33 MB experts,
 #    then DeepSeek-V2-Lite's 34.6 MB (random weights of those shapes: the default model is not carried there).
+#    Its "region" row asks for one link region's worth at a time (--peer-ask-mb 0: one 34.6 MB expert an ask),
+#    against asks streamed through the region (the default): what an ask's fixed part costs on the GPU route.
 if step peer; then
   timeout 150 python3 -m moeless bench peer-copy --device cuda --expert-shape 48x576 --layers 8 --out "$OUT/peer-copy"
   timeout 150 python3 -m moeless bench peer-copy --device cuda --expert-shape 1408x2048 --layers 1 --experts 16 \

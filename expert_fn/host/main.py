@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from moeless.expert_fn.host.gpu import detect_device
-from moeless.expert_fn.options import COMPUTE_DTYPES, PEER_COPIES, add_tier_arguments
+from moeless.expert_fn.options import COMPUTE_DTYPES, PEER_ASK_MB, PEER_COPIES, add_tier_arguments
 from moeless.expert_fn.wire.polling import DEFAULT_HOST_POLL_S
 
 log = logging.getLogger("moeless.expert_fn.host")
@@ -78,6 +78,10 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     add("--no-peer-ipc", dest="peer_ipc", action="store_false",
         help="never map a peer host's GPU memory over CUDA IPC for a copy (pods that share no IPC namespace, "
              "Kubernetes' hostIPC off, cannot): copy over NIXL or as bytes at once (default: CUDA IPC first on a GPU)")
+    add("--peer-ask-mb", type=float, default=PEER_ASK_MB, metavar="MB",
+        help="the most MiB one ask of a peer over NIXL carries, streamed through the link's region a chunk at a "
+             "time: a LoadMany's replicas from one peer go in as few asks as this allows (default %(default)g; 0: "
+             "what one region holds, 64 MiB or the replica)")
     add("--poll-us", type=float, default=DEFAULT_HOST_POLL_S * 1e6, metavar="US",
         help="after each data-plane call, spin this many microseconds for the next before blocking: shorter "
              "wake-ups for a core's worth of CPU while calls keep coming (default %(default)g; 0: block at once)")
@@ -137,7 +141,8 @@ def serve(args: argparse.Namespace) -> int:
     runtime = ExpertHostRuntime(store, device=device.torch_device, capacity_bytes=capacity, keep_alive_s=args.keep_alive_s,
                                 tier=tier, shares=shares, compute_dtype=args.compute_dtype, family_warm=args.family_warm,
                                 peer_copies=PeerCopies(args.peer_copies, device.torch_device, nixl=not args.no_nixl,
-                                                                       cuda_ipc=args.peer_ipc))
+                                                                       cuda_ipc=args.peer_ipc,
+                                                                       ask_bytes=int(args.peer_ask_mb * 2**20)))
     # 2. gRPC server and HTTP endpoints.
     # OpenMP's thread count is per thread: without the initializer, handler threads compute on every core.
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,

@@ -123,6 +123,7 @@ class RuntimeCollector(Collector):
                           ("linked", "copies WRITTEN over NIXL, not sent as bytes over gRPC"),
                           ("batched", "of those, copies brought by another load's ask (a LoadMany's replicas batched)"),
                           ("served", "replicas sent to peer hosts"),
+                          ("writes", "NIXL WRITEs of the replicas sent over links (a chunk of an ask's each)"),
                           ("passed", "loads given a peer that read the weight store (measured faster, measured again, "
                                      "the peer down, or its NIXL link opening)")):
             yield CounterMetricFamily(f"{PREFIX}_host_peer_copy_{name}", f"peer copies: {doc}", value=peer[name])

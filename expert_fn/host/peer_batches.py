@@ -9,8 +9,9 @@ together:
 1. The servicer tells the host's PeerCopies which replicas a LoadMany expects from each source
    (`expect`) before their loads are queued.
 2. Loads still run one per load worker. The first worker to copy one of them over the peer's NIXL
-   link takes the other replicas still pending from that peer, as many as fit the link's region
-   (`take`: a Batch), and asks for them all at once; the holder WRITEs them one after another.
+   link takes the other replicas still pending from that peer, up to ASK_BYTES (`take`: a Batch),
+   and asks for them all at once; the holder streams them through the link's region a chunk at a
+   time (peer_links.py, step 3).
 3. The worker of each other replica finds its copy taken (`take` gives it the Batch's future for
    it) and waits for it. A replica the batch did not bring (the holder no longer held it, or the
    copy failed) is None there, and its worker copies it alone.
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeless.expert_fn.options import PEER_ASK_MB
 from moeless.expert_fn.stores.tiers import Weights
 from moeless.model.content_keys import parse_key
 
@@ -42,6 +44,11 @@ from moeless.model.content_keys import parse_key
 # (peer_links.MAX_LINKS) take at most 4 GiB of its memory, on the GPU where it computes there (the
 # host's /metrics: moeless_expert_host_peer_link_bytes; not billed as replicas are).
 COPY_BATCH_BYTES = 64 << 20
+# One ask carries at most this many bytes (copy_bound's), streamed through the region: a scale-up
+# copies GBs onto each GPU it adds, and the twin's DeepSeek-V2-Lite family meets its step SLO only
+# where an ask's fixed part (2.1 ms measured a copy) is paid once a GB or so, not once a replica
+# (`moeless eval --shared-pool --finetunes 16 --peer-batch-mb 1024`: docs/shared-pool/finetunes/notes.md).
+ASK_BYTES = PEER_ASK_MB << 20  # (expert-host --peer-ask-mb)
 MAX_AGE_S = 60.0  # a pending replica, or a copy nobody took, is dropped this long after it was expected or copied
 
 

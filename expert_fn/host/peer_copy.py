@@ -18,7 +18,8 @@ Three routes, the first that works per peer:
   never tried (pods of one node that share no IPC namespace).
 - WRITTEN over NIXL (peer_links.py): UCX moves the bytes (shared memory on one machine, RDMA
   between nodes, GPU memory where the hosts compute on GPUs), gRPC carries only the ask, and one ask
-  carries the replicas of a LoadMany from that peer that fit the link's region (peer_batches.py).
+  carries the replicas of a LoadMany from that peer, up to `--peer-ask-mb` (1 GiB), streamed through
+  the link's region (peer_batches.py, peer_links.py).
   The host opens its link to a peer in the background at the first copy it would make from it
   (about 3 s the first time in a process here), reading its store meanwhile (measured) or copying
   as bytes (always). `expert-host --no-nixl`, NIXL not installed, or a link that fails: bytes.
@@ -49,7 +50,7 @@ import grpc
 from moeless.expert_fn.wire import expert_host_pb2 as pb
 from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
 from moeless.expert_fn.host.executor import Weights
-from moeless.expert_fn.host.peer_batches import Batch, CopyBatches
+from moeless.expert_fn.host.peer_batches import ASK_BYTES, Batch, CopyBatches
 from moeless.expert_fn.host.peer_links import AskerLink, AskerLinks, HolderLinks
 from moeless.expert_fn.options import PEER_COPIES
 from moeless.expert_fn.stores.tiers import HostTier, Key, weights_bytes
@@ -72,6 +73,7 @@ class PeerCopyStats:
     bytes: int = 0
     seconds: float = 0.0
     served: int = 0
+    writes: int = 0  # NIXL WRITEs of those served over links (a chunk each: an ask streams many, peer_links.py)
     linked: int = 0  # of the copies, those WRITTEN over NIXL (peer_links.py)
     links: int = 0  # NIXL links open to peers
     link_bytes: int = 0  # memory their regions hold here, as asker and as holder (the device's: a GPU's on one)
@@ -85,12 +87,13 @@ class PeerCopies:
     """Loads from peer hosts where they pay, one channel per peer (module docstring). Thread-safe."""
 
     def __init__(self, mode: str = "measured", device: str = "cpu", timeout_s: float = 10.0, nixl: bool = True,
-                 cuda_ipc: bool = True) -> None:
+                 cuda_ipc: bool = True, ask_bytes: int = ASK_BYTES) -> None:
         if mode not in PEER_COPIES:
             raise ValueError(f"peer copies must be one of {', '.join(PEER_COPIES)}, got {mode!r}")
         self.mode, self.device, self.timeout_s = mode, device, timeout_s
         self.holder = HolderLinks(device, nixl, timeout_s)  # NIXL links to the hosts that copy from this one
         self._cuda_ipc = cuda_ipc  # False: never map a peer's GPU memory (expert-host --no-peer-ipc)
+        self.ask_bytes = ask_bytes  # the most one ask over a link carries (0: one region's worth)
         self._no_ipc: set[str] = set()  # peers whose GPU memory this host could not map
         self._batches = CopyBatches()  # a LoadMany's replicas from one peer, copied together over its link
         self._down: dict[str, float] = {}  # peer -> when it last did not answer
@@ -157,9 +160,9 @@ class PeerCopies:
         ipc = self._ipc_to(address)
         link = None if ipc else self.links.link_for(address, content_key)
         if link is not None:
-            taken = self._batches.take(address, content_key, link.capacity)
-            if not isinstance(taken, Batch):
-                weights = taken.result(timeout=self.timeout_s)  # another worker's batch; None: copy it alone
+            taken = self._batches.take(address, content_key, max(link.capacity, self.ask_bytes))
+            if not isinstance(taken, Batch):  # another worker's batch (an ask of up to timeout_s, just begun)
+                weights = taken.result(timeout=2 * self.timeout_s)  # None: copy it alone
                 if weights is not None:
                     with self._lock:
                         self.stats.batched += 1
@@ -236,7 +239,7 @@ class PeerCopies:
     def figures(self) -> dict:
         links, link_bytes = len(self.linked()), self.links.region_bytes() + self.holder.region_bytes()
         with self._lock:
-            self.stats.links, self.stats.link_bytes = links, link_bytes
+            self.stats.links, self.stats.link_bytes, self.stats.writes = links, link_bytes, self.holder.writes
             return asdict(self.stats)
 
     def open_link(self, offer: bytes, capacity: int) -> bytes:

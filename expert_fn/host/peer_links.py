@@ -15,8 +15,13 @@ gRPC:
    until the WRITE is done before it answers. A WRITE completes only while both sides drive their
    workers (nixl_link.py), so the asker drives its own until the answer comes.
 3. The asker copies the bytes out of its region, which serves its next copy: one copy at a time
-   per link (its lock). One ask may name several replicas (peer_batches.py): the holder WRITEs
-   them one after another in one WRITE, each answer saying its bytes. The holder keeps at most MAX_LINKS links, the least recently used closed
+   per link (its lock). One ask may name many replicas, more than the region holds (peer_batches.py:
+   up to ASK_BYTES): the holder streams them through it a chunk at a time, a chunk being as many
+   whole replicas as fit, one WRITE each, whose notification lists their bytes; the asker copies a
+   chunk out as it lands and acknowledges it (a notification alone), and only then does the next
+   WRITE land there, while the holder has filled its own region with that chunk meanwhile. So an
+   ask's fixed part (the gRPC round trip, the holder's lookups, the answer) is paid once for GBs,
+   not once a region. The holder keeps at most MAX_LINKS links, the least recently used closed
    first (an asker that restarted opens a new one).
 
 Whatever fails here (NIXL not installed or turned off on either side, a link that cannot be
@@ -71,31 +76,57 @@ class AskerLink:
              timeout_s: float) -> list[tuple[pb.ReplicaWeights, torch.Tensor | None]]:
         """The holder's answer for each of content_keys (one ask naming this link: peer_batches.py) and the
         bytes it WROTE here for it (fresh memory on the link's device); None where it answered otherwise
-        (not resident, or as bytes; the keys past the first then have empty answers)."""
+        (not resident, or as bytes; the keys past the first then have empty answers). The holder streams
+        them through the region a chunk at a time (step 3): each copied out and acknowledged here while the
+        ask runs."""
         with self._lock:
             note = f"copy-{next(self._calls)}"
             asked = pb.ReadReplicaRequest(content_key=content_keys[0], more_keys=content_keys[1:], link=self.link.name,
                                           note=note)
             future = stub.ReadReplica.future(asked, timeout=timeout_s)
-            while not future.done():  # the holder's WRITE completes only while this side's worker runs
-                self.link.progress()
+            chunks: list[list[torch.Tensor]] = []  # the replicas of each chunk copied out so far
+            while not future.done():  # the holder's WRITEs complete only while this side's worker runs
+                self._take_chunk(note, chunks, 0.0)
                 time.sleep(0)  # gives the GIL to gRPC's threads, which deliver the answer
             reply = future.result()
             replies = [reply, *reply.more][:len(content_keys)]
             replies += [pb.ReplicaWeights() for _ in range(len(content_keys) - len(replies))]
-            total = sum(r.written for r in replies)
-            if not total:
-                return [(r, None) for r in replies]
-            if total > self.capacity:
-                raise NixlError(f"the holder says it wrote {total} bytes into a region of {self.capacity}")
-            self.link.wait_note(note.encode(), timeout_s)  # arrives after its data; normally here already
-            out, at = [], 0
-            for r in replies:  # each replica its own memory: one evicted frees its bytes, not a batch's view
-                out.append((r, self.link.region(0, at + r.written)[at:].clone() if r.written else None))
-                at += r.written
-            if self.link.buffer.is_cuda:  # copied out before the next WRITE, which no stream orders, lands there
-                torch.cuda.current_stream(self.link.buffer.device).synchronize()
-            return out
+            sizes = [r.written for r in replies if r.written]
+            deadline = time.monotonic() + timeout_s
+            while sum(map(len, chunks)) < len(sizes):  # the last chunk's notification may come after the answer
+                if not self._take_chunk(note, chunks, max(deadline - time.monotonic(), 0.0)):
+                    raise NixlError(f"no NIXL data from the holder for chunk {len(chunks)} of {note} within {timeout_s} s")
+            copied = [t for chunk in chunks for t in chunk]
+            if [t.numel() for t in copied] != sizes:
+                raise NixlError(f"the holder wrote {[t.numel() for t in copied]} bytes for {note}, answered {sizes}")
+            copies = iter(copied)
+            return [(r, next(copies) if r.written else None) for r in replies]
+
+    def _take_chunk(self, note: str, chunks: list[list[torch.Tensor]], timeout_s: float) -> bool:
+        """Copy the holder's next chunk of the ask `note` out of the region where its notification came
+        within timeout_s (each replica its own memory: one evicted frees its bytes, not a chunk's), and
+        tell the holder, unless it was the last, that the region is free for the next; False where none came."""
+        k = len(chunks)
+        found = self.link.next_note(f"{note}/{k}/".encode(), timeout_s)
+        if found is None:
+            return False
+        try:  # "{note}/{chunk}/{chunks}/{bytes of each replica in it, comma-separated}"
+            count, sizes = found.decode().split("/")[2:]
+            count, sizes = int(count), [int(n) for n in sizes.split(",")]
+        except ValueError:
+            raise NixlError(f"a malformed chunk notification from the holder: {found[:80]!r}") from None
+        if sum(sizes) > self.capacity or min(sizes) < 1:
+            raise NixlError(f"the holder says it wrote {sizes} bytes into a region of {self.capacity}")
+        out, at = [], 0
+        for n in sizes:
+            out.append(self.link.region(0, at + n)[at:].clone())
+            at += n
+        if self.link.buffer.is_cuda:  # copied out before the next WRITE, which no stream orders, lands there
+            torch.cuda.current_stream(self.link.buffer.device).synchronize()
+        chunks.append(out)
+        if k + 1 < count:
+            self.link.post_write(0, 0, f"{note}/ack{k}".encode())  # a notification alone
+        return True
 
     def close(self) -> None:
         self.link.close()
@@ -211,6 +242,7 @@ class HolderLinks:
     def __init__(self, device: str, nixl: bool = True, timeout_s: float = 10.0) -> None:
         self.device, self.nixl, self.timeout_s = device, nixl, timeout_s
         self._links: OrderedDict[str, tuple[NixlLink, threading.Lock]] = OrderedDict()  # asker's name -> link
+        self.writes = 0  # NIXL WRITEs made to askers (a chunk each)
         self._lock = threading.Lock()
 
     def open(self, offer: bytes, capacity: int) -> bytes:
@@ -242,34 +274,42 @@ class HolderLinks:
 
     def write(self, asker: str, note: str, batch: list[tuple[Weights | None, pb.ReplicaWeights]]) -> bool:
         """WRITE each replica's bytes of `batch` (weights None: not held here) one after another into
-        `asker`'s link with `note`, each one's names, dtypes, shapes and bytes (`written`) into its reply;
-        False, the replies untouched, where there is no such link, nothing to write or it does not fit, or
-        (logged, the link closed) where the WRITE failed: the caller answers with bytes."""
+        `asker`'s link with `note`, as many at a time as its region holds (a chunk: the asker acknowledges
+        each before the next WRITE lands there), each one's names, dtypes, shapes and bytes (`written`) into
+        its reply; False, the replies untouched, where there is no such link, nothing to write or a replica
+        larger than the region, or (logged, the link closed) where a WRITE failed: the caller answers with bytes."""
         with self._lock:
             entry = self._links.get(asker)
             if entry is not None:
                 self._links.move_to_end(asker)
         flats = [[t.detach().contiguous().reshape(-1).view(torch.uint8) for t in w.values()] if w is not None else []
                  for w, _ in batch]
-        total = sum(f.numel() for flat in flats for f in flat)
-        if entry is None or not total or total > entry[0].capacity:
+        sizes = [sum(f.numel() for f in flat) for flat in flats]
+        chunks = chunked(sizes, entry[0].capacity) if entry is not None else []
+        if not chunks:
             return False
         link, lock = entry
         with lock:
             try:
-                region, at = link.region(0, total), 0
-                for f in (f for flat in flats for f in flat):
-                    region[at:at + f.numel()].copy_(f)
-                    at += f.numel()
-                link.post_write(0, total, note.encode())
+                for k, chunk in enumerate(chunks):
+                    link.finish_write(self.timeout_s)  # the last WRITE has read this side's region: fill it again
+                    region, at = link.region(0, sum(sizes[i] for i in chunk)), 0
+                    for f in (f for i in chunk for f in flats[i]):
+                        region[at:at + f.numel()].copy_(f)
+                        at += f.numel()
+                    if k:  # the asker copied the last chunk out of its region
+                        link.wait_note(f"{note}/ack{k - 1}".encode(), self.timeout_s)
+                    link.post_write(0, at, f"{note}/{k}/{len(chunks)}/{','.join(str(sizes[i]) for i in chunk)}".encode())
+                    with self._lock:
+                        self.writes += 1
                 link.finish_write(self.timeout_s)
             except NixlError as err:
                 log.warning("a NIXL WRITE of a replica to peer host %s failed, answering with bytes: %s", asker, err)
                 self._drop(asker, link)
                 return False
-        for (weights, reply), flat in zip(batch, flats):
+        for (weights, reply), size in zip(batch, sizes):
             if weights is not None:
-                reply.resident, reply.written = True, sum(f.numel() for f in flat)
+                reply.resident, reply.written = True, size
                 for name, t in weights.items():
                     add_tensor(reply, name, t)
         return True
@@ -285,3 +325,24 @@ class HolderLinks:
             if self._links.get(asker, (None,))[0] is link:
                 del self._links[asker]
         link.close()
+
+
+def chunked(sizes: list[int], capacity: int) -> list[list[int]]:
+    """The indices of `sizes` (bytes; 0: nothing to write) in chunks of at most `capacity` bytes, in
+    order; [] where there is nothing to write or one size alone exceeds capacity.
+
+    >>> chunked([3, 0, 4, 2, 5], 6)
+    [[0], [2, 3], [4]]
+    """
+    chunks: list[list[int]] = []
+    room = 0
+    for i, size in enumerate(sizes):
+        if size > capacity:
+            return []
+        if size and size > room:
+            chunks.append([])
+            room = capacity
+        if size:
+            chunks[-1].append(i)
+            room -= size
+    return chunks

@@ -204,6 +204,21 @@ class NixlLink:
             os.sched_yield()
         self._notes.remove(note)
 
+    def next_note(self, prefix: bytes, timeout_s: float = 0.0) -> bytes | None:
+        """The first notification from the peer that starts with `prefix`, taken; None where none came
+        within timeout_s (0: look once, driving this side's worker)."""
+        with _as_nixl_error(f"NIXL notifications from {self._peer}"):
+            deadline = time.monotonic() + timeout_s
+            while True:
+                self._notes += [m for messages in self._agent.get_new_notifs().values() for m in messages]
+                found = next((m for m in self._notes if m.startswith(prefix)), None)
+                if found is not None:
+                    self._notes.remove(found)
+                    return found
+                if time.monotonic() >= deadline:
+                    return None
+                os.sched_yield()
+
     def close(self) -> None:
         """Release the transfer, the peer and the registration (the agent goes with the object)."""
         self._release()

@@ -17,7 +17,10 @@ model's store:
    opens its NIXL link to a peer in the background at its first copy from it (that copy goes as
    bytes over gRPC), so host 1 first loads one replica and waits for its link (the seconds it took
    are printed), then loads the rest. With --device cuda, a fresh host with `--no-peer-ipc` does the
-   same over NIXL from GPU memory to GPU memory (the route between nodes). Then a fresh host with
+   same over NIXL from GPU memory to GPU memory (the route between nodes). A fresh host with
+   `--no-peer-ipc --peer-ask-mb 0` does it in asks of one link region's worth each (64 MiB, or one
+   replica where it is larger), not streamed through the region in asks of up to 1 GiB as by
+   default (peer_links.py): the ratio says what the asks' fixed part costs. Then a fresh host with
    `--no-nixl --no-peer-ipc` loads them all from host 0 as bytes over gRPC.
 Steps 2-3 run --repeats times. 4. --repeats times, a fresh host with the default `--peer-copies
 measured`, host 0 every replica's source: it measures each way, then copies while copies measure
@@ -127,8 +130,10 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
     replicas = [(layer, expert) for layer in range(layers) for expert in range(num_experts)]
     tokens = torch.randn(8, hidden, generator=torch.Generator().manual_seed(0))
     cpu = device == "cpu"
-    # the routes timed beside the host's first (CUDA IPC on a GPU, else NIXL): a fresh host each, CUDA IPC off
-    routes = {**({} if cpu else {"nixl": {"peer_ipc": False}}), "grpc": {"nixl": False, "peer_ipc": False}}
+    # the routes timed beside the host's first (CUDA IPC on a GPU, else NIXL): a fresh host each, CUDA IPC off;
+    # "region": NIXL asks of one region's worth each, not streamed (--peer-ask-mb 0)
+    routes = {**({} if cpu else {"nixl": {"peer_ipc": False}}), "region": {"peer_ipc": False, "peer_ask_mb": 0},
+              "grpc": {"nixl": False, "peer_ipc": False}}
     times: dict[str, list[float]] = {"store": [], "tier": [], "peer": [], **{route: [] for route in routes}}
     exact, linked, link_s = True, 0, []
     differing: dict[str, list[int]] = {way: [] for way in [*times, "measured"] if way != "tier"}
@@ -150,9 +155,10 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
                 client.load_many(some, wait=True, **sources)
                 return (time.perf_counter() - started) / len(some)
 
-        def copied(address: str, linking: bool) -> float:
+        def copied(address: str, linking: bool, counted: bool = True) -> float:
             """Seconds an expert copied from host 0 to the fresh host at `address`, its NIXL link opened first
-            where `linking`; the copies checked (exact), and counted where WRITTEN over NIXL (linked)."""
+            where `linking`; the copies checked (exact), and counted where WRITTEN over NIXL (linked; not
+            the region route's: the same link, asked otherwise)."""
             nonlocal exact, linked
             some = replicas[1:] if linking else replicas
             if linking:
@@ -160,7 +166,7 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
             seconds = timed_load(address, some=some, sources=[group.addresses[0]] * len(some))
             with ExpertHostClient(address, timeout_s=120) as client:
                 copies = client.status()["peer_copies"]
-            linked += copies["linked"] if linking else 0
+            linked += copies["linked"] if linking and counted else 0
             exact &= copies["copies"] == len(replicas)
             return seconds
 
@@ -178,7 +184,8 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
             for route, flags in routes.items():
                 with launch_local_hosts(1, store, keep_alive_s=600.0, metrics=False, cpu=cpu, peer_copies="always",
                                         **flags) as fresh:
-                    times[route].append(copied(fresh.addresses[0], linking=route == "nixl"))
+                    times[route].append(copied(fresh.addresses[0], linking=route in ("nixl", "region"),
+                                               counted=route != "region"))
                     differing[route].append(differs(fresh.addresses[0]))
         times["measured"], chose = [], []
         for _ in range(repeats):
@@ -200,6 +207,7 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
         "peer_over_store": median["peer"] / median["store"], "peer_over_tier": median["peer"] / median["tier"],
         "grpc_over_store": median["grpc"] / median["store"],
         **({"nixl_over_store": median["nixl"] / median["store"]} if "nixl" in median else {}),
+        "streamed_over_region": median["nixl" if "nixl" in median else "peer"] / median["region"],
     }
 
 
@@ -225,6 +233,7 @@ def print_report(r: dict[str, Any]) -> None:
                        ("peer", "a peer host holding them " + ("(CUDA IPC)" if gpu else
                                                                "(NIXL)" if r["linked_per_round"] else "(gRPC, no NIXL)")),
                        ("nixl", "a peer host, over NIXL (--no-peer-ipc)"),
+                       ("region", "a peer host, NIXL asks of a region each"),
                        ("grpc", "a peer host, as bytes over gRPC (--no-nixl)"),
                        ("measured", "either, as --peer-copies measured chose")):
         if way in r["ms_per_expert"]:
@@ -235,6 +244,7 @@ def print_report(r: dict[str, Any]) -> None:
     nixl = f"   over NIXL / store: {r['nixl_over_store']:.2f}x" if "nixl_over_store" in r else ""
     print(f"  peer / store: {r['peer_over_store']:.2f}x{nixl}   over gRPC / store: {r['grpc_over_store']:.2f}x   peer / tier: "
           f"{r['peer_over_tier']:.2f}x   copies compute exactly: {'yes' if r['copies_exact'] else 'NO'}")
+    print(f"  NIXL asks streamed (up to 1 GiB each) / one ask a region: {r['streamed_over_region']:.2f}x")
     print(f"  replicas computing other bits than host 0's, of {r['experts']} a round: "
           + ", ".join(f"{way} {'/'.join(map(str, counts))}" for way, counts in r["differing"].items()))
     for c in r["measured_chose"]:

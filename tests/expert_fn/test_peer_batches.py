@@ -42,3 +42,11 @@ def test_a_batch_stops_at_the_region_s_capacity_and_discarded_or_old_keys_are_no
     old = CopyBatches(max_age_s=0.0)
     old.expect(PEER, [A, B])
     assert old.take(PEER, A, capacity=10 * copy_bound(A)).keys == [A]  # B expected too long ago: dropped
+
+
+def test_a_holder_chunks_an_ask_s_replicas_in_order_as_many_whole_ones_as_fit_its_region():
+    from moeless.expert_fn.host.peer_links import chunked
+
+    assert chunked([3, 0, 4, 2, 5], 6) == [[0], [2, 3], [4]]  # the replica not held (0 bytes) in none
+    assert chunked([2, 2, 2], 6) == [[0, 1, 2]]  # one WRITE where the region holds them all
+    assert chunked([0, 0], 6) == [] and chunked([2, 7], 6) == []  # nothing to write; one past the region: bytes

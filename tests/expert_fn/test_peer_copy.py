@@ -17,6 +17,7 @@ from moeless.expert_fn.errors import BadRequest
 from moeless.expert_fn.host.metrics import registry_for
 from moeless.expert_fn.host.peer_batches import COPY_BATCH_BYTES
 from moeless.expert_fn.host.peer_copy import PROBE_EVERY, PeerCopies, _averaged
+from moeless.expert_fn.host import peer_links
 from moeless.expert_fn.host.peer_links import MAX_CAPACITY, HolderLinks
 from moeless.expert_fn.wire.replica_weights import PeerCopyError, put_weights, weights_from
 from moeless.expert_fn.host.runtime import ExpertHostRuntime
@@ -122,6 +123,30 @@ def test_a_load_many_s_replicas_from_one_peer_come_in_one_ask_over_its_link_and_
     registry = registry_for(b)
     assert "moeless_expert_host_peer_copy_batched_total" in generate_latest(registry).decode()
     assert registry.get_sample_value("moeless_expert_host_peer_link_bytes") == COPY_BATCH_BYTES
+
+
+@pytest.mark.parametrize("ask_mb", [None, 0])  # the default (1 GiB), or one region's worth an ask (--peer-ask-mb 0)
+def test_a_load_many_larger_than_the_link_s_region_streams_through_it_in_one_ask(ask_mb, hosts, stores, monkeypatch):
+    (a, _, address_a), (b, _, address_b) = hosts
+    if ask_mb is not None:
+        b.peers.ask_bytes = ask_mb << 20
+    L, E = stores["layers"], stores["experts"]
+    monkeypatch.setattr(peer_links, "COPY_BATCH_BYTES", 2 * stores["expert_bytes"])  # a region of two replicas
+    for layer in range(L):
+        for expert in range(E):
+            a.load(L + layer, expert, wait=True)
+    b.load(0, 0, wait=True, source=address_a)  # as bytes over gRPC while b opens its link to a
+    wait_until(lambda: b.peers.linked() == [address_a], "b's NIXL link to a")
+    rest = [(layer, expert) for layer in range(L) for expert in range(E)][1:]
+    with ExpertHostClient(address_b) as client:
+        client.load_many(rest, wait=True, sources=[address_a] * len(rest))
+    copies, served, asks = b.peers.figures(), a.peers.figures(), 1 if ask_mb is None else -(-len(rest) // 2)
+    assert copies["linked"] == len(rest) and copies["batched"] == len(rest) - asks and copies["fallbacks"] == 0
+    assert served["writes"] == -(-len(rest) // 2) > 1 and copies["link_bytes"] == 2 * stores["expert_bytes"]
+    assert served["served"] == 1 + len(rest) and b.tier.stats()["misses"] == 0
+    x = torch.randn(5, stores["hidden"], generator=torch.Generator().manual_seed(2))
+    assert all(torch.equal(_out(b, layer, expert, x), _out(a, L + layer, expert, x)) for layer, expert in rest)
+    assert registry_for(a).get_sample_value("moeless_expert_host_peer_copy_writes_total") == served["writes"]
 
 
 def test_a_holder_without_nixl_refuses_the_link_in_one_line_and_its_replicas_come_as_bytes(stores, caplog):
