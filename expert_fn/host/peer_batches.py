@@ -41,7 +41,7 @@ from moeless.model.content_keys import parse_key
 
 # A link's region (at each end) holds at least this many bytes, so that one WRITE carries a batch of
 # small replicas (190 of the default model's 0.33 MB experts; a 35 MB one alone): a holder's 64 links
-# (peer_links.MAX_LINKS) take at most 4 GiB of its memory, on the GPU where it computes there (the
+# (peer_holder.MAX_LINKS) take at most 4 GiB of its memory, on the GPU where it computes there (the
 # host's /metrics: moeless_expert_host_peer_link_bytes; not billed as replicas are).
 COPY_BATCH_BYTES = 64 << 20
 # One ask carries at most this many bytes (copy_bound's), streamed through the region: a scale-up

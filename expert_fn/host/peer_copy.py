@@ -51,7 +51,8 @@ from moeless.expert_fn.wire import expert_host_pb2 as pb
 from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
 from moeless.expert_fn.host.executor import Weights
 from moeless.expert_fn.host.peer_batches import ASK_BYTES, Batch, CopyBatches
-from moeless.expert_fn.host.peer_links import AskerLink, AskerLinks, HolderLinks
+from moeless.expert_fn.host.peer_holder import HolderLinks
+from moeless.expert_fn.host.peer_links import AskerLink, AskerLinks
 from moeless.expert_fn.options import PEER_COPIES
 from moeless.expert_fn.stores.tiers import HostTier, Key, weights_bytes
 from moeless.expert_fn.wire.codec import CLIENT_OPTIONS
@@ -243,7 +244,7 @@ class PeerCopies:
             return asdict(self.stats)
 
     def open_link(self, offer: bytes, capacity: int) -> bytes:
-        """A peer host's NIXL link to this one (OpenCopyLink: peer_links.HolderLinks.open)."""
+        """A peer host's NIXL link to this one (OpenCopyLink: peer_holder.HolderLinks.open)."""
         return self.holder.open(offer, capacity)
 
     def serve(self, reply: pb.ReplicaWeights, weights: Weights | None, asked: pb.ReadReplicaRequest,
@@ -256,6 +257,7 @@ class PeerCopies:
             served = sum(w is not None for w, _ in batch)
         else:
             del reply.more[:]
+            reply.unlinked = bool(asked.link) and not self.holder.holds(asked.link)  # the asker opens a new one
             served = weights is not None
             if served:
                 put_weights(reply, weights, device=asked.device)

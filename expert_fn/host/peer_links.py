@@ -21,8 +21,8 @@ gRPC:
    chunk out as it lands and acknowledges it (a notification alone), and only then does the next
    WRITE land there, while the holder has filled its own region with that chunk meanwhile. So an
    ask's fixed part (the gRPC round trip, the holder's lookups, the answer) is paid once for GBs,
-   not once a region. The holder keeps at most MAX_LINKS links, the least recently used closed
-   first (an asker that restarted opens a new one).
+   not once a region. The holder keeps at most MAX_LINKS links and closes idle ones (peer_holder.py);
+   an ask over a link it no longer holds is answered as bytes, and the asker opens a new link.
 
 Whatever fails here (NIXL not installed or turned off on either side, a link that cannot be
 registered or written) makes the asker copy from that holder as bytes over gRPC from then on
@@ -38,7 +38,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from typing import Callable
 
 import grpc
@@ -48,13 +47,8 @@ from moeless.expert_fn.wire import expert_host_pb2 as pb
 from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
 from moeless.expert_fn.host.peer_batches import COPY_BATCH_BYTES, copy_bound
 from moeless.expert_fn.wire.nixl_link import NixlError, NixlLink, unavailable
-from moeless.expert_fn.wire.replica_weights import Weights, add_tensor
 
 log = logging.getLogger(__name__)
-
-MAX_LINKS = 64  # links a holder keeps (an asker each); the least recently used is closed first
-MAX_CAPACITY = 4 << 30  # bytes a link's region may take: a replica larger than any model's expert is not asked for
-
 
 class AskerLink:
     """The asking host's link to one holder (module docstring, steps 1 and 3)."""
@@ -68,7 +62,7 @@ class AskerLink:
         except BaseException:
             self.link.close()
             raise
-        self.capacity = capacity
+        self.capacity, self.closed = capacity, False
         self._lock = threading.Lock()
         self._calls = itertools.count()
 
@@ -80,6 +74,8 @@ class AskerLink:
         them through the region a chunk at a time (step 3): each copied out and acknowledged here while the
         ask runs."""
         with self._lock:
+            if self.closed:  # dropped by another copy's answer (the holder lost it) while this one waited
+                raise NixlError("the link was closed")
             note = f"copy-{next(self._calls)}"
             asked = pb.ReadReplicaRequest(content_key=content_keys[0], more_keys=content_keys[1:], link=self.link.name,
                                           note=note)
@@ -129,7 +125,9 @@ class AskerLink:
         return True
 
     def close(self) -> None:
-        self.link.close()
+        with self._lock:  # not while a copy runs over it
+            self.closed = True
+            self.link.close()
 
 
 class AskerLinks:
@@ -196,16 +194,19 @@ class AskerLinks:
     def copy(self, link: AskerLink, address: str,
              content_keys: list[str]) -> list[tuple[pb.ReplicaWeights, torch.Tensor | None]]:
         """One ReadReplica over `link` for content_keys (AskerLink.copy); where the link cannot be used, the
-        first one's ask answered as bytes (the others' answers empty), and bytes from `address` from then on."""
+        first one's ask answered as bytes (the others' answers empty), and bytes from `address` from then on;
+        where the holder no longer holds it (restarted, or closed it idle), a new link at the next copy."""
         stub = self._stub(address)
         try:
             answers = link.copy(stub, content_keys, self.timeout_s)
-            if answers[0][0].resident and answers[0][1] is None:
-                self.unlink(address, "it answered as bytes: it holds no link from this host (restarted?) or its "
-                                     "WRITE failed")
+            if answers[0][0].unlinked:
+                self._forget(address, link)
+            elif answers[0][0].resident and answers[0][1] is None:
+                self.unlink(address, "it answered as bytes: its WRITE failed")
             return answers
         except NixlError as err:
-            self.unlink(address, str(err))
+            if not link.closed:  # else: forgotten meanwhile; this ask goes as bytes, the next opens a link
+                self.unlink(address, str(err))
         reply = stub.ReadReplica(pb.ReadReplicaRequest(content_key=content_keys[0]), timeout=self.timeout_s)
         return [(reply, None)] + [(pb.ReplicaWeights(), None) for _ in content_keys[1:]]
 
@@ -218,6 +219,15 @@ class AskerLinks:
         """Memory the open links' regions hold on this host (its device's)."""
         with self._lock:
             return sum(link.capacity for link in self._links.values())
+
+    def _forget(self, address: str, link: AskerLink) -> None:
+        """The holder at `address` holds `link` no more: closed here, a new one opened at the next copy."""
+        log.info("peer host %s holds no NIXL link from this host (it restarted, or closed the link idle): opening "
+                 "a new one at the next copy", address)
+        with self._lock:
+            if self._links.get(address) is link:
+                del self._links[address]
+        link.close()
 
     def unlink(self, address: str, why: str) -> None:
         """Copy from `address` as bytes over gRPC from now on, its link closed."""
@@ -234,115 +244,3 @@ class AskerLinks:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
-
-
-class HolderLinks:
-    """The holder's links, one per asker (module docstring, step 2). Thread-safe."""
-
-    def __init__(self, device: str, nixl: bool = True, timeout_s: float = 10.0) -> None:
-        self.device, self.nixl, self.timeout_s = device, nixl, timeout_s
-        self._links: OrderedDict[str, tuple[NixlLink, threading.Lock]] = OrderedDict()  # asker's name -> link
-        self.writes = 0  # NIXL WRITEs made to askers (a chunk each)
-        self._lock = threading.Lock()
-
-    def open(self, offer: bytes, capacity: int) -> bytes:
-        """A link to the asker whose NIXL offer this is; this side's offer. ValueError where this host
-        takes no link (NIXL off or missing) or the capacity is out of bounds, NixlError where NIXL fails."""
-        why = "NIXL is turned off on this expert host (expert-host --no-nixl)" if not self.nixl else unavailable()
-        if why:
-            raise ValueError(f"this expert host copies replicas to peers as bytes only: {why}")
-        if not 0 < capacity <= MAX_CAPACITY:
-            raise ValueError(f"a copy link's region must be 1 byte to {MAX_CAPACITY} bytes, asked {capacity}")
-        link = NixlLink("copy-holder", capacity, self.device, regions=1)
-        link.buffer.zero_()  # its pages touched now, not by the first copy into it
-        try:
-            link.connect(offer)
-        except BaseException:
-            link.close()
-            raise
-        with self._lock:
-            self._links[link.peer] = link, threading.Lock()
-            closed = [self._links.popitem(last=False)[1][0] for _ in range(len(self._links) - MAX_LINKS)]
-        for old in closed:
-            old.close()
-        return link.offer()
-
-    def region_bytes(self) -> int:
-        """Memory the askers' links' regions hold on this host (its device's)."""
-        with self._lock:
-            return sum(link.capacity * link.regions for link, _ in self._links.values())
-
-    def write(self, asker: str, note: str, batch: list[tuple[Weights | None, pb.ReplicaWeights]]) -> bool:
-        """WRITE each replica's bytes of `batch` (weights None: not held here) one after another into
-        `asker`'s link with `note`, as many at a time as its region holds (a chunk: the asker acknowledges
-        each before the next WRITE lands there), each one's names, dtypes, shapes and bytes (`written`) into
-        its reply; False, the replies untouched, where there is no such link, nothing to write or a replica
-        larger than the region, or (logged, the link closed) where a WRITE failed: the caller answers with bytes."""
-        with self._lock:
-            entry = self._links.get(asker)
-            if entry is not None:
-                self._links.move_to_end(asker)
-        flats = [[t.detach().contiguous().reshape(-1).view(torch.uint8) for t in w.values()] if w is not None else []
-                 for w, _ in batch]
-        sizes = [sum(f.numel() for f in flat) for flat in flats]
-        chunks = chunked(sizes, entry[0].capacity) if entry is not None else []
-        if not chunks:
-            return False
-        link, lock = entry
-        with lock:
-            try:
-                for k, chunk in enumerate(chunks):
-                    link.finish_write(self.timeout_s)  # the last WRITE has read this side's region: fill it again
-                    region, at = link.region(0, sum(sizes[i] for i in chunk)), 0
-                    for f in (f for i in chunk for f in flats[i]):
-                        region[at:at + f.numel()].copy_(f)
-                        at += f.numel()
-                    if k:  # the asker copied the last chunk out of its region
-                        link.wait_note(f"{note}/ack{k - 1}".encode(), self.timeout_s)
-                    link.post_write(0, at, f"{note}/{k}/{len(chunks)}/{','.join(str(sizes[i]) for i in chunk)}".encode())
-                    with self._lock:
-                        self.writes += 1
-                link.finish_write(self.timeout_s)
-            except NixlError as err:
-                log.warning("a NIXL WRITE of a replica to peer host %s failed, answering with bytes: %s", asker, err)
-                self._drop(asker, link)
-                return False
-        for (weights, reply), size in zip(batch, sizes):
-            if weights is not None:
-                reply.resident, reply.written = True, size
-                for name, t in weights.items():
-                    add_tensor(reply, name, t)
-        return True
-
-    def close(self) -> None:
-        with self._lock:
-            links, self._links = list(self._links.values()), OrderedDict()
-        for link, _ in links:
-            link.close()
-
-    def _drop(self, asker: str, link: NixlLink) -> None:
-        with self._lock:
-            if self._links.get(asker, (None,))[0] is link:
-                del self._links[asker]
-        link.close()
-
-
-def chunked(sizes: list[int], capacity: int) -> list[list[int]]:
-    """The indices of `sizes` (bytes; 0: nothing to write) in chunks of at most `capacity` bytes, in
-    order; [] where there is nothing to write or one size alone exceeds capacity.
-
-    >>> chunked([3, 0, 4, 2, 5], 6)
-    [[0], [2, 3], [4]]
-    """
-    chunks: list[list[int]] = []
-    room = 0
-    for i, size in enumerate(sizes):
-        if size > capacity:
-            return []
-        if size and size > room:
-            chunks.append([])
-            room = capacity
-        if size:
-            chunks[-1].append(i)
-            room -= size
-    return chunks

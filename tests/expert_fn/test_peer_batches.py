@@ -45,7 +45,7 @@ def test_a_batch_stops_at_the_region_s_capacity_and_discarded_or_old_keys_are_no
 
 
 def test_a_holder_chunks_an_ask_s_replicas_in_order_as_many_whole_ones_as_fit_its_region():
-    from moeless.expert_fn.host.peer_links import chunked
+    from moeless.expert_fn.host.peer_holder import chunked
 
     assert chunked([3, 0, 4, 2, 5], 6) == [[0], [2, 3], [4]]  # the replica not held (0 bytes) in none
     assert chunked([2, 2, 2], 6) == [[0, 1, 2]]  # one WRITE where the region holds them all

@@ -5,6 +5,7 @@ that is gone or does not hold the replica, and a host tier that holds it, read n
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -18,7 +19,7 @@ from moeless.expert_fn.host.metrics import registry_for
 from moeless.expert_fn.host.peer_batches import COPY_BATCH_BYTES
 from moeless.expert_fn.host.peer_copy import PROBE_EVERY, PeerCopies, _averaged
 from moeless.expert_fn.host import peer_links
-from moeless.expert_fn.host.peer_links import MAX_CAPACITY, HolderLinks
+from moeless.expert_fn.host.peer_holder import MAX_CAPACITY, HolderLinks
 from moeless.expert_fn.wire.replica_weights import PeerCopyError, put_weights, weights_from
 from moeless.expert_fn.host.runtime import ExpertHostRuntime
 from moeless.expert_fn.host.servicer import ExpertHostServicer
@@ -147,6 +148,28 @@ def test_a_load_many_larger_than_the_link_s_region_streams_through_it_in_one_ask
     x = torch.randn(5, stores["hidden"], generator=torch.Generator().manual_seed(2))
     assert all(torch.equal(_out(b, layer, expert, x), _out(a, L + layer, expert, x)) for layer, expert in rest)
     assert registry_for(a).get_sample_value("moeless_expert_host_peer_copy_writes_total") == served["writes"]
+
+
+def test_a_holder_closes_an_idle_link_and_the_asker_opens_another_not_falling_back_to_bytes(hosts, stores):
+    (a, _, address_a), (b, _, _) = hosts
+    x = torch.randn(3, stores["hidden"], generator=torch.Generator().manual_seed(3))
+    shared = [(0, 0), (0, 2), (0, 3), (1, 0)]  # the fine-tune's experts that are its base's, the same keys on a
+    for layer, expert in shared:
+        a.load(layer, expert, wait=True)
+    b.load(*shared[0], wait=True, source=address_a)  # as bytes while b opens its link to a
+    wait_until(lambda: b.peers.linked() == [address_a], "b's NIXL link to a")
+    a.peers.holder.idle_s = 0.2
+    time.sleep(0.3)
+    assert a.peers.figures()["link_bytes"] == 0  # closed idle: its region given back (at the status read)
+    b.load(*shared[1], wait=True, source=address_a)  # over the link a closed: answered as bytes, marked unlinked
+    assert b.peers.figures()["linked"] == 0 and b.peers.linked() == [] and b.peers.links.usable(address_a)
+    a.peers.holder.idle_s = 600.0
+    b.load(*shared[2], wait=True, source=address_a)  # as bytes while b opens a new link (not bytes from now on)
+    wait_until(lambda: b.peers.linked() == [address_a], "b's new NIXL link to a")
+    b.load(*shared[3], wait=True, source=address_a)
+    copies = b.peers.figures()
+    assert copies["copies"] == 4 and copies["linked"] == 1 and copies["fallbacks"] == 0
+    assert all(torch.equal(_out(b, layer, e, x), _out(a, layer, e, x)) for layer, e in shared)
 
 
 def test_a_holder_without_nixl_refuses_the_link_in_one_line_and_its_replicas_come_as_bytes(stores, caplog):
