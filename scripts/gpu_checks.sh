@@ -55,8 +55,8 @@ fi
 #    hosts over every transport, each layer call bit-identical to in-process on the GPU, the tokens
 #    equal, the logits the unmodified model's; the MoE layer's ratio to in-process per phase.
 step serving && timeout 150 python3 "$OLDPWD/scripts/gpu_serving_check.py" --device cuda --out "$OUT/serving"
-# 6. A replica copied from a peer host's GPU memory (CUDA IPC, GPU to GPU: within the one GPU here; and over
-#    NIXL GPU to GPU, the route between nodes, on a host with --no-peer-ipc) against the host's own store and
+# 6. A replica copied from a peer host's GPU memory (over NIXL GPU to GPU, the hosts' first route: within the one
+#    GPU here; and over CUDA IPC, on a host with --no-nixl) against the host's own store and
 #    host tier (pinned memory -> GPU); the copies computing exactly. At the default model's 0.33 MB experts,
 #    then DeepSeek-V2-Lite's 34.6 MB (random weights of those shapes: the default model is not carried there).
 #    Its "region" row asks for one link region's worth at a time (--peer-ask-mb 0: one 34.6 MB expert an ask),

@@ -12,17 +12,21 @@ congested volume, a busy peer) shows. A peer that did not answer (gone, unreacha
 not asked again for DOWN_S seconds: a dead holder costs one timeout, not one a load.
 
 Three routes, the first that works per peer:
-- GPU to GPU over CUDA IPC, where this host computes on a GPU and the holder's replica is on one of
-  the same machine (wire/replica_weights.py; NVLink where the node has it); a peer whose memory
-  cannot be mapped here (another machine) is not asked for it again; `expert-host --no-peer-ipc`:
-  never tried (pods of one node that share no IPC namespace).
 - WRITTEN over NIXL (peer_links.py): UCX moves the bytes (shared memory on one machine, RDMA
-  between nodes, GPU memory where the hosts compute on GPUs), gRPC carries only the ask, and one ask
-  carries the replicas of a LoadMany from that peer, up to `--peer-ask-mb` (1 GiB), streamed through
-  the link's region (peer_batches.py, peer_links.py).
+  between nodes, GPU memory where the hosts compute on GPUs: NVLink within a node), gRPC carries
+  only the ask, and one ask carries the replicas of a LoadMany from that peer, up to
+  `--peer-ask-mb` (1 GiB), streamed through the link's region (peer_batches.py, peer_links.py).
   The host opens its link to a peer in the background at the first copy it would make from it
-  (about 3 s the first time in a process here), reading its store meanwhile (measured) or copying
-  as bytes (always). `expert-host --no-nixl`, NIXL not installed, or a link that fails: bytes.
+  (about 3 s the first time in a process here), copying over CUDA IPC meanwhile where it can, else
+  reading its store (measured) or copying as bytes (always). `expert-host --no-nixl`, NIXL not
+  installed, or a link that fails: the routes below.
+- GPU to GPU over CUDA IPC, where this host computes on a GPU and the holder's replica is on one of
+  the same machine (wire/replica_weights.py; NVLink where the node has it), one ask a replica; a
+  peer whose memory cannot be mapped here (another machine) is not asked for it again;
+  `expert-host --no-peer-ipc`: never tried (pods of one node that share no IPC namespace). It came
+  second since the one GPU run measured it slower than NIXL GPU to GPU within one GPU (4.25 ms a
+  34.6 MB expert against 2.43 ms: it maps the holder's memory afresh each copy) and NIXL streams a
+  LoadMany's replicas in one ask.
 - As bytes over gRPC.
 Figures: docs/benchmarks.md (`moeless bench peer-copy`). Whatever goes wrong (the peer gone or slow,
 the replica evicted there since the loop looked, a tensor of the wrong name, dtype or shape) is
@@ -156,10 +160,10 @@ class PeerCopies:
 
     def _copy(self, address: str, content_key: str) -> tuple[Weights, int]:
         """The replica's weights from `address` and the bytes this call moved for them and others (0: another
-        call's batch brought them): GPU to GPU over CUDA IPC where both sides can, else WRITTEN over NIXL
-        (peer_links.py; with the others of its LoadMany, peer_batches.py), else as bytes over gRPC."""
-        ipc = self._ipc_to(address)
-        link = None if ipc else self.links.link_for(address, content_key)
+        call's batch brought them): WRITTEN over NIXL (peer_links.py; with the others of its LoadMany,
+        peer_batches.py) where its link is open, else GPU to GPU over CUDA IPC where both sides can, else as
+        bytes over gRPC (module docstring)."""
+        link = self.links.link_for(address, content_key)
         if link is not None:
             taken = self._batches.take(address, content_key, max(link.capacity, self.ask_bytes))
             if not isinstance(taken, Batch):  # another worker's batch (an ask of up to timeout_s, just begun)
@@ -171,6 +175,7 @@ class PeerCopies:
                 taken = Batch([content_key])
             return self._batch_copy(link, address, taken)
         self._batches.discard(address, content_key)  # copied alone: no batch copies it again
+        ipc = self._ipc_to(address)
         request = pb.ReadReplicaRequest(content_key=content_key, device=ipc)
         reply = self._stub(address).ReadReplica(request, timeout=self.timeout_s)
         _resident(reply)
@@ -234,7 +239,7 @@ class PeerCopies:
         return bool(peer)
 
     def _ipc_to(self, address: str) -> bool:
-        """Whether copies from `address` try CUDA IPC first (a GPU host whose peer's memory it has not failed to map)."""
+        """Whether copies from `address` may go over CUDA IPC (a GPU host whose peer's memory it has not failed to map)."""
         return self._cuda_ipc and self.device.startswith("cuda") and address not in self._no_ipc
 
     def figures(self) -> dict:

@@ -13,11 +13,11 @@ model's store:
    tier (what a host that held them before pays).
 3. Host 1 restarted (its tier empty again): the same LoadMany, host 0 every replica's source, the
    hosts set to copy from a peer always (`--peer-copies always`): WRITTEN over NIXL where nixl is
-   installed (expert_fn/host/peer_links.py), GPU to GPU over CUDA IPC with --device cuda. A host
-   opens its NIXL link to a peer in the background at its first copy from it (that copy goes as
-   bytes over gRPC), so host 1 first loads one replica and waits for its link (the seconds it took
-   are printed), then loads the rest. With --device cuda, a fresh host with `--no-peer-ipc` does the
-   same over NIXL from GPU memory to GPU memory (the route between nodes). A fresh host with
+   installed (expert_fn/host/peer_links.py; GPU memory to GPU memory with --device cuda). A host
+   opens its NIXL link to a peer in the background at its first copy from it (that copy goes over
+   CUDA IPC on a GPU, else as bytes over gRPC), so host 1 first loads one replica and waits for its
+   link (the seconds it took are printed), then loads the rest. With --device cuda, a fresh host
+   with `--no-nixl` copies them over CUDA IPC, one ask a replica (the `ipc` row). A fresh host with
    `--no-peer-ipc --peer-ask-mb 0` does it in asks of one link region's worth each (64 MiB, or one
    replica where it is larger), not streamed through the region in asks of up to 1 GiB as by
    default (peer_links.py): the ratio says what the asks' fixed part costs. Then a fresh host with
@@ -130,9 +130,9 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
     replicas = [(layer, expert) for layer in range(layers) for expert in range(num_experts)]
     tokens = torch.randn(8, hidden, generator=torch.Generator().manual_seed(0))
     cpu = device == "cpu"
-    # the routes timed beside the host's first (CUDA IPC on a GPU, else NIXL): a fresh host each, CUDA IPC off;
-    # "region": NIXL asks of one region's worth each, not streamed (--peer-ask-mb 0)
-    routes = {**({} if cpu else {"nixl": {"peer_ipc": False}}), "region": {"peer_ipc": False, "peer_ask_mb": 0},
+    # the routes timed beside the host's first (NIXL), a fresh host each: CUDA IPC on a GPU (no NIXL), NIXL asks
+    # of one region's worth each, not streamed (--peer-ask-mb 0), bytes over gRPC
+    routes = {**({} if cpu else {"ipc": {"nixl": False}}), "region": {"peer_ipc": False, "peer_ask_mb": 0},
               "grpc": {"nixl": False, "peer_ipc": False}}
     times: dict[str, list[float]] = {"store": [], "tier": [], "peer": [], **{route: [] for route in routes}}
     exact, linked, link_s = True, 0, []
@@ -179,13 +179,12 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
                     client.evict(layer, expert)
             times["tier"].append(timed_load())
             group.restart(1)
-            times["peer"].append(copied(group.addresses[1], linking=cpu))
+            times["peer"].append(copied(group.addresses[1], linking=True))
             differing["peer"].append(differs(group.addresses[1]))
             for route, flags in routes.items():
                 with launch_local_hosts(1, store, keep_alive_s=600.0, metrics=False, cpu=cpu, peer_copies="always",
                                         **flags) as fresh:
-                    times[route].append(copied(fresh.addresses[0], linking=route in ("nixl", "region"),
-                                               counted=route != "region"))
+                    times[route].append(copied(fresh.addresses[0], linking=route == "region", counted=False))
                     differing[route].append(differs(fresh.addresses[0]))
         times["measured"], chose = [], []
         for _ in range(repeats):
@@ -206,8 +205,8 @@ def _timed(store: Path, layers: int, num_experts: int, hidden: int, expert_bytes
         "gb_per_s": {way: expert_bytes / s / 1e9 for way, s in median.items()},
         "peer_over_store": median["peer"] / median["store"], "peer_over_tier": median["peer"] / median["tier"],
         "grpc_over_store": median["grpc"] / median["store"],
-        **({"nixl_over_store": median["nixl"] / median["store"]} if "nixl" in median else {}),
-        "streamed_over_region": median["nixl" if "nixl" in median else "peer"] / median["region"],
+        **({"ipc_over_store": median["ipc"] / median["store"]} if "ipc" in median else {}),
+        "streamed_over_region": median["peer"] / median["region"],
     }
 
 
@@ -230,9 +229,9 @@ def print_report(r: dict[str, Any]) -> None:
           f"{r['expert_bytes'] / 1e6:.2f} MB each, median of {r['repeats']} (host 1 fresh each time)")
     gpu = r["device"].startswith("cuda")
     for way, label in (("store", "its weight store (read, sha256, parse, copy)"), ("tier", "its host tier (a copy)"),
-                       ("peer", "a peer host holding them " + ("(CUDA IPC)" if gpu else
-                                                               "(NIXL)" if r["linked_per_round"] else "(gRPC, no NIXL)")),
-                       ("nixl", "a peer host, over NIXL (--no-peer-ipc)"),
+                       ("peer", "a peer host holding them " + ("(NIXL)" if r["linked_per_round"] else
+                                                               "(CUDA IPC, no NIXL)" if gpu else "(gRPC, no NIXL)")),
+                       ("ipc", "a peer host, over CUDA IPC (--no-nixl)"),
                        ("region", "a peer host, NIXL asks of a region each"),
                        ("grpc", "a peer host, as bytes over gRPC (--no-nixl)"),
                        ("measured", "either, as --peer-copies measured chose")):
@@ -241,7 +240,7 @@ def print_report(r: dict[str, Any]) -> None:
     if r["linked_per_round"]:
         print(f"  (NIXL link opened in {statistics.median(r['link_open_s']):.2f} s, median; "
               f"{r['linked_per_round']:.0f} copies a round WRITTEN over it)")
-    nixl = f"   over NIXL / store: {r['nixl_over_store']:.2f}x" if "nixl_over_store" in r else ""
+    nixl = f"   over CUDA IPC / store: {r['ipc_over_store']:.2f}x" if "ipc_over_store" in r else ""
     print(f"  peer / store: {r['peer_over_store']:.2f}x{nixl}   over gRPC / store: {r['grpc_over_store']:.2f}x   peer / tier: "
           f"{r['peer_over_tier']:.2f}x   copies compute exactly: {'yes' if r['copies_exact'] else 'NO'}")
     print(f"  NIXL asks streamed (up to 1 GiB each) / one ask a region: {r['streamed_over_region']:.2f}x")
