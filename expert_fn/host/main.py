@@ -143,6 +143,10 @@ def serve(args: argparse.Namespace) -> int:
                                 peer_copies=PeerCopies(args.peer_copies, device.torch_device, nixl=not args.no_nixl,
                                                                        cuda_ipc=args.peer_ipc,
                                                                        ask_bytes=int(args.peer_ask_mb * 2**20)))
+    if device.torch_device.startswith("cuda") and not args.no_nixl:  # a GPU host's first copy link opens fast
+        from moeless.expert_fn.wire.nixl_link import warm
+
+        threading.Thread(target=warm, name="nixl-warm", daemon=True).start()
     # 2. gRPC server and HTTP endpoints.
     # OpenMP's thread count is per thread: without the initializer, handler threads compute on every core.
     handlers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc", initializer=torch.set_num_threads,

@@ -195,6 +195,24 @@ def test_a_holder_without_nixl_refuses_the_link_in_one_line_and_its_replicas_com
             runtime.close()
 
 
+def test_warming_nixl_keeps_one_agent_and_links_open_after_it():
+    from moeless.expert_fn.wire import nixl_link
+
+    assert nixl_link.warm() is None and nixl_link.warm() is None and len(nixl_link._WARM) == 1  # once a process
+    ends = nixl_link.NixlLink("a", 64, "cpu", regions=1), nixl_link.NixlLink("b", 64, "cpu", regions=1)
+    ends[0].connect(ends[1].offer())
+    ends[1].connect(ends[0].offer())
+    ends[0].region(0, 3).copy_(torch.tensor([1, 2, 3], dtype=torch.uint8))
+    ends[0].post_write(0, 3, b"n")
+    with ThreadPoolExecutor(1) as pool:  # a WRITE completes only while both ends drive their workers
+        sent = pool.submit(ends[0].finish_write, 10.0)
+        ends[1].wait_note(b"n", 10.0)
+        sent.result()
+    assert ends[1].region(0, 3).tolist() == [1, 2, 3]
+    for end in ends:
+        end.close()
+
+
 def test_a_copy_link_of_no_bytes_or_past_the_bound_is_refused_by_name():
     links = HolderLinks("cpu")
     for capacity in (0, MAX_CAPACITY + 1):
