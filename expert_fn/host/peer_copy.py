@@ -23,9 +23,9 @@ Three routes, the first that works per peer:
 - GPU to GPU over CUDA IPC, where this host computes on a GPU and the holder's replica is on one of
   the same machine (wire/replica_weights.py; NVLink where the node has it), one ask a replica; a
   peer whose memory cannot be mapped here (another machine) is not asked for it again;
-  `expert-host --no-peer-ipc`: never tried (pods of one node that share no IPC namespace). It came
-  second since the one GPU run measured it slower than NIXL GPU to GPU within one GPU (4.25 ms a
-  34.6 MB expert against 2.43 ms: it maps the holder's memory afresh each copy) and NIXL streams a
+  `expert-host --no-peer-ipc`: never tried (pods of one node that share no IPC namespace). It comes
+  second: the one GPU run measured it slower than NIXL GPU to GPU within one GPU (4.25 ms a 34.6 MB
+  expert against 2.43 ms: it maps the holder's memory afresh each copy), and only NIXL streams a
   LoadMany's replicas in one ask.
 - As bytes over gRPC.
 Figures: docs/benchmarks.md (`moeless bench peer-copy`). Whatever goes wrong (the peer gone or slow,

@@ -50,6 +50,7 @@ from moeless.expert_fn.wire.nixl_link import NixlError, NixlLink, unavailable
 
 log = logging.getLogger(__name__)
 
+
 class AskerLink:
     """The asking host's link to one holder (module docstring, steps 1 and 3)."""
 

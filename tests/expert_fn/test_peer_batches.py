@@ -7,6 +7,7 @@ from concurrent.futures import Future
 import torch
 
 from moeless.expert_fn.host.peer_batches import Batch, CopyBatches, copy_bound
+from moeless.expert_fn.host.peer_holder import chunked
 
 KEY = "bfloat16-48x576-{}"  # a content key's shape: dtype-FxH-sha256
 A, B, C, D = (KEY.format(c * 64) for c in "abcd")
@@ -45,8 +46,6 @@ def test_a_batch_stops_at_the_region_s_capacity_and_discarded_or_old_keys_are_no
 
 
 def test_a_holder_chunks_an_ask_s_replicas_in_order_as_many_whole_ones_as_fit_its_region():
-    from moeless.expert_fn.host.peer_holder import chunked
-
     assert chunked([3, 0, 4, 2, 5], 6) == [[0], [2, 3], [4]]  # the replica not held (0 bytes) in none
     assert chunked([2, 2, 2], 6) == [[0, 1, 2]]  # one WRITE where the region holds them all
     assert chunked([0, 0], 6) == [] and chunked([2, 7], 6) == []  # nothing to write; one past the region: bytes

@@ -26,6 +26,7 @@ from moeless.expert_fn.host.servicer import ExpertHostServicer
 from moeless.expert_fn.stores.model_stores import ModelStores
 from moeless.expert_fn.wire import expert_host_pb2 as pb
 from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
+from moeless.expert_fn.wire import nixl_link
 from moeless.expert_fn.wire.codec import CHANNEL_OPTIONS
 from moeless.model.finetune import perturbed
 from moeless.model.tiny import tiny_model
@@ -196,8 +197,6 @@ def test_a_holder_without_nixl_refuses_the_link_in_one_line_and_its_replicas_com
 
 
 def test_warming_nixl_keeps_one_agent_and_links_open_after_it():
-    from moeless.expert_fn.wire import nixl_link
-
     assert nixl_link.warm() is None and nixl_link.warm() is None and len(nixl_link._WARM) == 1  # once a process
     ends = nixl_link.NixlLink("a", 64, "cpu", regions=1), nixl_link.NixlLink("b", 64, "cpu", regions=1)
     ends[0].connect(ends[1].offer())
