@@ -144,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
                                                                        cuda_ipc=args.peer_ipc,
                                                                        ask_bytes=int(args.peer_ask_mb * 2**20)))
     if device.torch_device.startswith("cuda") and not args.no_nixl:  # a GPU host's first copy link opens fast
-X
+        from moeless.expert_fn.wire.nixl_link import warm  # as the imports above: off --help's start-up path
 
         threading.Thread(target=warm, name="nixl-warm", daemon=True).start()
     # 2. gRPC server and HTTP endpoints.
