@@ -55,7 +55,7 @@ from moeless.expert_fn.wire import expert_host_pb2 as pb
 from moeless.expert_fn.wire import expert_host_pb2_grpc as pb_grpc
 from moeless.expert_fn.host.executor import Weights
 from moeless.expert_fn.host.peer_batches import ASK_BYTES, Batch, CopyBatches
-from moeless.expert_fn.host.peer_holder import HolderLinks
+from moeless.expert_fn.host.peer_holder import NO_LINK, HolderLinks
 from moeless.expert_fn.host.peer_links import AskerLink, AskerLinks
 from moeless.expert_fn.options import PEER_COPIES
 from moeless.expert_fn.stores.tiers import HostTier, Key, weights_bytes
@@ -258,11 +258,12 @@ class PeerCopies:
         it named a link): WRITTEN over its NIXL link where it named one that works, else weights alone as
         described GPU memory or bytes (replica_weights.put_weights; the asker copies the others alone)."""
         batch = [(weights, reply), *((w, reply.more.add()) for w in more)]
-        if asked.link and self.holder.write(asked.link, asked.note, batch):
+        unwritten = self.holder.write(asked.link, asked.note, batch) if asked.link else "no link named"
+        if unwritten is None:
             served = sum(w is not None for w, _ in batch)
         else:
             del reply.more[:]
-            reply.unlinked = bool(asked.link) and not self.holder.holds(asked.link)  # the asker opens a new one
+            reply.unlinked = unwritten == NO_LINK  # the asker opens a new one
             served = weights is not None
             if served:
                 put_weights(reply, weights, device=asked.device)

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 MAX_LINKS = 64  # links a holder keeps (an asker each); the least recently used is closed first
 MAX_CAPACITY = 4 << 30  # bytes a link's region may take: a replica larger than any model's expert is not asked for
 LINK_IDLE_S = 600.0  # a link unused this long is closed (its asker gone, or it opened another)
+# Why HolderLinks.write wrote nothing. Only NO_LINK tells the asker to open another link: after FAILED it
+# copies from this host as bytes (a link that failed once would fail again), as after UNFIT.
+NO_LINK, UNFIT, FAILED = "no such link", "nothing fits the region", "the WRITE failed"
 
 
 class HolderLinks:
@@ -65,11 +68,6 @@ class HolderLinks:
             old.close()
         return link.offer()
 
-    def holds(self, asker: str) -> bool:
-        """Whether this host holds a link to `asker` (an agent's name)."""
-        with self._lock:
-            return asker in self._links
-
     def region_bytes(self) -> int:
         """Memory the askers' links' regions hold on this host (its device's), idle ones closed first."""
         with self._lock:
@@ -88,12 +86,13 @@ class HolderLinks:
             del self._used[asker]
         return [self._links.pop(asker)[0] for asker in idle]
 
-    def write(self, asker: str, note: str, batch: list[tuple[Weights | None, pb.ReplicaWeights]]) -> bool:
+    def write(self, asker: str, note: str, batch: list[tuple[Weights | None, pb.ReplicaWeights]]) -> str | None:
         """WRITE each replica's bytes of `batch` (weights None: not held here) one after another into
         `asker`'s link with `note`, as many at a time as its region holds (a chunk: the asker acknowledges
         each before the next WRITE lands there), each one's names, dtypes, shapes and bytes (`written`) into
-        its reply; False, the replies untouched, where there is no such link, nothing to write or a replica
-        larger than the region, or (logged, the link closed) where a WRITE failed: the caller answers with bytes."""
+        its reply; None where written, else why not (the replies untouched: the caller answers with bytes):
+        NO_LINK, UNFIT (nothing to write, or a replica larger than the region) or FAILED (logged, the link
+        closed)."""
         with self._lock:
             closed = self._idle()
             entry = self._links.get(asker)
@@ -105,9 +104,11 @@ class HolderLinks:
         flats = [[t.detach().contiguous().reshape(-1).view(torch.uint8) for t in w.values()] if w is not None else []
                  for w, _ in batch]
         sizes = [sum(f.numel() for f in flat) for flat in flats]
-        chunks = chunked(sizes, entry[0].capacity) if entry is not None else []
+        if entry is None:
+            return NO_LINK
+        chunks = chunked(sizes, entry[0].capacity)
         if not chunks:
-            return False
+            return UNFIT
         link, lock = entry
         with lock:
             try:
@@ -126,13 +127,13 @@ class HolderLinks:
             except NixlError as err:
                 log.warning("a NIXL WRITE of a replica to peer host %s failed, answering with bytes: %s", asker, err)
                 self._drop(asker, link)
-                return False
+                return FAILED
         for (weights, reply), size in zip(batch, sizes):
             if weights is not None:
                 reply.resident, reply.written = True, size
                 for name, t in weights.items():
                     add_tensor(reply, name, t)
-        return True
+        return None
 
     def close(self) -> None:
         with self._lock:

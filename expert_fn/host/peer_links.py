@@ -203,7 +203,7 @@ class AskerLinks:
             if answers[0][0].unlinked:
                 self._forget(address, link)
             elif answers[0][0].resident and answers[0][1] is None:
-                self.unlink(address, "it answered as bytes: its WRITE failed")
+                self.unlink(address, "it answered as bytes: its WRITE failed, or the replica did not fit the link")
             return answers
         except NixlError as err:
             if not link.closed:  # else: forgotten meanwhile; this ask goes as bytes, the next opens a link

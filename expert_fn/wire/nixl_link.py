@@ -206,34 +206,30 @@ class NixlLink:
         """Wait for the peer's WRITE that carries `note` to have landed here (its notification);
         NixlError after timeout_s or once peer_gone() says the peer left."""
         with _as_nixl_error(f"NIXL notifications from {self._peer}"):
-            self._wait_note(note, timeout_s, peer_gone)
-
-    def _wait_note(self, note: bytes, timeout_s: float, peer_gone: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + timeout_s
-        while note not in self._notes:
-            self._notes += [m for messages in self._agent.get_new_notifs().values() for m in messages]
-            if note in self._notes:
-                break
-            if time.monotonic() > deadline or peer_gone():
+            if self._take_note(note.__eq__, timeout_s, peer_gone) is None:
                 raise NixlError(f"no NIXL data from the peer for call {note.decode()} "
                                 + ("(the peer left)" if peer_gone() else f"within {timeout_s} s"))
-            os.sched_yield()
-        self._notes.remove(note)
 
     def next_note(self, prefix: bytes, timeout_s: float = 0.0) -> bytes | None:
         """The first notification from the peer that starts with `prefix`, taken; None where none came
         within timeout_s (0: look once, driving this side's worker)."""
         with _as_nixl_error(f"NIXL notifications from {self._peer}"):
-            deadline = time.monotonic() + timeout_s
-            while True:
-                self._notes += [m for messages in self._agent.get_new_notifs().values() for m in messages]
-                found = next((m for m in self._notes if m.startswith(prefix)), None)
-                if found is not None:
-                    self._notes.remove(found)
-                    return found
-                if time.monotonic() >= deadline:
-                    return None
-                os.sched_yield()
+            return self._take_note(lambda m: m.startswith(prefix), timeout_s)
+
+    def _take_note(self, match: Callable[[bytes], bool], timeout_s: float,
+                   peer_gone: Callable[[], bool] = lambda: False) -> bytes | None:
+        """The first notification `match` accepts, taken from the ones come so far; None after timeout_s
+        or once peer_gone() says the peer left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._notes += [m for messages in self._agent.get_new_notifs().values() for m in messages]
+            found = next((m for m in self._notes if match(m)), None)
+            if found is not None:
+                self._notes.remove(found)
+                return found
+            if time.monotonic() >= deadline or peer_gone():
+                return None
+            os.sched_yield()
 
     def close(self) -> None:
         """Release the transfer, the peer and the registration (the agent goes with the object)."""

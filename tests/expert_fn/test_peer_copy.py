@@ -19,7 +19,7 @@ from moeless.expert_fn.host.metrics import registry_for
 from moeless.expert_fn.host.peer_batches import COPY_BATCH_BYTES
 from moeless.expert_fn.host.peer_copy import PROBE_EVERY, PeerCopies, _averaged
 from moeless.expert_fn.host import peer_links
-from moeless.expert_fn.host.peer_holder import MAX_CAPACITY, HolderLinks
+from moeless.expert_fn.host.peer_holder import MAX_CAPACITY, NO_LINK, HolderLinks
 from moeless.expert_fn.wire.replica_weights import PeerCopyError, put_weights, weights_from
 from moeless.expert_fn.host.runtime import ExpertHostRuntime
 from moeless.expert_fn.host.servicer import ExpertHostServicer
@@ -173,6 +173,28 @@ def test_a_holder_closes_an_idle_link_and_the_asker_opens_another_not_falling_ba
     assert all(torch.equal(_out(b, layer, e, x), _out(a, layer, e, x)) for layer, e in shared)
 
 
+def test_a_failed_write_answers_as_bytes_and_the_asker_copies_as_bytes_from_then_on_not_reopening(hosts, stores):
+    (a, _, address_a), (b, _, _) = hosts
+    x = torch.randn(3, stores["hidden"], generator=torch.Generator().manual_seed(4))
+    shared = [(0, 0), (0, 2), (0, 3)]
+    for layer, expert in shared:
+        a.load(layer, expert, wait=True)
+    b.load(*shared[0], wait=True, source=address_a)  # as bytes while b opens its link to a
+    wait_until(lambda: b.peers.linked() == [address_a], "b's NIXL link to a")
+    [(held, _)] = a.peers.holder._links.values()
+
+    def broken(*_):
+        raise nixl_link.NixlError("a UCX error")
+    held.post_write = broken
+    b.load(*shared[1], wait=True, source=address_a)  # a's WRITE fails: answered as bytes, not marked unlinked
+    assert not b.peers.links.usable(address_a) and b.peers.linked() == [] and a.peers.figures()["link_bytes"] == 0
+    b.load(*shared[2], wait=True, source=address_a)  # as bytes: no new link
+    time.sleep(0.2)
+    copies = b.peers.figures()
+    assert copies["copies"] == 3 and copies["linked"] == 0 and b.peers.linked() == []
+    assert all(torch.equal(_out(b, layer, e, x), _out(a, layer, e, x)) for layer, e in shared)
+
+
 def test_a_holder_without_nixl_refuses_the_link_in_one_line_and_its_replicas_come_as_bytes(stores, caplog):
     holder = _host([("code", stores["code"])], PeerCopies(nixl=False))
     asker = _host([("code", stores["code"])], "always")
@@ -217,7 +239,7 @@ def test_a_copy_link_of_no_bytes_or_past_the_bound_is_refused_by_name():
     for capacity in (0, MAX_CAPACITY + 1):
         with pytest.raises(ValueError, match=rf"a copy link's region must be 1 byte to {MAX_CAPACITY} bytes, asked"):
             links.open(b"offer", capacity)
-    assert not links.write("nobody", "copy-0", [({"gate": torch.zeros(2)}, pb.ReplicaWeights())])  # no such link: bytes
+    assert links.write("nobody", "copy-0", [({"gate": torch.zeros(2)}, pb.ReplicaWeights())]) == NO_LINK  # bytes
 
 
 def test_a_peer_gone_or_not_holding_it_and_a_tier_that_holds_it_read_no_peer(hosts, stores):
