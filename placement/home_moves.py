@@ -8,7 +8,7 @@ the loads its gates report and moves a layer only where the new pairing would ha
 the recent iterations, so a move made on noise does not cost time:
 
 1. Statistics: every iteration's actual loads [L, E] (its gates' report: Planner.learn) summed
-   since the last move, and the last SAMPLES kept; where nothing reports (a bare `moeless plan`),
+   since the last move, and the last max(windows) kept; where nothing reports (a bare `moeless plan`),
    the forecasts instead. (Summed history forecasts, tried first, chose worse homes on FLAME:
    their shares are a mean over both phases' iterations, not weighted by tokens as the loads are.)
 2. On schedule (after `first` plans, then every `every`: PlannerConfig.home_moves_first and
@@ -25,12 +25,18 @@ the recent iterations, so a move made on noise does not cost time:
    8 x H100, the twin: 33% / 21% of the bound's gain in prefill / decode with the packing alone,
    48% / 24% with 16 swaps, 49% / 24% with the seconds' guard; Phi-3.5-MoE code on 8 x A6000,
    moeless and static EP alone on the cell: prefill -24.8% / -24.1% / -24.6% against static EP,
-   decode -9.7% / -10.4% / -10.2%).
+   decode -9.7% / -10.4% / -10.2%). "The kept iterations" are the last `window` of them: a chance
+   fits one candidate per window of `windows` (the last 64 and 256 iterations) and uses the window
+   whose candidates, timed on the iterations after each chance (loads they never saw), took least,
+   its score decayed by WINDOW_MEMORY a chance (home_fits.chosen_window). FLAME's four request
+   windows are a steady mixture the long window fits; real prompts drift (docs/deployments.md).
 3. A layer moves only where the candidate's time with every token at home (`home_time`) is below
    the current homes' by MOVE_MARGIN, in the mean over the kept iterations.
    The live loop (PlannerConfig.home_moves_submit) computes step 2's candidate on a thread of its
    own and judges it at its first plan after (a DeepSeek-V3 of 58 layers on 64 GPUs would hold
-   the loop about 45 s a chance on 2 cores); the twin and `moeless plan` compute it in place.
+   the loop about 45 s a chance on 2 cores with one window; a window's swaps weigh at most
+   home_fits.FIT_SAMPLES iterations, so the two cost 1.6x one: 1.4 s against 0.8 s at 26 layers of
+   64 experts on 8 GPUs); the twin and `moeless plan` compute it in place.
 4. Behind serving (`add_moves`): a new home that is not resident loads with no tokens while the old
    one serves (`settle`; a move the layer's memory cannot hold is called off: `cancel`); once all
    of the layer's have landed they take the tokens and the old ones are released (`settle`, and
@@ -38,8 +44,8 @@ the recent iterations, so a move made on noise does not cost time:
 5. A planner made while replicas are resident (a restarted loop) adopts the homes the hosts hold
    (`adopt`): an expert held only away from its home has its home there.
 
-Golden example: `packed_homes([[10, 1, 1, 10, 5, 5, 1, 1]], 2)` puts the two experts of 10 apart,
-17 tokens on each GPU (static EP's blocks hold 22 and 12).
+The functions over loads (the packing, the swaps, a layer's time at its homes, the window's choice)
+are placement/home_fits.py's.
 """
 
 from __future__ import annotations
@@ -50,113 +56,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moeless.placement.eplb import rebalance_experts
+from moeless.placement.home_fits import (
+    WINDOW_MEMORY,
+    WINDOWS,
+    candidate_homes,
+    chosen_window,
+    home_time,
+    static_homes,
+    window_seconds,
+)
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import LayerPlacement
 
 log = logging.getLogger(__name__)
 
-SAMPLES = 64  # iterations kept to judge a move (the last ~3 s of serving at 50 ms an iteration)
-SWAPS = 16  # best swaps tried on the packing per layer and chance (a bound on the time; a layer stops where none helps)
-MAX_PAIRS = 8192  # swaps weighed per step: all pairs up to E = 128; beyond, those with an expert of the busiest GPUs
-# (a chance's swaps, timed on 2 cores: 0.1 s a layer at E = 64 on 8 GPUs, 0.8 s at E = 256 on 64)
 MOVE_MARGIN = 0.01  # a layer moves only where its homes would have saved this share of its time
-
-
-def static_homes(num_experts: int, num_gpus: int) -> np.ndarray:
-    """[E] static EP's blocks: expert e on GPU e * G // E."""
-    return np.arange(num_experts) * num_gpus // num_experts
-
-
-def packed_homes(loads: np.ndarray, num_gpus: int) -> np.ndarray:
-    """[L, E] summed loads -> [L, E] home GPUs: EPLB's packing with no redundant expert (E slots
-    rounded up to a multiple of G; an expert given two slots lives at its first)."""
-    num_layers, num_experts = loads.shape
-    slots = -(-num_experts // num_gpus) * num_gpus
-    phy2log, _, _ = rebalance_experts(np.asarray(loads, dtype=np.float64), slots, 1, 1, num_gpus)
-    homes = np.empty((num_layers, num_experts), np.int64)
-    for l in range(num_layers):
-        first = np.unique(np.asarray(phy2log[l]), return_index=True)[1]
-        homes[l] = first // (slots // num_gpus)
-    return homes
-
-
-def swapped_homes(samples: np.ndarray, homes: np.ndarray, num_gpus: int, model: LatencyModel,
-                  swaps: int = SWAPS) -> np.ndarray:
-    """Step 2's swaps: samples [S, E] tokens, homes [E] -> [E] homes after at most `swaps` best swaps
-    of two experts on different GPUs, each lowering the mean over samples of the busiest GPU's share
-    of the sample's work without raising the mean of its seconds (stops where none does)."""
-    tokens = np.rint(samples)
-    seconds = model.alpha * tokens + model.call_overhead * (tokens > 0)  # [S, E]
-    shares = seconds / np.maximum(seconds.sum(axis=1, keepdims=True), 1e-30)  # [S, E]: each sample's work is 1
-    homes = np.asarray(homes, dtype=np.int64).copy()
-    num_experts = homes.shape[0]
-    a, b = np.triu_indices(num_experts, 1)
-    few = a.shape[0] <= MAX_PAIRS
-    for _ in range(swaps):
-        if not few:  # the experts of the busiest GPUs (on average), each with every other
-            busiest = np.argsort(-(shares @ np.eye(num_gpus)[homes]).mean(axis=0), kind="stable")
-            mine = np.concatenate([np.flatnonzero(homes == g) for g in busiest])[:max(1, MAX_PAIRS // num_experts)]
-            a, b = np.repeat(mine, num_experts), np.tile(np.arange(num_experts), mine.shape[0])
-        pair = homes[a] != homes[b]
-        ea, eb = a[pair], b[pair]
-        if not ea.size:
-            break
-        now, after = _busiest_after_swaps(shares, homes, ea, eb, num_gpus)
-        better = np.flatnonzero(after < now * (1.0 - 1e-9))
-        now_s, after_s = _busiest_after_swaps(seconds, homes, ea[better], eb[better], num_gpus)
-        better = better[after_s <= now_s * (1.0 + 1e-9)]  # the window's busiest seconds: no worse
-        if not better.size:
-            break
-        best = better[np.argmin(after[better])]
-        homes[ea[best]], homes[eb[best]] = homes[eb[best]], homes[ea[best]]
-    return homes
-
-
-def _busiest_after_swaps(work: np.ndarray, homes: np.ndarray, ea: np.ndarray, eb: np.ndarray,
-                         num_gpus: int) -> tuple[float, np.ndarray]:
-    """work [S, E], homes [E], pairs ea, eb [P] on different GPUs -> (the mean over samples of the
-    busiest GPU's work now, [P] the same after swapping each pair's homes)."""
-    per_gpu = work @ np.eye(num_gpus)[homes]  # [S, G]
-    ga, gb = homes[ea], homes[eb]
-    # the busiest GPU other than ga and gb, per sample: the first of its three busiest that is neither
-    top = np.argsort(-per_gpu, axis=1)[:, :3]  # [S, <=3]
-    other, taken = np.zeros((ea.shape[0], work.shape[0])), np.zeros((ea.shape[0], work.shape[0]), bool)
-    for j in range(top.shape[1]):
-        free = ~taken & (top[None, :, j] != ga[:, None]) & (top[None, :, j] != gb[:, None])
-        other = np.where(free, np.take_along_axis(per_gpu, top[:, j:j + 1], 1)[None, :, 0], other)
-        taken |= free
-    moved = (work[:, eb] - work[:, ea]).T  # [P, S]: what ga gains and gb loses
-    after = np.maximum(other, np.maximum(per_gpu[:, ga].T + moved, per_gpu[:, gb].T - moved)).mean(axis=1)
-    return float(per_gpu.max(axis=1).mean()), after
-
-
-def home_time(samples: np.ndarray, homes: np.ndarray, num_gpus: int, model: LatencyModel) -> float:
-    """Mean seconds of a layer over samples [S, E] of tokens with every token at its home [E] (`home_seconds`)."""
-    return float(home_seconds(samples, homes, num_gpus, model).mean())
-
-
-def home_seconds(loads: np.ndarray, homes: np.ndarray, num_gpus: int, model: LatencyModel) -> np.ndarray:
-    """Seconds of a layer per load [..., E] of tokens with every token at its home [E] -> [...]: the
-    busiest GPU's alpha * tokens + call_overhead per expert with tokens, plus 2 beta times the
-    most tokens a GPU receives (kernels.serial_time's model, all loads at once)."""
-    tokens, work = gpu_work(loads, homes, num_gpus, model)
-    return work.max(axis=-1) + 2.0 * model.beta * tokens.max(axis=-1)
-
-
-def gpu_work(loads: np.ndarray, homes: np.ndarray, num_gpus: int, model: LatencyModel) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [..., G], work [..., G]) on each GPU with loads [..., E] at their homes [E]: alpha *
-    tokens + call_overhead per expert with tokens (`home_seconds`' terms, before their maxima)."""
-    onehot = np.zeros((homes.shape[0], num_gpus))
-    onehot[np.arange(homes.shape[0]), homes] = 1.0
-    tokens = np.rint(loads) @ onehot
-    return tokens, model.alpha * tokens + model.call_overhead * ((np.rint(loads) > 0) @ onehot)
-
-
-def candidate_homes(sums: np.ndarray, samples: np.ndarray, num_gpus: int, model: LatencyModel) -> np.ndarray:
-    """Step 2: summed loads [L, E] and kept samples [L, S, E] -> the candidate homes [L, E]."""
-    packed = packed_homes(sums, num_gpus)
-    return np.stack([swapped_homes(samples[l], packed[l], num_gpus, model) for l in range(sums.shape[0])])
 
 
 @dataclass
@@ -169,6 +83,7 @@ class HomeMoves:
     first: int
     every: int
     submit: Callable[..., Any] | None = None  # runs a chance's candidate elsewhere: f, *args -> a future (plan_call)
+    windows: tuple[int, ...] = WINDOWS  # the windows a chance fits candidates on (step 2); the longest is kept
     homes: np.ndarray = field(init=False)
     calls: int = field(default=0, init=False)
     learnt: int = field(default=0, init=False)  # iterations in the statistics
@@ -178,12 +93,20 @@ class HomeMoves:
     _sum: np.ndarray = field(init=False)
     _samples: list = field(default_factory=list, init=False)
     _left: list = field(init=False)
-    _computing: tuple | None = field(default=None, init=False)  # (the candidate's future, its samples)
+    window: int = field(init=False)  # the kept iterations the last chance weighed (step 2)
+    window_changes: list = field(default_factory=list, init=False)  # (plan, window, {window: its score, s})
+    _computing: tuple | None = field(default=None, init=False)  # (the candidates' future, their samples)
+    _tried: dict | None = field(default=None, init=False)  # the last chance's candidates: {window: [L, E]}
+    _scores: dict = field(default_factory=dict, init=False)  # {window: its candidates' decayed seconds since (step 2)}
+    _since: list = field(default_factory=list, init=False)  # loads [L, E] learnt since the last chance
 
     def __post_init__(self) -> None:
         if self.first < 1 or self.every < 0:
             raise ValueError(f"homes move after >= 1 call, every >= 0 (0: never); got {self.first}, {self.every}")
+        if not self.windows or min(self.windows) < 1:
+            raise ValueError(f"homes are fitted on windows of >= 1 iteration; got {self.windows}")
         self.homes = np.tile(static_homes(self.num_experts, self.num_gpus), (self.num_layers, 1))
+        self.window = min(self.windows)
         self._sum = np.zeros((self.num_layers, self.num_experts))
         self._left = [set() for _ in range(self.num_layers)]
 
@@ -216,7 +139,9 @@ class HomeMoves:
     def learn(self, loads: np.ndarray) -> None:
         """Step 1 for one iteration's loads [L, E] (actual: what its gates reported)."""
         self._sum += loads
-        self._samples = [*self._samples[-(SAMPLES - 1):], np.asarray(loads, dtype=np.float64)]
+        keep = max(self.windows)
+        self._samples = [*self._samples[-(keep - 1):], np.asarray(loads, dtype=np.float64)]
+        self._since = [*self._since[-(keep - 1):], self._samples[-1]]
         self.learnt += 1
 
     def plan_call(self, model: LatencyModel) -> np.ndarray:
@@ -229,18 +154,20 @@ class HomeMoves:
             pending, samples = self._computing
             self._computing = None
             try:
-                candidate = pending.result()
+                candidates = pending.result()
             except Exception:  # a chance lost, logged: the homes stay as they are
                 log.exception("the homes' candidate judged at plan %d failed", self.calls)
             else:
-                self._judge(candidate, samples, model)
+                self._judge(candidates, samples, model)
         if due and self._samples and self._computing is None:
             sums, samples = self._sum.copy(), np.stack(self._samples, axis=1)  # [L, E], [L, S, E]
             self._sum[:] = 0.0
+            self._choose(model)
             if self.submit is None:
-                self._judge(candidate_homes(sums, samples, self.num_gpus, model), samples, model)
+                self._judge(candidate_homes(sums, samples, self.num_gpus, model, self.windows), samples, model)
             else:
-                self._computing = (self.submit(candidate_homes, sums, samples, self.num_gpus, model), samples)
+                self._computing = (self.submit(candidate_homes, sums, samples, self.num_gpus, model, self.windows),
+                                   samples)
         return self.homes
 
     @property
@@ -248,9 +175,22 @@ class HomeMoves:
         """A chance's candidate is being computed elsewhere (submit)."""
         return self._computing is not None and not self._computing[0].done()
 
-    def _judge(self, candidate: np.ndarray, samples: np.ndarray, model: LatencyModel) -> None:
-        """Step 3: each layer of candidate [L, E] whose homes would have been faster on samples
-        [L, S, E] by MOVE_MARGIN moves."""
+    def _choose(self, model: LatencyModel) -> None:
+        """Step 2's choice of window, on the last chance's candidates and the loads learnt since."""
+        if self._tried is not None and self._since:
+            took = window_seconds(self._tried, np.stack(self._since, axis=1), self.num_gpus, model)
+            self._scores = {w: WINDOW_MEMORY * self._scores.get(w, 0.0) + t for w, t in took.items()}
+            window = chosen_window(self._scores, self.window)
+            if window != self.window:
+                self.window_changes.append((self.calls, window, dict(self._scores)))
+            self.window = window
+        self._tried, self._since = None, []
+
+    def _judge(self, candidates: dict[int, np.ndarray], samples: np.ndarray, model: LatencyModel) -> None:
+        """Step 3: each layer of the chosen window's candidate [L, E] whose homes would have been faster
+        on that window's samples [L, S, E] by MOVE_MARGIN moves."""
+        self._tried = candidates
+        candidate, samples = candidates[self.window], samples[:, -self.window:]
         for l in np.flatnonzero((candidate != self.homes).any(axis=1)):
             now = home_time(samples[l], self.homes[l], self.num_gpus, model)
             then = home_time(samples[l], candidate[l], self.num_gpus, model)
@@ -269,7 +209,11 @@ class HomeMoves:
         if not self.moves:
             return [f"homes: {start} (no move paid by {MOVE_MARGIN:.0%} after {self.calls} plans)"]
         adopted = [f"homes at start: {start}"] if self.adopted else []
-        return adopted + [f"layer {l}: {n} experts' homes moved at plan {k}, the homes' layer time on the last {s} iterations "
+        windows = [f"homes fitted on the last {w} iterations from plan {k}: each window's candidates timed on the "
+                   f"iterations after them (the layers' seconds, summed, {WINDOW_MEMORY:g} x the earlier chances'): "
+                   + ", ".join(f"{v} iterations' {t * 1e6:.1f} us" for v, t in scores.items())
+                   for k, w, scores in self.window_changes]
+        return adopted + windows + [f"layer {l}: {n} experts' homes moved at plan {k}, the homes' layer time on the last {s} iterations "
                 f"{now * 1e6:.1f} us -> {then * 1e6:.1f} us" if n else
                 f"layer {l}: its move called off at plan {k}: the new homes do not fit beside the old in its memory"
                 for k, l, n, now, then, s in self.moves]

@@ -12,7 +12,8 @@ from typing import Callable
 import numpy as np
 
 from moeless.placement.cluster import Cluster
-from moeless.placement.home_moves import HomeMoves, add_moves, static_homes
+from moeless.placement.home_fits import static_homes
+from moeless.placement.home_moves import HomeMoves, add_moves
 from moeless.placement.layer_plans import plan_layers
 from moeless.placement.placer import place_round_robin
 from moeless.placement.planner_config import PlannerConfig

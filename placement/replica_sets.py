@@ -38,7 +38,7 @@ import numpy as np
 from moeless.placement.dispatch import _pair
 from moeless.placement.kernels import compiled
 from moeless.placement.latency_model import LatencyModel
-from moeless.placement.home_moves import static_homes
+from moeless.placement.home_fits import static_homes
 from moeless.placement.resident_planner import ReplicaCost, _base
 from moeless.placement.shares import GAIN_EPSILON_S
 from moeless.placement.types import LayerPlacement, PlacementError

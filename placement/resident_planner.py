@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeless.placement import kernels, resident_kernels
-from moeless.placement.home_moves import static_homes
+from moeless.placement.home_fits import static_homes
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.shares import GAIN_EPSILON_S, relevel_tokens, routable, token_shares
 from moeless.placement.types import LayerPlacement, PlacementError

@@ -33,7 +33,7 @@ from moeless.evaluation.deployment_run import DeploymentConfig, routing_for
 from moeless.evaluation.lengths import dataset_lengths
 from moeless.evaluation.workload import Sizes, parse_workload, read_arrivals
 from moeless.hardware.gpus import parse_gpu_arg
-from moeless.placement.home_moves import gpu_work, home_seconds, packed_homes, static_homes, swapped_homes
+from moeless.placement.home_fits import gpu_work, home_seconds, packed_homes, static_homes, swapped_homes
 from moeless.twin.bound import profile_bound
 from moeless.twin.geometry import load_geometry
 from moeless.twin.roofline import resolve_profile

@@ -42,7 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from moeless.placement.eplb import rebalance_experts
-from moeless.placement.home_moves import home_seconds, packed_homes, swapped_homes
+from moeless.placement.home_fits import home_seconds, packed_homes, swapped_homes
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.dispatch import pair_tokens
 from moeless.placement.types import Placement

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from moeless.controller.planning.step_scaler import PlacementWidth, first_ready
-from moeless.placement.home_moves import static_homes
+from moeless.placement.home_fits import static_homes
 from moeless.placement.types import LayerPlacement, Placement
 
 FAST_PERIOD_S = 0.01  # between the passes of an open widening: its loads' status read again

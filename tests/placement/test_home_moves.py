@@ -11,9 +11,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from moeless.placement import home_moves
+from moeless.placement import home_fits, home_moves
 from moeless.placement.cluster import Cluster
-from moeless.placement.home_moves import HomeMoves, add_moves, home_time, packed_homes, static_homes, swapped_homes
+from moeless.placement.home_fits import home_time, packed_homes, static_homes, swapped_homes
+from moeless.placement.home_moves import HomeMoves, add_moves
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.planner import PlannerConfig, get_planner
 from moeless.placement.types import LayerPlacement, Placement
@@ -42,7 +43,7 @@ def test_swaps_balance_each_sample_where_the_sums_are_balanced_already(monkeypat
     assert swapped_homes(samples, np.array([0, 1, 0, 1]), 2, model, swaps=0).tolist() == [0, 1, 0, 1]
     assert swapped_homes(samples, np.array([0, 0, 1, 1]), 2, model).tolist() == [0, 0, 1, 1]  # balanced: kept
     assert home_time(samples, np.array([1, 0, 0, 1]), 2, model) == 10.0 < home_time(samples, np.array([0, 1, 0, 1]), 2, model)
-    monkeypatch.setattr(home_moves, "MAX_PAIRS", 4)  # a large E: only the busiest GPUs' experts swap (GPU 0's first)
+    monkeypatch.setattr(home_fits, "MAX_PAIRS", 4)  # a large E: only the busiest GPUs' experts swap (GPU 0's first)
     assert swapped_homes(samples, np.array([0, 1, 0, 1]), 2, model).tolist() == [1, 0, 0, 1]
 
 
@@ -275,3 +276,37 @@ def test_a_planner_made_over_moved_homes_keeps_them():
     assert sorted(zip(back.expert.tolist(), back.gpu.tolist()))[:3] == [(0, 0), (1, 0), (1, 1)]
     assert adopted.describe()[0] == "homes: 2 experts' homes where the hosts held them (no move paid by 1% after 3 plans)"
     get_planner("static", config).adopt(held)  # a planner without homes ignores it
+
+
+def test_the_window_is_the_one_whose_candidates_were_faster_on_later_loads_ties_keep_the_current():
+    tokens = LatencyModel(alpha=1.0, beta=0.0, cold_start=0.0)
+    tried = {64: np.array([[0, 0, 1, 1]]), 256: np.array([[0, 1, 0, 1]])}
+    assert home_fits.window_seconds(tried, np.array([[[9.0, 9, 1, 1]]]), 2, tokens) == {64: 18.0, 256: 10.0}
+    assert home_fits.chosen_window({64: 18.0, 256: 10.0}, 64) == 256
+    assert home_fits.chosen_window({64: 10.0, 256: 10.0}, 256) == 256
+    assert home_fits.chosen_window({64: 10.0, 256: 10.0, 1024: 10.0}, 8) == 64
+
+
+def test_a_steady_mixture_is_fitted_on_the_long_window_and_a_drift_on_the_short():
+    """Three mixtures A, B, C in turn: homes fitted on the last 2 iterations (one or two of them) are
+    slower on the next ones than homes fitted on the last 8 (all three), so the long window is chosen
+    and said; where the mixture changes for good every 10 iterations the short one stays."""
+    tokens = LatencyModel(alpha=1.0, beta=0.0, cold_start=0.0)
+    a, b, c = np.array([[10.0, 10, 1, 1, 0, 0]]), np.array([[1.0, 0, 10, 10, 0, 1]]), np.array([[0.0, 1, 0, 10, 10, 1]])
+
+    def fitted(seq):
+        moves = HomeMoves(1, 6, 3, first=1, every=4, windows=(2, 8))
+        for loads in seq:
+            moves.learn(loads)
+            moves.plan_call(tokens)
+        return moves
+
+    steady = fitted([a, b, c] * 12)
+    assert steady.window == 8 and [(k, w) for k, w, _ in steady.window_changes] == [(14, 8)]
+    assert "homes fitted on the last 8 iterations from plan 14: each window's candidates timed on the iterations after " \
+           "them (the layers' seconds, summed, 0.9 x the earlier chances'): 2 iterations' 37027500.0 us, 8 iterations' " \
+           "33027500.0 us" in steady.describe()
+    drift = fitted([a] * 10 + [b] * 10 + [c] * 10 + [a] * 10)
+    assert drift.window == 2 and drift.window_changes == [] and len(drift.moves) >= 3
+    with pytest.raises(ValueError, match="windows of >= 1 iteration"):
+        HomeMoves(1, 6, 3, first=1, every=4, windows=())

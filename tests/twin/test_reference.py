@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moeless.placement.home_moves import home_time, packed_homes, swapped_homes
+from moeless.placement.home_fits import home_time, packed_homes, swapped_homes
 from moeless.placement.latency_model import LatencyModel
 from moeless.placement.types import Placement
 from moeless.twin.bound import call_bound, lossless_bound
