@@ -98,7 +98,7 @@ class HomeMoves:
     _computing: tuple | None = field(default=None, init=False)  # (the candidates' future, their samples)
     _tried: dict | None = field(default=None, init=False)  # the last chance's candidates: {window: [L, E]}
     _scores: dict = field(default_factory=dict, init=False)  # {window: its candidates' decayed seconds since (step 2)}
-    _since: list = field(default_factory=list, init=False)  # loads [L, E] learnt since the last chance
+    _since: int = field(default=0, init=False)  # iterations learnt since the last chance (the newest of _samples)
 
     def __post_init__(self) -> None:
         if self.first < 1 or self.every < 0:
@@ -141,7 +141,7 @@ class HomeMoves:
         self._sum += loads
         keep = max(self.windows)
         self._samples = [*self._samples[-(keep - 1):], np.asarray(loads, dtype=np.float64)]
-        self._since = [*self._since[-(keep - 1):], self._samples[-1]]
+        self._since += 1
         self.learnt += 1
 
     def plan_call(self, model: LatencyModel) -> np.ndarray:
@@ -178,17 +178,19 @@ class HomeMoves:
     def _choose(self, model: LatencyModel) -> None:
         """Step 2's choice of window, on the last chance's candidates and the loads learnt since."""
         if self._tried is not None and self._since:
-            took = window_seconds(self._tried, np.stack(self._since, axis=1), self.num_gpus, model)
+            since = np.stack(self._samples[-min(self._since, len(self._samples)):], axis=1)  # [L, S', E]
+            took = window_seconds(self._tried, since, self.num_gpus, model)
             self._scores = {w: WINDOW_MEMORY * self._scores.get(w, 0.0) + t for w, t in took.items()}
             window = chosen_window(self._scores, self.window)
             if window != self.window:
                 self.window_changes.append((self.calls, window, dict(self._scores)))
             self.window = window
-        self._tried, self._since = None, []
+        self._tried, self._since = None, 0
 
     def _judge(self, candidates: dict[int, np.ndarray], samples: np.ndarray, model: LatencyModel) -> None:
         """Step 3: each layer of the chosen window's candidate [L, E] whose homes would have been faster
-        on that window's samples [L, S, E] by MOVE_MARGIN moves."""
+        on that window's samples [L, S, E] by MOVE_MARGIN moves; every window's candidate is kept for
+        the next chance's choice (_choose)."""
         self._tried = candidates
         candidate, samples = candidates[self.window], samples[:, -self.window:]
         for l in np.flatnonzero((candidate != self.homes).any(axis=1)):
